@@ -1,0 +1,93 @@
+"""The patch catalogue: one module per upstream change, each declaring itself as data.
+
+Every change module defines ``SPEC`` (a :class:`PatchSpec`) and a mixin class. The installer reads
+``CATALOGUE`` to decide what to apply on this host, builds one subclass of each host class from the
+mixins, and ``fdsched doctor`` prints the catalogue. A test checks that every method a mixin defines
+is declared in its spec's ``replaces`` and the other way round, so the catalogue cannot drift from
+the code.
+
+Nothing here imports FastDeploy at import time.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+__all__ = ["PatchSpec", "CATALOGUE", "TARGETS", "spec_for"]
+
+# Dotted paths of the two host classes the plugin subclasses.
+TARGETS = {
+    "ResourceManagerV1": "fastdeploy.engine.sched.resource_manager_v1.ResourceManagerV1",
+    "PrefixCacheManager": "fastdeploy.cache_manager.prefix_cache_manager.PrefixCacheManager",
+}
+
+
+@dataclass(frozen=True)
+class PatchSpec:
+    change_id: str
+    title: str
+    upstream_prs: tuple  # PR numbers: (main PR, 2.6 cherry-pick, ...)
+    upstream_state: str  # merged / open / closed
+    target: str  # key of TARGETS
+    replaces: tuple  # method names of the target class the mixin overrides
+    requires: dict  # method name -> parameter names the host method must have (probe)
+    why: str
+    how: str
+    hosts_needing: str  # which host versions need it
+    switch: str  # environment variable (also `changes.<id>` in a profile)
+    delete_when: str
+    mixin: type
+    host_has: Callable  # HostInfo -> bool: the host already carries the change
+    extra_check: Optional[Callable] = None  # HostInfo -> problem text or None
+
+    @property
+    def replaces_dotted(self) -> tuple:
+        return tuple(f"{TARGETS[self.target]}.{name}" for name in self.replaces)
+
+    def check_host(self, info) -> Optional[str]:
+        """Why this change cannot be applied to the probed host, or None when it can."""
+        cls = info.rm_class if self.target == "ResourceManagerV1" else info.pcm_class
+        for method, params in self.requires.items():
+            func = getattr(cls, method, None)
+            if func is None or not callable(func):
+                return f"{cls.__name__}.{method} is missing"
+            try:
+                have = list(inspect.signature(func).parameters)
+            except (TypeError, ValueError):
+                return f"{cls.__name__}.{method} has no readable signature"
+            missing = [p for p in params if p not in have]
+            if missing:
+                return f"{cls.__name__}.{method}{inspect.signature(func)} lacks parameter(s) {', '.join(missing)}"
+        if self.extra_check is not None:
+            return self.extra_check(info)
+        return None
+
+
+def _load_catalogue() -> tuple:
+    from . import (
+        decode_only_preempt,
+        deferred_recycle,
+        nonpolling_transfer,
+        pd_prefill_cache,
+        ratio_reserve,
+    )
+
+    return (
+        deferred_recycle.SPEC,
+        decode_only_preempt.SPEC,
+        ratio_reserve.SPEC,
+        pd_prefill_cache.SPEC,
+        nonpolling_transfer.SPEC,
+    )
+
+
+CATALOGUE = _load_catalogue()
+
+
+def spec_for(change_id: str) -> PatchSpec:
+    for spec in CATALOGUE:
+        if spec.change_id == change_id:
+            return spec
+    raise KeyError(change_id)

@@ -1,0 +1,157 @@
+"""Change 2 — decode-only preemption.
+
+Replaces:  ResourceManagerV1._trigger_preempt, ResourceManagerV1.schedule (wrapper: ends the
+           no-victim warning episode after each pass)
+Why:       the host preempts the last running request whatever its phase, so a long prompt that is
+           half prefilled can be thrown away and recomputed while decoders hold their blocks.
+Upstream:  PR 7444, 2.6 cherry-pick 7783 (merged; in the "new host" d38eeb8).
+Needs it:  FastDeploy 2.6 before 7783 (the "old host" e7c8dc2, single RUNNING status).
+Switch:    FDSCHED_DECODE_ONLY_PREEMPT / changes.decode_only_preempt = auto | on | off.
+           ``off`` on a host that has the change restores the pre-change choice: the last running
+           request that does not use extend tables, whatever its phase.
+Delete:    when every supported host has 7783 and nobody A/Bs against the old choice.
+
+How: the victim is chosen by the ``fdsched_select_preemption_victim`` hook (default: the last
+decoding request without extend tables, see :func:`fdsched.policies.select_preemption_victim`),
+with decode detection by the one ``fdsched_is_decoding`` hook, so on the old host, whose token
+processor never marks decoding, the plugin still knows from token counts. With no victim the pass
+gives up (the host's caller then stops the running pass) and a warning is logged once per episode.
+A preempted request is reset and requeued the way the host does it.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fdsched.metrics import METRICS
+from fdsched.policies import NoVictimWarning, VictimCandidate
+
+from . import PatchSpec
+from ._base import PluginBase, host_global
+
+RM = "fastdeploy.engine.sched.resource_manager_v1"
+
+
+class DecodeOnlyPreemptMixin(PluginBase):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._fdsched_no_victim = NoVictimWarning()
+
+    def schedule(self):
+        try:
+            return super().schedule()
+        finally:
+            self._fdsched_no_victim.end_pass()
+
+    def _trigger_preempt(self, request, num_new_blocks, preempted_reqs, scheduled_reqs):
+        impl = self._fdsched_impl["decode_only_preempt"]
+        if impl == "host":
+            return self._fdsched_host_preempt(request, num_new_blocks, preempted_reqs, scheduled_reqs)
+        decode_only = impl == "plugin"
+        try:
+            while not self.cache_manager.can_allocate_gpu_blocks(num_new_blocks):
+                candidates = [
+                    VictimCandidate(r.request_id, self._fdsched_is_decoding(r), bool(r.use_extend_tables))
+                    for r in self.running
+                ]
+                index = self._fdsched_policies.select_victim(candidates, decode_only)
+                if index is None:
+                    if decode_only and self._fdsched_no_victim.should_warn():
+                        host_global(RM, "llm_logger").warning(
+                            "[fdsched] Preemption is triggered while no preemptable (decoding) request can be "
+                            f"found, scheduler may be hung! Waiting for {num_new_blocks} blocks for request "
+                            f"{request.request_id}; running: {[r.request_id for r in self.running]}"
+                        )
+                    return False
+                victim = self.running.pop(index)
+                self._fdsched_preempt_request(victim, preempted_reqs, scheduled_reqs)
+                METRICS.preempted("decode" if candidates[index].decoding else "prefill")
+                self._fdsched_native_reserve_on_preempt()
+                if victim is request:
+                    return False
+            return True
+        finally:
+            self._fdsched_native_reserve_after_call()
+
+    # ---- helpers --------------------------------------------------------------------------
+    def _fdsched_host_preempt(self, request, num_new_blocks, preempted_reqs, scheduled_reqs):
+        """The host's own preemption, with the victims counted by phase for the metrics."""
+        phase_before = {r.request_id: self._fdsched_is_decoding(r) for r in self.running}
+        already = len(preempted_reqs)
+        result = super()._trigger_preempt(request, num_new_blocks, preempted_reqs, scheduled_reqs)
+        for victim in preempted_reqs[already:]:
+            METRICS.preempted("decode" if phase_before.get(victim.request_id) else "prefill")
+        return result
+
+    def _fdsched_preempt_request(self, victim, preempted_reqs, scheduled_reqs):
+        """Reset a victim and requeue it (or drop it on a decode node), as the host does."""
+        envs = host_global(RM, "envs")
+        logger = host_global(RM, "llm_logger")
+        victim.status = self._fdsched_host.request_status.PREEMPTED
+        victim.num_computed_tokens = 0
+        save_output = envs.FD_SAVE_OUTPUT_CACHE_FOR_PREEMPTED_REQUEST and self.config.cache_config.kvcache_storage_backend
+        if self.config.scheduler_config.splitwise_role == "decode":
+            # A decode node cannot recompute the prompt: the request leaves this node.
+            self.tasks_list[victim.idx] = None
+            self.stop_flags[victim.idx] = True
+            self.requests.pop(victim.request_id, None)
+            self.req_dict.pop(victim.request_id, None)
+            if save_output:
+                self.cache_manager.write_cache_to_storage_decode(victim)
+            self._free_blocks(victim)
+        else:
+            if save_output:
+                self.cache_manager.write_cache_to_storage(victim)
+            self._free_blocks(victim)
+            victim.num_cached_blocks = 0
+            self.to_be_rescheduled_request_id_set.add(victim.request_id)
+            host_global(RM, "trace_print")(
+                host_global(RM, "LoggingEventName").PREEMPTED, victim.request_id, getattr(victim, "user", "")
+            )
+        logger.info(f"Preemption is triggered! Preempted request id: {victim.request_id}")
+        preempted_reqs.append(victim)
+        scheduled_reqs.append(self._prepare_preempt_task(victim))
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(f"[fdsched] preempted {victim.request_id} at idx {victim.idx}; {self.info()}")
+            self._info_each_block()
+
+    def _fdsched_native_reserve_on_preempt(self):
+        """Keep the host's own reservation state as the host would after one preemption."""
+        host_reset = getattr(super(), "_reset_reserve_on_preemption", None)
+        if host_reset is not None:
+            host_reset()
+
+    def _fdsched_native_reserve_after_call(self):
+        """The old host resets its fixed-block reservation at the end of every preemption call."""
+        if not hasattr(self, "_reset_reserve_on_preemption") and hasattr(self, "init_reserve_output_block_num"):
+            self.current_reserve_output_block_num = self.init_reserve_output_block_num
+            self.current_reserve_output_block_num_float = self.init_reserve_output_block_num
+            self.can_relax_prefill_strategy = False
+
+
+def _has_decode_only(info) -> bool:
+    return hasattr(info.rm_class, "_select_preempt_candidate") and info.split_status
+
+
+SPEC = PatchSpec(
+    change_id="decode_only_preempt",
+    title="Decode-only preemption (LIFO among decoding requests)",
+    upstream_prs=(7444, 7783),
+    upstream_state="merged",
+    target="ResourceManagerV1",
+    replaces=("_trigger_preempt", "schedule"),
+    requires={
+        "_trigger_preempt": ("request", "num_new_blocks", "preempted_reqs", "scheduled_reqs"),
+        "schedule": (),
+        "_free_blocks": ("request",),
+        "_prepare_preempt_task": ("request",),
+    },
+    why="The host preempts the last running request whatever its phase, throwing away prefill work.",
+    how="Victim = last decoding request without extend tables (hook fdsched_select_preemption_victim); "
+    "no victim: give up for this step and warn once per episode.",
+    hosts_needing="2.6 before PR 7783 (old host e7c8dc2)",
+    switch="FDSCHED_DECODE_ONLY_PREEMPT",
+    delete_when="every supported host carries 7783 and the pre-change choice is no longer A/B tested",
+    mixin=DecodeOnlyPreemptMixin,
+    host_has=_has_decode_only,
+)

@@ -1,0 +1,8 @@
+"""fastdeploy-sched-plugin: upstream FastDeploy scheduler and prefix-cache changes, switchable.
+
+Import name ``fdsched``. Layers, one direction only: :mod:`fdsched.policies` (pure) <-
+:mod:`fdsched.patches` (host subclasses) <- :mod:`fdsched.installer` (probe, decide, rebind) <-
+:mod:`fdsched.entry` / :mod:`fdsched.cli`.
+"""
+
+__version__ = "0.1.0"

@@ -1,0 +1,135 @@
+"""``fdsched``: doctor, profiles, and the replay and benchmark commands."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Optional
+
+from . import __version__
+from .settings import CHANGE_IDS, PROFILE_ENV, SettingsError, load_settings, profile_description, shipped_profiles
+
+EXIT_OK, EXIT_ERROR, EXIT_NO_HOST = 0, 1, 2
+
+
+def _table(rows, headers) -> str:
+    rows = [[str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
+    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def cmd_doctor(args) -> int:
+    from fdsched.patches import CATALOGUE
+
+    from .host import HostNotFound
+    from .installer import InstallError, current, decide
+
+    print(f"fdsched {__version__}")
+    status = EXIT_OK
+    try:
+        settings = load_settings()
+    except SettingsError as exc:
+        print(f"settings: ERROR: {exc}")
+        return EXIT_ERROR
+    print(f"profile: {settings.profile or 'none'}" + (f" ({settings.profile_path})" if settings.profile_path else ""))
+
+    info = None
+    try:
+        from .host import probe
+
+        info = probe()
+        print(f"host: {info.label}")
+        print(f"host status enum: {'RUNNING_PREFILL/RUNNING_DECODE' if info.split_status else 'single RUNNING'}")
+    except HostNotFound as exc:
+        print(f"host: NOT FOUND: {exc}")
+        status = EXIT_NO_HOST
+
+    decisions = {}
+    if info is not None:
+        try:
+            decisions = decide(settings, info)
+        except InstallError as exc:
+            print(f"ERROR: {exc}")
+            status = EXIT_ERROR
+    rows = []
+    for spec in CATALOGUE:
+        has = "-" if info is None else ("yes" if info.has.get(spec.change_id) else "no")
+        would = decisions[spec.change_id].detail if spec.change_id in decisions else "-"
+        prs = "/".join(str(p) for p in spec.upstream_prs)
+        rows.append((spec.change_id, f"{prs} ({spec.upstream_state})", has, settings.change_mode(spec.change_id), would))
+    print()
+    print(_table(rows, ("change", "upstream PR", "host has it", "switch", "would be")))
+    installed = current()
+    if installed is not None:
+        print("\ninstalled in this process: " + installed.summary())
+    print("\neffective settings:")
+    print(_table([(k, env, _show(v), src) for k, env, v, src in settings.describe()], ("key", "variable", "value", "source")))
+    return status
+
+
+def _show(value) -> str:
+    if value is None:
+        return "init"
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return str(value)
+
+
+def cmd_profiles(args) -> int:
+    profiles = shipped_profiles()
+    if args.name:
+        if args.name not in profiles:
+            print(f"unknown profile {args.name!r}; shipped: {', '.join(profiles)}", file=sys.stderr)
+            return EXIT_ERROR
+        print(f"# {profiles[args.name]}")
+        print(profiles[args.name].read_text(encoding="utf-8"), end="")
+        return EXIT_OK
+    rows = []
+    for name, path in profiles.items():
+        settings = load_settings(environ={}, profile=name)
+        switches = " ".join(f"{cid}={settings.change_mode(cid)}" for cid in CHANGE_IDS)
+        rows.append((name, switches))
+    print(_table(rows, ("profile", "changes")))
+    print(f"\nselect one with {PROFILE_ENV}=<name or path>; show one with: fdsched profiles <name>")
+    for name, path in profiles.items():
+        print(f"\n{name}: {profile_description(path)}")
+    return EXIT_OK
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fdsched", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"fdsched {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    doctor = sub.add_parser("doctor", help="host, what it already has, what the settings would apply")
+    doctor.set_defaults(func=cmd_doctor)
+
+    profiles = sub.add_parser("profiles", help="list the shipped profiles, or show one")
+    profiles.add_argument("name", nargs="?")
+    profiles.set_defaults(func=cmd_profiles)
+
+    _add_optional_commands(sub)
+    return parser
+
+
+def _add_optional_commands(sub) -> None:
+    """Commands that live in their own modules (replay, traces, benchmarks)."""
+    try:
+        from .replay import cli as replay_cli
+    except ImportError:
+        return
+    replay_cli.add_commands(sub)
+
+
+def main(argv: Optional[list] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except SettingsError as exc:
+        print(f"fdsched: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,30 @@
+"""The entry point FastDeploy calls (group ``fastdeploy.model_register_plugins``, name ``fdsched``).
+
+FastDeploy's loader runs it in every process that imports ``fastdeploy.model_executor.models``
+(building a ``ModelConfig`` does), but only when ``FD_PLUGINS`` lists ``fdsched``. With ``FD_PLUGINS``
+unset, FastDeploy loads no plugin at all.
+"""
+
+from __future__ import annotations
+
+__all__ = ["register"]
+
+
+def register() -> None:
+    """Read the settings, install what they select, log one line through the host's logger.
+
+    A second call in the same process changes nothing. Bad settings, or a change switched ``on``
+    that the host cannot take, raise before anything is patched; FastDeploy's loader does not catch
+    the error, so the engine does not start half-configured.
+    """
+    from fastdeploy.utils import llm_logger
+
+    from .installer import current, install
+
+    first = current() is None
+    report = install()
+    if first:
+        for decision in report.decisions.values():
+            if decision.state == "skipped":
+                llm_logger.warning(f"[fdsched] {decision.change_id} {decision.detail}")
+        llm_logger.info("[fdsched] " + report.summary())

@@ -1,0 +1,127 @@
+"""The plugin manager: our default policies plus third-party hook implementations.
+
+:class:`Policies` is what the patches call. When a hook has no implementation besides ours it calls
+the pure policy function directly, so the scheduler's hot path pays no hook dispatch.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping, Optional, Sequence
+
+import pluggy
+
+from . import hookspecs, policies
+from .hookspecs import hookimpl
+from .policies import VictimCandidate
+
+__all__ = ["ENTRY_POINT_GROUP", "DISABLE_ENV", "DefaultPolicies", "Policies", "make_plugin_manager"]
+
+ENTRY_POINT_GROUP = "fdsched.hooks"
+DISABLE_ENV = "FDSCHED_DISABLE_EXTERNAL_HOOKS"
+
+
+class DefaultPolicies:
+    """The plugin's own policies as hook implementations (registered last, consulted last)."""
+
+    @hookimpl(trylast=True)
+    def fdsched_select_preemption_victim(self, candidates: Sequence[VictimCandidate], decode_only: bool):
+        if decode_only:
+            return policies.select_preemption_victim(candidates)
+        return policies.select_legacy_preemption_victim(candidates)
+
+    @hookimpl(trylast=True)
+    def fdsched_estimate_reserve_blocks(
+        self, request_id, max_new_tokens, generated_tokens, ratio, clip_max_new_tokens, block_size
+    ):
+        return policies.reserve_blocks_for_request(
+            max_new_tokens, generated_tokens, ratio, clip_max_new_tokens, block_size
+        )
+
+    @hookimpl(trylast=True)
+    def fdsched_is_decoding(self, request_id, status_is_decode, num_total_tokens, need_prefill_tokens):
+        return policies.is_decoding(status_is_decode, num_total_tokens, need_prefill_tokens)
+
+
+def _blocked_names(environ: Mapping[str, str]) -> Optional[set]:
+    """None: nothing blocked; empty set: everything blocked; else the blocked entry-point names."""
+    raw = environ.get(DISABLE_ENV, "").strip()
+    if raw in ("", "0"):
+        return None
+    if raw.lower() in ("1", "all", "true"):
+        return set()
+    return {name.strip() for name in raw.split(",") if name.strip()}
+
+
+def make_plugin_manager(environ: Optional[Mapping[str, str]] = None, load_entry_points: bool = True):
+    """A plugin manager with our defaults and, unless blocked, the ``fdsched.hooks`` entry points."""
+    environ = os.environ if environ is None else environ
+    pm = pluggy.PluginManager(hookspecs.PROJECT)
+    pm.add_hookspecs(hookspecs)
+    pm.register(DefaultPolicies(), name="fdsched-defaults")
+    blocked = _blocked_names(environ)
+    if load_entry_points and blocked != set():
+        for name in blocked or ():
+            pm.set_blocked(name)
+        pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+    pm.check_pending()
+    return pm
+
+
+class Policies:
+    """Hook relay with a fast path when only the defaults answer."""
+
+    def __init__(self, pm: pluggy.PluginManager) -> None:
+        self.pm = pm
+        self.refresh()
+
+    def register(self, plugin, name: Optional[str] = None):
+        self.pm.register(plugin, name=name)
+        self.pm.check_pending()
+        self.refresh()
+
+    def unregister(self, plugin) -> None:
+        self.pm.unregister(plugin)
+        self.refresh()
+
+    def refresh(self) -> None:
+        hook = self.pm.hook
+        self._direct_victim = len(hook.fdsched_select_preemption_victim.get_hookimpls()) == 1
+        self._direct_reserve = len(hook.fdsched_estimate_reserve_blocks.get_hookimpls()) == 1
+        self._direct_decoding = len(hook.fdsched_is_decoding.get_hookimpls()) == 1
+
+    def external_plugins(self) -> list[str]:
+        return sorted(name for name, _ in self.pm.list_name_plugin() if name != "fdsched-defaults")
+
+    def is_decoding(self, request_id, status_is_decode, num_total_tokens, need_prefill_tokens) -> bool:
+        if self._direct_decoding:
+            return policies.is_decoding(status_is_decode, num_total_tokens, need_prefill_tokens)
+        return bool(
+            self.pm.hook.fdsched_is_decoding(
+                request_id=request_id,
+                status_is_decode=status_is_decode,
+                num_total_tokens=num_total_tokens,
+                need_prefill_tokens=need_prefill_tokens,
+            )
+        )
+
+    def select_victim(self, candidates: Sequence[VictimCandidate], decode_only: bool) -> Optional[int]:
+        if self._direct_victim:
+            if decode_only:
+                return policies.select_preemption_victim(candidates)
+            return policies.select_legacy_preemption_victim(candidates)
+        return self.pm.hook.fdsched_select_preemption_victim(candidates=candidates, decode_only=decode_only)
+
+    def reserve_blocks(self, request_id, max_new_tokens, generated_tokens, ratio, clip, block_size) -> int:
+        if self._direct_reserve:
+            return policies.reserve_blocks_for_request(max_new_tokens, generated_tokens, ratio, clip, block_size)
+        return int(
+            self.pm.hook.fdsched_estimate_reserve_blocks(
+                request_id=request_id,
+                max_new_tokens=max_new_tokens,
+                generated_tokens=generated_tokens,
+                ratio=ratio,
+                clip_max_new_tokens=clip,
+                block_size=block_size,
+            )
+        )

@@ -1,0 +1,184 @@
+"""Finding the FastDeploy host and probing what it already has.
+
+The host is an installed ``fastdeploy`` package, or a source tree named by ``FDSCHED_HOST_SOURCE``
+(a directory whose ``fastdeploy/`` package imports with that directory on ``sys.path``). Nothing here
+patches anything: :func:`probe` only looks.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+__all__ = [
+    "HOST_SOURCE_ENV",
+    "RM_MODULE",
+    "PCM_MODULE",
+    "HostNotFound",
+    "HostInfo",
+    "find_host",
+    "probe",
+    "resolve",
+]
+
+HOST_SOURCE_ENV = "FDSCHED_HOST_SOURCE"
+RM_MODULE = "fastdeploy.engine.sched.resource_manager_v1"
+PCM_MODULE = "fastdeploy.cache_manager.prefix_cache_manager"
+HOW_TO_POINT = (
+    "install FastDeploy 2.x (fastdeploy-gpu) in this environment, or set "
+    f"{HOST_SOURCE_ENV}=/path/to/FastDeploy (a source tree whose fastdeploy/ package imports, "
+    "with paddlepaddle installed)"
+)
+
+
+class HostNotFound(RuntimeError):
+    """FastDeploy cannot be imported here."""
+
+
+def find_host(environ: Optional[Mapping[str, str]] = None) -> str:
+    """Make the host importable and say where it is; raise :class:`HostNotFound` otherwise.
+
+    An installed ``fastdeploy`` wins; else ``FDSCHED_HOST_SOURCE`` is put on ``sys.path``.
+    """
+    environ = os.environ if environ is None else environ
+    if "fastdeploy" in sys.modules:
+        return _location(sys.modules["fastdeploy"])
+    source = environ.get(HOST_SOURCE_ENV, "").strip()
+    if importlib.util.find_spec("fastdeploy") is None and source:
+        if not os.path.isfile(os.path.join(source, "fastdeploy", "__init__.py")):
+            raise HostNotFound(f"{HOST_SOURCE_ENV}={source!r} has no fastdeploy/__init__.py; {HOW_TO_POINT}")
+        sys.path.insert(0, os.path.abspath(source))
+        importlib.invalidate_caches()
+    if importlib.util.find_spec("fastdeploy") is None:
+        raise HostNotFound(f"FastDeploy is not importable; {HOW_TO_POINT}")
+    try:
+        module = importlib.import_module("fastdeploy")
+    except Exception as exc:  # the host's own import failing is a host problem; say what it was
+        raise HostNotFound(f"importing fastdeploy failed: {type(exc).__name__}: {exc}; {HOW_TO_POINT}") from exc
+    return _location(module)
+
+
+def _location(module) -> str:
+    return os.path.dirname(os.path.dirname(os.path.abspath(module.__file__)))
+
+
+def resolve(dotted: str) -> Any:
+    """Import a module and walk attributes: ``a.b.C.meth`` -> the object, or raise AttributeError."""
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        name = ".".join(parts[:cut])
+        try:
+            obj = importlib.import_module(name)
+        except ImportError:
+            continue
+        for attr in parts[cut:]:
+            obj = getattr(obj, attr)
+        return obj
+    raise AttributeError(f"cannot import any prefix of {dotted}")
+
+
+def code_names(func) -> frozenset:
+    """Global/attribute names and local variable names a function's code uses (nested code too)."""
+    names: set = set()
+    stack = [getattr(func, "__code__", None)]
+    while stack:
+        code = stack.pop()
+        if code is None:
+            continue
+        names.update(code.co_names)
+        names.update(code.co_varnames)
+        stack.extend(c for c in code.co_consts if inspect.iscode(c))
+    return frozenset(names)
+
+
+@dataclass
+class HostInfo:
+    """What the probe found. ``has[change_id]`` is True when the host already has the change."""
+
+    location: str
+    version: str
+    commit: Optional[str]
+    rm_class: type
+    pcm_class: type
+    request_status: Any
+    has: dict = field(default_factory=dict)
+    problems: dict = field(default_factory=dict)  # change_id -> why the plugin cannot patch it here
+    split_status: bool = False
+
+    @property
+    def label(self) -> str:
+        commit = f", commit {self.commit[:9]}" if self.commit else ""
+        return f"FastDeploy {self.version}{commit} at {self.location}"
+
+
+def _host_version(location: str) -> tuple[str, Optional[str]]:
+    version = "unknown"
+    try:
+        version = str(importlib.import_module("fastdeploy").__version__)
+    except Exception:
+        pass
+    if version.lower() == "unknown":
+        try:
+            from importlib.metadata import version as dist_version
+
+            for dist in ("fastdeploy-gpu", "fastdeploy"):
+                try:
+                    version = dist_version(dist)
+                    break
+                except Exception:
+                    continue
+        except Exception:
+            pass
+    return version, _git_commit(location)
+
+
+def _git_commit(location: str) -> Optional[str]:
+    """The commit of a source tree: its .git HEAD, or a FDSCHED_HOST_COMMIT marker file."""
+    marker = os.path.join(location, "FDSCHED_HOST_COMMIT")
+    if os.path.isfile(marker):
+        return open(marker, encoding="utf-8").read().strip() or None
+    head = os.path.join(location, ".git", "HEAD")
+    if not os.path.isfile(head):
+        return None
+    ref = open(head, encoding="utf-8").read().strip()
+    if ref.startswith("ref: "):
+        ref_path = os.path.join(location, ".git", ref[5:])
+        return open(ref_path, encoding="utf-8").read().strip() if os.path.isfile(ref_path) else None
+    return ref
+
+
+def probe(environ: Optional[Mapping[str, str]] = None) -> HostInfo:
+    """Find and import the host's two modules, then probe every change in the catalogue."""
+    from fdsched.patches import CATALOGUE  # local import: patches import nothing from the host at import
+
+    location = find_host(environ)
+    rm_module = importlib.import_module(RM_MODULE)
+    pcm_module = importlib.import_module(PCM_MODULE)
+    from fastdeploy.engine.request import RequestStatus
+
+    version, commit = _host_version(location)
+    info = HostInfo(
+        location=location,
+        version=version,
+        commit=commit,
+        rm_class=_original(rm_module.ResourceManagerV1),
+        pcm_class=_original(pcm_module.PrefixCacheManager),
+        request_status=RequestStatus,
+        split_status=hasattr(RequestStatus, "RUNNING_PREFILL") and hasattr(RequestStatus, "RUNNING_DECODE"),
+    )
+    for spec in CATALOGUE:
+        info.has[spec.change_id] = spec.host_has(info)
+        problem = spec.check_host(info)
+        if problem:
+            info.problems[spec.change_id] = problem
+    return info
+
+
+def _original(cls: type) -> type:
+    """The host class even when our subclass is installed already."""
+    return getattr(cls, "_fdsched_host_class", cls)

@@ -1,0 +1,182 @@
+"""Probe the host, decide every change, build the plugin's classes, rebind them — once per process.
+
+Order of work, so that nothing is ever half-patched:
+
+1. settings are loaded and validated (:func:`fdsched.settings.load_settings`; errors raise here);
+2. the host is found and probed (:func:`fdsched.host.probe`);
+3. every change is decided (:func:`decide`); a change switched ``on`` (or ``off`` on a host that
+   has it) that the host cannot take is an error, raised here;
+4. only then are the two classes built and rebound; if rebinding the second fails, the first is
+   restored before the error propagates.
+
+:func:`install` is idempotent and cheap on a second call. :func:`uninstall` restores exactly.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Mapping, Optional
+
+from . import host as host_mod
+from .hooks import Policies, make_plugin_manager
+from .rebind import Rebinding
+from .settings import CHANGE_IDS, Settings, SettingsError, effective_ratio_mode, load_settings
+
+__all__ = ["Decision", "InstallReport", "InstallError", "decide", "install", "uninstall", "current"]
+
+
+class InstallError(RuntimeError):
+    """The host cannot take a change the settings demand."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    change_id: str
+    mode: str  # auto / on / off, after the host's own switch is considered
+    impl: str  # host / plugin / legacy
+    state: str  # one word: applied / host / off / skipped
+    detail: str  # the human-readable state line
+
+    def line(self) -> str:
+        return f"{self.change_id}={self.detail}"
+
+
+@dataclass
+class InstallReport:
+    settings: Settings
+    host: "host_mod.HostInfo"
+    decisions: dict
+    classes: dict
+    sites: dict
+    policies: Policies
+
+    def summary(self) -> str:
+        profile = self.settings.profile or "none"
+        changes = "; ".join(d.line() for d in self.decisions.values())
+        return f"fdsched installed (profile {profile}) on {self.host.label}: {changes}"
+
+
+def decide(settings: Settings, info) -> dict:
+    """change id -> :class:`Decision`. Raises :class:`InstallError` for an impossible demand."""
+    decisions = {}
+    for change_id in CHANGE_IDS:
+        mode = effective_ratio_mode(settings) if change_id == "ratio_reserve" else settings.change_mode(change_id)
+        has = bool(info.has.get(change_id))
+        problem = info.problems.get(change_id)
+        if mode == "auto":
+            if has:
+                d = Decision(change_id, mode, "host", "host", "host already has it")
+            elif problem:
+                d = Decision(change_id, mode, "host", "skipped", f"skipped because {problem}")
+            else:
+                d = Decision(change_id, mode, "plugin", "applied", "applied")
+        elif mode == "on":
+            if problem:
+                raise InstallError(
+                    f"changes.{change_id}=on (FDSCHED_{change_id.upper()}) cannot be applied to {info.label}: "
+                    f"{problem}; allowed: auto (skip where the host cannot take it) or off"
+                )
+            d = Decision(change_id, mode, "plugin", "applied", "applied (plugin's version over the host's)" if has else "applied")
+        else:  # off
+            if not has:
+                d = Decision(change_id, mode, "host", "off", "off (host's own pre-change code)")
+            elif problem:
+                raise InstallError(
+                    f"changes.{change_id}=off (FDSCHED_{change_id.upper()}) needs the plugin to restore the pre-change "
+                    f"code on {info.label}, which it cannot: {problem}; allowed: auto or on"
+                )
+            else:
+                d = Decision(change_id, mode, "legacy", "off", "off (plugin restores the pre-change code)")
+        decisions[change_id] = d
+    return decisions
+
+
+_LOCK = threading.RLock()
+_CURRENT: Optional[InstallReport] = None
+_REBINDINGS: list = []
+
+
+def current() -> Optional[InstallReport]:
+    return _CURRENT
+
+
+def _build(info, settings: Settings, decisions: dict, policies: Policies) -> dict:
+    from fdsched.patches import CATALOGUE, TARGETS
+
+    impl = {cid: d.impl for cid, d in decisions.items()}
+    classes = {}
+    for target, host_cls in (("ResourceManagerV1", info.rm_class), ("PrefixCacheManager", info.pcm_class)):
+        # Later catalogue entries wrap earlier ones (ratio_reserve's _trigger_preempt wraps decode_only_preempt's).
+        mixins = tuple(spec.mixin for spec in reversed(CATALOGUE) if spec.target == target)
+        attrs = {
+            "__module__": "fdsched.patches",
+            "__qualname__": host_cls.__name__,
+            "__doc__": f"fdsched subclass of {TARGETS[target]} (changes: {', '.join(m.__name__ for m in mixins)}).",
+            "_fdsched_impl": impl,
+            "_fdsched_settings": settings,
+            "_fdsched_policies": policies,
+            "_fdsched_host": info,
+            "_fdsched_host_class": host_cls,
+        }
+        classes[target] = type(host_cls.__name__, mixins + (host_cls,), attrs)
+    return classes
+
+
+def install(
+    settings: Optional[Settings] = None, environ: Optional[Mapping[str, str]] = None, policies: Optional[Policies] = None
+) -> InstallReport:
+    """Install the plugin in this process (idempotent).
+
+    Without arguments the settings come from the environment, once: a second call returns the
+    first report and changes nothing. Passing different ``settings`` reinstalls with them (the
+    replay switches profiles this way).
+    """
+    global _CURRENT
+    with _LOCK:
+        if _CURRENT is not None and (settings is None or settings == _CURRENT.settings) and policies is None:
+            return _CURRENT
+        settings = load_settings(environ) if settings is None else settings
+        info = host_mod.probe(environ)
+        decisions = decide(settings, info)
+        policies = policies or Policies(make_plugin_manager(environ))
+        classes = _build(info, settings, decisions, policies)
+        if _CURRENT is not None:
+            uninstall()
+        rebindings = [
+            Rebinding(host_mod.RM_MODULE, "ResourceManagerV1", classes["ResourceManagerV1"]),
+            Rebinding(host_mod.PCM_MODULE, "PrefixCacheManager", classes["PrefixCacheManager"]),
+        ]
+        sites = {}
+        done = []
+        try:
+            for rebinding in rebindings:
+                sites[rebinding.name] = rebinding.apply()
+                done.append(rebinding)
+        except BaseException:
+            for rebinding in reversed(done):
+                rebinding.restore()
+            raise
+        _REBINDINGS[:] = rebindings
+        _CURRENT = InstallReport(settings, info, decisions, classes, sites, policies)
+        return _CURRENT
+
+
+def uninstall() -> None:
+    """Restore every binding the last install replaced. Safe to call when nothing is installed."""
+    global _CURRENT
+    with _LOCK:
+        for rebinding in reversed(_REBINDINGS):
+            rebinding.restore()
+        _REBINDINGS.clear()
+        _CURRENT = None
+
+
+def plan(environ: Optional[Mapping[str, str]] = None, settings: Optional[Settings] = None):
+    """What :func:`install` would do, without patching: (settings, host info, decisions)."""
+    settings = load_settings(environ) if settings is None else settings
+    info = host_mod.probe(environ)
+    return settings, info, decide(settings, info)
+
+
+__all__ += ["plan", "SettingsError"]

@@ -1,0 +1,127 @@
+"""The plugin's metrics, FastDeploy style (``fastdeploy:`` prefix, Prometheus types).
+
+Values are always kept in plain counters on :data:`METRICS` (tests, the replay and ``doctor`` read
+them). When ``prometheus_client`` is importable (FastDeploy depends on it) every update is mirrored
+to a Prometheus metric on the default registry; in FastDeploy's multi-process mode
+(``PROMETHEUS_MULTIPROC_DIR``) the host's own ``/metrics`` endpoint collects them with its
+``MultiProcessCollector``. The Prometheus objects are created once per process, however often the
+plugin is installed.
+
+===========================================================  =========  =====================================
+name                                                         type       meaning
+===========================================================  =========  =====================================
+fastdeploy:fdsched_preemptions_total{victim_phase}           counter    preemptions, by the victim's phase
+                                                                        (decode / prefill)
+fastdeploy:fdsched_new_token_ratio                           gauge      current new_token_ratio
+fastdeploy:fdsched_reserved_blocks                           gauge      blocks reserved for running requests
+                                                                        at the last admission decision
+fastdeploy:fdsched_admissions_blocked_total                  counter    prefills (new or next chunk) refused
+                                                                        by the reservation threshold
+fastdeploy:fdsched_evicted_blocks_total                      counter    GPU blocks freed by LRU eviction
+fastdeploy:fdsched_recycle_batches_total                     counter    batched recycle calls
+fastdeploy:fdsched_recycle_batch_size                        histogram  blocks per batched recycle call
+fastdeploy:fdsched_eviction_seconds_total                    counter    time spent in the eviction loops
+===========================================================  =========  =====================================
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import Counter as _Tally
+from collections import deque
+
+__all__ = ["METRICS", "PluginMetrics"]
+
+_PROM_LOCK = threading.Lock()
+_PROM = None
+
+
+def _prometheus():
+    """Create the Prometheus objects once per process; None where prometheus_client is missing."""
+    global _PROM
+    with _PROM_LOCK:
+        if _PROM is not None:
+            return _PROM or None
+        try:
+            from prometheus_client import Counter, Gauge, Histogram
+        except ImportError:
+            _PROM = False
+            return None
+        _PROM = {
+            "preemptions": Counter(
+                "fastdeploy:fdsched_preemptions_total", "Preemptions by the victim's phase", ["victim_phase"]
+            ),
+            "ratio": Gauge("fastdeploy:fdsched_new_token_ratio", "Current new_token_ratio", multiprocess_mode="max"),
+            "reserved": Gauge(
+                "fastdeploy:fdsched_reserved_blocks",
+                "Blocks reserved for running requests at the last admission decision",
+                multiprocess_mode="max",
+            ),
+            "blocked": Counter(
+                "fastdeploy:fdsched_admissions_blocked_total", "Prefills refused by the reservation threshold"
+            ),
+            "evicted": Counter("fastdeploy:fdsched_evicted_blocks_total", "GPU blocks freed by LRU eviction"),
+            "batches": Counter("fastdeploy:fdsched_recycle_batches_total", "Batched recycle calls"),
+            "batch_size": Histogram(
+                "fastdeploy:fdsched_recycle_batch_size",
+                "Blocks per batched recycle call",
+                buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384, 65536),
+            ),
+            "evict_seconds": Counter("fastdeploy:fdsched_eviction_seconds_total", "Time spent in the eviction loops"),
+        }
+        return _PROM
+
+
+class PluginMetrics:
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        """Zero the plain counters (tests and the replay; Prometheus counters only ever grow)."""
+        self.preemptions = _Tally()
+        self.new_token_ratio = None
+        self.reserved_blocks = 0
+        self.admissions_blocked = 0
+        self.evicted_blocks = 0
+        self.recycle_batches = 0
+        self.recycle_batch_sizes = deque(maxlen=4096)  # the most recent batches only
+        self.eviction_seconds = 0.0
+
+    def preempted(self, victim_phase: str) -> None:
+        self.preemptions[victim_phase] += 1
+        prom = _prometheus()
+        if prom:
+            prom["preemptions"].labels(victim_phase=victim_phase).inc()
+
+    def ratio(self, value: float) -> None:
+        self.new_token_ratio = value
+        prom = _prometheus()
+        if prom:
+            prom["ratio"].set(value)
+
+    def reserved(self, blocks: int) -> None:
+        self.reserved_blocks = blocks
+        prom = _prometheus()
+        if prom:
+            prom["reserved"].set(blocks)
+
+    def admission_blocked(self) -> None:
+        self.admissions_blocked += 1
+        prom = _prometheus()
+        if prom:
+            prom["blocked"].inc()
+
+    def recycled(self, num_blocks: int, seconds: float) -> None:
+        self.evicted_blocks += num_blocks
+        self.recycle_batches += 1
+        self.recycle_batch_sizes.append(num_blocks)
+        self.eviction_seconds += seconds
+        prom = _prometheus()
+        if prom:
+            prom["evicted"].inc(num_blocks)
+            prom["batches"].inc()
+            prom["batch_size"].observe(num_blocks)
+            prom["evict_seconds"].inc(seconds)
+
+
+METRICS = PluginMetrics()

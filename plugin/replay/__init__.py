@@ -1,0 +1,1 @@
+"""Trace replay: drive the real host scheduler through a workload once per profile and compare."""

@@ -1,0 +1,489 @@
+"""Settings: built-in defaults < a YAML profile < environment variables, validated once, frozen.
+
+Every setting is one row of ``SCHEMA``: its YAML key path, its environment variable, its type,
+its default and what it is for. The host's own tunables keep their FastDeploy names (``FD_*``) both
+as environment variables and as keys under ``host_tunables:`` in a profile.
+
+Bad input raises one :class:`SettingsError` that names the file and key path or the variable, the
+bad value and what is allowed. It is raised by :func:`load_settings`, before anything is patched.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any, Callable, Mapping, Optional
+
+import yaml
+
+__all__ = [
+    "CHANGE_IDS",
+    "SWITCH_VALUES",
+    "PROFILE_ENV",
+    "SCHEMA",
+    "Setting",
+    "Settings",
+    "SettingsError",
+    "load_settings",
+    "shipped_profiles",
+    "read_profile",
+]
+
+PROFILE_ENV = "FDSCHED_PROFILE"
+SWITCH_VALUES = ("auto", "on", "off")
+
+# The five upstream changes, in catalogue order. Ids are used as YAML keys under ``changes:``.
+CHANGE_IDS = (
+    "deferred_recycle",
+    "decode_only_preempt",
+    "ratio_reserve",
+    "pd_prefill_cache",
+    "nonpolling_transfer",
+)
+
+
+class SettingsError(ValueError):
+    """A setting is malformed, unknown, out of range or contradicts another one."""
+
+
+# --------------------------------------------------------------------------------------------
+# Value parsers: each takes the raw value (a string from the environment, or whatever YAML gave)
+# and returns the typed value, or raises ValueError with what is allowed.
+# --------------------------------------------------------------------------------------------
+def _switch(raw: Any) -> str:
+    # YAML 1.1 reads bare on/off as booleans; accept them as the words they were meant to be.
+    if raw is True:
+        return "on"
+    if raw is False:
+        return "off"
+    if isinstance(raw, str) and raw.strip().lower() in SWITCH_VALUES:
+        return raw.strip().lower()
+    raise ValueError("one of auto, on, off")
+
+
+def _choice(*allowed: str) -> Callable[[Any], str]:
+    def parse(raw: Any) -> str:
+        if isinstance(raw, str) and raw.strip().lower() in allowed:
+            return raw.strip().lower()
+        raise ValueError("one of " + ", ".join(allowed))
+
+    return parse
+
+
+def _int(lo: Optional[int] = None, hi: Optional[int] = None) -> Callable[[Any], int]:
+    def parse(raw: Any) -> int:
+        if isinstance(raw, bool):
+            raise ValueError(_range_text("an integer", lo, hi))
+        try:
+            value = int(raw.strip()) if isinstance(raw, str) else raw
+        except ValueError:
+            raise ValueError(_range_text("an integer", lo, hi)) from None
+        if not isinstance(value, int) or (lo is not None and value < lo) or (hi is not None and value > hi):
+            raise ValueError(_range_text("an integer", lo, hi))
+        return value
+
+    return parse
+
+
+def _float(lo: Optional[float] = None, hi: Optional[float] = None) -> Callable[[Any], float]:
+    def parse(raw: Any) -> float:
+        if isinstance(raw, bool):
+            raise ValueError(_range_text("a number", lo, hi))
+        try:
+            value = float(raw.strip()) if isinstance(raw, str) else float(raw)
+        except (TypeError, ValueError):
+            raise ValueError(_range_text("a number", lo, hi)) from None
+        if value != value or (lo is not None and value < lo) or (hi is not None and value > hi):
+            raise ValueError(_range_text("a number", lo, hi))
+        return value
+
+    return parse
+
+
+def _bool01(raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    if isinstance(raw, int) and raw in (0, 1):
+        return bool(raw)
+    if isinstance(raw, str) and raw.strip().lower() in ("0", "1", "true", "false"):
+        return raw.strip().lower() in ("1", "true")
+    raise ValueError("0 or 1 (true/false in YAML)")
+
+
+def _cap(raw: Any) -> Optional[float]:
+    """``init`` (upstream: cap the re-estimated ratio at its initial value) or a number in [0, 1]."""
+    if isinstance(raw, str) and raw.strip().lower() == "init":
+        return None
+    try:
+        return _float(0.0, 1.0)(raw)
+    except ValueError:
+        raise ValueError("'init' or a number in [0, 1]") from None
+
+
+def _range_text(what: str, lo: Any, hi: Any) -> str:
+    if lo is not None and hi is not None:
+        return f"{what} in [{lo}, {hi}]"
+    if lo is not None:
+        return f"{what} >= {lo}"
+    if hi is not None:
+        return f"{what} <= {hi}"
+    return what
+
+
+@dataclass(frozen=True)
+class Setting:
+    key: str  # YAML key path, dotted
+    env: Optional[str]  # environment variable, or None for profile/CLI-only settings
+    parse: Callable[[Any], Any] = field(repr=False)
+    default: Any
+    allowed: str  # what is allowed, in words (for docs and `doctor`)
+    doc: str
+
+
+def _change(change_id: str, doc: str) -> Setting:
+    return Setting(
+        key=f"changes.{change_id}",
+        env=f"FDSCHED_{change_id.upper()}",
+        parse=_switch,
+        default="auto",
+        allowed="auto | on | off",
+        doc=doc,
+    )
+
+
+SCHEMA: tuple[Setting, ...] = (
+    _change("deferred_recycle", "Change 1: recycle evicted GPU blocks in one batch after the LRU loop (PR 7885/7886)."),
+    _change("decode_only_preempt", "Change 2: preempt only decoding requests, LIFO (PR 7444/7783)."),
+    _change("ratio_reserve", "Change 3: new_token_ratio KV reservation and chunked-prefill guard (PR 7444/7783)."),
+    _change("pd_prefill_cache", "Change 4: record prefill-node blocks in the radix tree (PR 7364/7387)."),
+    _change("nonpolling_transfer", "Change 5: wait on a blocking queue for CPU-cache transfer results (idea of PR 7520)."),
+    Setting(
+        "pd_prefill_cache.mode",
+        "FDSCHED_PD_PREFILL_CACHE_MODE",
+        _choice("safe", "upstream"),
+        "safe",
+        "safe | upstream",
+        "safe: record only computed blocks, the rest after the prefill ran; upstream: record the whole prompt at "
+        "preallocation (what 7387 does).",
+    ),
+    # ---- the host's own tunables, FastDeploy names and defaults ------------------------------
+    Setting(
+        "host_tunables.FD_USE_NEW_TOKEN_RATIO_RESERVE",
+        "FD_USE_NEW_TOKEN_RATIO_RESERVE",
+        _bool01,
+        True,
+        "0 | 1",
+        "Host switch for the ratio reservation (new host). Setting it explicitly must agree with "
+        "changes.ratio_reserve.",
+    ),
+    Setting(
+        "host_tunables.FD_INIT_NEW_TOKEN_RATIO",
+        "FD_INIT_NEW_TOKEN_RATIO",
+        _float(0.0, 1.0),
+        0.7,
+        "a number in [0, 1]",
+        "Initial new_token_ratio.",
+    ),
+    Setting(
+        "host_tunables.FD_MIN_NEW_TOKEN_RATIO",
+        "FD_MIN_NEW_TOKEN_RATIO",
+        _float(0.0, 1.0),
+        0.1,
+        "a number in [0, 1], not above FD_INIT_NEW_TOKEN_RATIO",
+        "Floor of new_token_ratio.",
+    ),
+    Setting(
+        "host_tunables.FD_NEW_TOKEN_RATIO_DECAY",
+        "FD_NEW_TOKEN_RATIO_DECAY",
+        _float(0.0, 1.0),
+        0.001,
+        "a number in [0, 1]",
+        "Subtracted from new_token_ratio after every schedule() that scheduled something.",
+    ),
+    Setting(
+        "host_tunables.FD_CLIP_MAX_NEW_TOKENS",
+        "FD_CLIP_MAX_NEW_TOKENS",
+        _int(0),
+        4096,
+        "an integer >= 0",
+        "Remaining output tokens per request are clipped to this before applying the ratio.",
+    ),
+    Setting(
+        "host_tunables.FD_RESERVE_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL",
+        "FD_RESERVE_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL",
+        _int(0),
+        16,
+        "an integer >= 0",
+        "Legacy policy: blocks reserved per running request after a preemption.",
+    ),
+    Setting(
+        "host_tunables.FD_RESERVE_DECAY_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL",
+        "FD_RESERVE_DECAY_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL",
+        _float(0.0),
+        0.025,
+        "a number >= 0",
+        "Legacy policy: decay of the per-request reservation per scheduling pass.",
+    ),
+    Setting(
+        "host_tunables.FD_RESERVE_MIN_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL",
+        "FD_RESERVE_MIN_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL",
+        _int(0),
+        0,
+        "an integer >= 0, not above the legacy initial reservation",
+        "Legacy policy: floor of the per-request reservation.",
+    ),
+    # ---- plugin tunables (upstream hard-codes these) ----------------------------------------
+    Setting(
+        "tunables.ratio_reestimate_extra_blocks",
+        "FDSCHED_RATIO_REESTIMATE_EXTRA_BLOCKS",
+        _int(0),
+        16,
+        "an integer >= 0",
+        "Blocks per decoding request added to the generated tokens when the ratio is re-estimated after a "
+        "preemption (upstream: 16; SGLang adds 20 tokens).",
+    ),
+    Setting(
+        "tunables.ratio_reestimate_cap",
+        "FDSCHED_RATIO_REESTIMATE_CAP",
+        _cap,
+        None,
+        "init | a number in [0, 1]",
+        "Cap of the re-estimated ratio: 'init' caps at FD_INIT_NEW_TOKEN_RATIO (upstream), SGLang uses 1.0.",
+    ),
+    Setting(
+        "tunables.recycle_heapify_min_batch",
+        "FDSCHED_RECYCLE_HEAPIFY_MIN_BATCH",
+        _int(1),
+        64,
+        "an integer >= 1",
+        "Deferred recycling: batches at least this large are merged with one heapify instead of one push per id.",
+    ),
+    Setting(
+        "tunables.transfer_force_direct_recycle",
+        "FDSCHED_TRANSFER_FORCE_DIRECT_RECYCLE",
+        _bool01,
+        False,
+        "0 | 1",
+        "Non-polling transfer: recycle evicted GPU blocks directly instead of swapping them to the CPU tier.",
+    ),
+    # ---- replay step-cost model (profile or command line only) ------------------------------
+    Setting("replay.step_fixed_ms", None, _float(0.0), 5.0, "a number >= 0", "Modelled fixed cost of one engine step."),
+    Setting(
+        "replay.per_prefill_token_ms",
+        None,
+        _float(0.0),
+        0.02,
+        "a number >= 0",
+        "Modelled cost per prefill token in a step.",
+    ),
+    Setting(
+        "replay.per_decode_request_ms",
+        None,
+        _float(0.0),
+        0.1,
+        "a number >= 0",
+        "Modelled cost per decoding request in a step.",
+    ),
+    Setting(
+        "replay.oracle_reserve",
+        None,
+        _bool01,
+        False,
+        "true | false",
+        "Replay only: reserve each request's true remaining output instead of the ratio estimate (the reference "
+        "limit for the reservation policy).",
+    ),
+)
+
+_BY_KEY = {s.key: s for s in SCHEMA}
+_PROFILE_TOP_KEYS = ("description",) + tuple(sorted({s.key.split(".")[0] for s in SCHEMA}))
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The effective settings of one process. Read with ``settings[key]``."""
+
+    values: Mapping[str, Any]
+    sources: Mapping[str, str]  # key -> "default" | "profile <name>" | "env <VAR>"
+    profile: Optional[str]
+    profile_path: Optional[str]
+
+    def __getitem__(self, key: str) -> Any:
+        return self.values[key]
+
+    def change_mode(self, change_id: str) -> str:
+        return self.values[f"changes.{change_id}"]
+
+    @property
+    def reestimate_cap(self) -> float:
+        cap = self.values["tunables.ratio_reestimate_cap"]
+        return self.values["host_tunables.FD_INIT_NEW_TOKEN_RATIO"] if cap is None else cap
+
+    def describe(self) -> list[tuple[str, str, Any, str]]:
+        """(key, variable, value, source) rows, schema order."""
+        return [(s.key, s.env or "-", self.values[s.key], self.sources[s.key]) for s in SCHEMA]
+
+
+# --------------------------------------------------------------------------------------------
+# Profiles
+# --------------------------------------------------------------------------------------------
+def shipped_profiles() -> dict[str, Path]:
+    """Shipped profile name -> path of its YAML file."""
+    found = {}
+    for entry in resources.files("fdsched.configs").iterdir():
+        if entry.name.endswith(".yaml"):
+            found[entry.name[: -len(".yaml")]] = Path(str(entry))
+    return dict(sorted(found.items()))
+
+
+def _resolve_profile(value: str) -> tuple[str, Path]:
+    value = value.strip()
+    looks_like_path = os.sep in value or value.endswith((".yaml", ".yml"))
+    if looks_like_path:
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise SettingsError(f"{PROFILE_ENV}={value!r}: no such profile file; allowed: a shipped profile name "
+                                f"({', '.join(shipped_profiles())}) or the path of a YAML file")
+        return path.stem, path
+    profiles = shipped_profiles()
+    if value not in profiles:
+        raise SettingsError(
+            f"{PROFILE_ENV}={value!r}: unknown profile; allowed: {', '.join(profiles)} or the path of a YAML file"
+        )
+    return value, profiles[value]
+
+
+def read_profile(path: Path) -> dict[str, Any]:
+    """Parse one profile file into ``{key path: raw value}``; unknown keys are errors."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except OSError as exc:
+        raise SettingsError(f"profile {path}: cannot be read ({exc.strerror})") from None
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise SettingsError(f"profile {path}: not valid YAML{where}: {problem}") from None
+    if document is None:
+        return {}
+    if not isinstance(document, dict):
+        raise SettingsError(f"profile {path}: the top level must be a mapping, got {type(document).__name__}")
+    flat: dict[str, Any] = {}
+    for top, value in document.items():
+        if top not in _PROFILE_TOP_KEYS:
+            raise SettingsError(
+                f"profile {path}: unknown key {top!r}; allowed top-level keys: {', '.join(_PROFILE_TOP_KEYS)}"
+            )
+        if top == "description":
+            if not isinstance(value, str):
+                raise SettingsError(f"profile {path}: key description: bad value {value!r}; allowed: a string")
+            continue
+        if not isinstance(value, dict):
+            raise SettingsError(f"profile {path}: key {top}: bad value {value!r}; allowed: a mapping of settings")
+        for sub, raw in value.items():
+            key = f"{top}.{sub}"
+            if key not in _BY_KEY:
+                allowed = sorted(k.split(".", 1)[1] for k in _BY_KEY if k.startswith(top + "."))
+                raise SettingsError(f"profile {path}: unknown key {key!r}; allowed under {top}: {', '.join(allowed)}")
+            flat[key] = raw
+    return flat
+
+
+def profile_description(path: Path) -> str:
+    document = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    return str(document.get("description", "")).strip()
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+def load_settings(environ: Optional[Mapping[str, str]] = None, profile: Optional[str] = None) -> Settings:
+    """Build the frozen settings: defaults < profile < environment.
+
+    ``profile`` overrides ``FDSCHED_PROFILE`` (the replay uses it to run several profiles).
+    Raises :class:`SettingsError` on the first bad input, naming where it came from.
+    """
+    environ = os.environ if environ is None else environ
+    values = {s.key: s.default for s in SCHEMA}
+    sources = {s.key: "default" for s in SCHEMA}
+
+    profile_name = profile_path = None
+    requested = profile if profile is not None else environ.get(PROFILE_ENV)
+    if requested is not None and requested.strip() != "":
+        profile_name, path = _resolve_profile(requested)
+        profile_path = str(path)
+        for key, raw in read_profile(path).items():
+            setting = _BY_KEY[key]
+            try:
+                values[key] = setting.parse(raw)
+            except ValueError as exc:
+                raise SettingsError(f"profile {path}: key {key}: bad value {raw!r}; allowed: {exc}") from None
+            sources[key] = f"profile {profile_name}"
+
+    for setting in SCHEMA:
+        if setting.env is None or setting.env not in environ:
+            continue
+        raw = environ[setting.env]
+        try:
+            values[setting.key] = setting.parse(raw)
+        except ValueError as exc:
+            raise SettingsError(f"environment variable {setting.env}={raw!r}: bad value; allowed: {exc}") from None
+        sources[setting.key] = f"env {setting.env}"
+
+    _check_together(values, sources)
+    return Settings(MappingProxyType(values), MappingProxyType(sources), profile_name, profile_path)
+
+
+def _where(key: str, sources: Mapping[str, str]) -> str:
+    setting = _BY_KEY[key]
+    source = sources[key]
+    if source.startswith("env "):
+        return f"environment variable {setting.env}"
+    if source.startswith("profile "):
+        return f"{source}, key {key}"
+    return f"{key} (default)"
+
+
+def _check_together(values: dict, sources: dict) -> None:
+    """Checks that involve two settings: the later-set one is named first."""
+    init_k, min_k = "host_tunables.FD_INIT_NEW_TOKEN_RATIO", "host_tunables.FD_MIN_NEW_TOKEN_RATIO"
+    if values[min_k] > values[init_k]:
+        raise SettingsError(
+            f"{_where(min_k, sources)}: bad value {values[min_k]!r}; allowed: a number not above "
+            f"FD_INIT_NEW_TOKEN_RATIO={values[init_k]!r} (from {_where(init_k, sources)})"
+        )
+    legacy_init = "host_tunables.FD_RESERVE_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL"
+    legacy_min = "host_tunables.FD_RESERVE_MIN_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL"
+    if values[legacy_min] > values[legacy_init]:
+        raise SettingsError(
+            f"{_where(legacy_min, sources)}: bad value {values[legacy_min]!r}; allowed: an integer not above "
+            f"{values[legacy_init]!r} (the legacy initial reservation, from {_where(legacy_init, sources)})"
+        )
+    # The host's own switch for the ratio policy must not contradict ours when both are explicit.
+    host_k, ours_k = "host_tunables.FD_USE_NEW_TOKEN_RATIO_RESERVE", "changes.ratio_reserve"
+    if sources[host_k] != "default":
+        mode = values[ours_k]
+        if (mode == "on" and not values[host_k]) or (mode == "off" and values[host_k]):
+            raise SettingsError(
+                f"{_where(host_k, sources)}: bad value {int(values[host_k])!r}; it contradicts "
+                f"{_where(ours_k, sources)}={mode!r}; allowed: leave it unset, or "
+                f"{1 if mode == 'on' else 0} with ratio_reserve={mode}"
+            )
+
+
+def effective_ratio_mode(settings: Settings) -> str:
+    """The ratio-reserve switch after the host's FD_USE_NEW_TOKEN_RATIO_RESERVE is considered.
+
+    ``auto`` with FD_USE_NEW_TOKEN_RATIO_RESERVE explicitly 0 means the operator asked for the legacy
+    policy by the host's own name: treat it as ``off``.
+    """
+    mode = settings.change_mode("ratio_reserve")
+    explicit_host = settings.sources["host_tunables.FD_USE_NEW_TOKEN_RATIO_RESERVE"] != "default"
+    if mode == "auto" and explicit_host and not settings["host_tunables.FD_USE_NEW_TOKEN_RATIO_RESERVE"]:
+        return "off"
+    return mode
