@@ -30,26 +30,29 @@ class PatchSpec:
     title: str
     upstream_prs: tuple  # PR numbers: (main PR, 2.6 cherry-pick, ...)
     upstream_state: str  # merged / open / closed
-    target: str  # key of TARGETS
-    replaces: tuple  # method names of the target class the mixin overrides
-    requires: dict  # method name -> parameter names the host method must have (probe)
+    replaces: tuple  # "Target.method" for every host method a mixin of this change overrides
+    requires: dict  # "Target.method" -> parameter names the host method must have (probe)
     why: str
     how: str
     hosts_needing: str  # which host versions need it
     switch: str  # environment variable (also `changes.<id>` in a profile)
     delete_when: str
-    mixin: type
+    mixins: dict  # Target -> mixin class
     host_has: Callable  # HostInfo -> bool: the host already carries the change
     extra_check: Optional[Callable] = None  # HostInfo -> problem text or None
+    # (settings, host_has) -> bool: whether the host has the change *as the settings select it*
+    # (the PD change: the new host has upstream's behaviour, never the safe one).
+    host_has_as_selected: Optional[Callable] = None
 
     @property
     def replaces_dotted(self) -> tuple:
-        return tuple(f"{TARGETS[self.target]}.{name}" for name in self.replaces)
+        return tuple(_dotted(name) for name in self.replaces)
 
     def check_host(self, info) -> Optional[str]:
         """Why this change cannot be applied to the probed host, or None when it can."""
-        cls = info.rm_class if self.target == "ResourceManagerV1" else info.pcm_class
-        for method, params in self.requires.items():
+        for target_method, params in self.requires.items():
+            target, method = target_method.split(".", 1)
+            cls = info.rm_class if target == "ResourceManagerV1" else info.pcm_class
             func = getattr(cls, method, None)
             if func is None or not callable(func):
                 return f"{cls.__name__}.{method} is missing"
@@ -63,6 +66,11 @@ class PatchSpec:
         if self.extra_check is not None:
             return self.extra_check(info)
         return None
+
+
+def _dotted(target_method: str) -> str:
+    target, method = target_method.split(".", 1)
+    return f"{TARGETS[target]}.{method}"
 
 
 def _load_catalogue() -> tuple:

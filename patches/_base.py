@@ -37,3 +37,23 @@ class PluginBase:
         return self._fdsched_policies.is_decoding(
             request.request_id, status_is_decode, request.num_total_tokens, request.need_prefill_tokens
         )
+
+
+class InitGuard:
+    """First base of every plugin class: lets the host's explicit ``super(HostName, self)`` work.
+
+    ``ResourceManagerV1.__init__`` calls ``super(ResourceManagerV1, self).__init__``. Once the
+    plugin rebinds ``ResourceManagerV1`` in the host module to its subclass, that call resolves to
+    the plugin class's MRO and would enter the plugin's ``__init__`` chain again. The re-entry lands
+    here (right after the plugin class in the MRO); it continues past the host class instead.
+    """
+
+    def __init__(self, *args, **kwargs):
+        if self.__dict__.get("_fdsched_constructing"):
+            super(self._fdsched_host_class, self).__init__(*args, **kwargs)
+            return
+        self.__dict__["_fdsched_constructing"] = True
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            self.__dict__.pop("_fdsched_constructing", None)

@@ -138,13 +138,12 @@ SPEC = PatchSpec(
     title="Decode-only preemption (LIFO among decoding requests)",
     upstream_prs=(7444, 7783),
     upstream_state="merged",
-    target="ResourceManagerV1",
-    replaces=("_trigger_preempt", "schedule"),
+    replaces=("ResourceManagerV1.__init__", "ResourceManagerV1._trigger_preempt", "ResourceManagerV1.schedule"),
     requires={
-        "_trigger_preempt": ("request", "num_new_blocks", "preempted_reqs", "scheduled_reqs"),
-        "schedule": (),
-        "_free_blocks": ("request",),
-        "_prepare_preempt_task": ("request",),
+        "ResourceManagerV1._trigger_preempt": ("request", "num_new_blocks", "preempted_reqs", "scheduled_reqs"),
+        "ResourceManagerV1.schedule": (),
+        "ResourceManagerV1._free_blocks": ("request",),
+        "ResourceManagerV1._prepare_preempt_task": ("request",),
     },
     why="The host preempts the last running request whatever its phase, throwing away prefill work.",
     how="Victim = last decoding request without extend tables (hook fdsched_select_preemption_victim); "
@@ -152,6 +151,6 @@ SPEC = PatchSpec(
     hosts_needing="2.6 before PR 7783 (old host e7c8dc2)",
     switch="FDSCHED_DECODE_ONLY_PREEMPT",
     delete_when="every supported host carries 7783 and the pre-change choice is no longer A/B tested",
-    mixin=DecodeOnlyPreemptMixin,
+    mixins={"ResourceManagerV1": DecodeOnlyPreemptMixin},
     host_has=_has_decode_only,
 )

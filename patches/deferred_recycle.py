@@ -1,27 +1,217 @@
 """Change 1 — deferred, batched GPU block recycling in LRU eviction.
 
-Replaces:  PrefixCacheManager.free_block_ids_async (no-CPU-tier path), PrefixCacheManager.free_nodes_directly
-Why:       the host recycles each evicted node's blocks with its own recycle_gpu_blocks call, which
-           formats and logs the whole id list at INFO, sets two gauges and heap-pushes each id:
-           about 100 us per block, 2 s for 20k blocks.
+Replaces:  PrefixCacheManager.free_block_ids_async (the path without a CPU tier),
+           PrefixCacheManager.free_nodes_directly
+Why:       the host recycles each evicted node with two recycle_gpu_blocks calls (its reserved decode
+           ids, then its block), each of which formats and logs the id list at INFO, sets two
+           Prometheus gauges and heap-pushes each id: about 100 us per block, 2 s for 20k blocks.
 Upstream:  PR 7885, 2.6 cherry-pick 7886 (both still open).
 Needs it:  every 2.6 host (old e7c8dc2 and new d38eeb8).
-Switch:    FDSCHED_DEFERRED_RECYCLE / changes.deferred_recycle = auto | on | off.
+Switch:    FDSCHED_DEFERRED_RECYCLE / changes.deferred_recycle = auto | on | off;
+           FDSCHED_RECYCLE_HEAPIFY_MIN_BATCH (64).
 Delete:    when upstream merges 7885/7886 into every supported host.
+
+How: the loop pops LRU leaves exactly as the host does, detaches each evicted node and collects
+its block id and its reserved decode ids (clearing the node's ``reverved_dec_block_ids``, host
+spelling, so no stale id survives node reuse); after the loop all ids go back to the free heap in
+one step (pushes for a small batch, one ``heapify`` when that is cheaper), with one log line and
+one update of each gauge.
+
+Decisions, deliberately different from upstream's patch or the host:
+
+* ``cache_status`` of an evicted node stays ``CacheStatus.CPU`` as in the host, although no CPU
+  tier holds it. Upstream's patch dropped the assignment. The node is detached and its id pooled,
+  but a stale reference (the heap, a parent's children map) would otherwise still see a GPU leaf
+  with ``shared_count == 0`` and could free the same block a second time; a non-GPU status makes
+  ``is_gpu_leaf_node`` false, which closes that door.
+* A node is removed from its parent only if the parent's child under that hash *is* the node.
+  The host deletes by hash, so evicting an orphaned duplicate (two requests that missed on the
+  same prompt at once) removed the live twin from the tree.
+* The overflow guard holds for the batch as a whole: if the free list plus the batch would exceed
+  the pool, the duplicates (ids already free, or twice in the batch) are named in an error and
+  dropped, and the rest is recycled only if it then fits; otherwise the whole batch is dropped, as
+  the host drops a call's ids. While the prefix tree is being cleared nothing is recycled (the host
+  does the same per call; clearing rebuilds the free list).
+* ``free_nodes_directly`` (unused by the host's engine, kept for API parity) never frees the root
+  or a persistent node, and never pushes a parent it is about to free anyway.
+
+The path with a CPU tier (swap to CPU) and the attention-store flush-only mode are left to the host.
 """
 
 from __future__ import annotations
 
+import heapq
+import logging
+import math
+import time
+
+from fdsched.metrics import METRICS
+
 from . import PatchSpec
-from ._base import PluginBase
+from ._base import PluginBase, host_global
+
+PCM = "fastdeploy.cache_manager.prefix_cache_manager"
+
+
+def merge_into_heap(heap: list, ids: list, heapify_min_batch: int) -> str:
+    """Add ``ids`` to the min-heap ``heap`` in place; return which way was used ("push"/"heapify").
+
+    Pushing costs about ``k * log2(n + k)`` comparisons, a heapify about ``2 * (n + k)``; the cheaper
+    one is used once the batch has at least ``heapify_min_batch`` ids.
+    """
+    n, k = len(heap), len(ids)
+    if k >= heapify_min_batch and k * math.log2(n + k + 1) > 2 * (n + k):
+        heap.extend(ids)
+        heapq.heapify(heap)
+        return "heapify"
+    for block_id in ids:
+        heapq.heappush(heap, block_id)
+    return "push"
 
 
 class DeferredRecycleMixin(PluginBase):
-    """Placeholder until the batched eviction loop lands: the probe reports it as unavailable."""
+    def free_block_ids_async(self, need_block_num):
+        if not self._fdsched_deferred_path(need_block_num):
+            return super().free_block_ids_async(need_block_num)
+        with self.request_release_lock:
+            if self.gpu_free_task_future is not None:
+                if not self.gpu_free_task_future.done():
+                    return
+                self.gpu_free_task_future.result()
+                self.gpu_free_task_future = None
+            started = time.perf_counter()
+            freed = []
+            try:
+                evicted = 0
+                heap, in_heap = self.gpu_lru_leaf_heap, self.gpu_lru_leaf_set
+                while heap and evicted < need_block_num:
+                    node = heapq.heappop(heap)
+                    in_heap.remove(node)
+                    if node.shared_count != 0 or not node.is_gpu_leaf_node:
+                        continue  # as the host: a node that is in use again leaves the heap
+                    parent = self._fdsched_evict_node(node, freed)
+                    evicted += 1
+                    if self._fdsched_evictable_leaf(parent) and parent not in in_heap:
+                        heapq.heappush(heap, parent)
+                        in_heap.add(parent)
+                self.gpu_free_task_future = None
+            except Exception as exc:
+                self._fdsched_eviction_error("free_block_ids_async", exc)
+            finally:
+                self._fdsched_recycle_batch(freed, started)
 
+    def free_nodes_directly(self, node):
+        if self._fdsched_impl["deferred_recycle"] != "plugin":
+            return super().free_nodes_directly(node)
+        with self.request_release_lock:
+            started = time.perf_counter()
+            freed = []
+            removed_from_heap = False
+            try:
+                while node is not None and node is not self.radix_tree_root:
+                    if node in self.gpu_lru_leaf_set:
+                        self.gpu_lru_leaf_set.remove(node)
+                        self.gpu_lru_leaf_heap.remove(node)
+                        removed_from_heap = True
+                    if node.shared_count != 0 or not node.is_gpu_leaf_node or node.is_persistent:
+                        break
+                    parent = self._fdsched_evict_node(node, freed)
+                    node = parent if not parent.children else None
+            except Exception as exc:
+                self._fdsched_eviction_error("free_nodes_directly", exc)
+            finally:
+                if removed_from_heap:
+                    heapq.heapify(self.gpu_lru_leaf_heap)  # list.remove broke the heap order
+                self._fdsched_recycle_batch(freed, started)
 
-def _not_yet(info):
-    return "not implemented in this plugin version yet"
+    # ---- pieces ---------------------------------------------------------------------------
+    def _fdsched_deferred_path(self, need_block_num) -> bool:
+        if self._fdsched_impl["deferred_recycle"] != "plugin":
+            return False
+        if self.cache_config.num_cpu_blocks >= need_block_num:
+            return False  # the host swaps to the CPU tier here: not this change
+        envs = host_global(PCM, "envs")
+        if getattr(envs, "FD_AS_ONLY_FLUSH", False) and self.kvcache_storage_backend == "attention_store":
+            return False  # flush-only storage mode collects per-node flush info: the host's loop does it
+        return True
+
+    def _fdsched_evict_node(self, node, freed: list):
+        """Detach an evicted leaf, collect its ids; return its parent."""
+        node.cache_status = host_global(PCM, "CacheStatus").CPU  # see the module docstring
+        self.node_id_pool.append(node.node_id)
+        self.node_map.pop(node.node_id, None)
+        if node.reverved_dec_block_ids:
+            freed.extend(node.reverved_dec_block_ids)
+        node.reverved_dec_block_ids = []
+        freed.append(node.block_id)
+        parent = node.parent
+        if parent.children.get(node.hash_value) is node:
+            del parent.children[node.hash_value]
+        return parent
+
+    def _fdsched_evictable_leaf(self, node) -> bool:
+        return (
+            not node.children
+            and node is not self.radix_tree_root
+            and node.shared_count == 0
+            and node.is_gpu_leaf_node
+            and node.is_persistent is False
+        )
+
+    def _fdsched_eviction_error(self, where: str, exc: Exception) -> None:
+        logger = host_global(PCM, "logger")
+        signal = getattr(self, "prefix_tree_status_signal", None)
+        normal = host_global(PCM, "PrefixTreeStatus").NORMAL
+        if signal is not None and signal.value[0] != normal:
+            logger.warning(f"[fdsched] {where}: error while the prefix tree is not normal, ignored: {exc}")
+            return
+        logger.error(f"[fdsched] {where}: error: {type(exc).__name__} {exc}")
+        raise exc
+
+    def _fdsched_recycle_batch(self, ids: list, started: float) -> None:
+        """Return a batch of GPU block ids to the free heap: once, guarded like the host's recycle."""
+        if not ids:
+            return
+        logger = host_global(PCM, "logger")
+        signal = getattr(self, "prefix_tree_status_signal", None)
+        if signal is not None and signal.value[0] != host_global(PCM, "PrefixTreeStatus").NORMAL:
+            logger.warning(f"[fdsched] prefix tree is not normal, skip recycling {len(ids)} gpu blocks")
+            return
+        free = self.gpu_free_block_list
+        if len(free) + len(ids) > self.num_gpu_blocks:
+            ids = self._fdsched_drop_duplicates(ids)
+            if len(free) + len(ids) > self.num_gpu_blocks:
+                logger.error(
+                    f"[fdsched] {len(free)} free gpu blocks plus {len(ids)} recycled exceed the pool of "
+                    f"{self.num_gpu_blocks}: block accounting is broken, the batch is discarded: {ids}"
+                )
+                return
+        way = merge_into_heap(free, ids, self._fdsched_settings["tunables.recycle_heapify_min_batch"])
+        metrics = host_global(PCM, "main_process_metrics")
+        metrics.free_gpu_block_num.set(len(free))
+        metrics.available_gpu_resource.set(self.available_gpu_resource)
+        seconds = time.perf_counter() - started
+        METRICS.recycled(len(ids), seconds)
+        logger.info(
+            f"[fdsched] evicted and recycled {len(ids)} gpu blocks in one batch ({way}, {seconds * 1e3:.2f} ms), "
+            f"free {len(free)}/{self.num_gpu_blocks}"
+        )
+        if logger.isEnabledFor(logging.DEBUG):
+            logger.debug(f"[fdsched] recycled gpu block ids: {ids}")
+
+    def _fdsched_drop_duplicates(self, ids: list) -> list:
+        logger = host_global(PCM, "logger")
+        already_free = set(self.gpu_free_block_list)
+        seen, kept, dropped = set(), [], []
+        for block_id in ids:
+            if block_id in already_free or block_id in seen:
+                dropped.append(block_id)
+            else:
+                seen.add(block_id)
+                kept.append(block_id)
+        if dropped:
+            logger.error(f"[fdsched] recycle batch had {len(dropped)} duplicate or already-free ids, dropped: {dropped}")
+        return kept
 
 
 SPEC = PatchSpec(
@@ -29,15 +219,17 @@ SPEC = PatchSpec(
     title="Deferred batched block recycling in LRU eviction",
     upstream_prs=(7885, 7886),
     upstream_state="open",
-    target="PrefixCacheManager",
-    replaces=(),
-    requires={"free_block_ids_async": ("need_block_num",), "recycle_gpu_blocks": ("gpu_block_ids",)},
+    replaces=("PrefixCacheManager.free_block_ids_async", "PrefixCacheManager.free_nodes_directly"),
+    requires={
+        "PrefixCacheManager.free_block_ids_async": ("need_block_num",),
+        "PrefixCacheManager.free_nodes_directly": ("node",),
+        "PrefixCacheManager.recycle_gpu_blocks": ("gpu_block_ids",),
+    },
     why="One recycle_gpu_blocks call per evicted node: INFO log of the id list, two gauges, one push per id.",
     how="Collect the evicted nodes' block ids (block + reserved decode ids) and recycle them once after the loop.",
     hosts_needing="all 2.6 hosts (old e7c8dc2, new d38eeb8)",
     switch="FDSCHED_DEFERRED_RECYCLE",
     delete_when="upstream merges PR 7885/7886 into every supported host",
-    mixin=DeferredRecycleMixin,
+    mixins={"PrefixCacheManager": DeferredRecycleMixin},
     host_has=lambda info: False,
-    extra_check=_not_yet,
 )

@@ -59,10 +59,16 @@ class InstallReport:
 
 def decide(settings: Settings, info) -> dict:
     """change id -> :class:`Decision`. Raises :class:`InstallError` for an impossible demand."""
+    from fdsched.patches import spec_for
+
     decisions = {}
     for change_id in CHANGE_IDS:
         mode = effective_ratio_mode(settings) if change_id == "ratio_reserve" else settings.change_mode(change_id)
-        has = bool(info.has.get(change_id))
+        spec = spec_for(change_id)
+        has_change = bool(info.has.get(change_id))  # the host carries the upstream change
+        has = has_change  # ... in the flavour the settings select (auto / on decide on this)
+        if spec.host_has_as_selected is not None:
+            has = spec.host_has_as_selected(settings, has_change)
         problem = info.problems.get(change_id)
         if mode == "auto":
             if has:
@@ -78,8 +84,8 @@ def decide(settings: Settings, info) -> dict:
                     f"{problem}; allowed: auto (skip where the host cannot take it) or off"
                 )
             d = Decision(change_id, mode, "plugin", "applied", "applied (plugin's version over the host's)" if has else "applied")
-        else:  # off
-            if not has:
+        else:  # off: what matters is whether the host runs the post-change code at all
+            if not has_change:
                 d = Decision(change_id, mode, "host", "off", "off (host's own pre-change code)")
             elif problem:
                 raise InstallError(
@@ -103,12 +109,13 @@ def current() -> Optional[InstallReport]:
 
 def _build(info, settings: Settings, decisions: dict, policies: Policies) -> dict:
     from fdsched.patches import CATALOGUE, TARGETS
+    from fdsched.patches._base import InitGuard
 
     impl = {cid: d.impl for cid, d in decisions.items()}
     classes = {}
     for target, host_cls in (("ResourceManagerV1", info.rm_class), ("PrefixCacheManager", info.pcm_class)):
         # Later catalogue entries wrap earlier ones (ratio_reserve's _trigger_preempt wraps decode_only_preempt's).
-        mixins = tuple(spec.mixin for spec in reversed(CATALOGUE) if spec.target == target)
+        mixins = tuple(spec.mixins[target] for spec in reversed(CATALOGUE) if target in spec.mixins)
         attrs = {
             "__module__": "fdsched.patches",
             "__qualname__": host_cls.__name__,
@@ -119,7 +126,7 @@ def _build(info, settings: Settings, decisions: dict, policies: Policies) -> dic
             "_fdsched_host": info,
             "_fdsched_host_class": host_cls,
         }
-        classes[target] = type(host_cls.__name__, mixins + (host_cls,), attrs)
+        classes[target] = type(host_cls.__name__, (InitGuard,) + mixins + (host_cls,), attrs)
     return classes
 
 
