@@ -57,6 +57,11 @@ class EngineShape:
                 f"num_gpu_blocks={self.num_gpu_blocks} is too small: the host needs at least "
                 f"max_model_len / block_size + 2 = {need}"
             )
+        if self.max_num_batched_tokens > self.max_num_seqs * self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} must not exceed max_num_seqs * max_model_len "
+                f"= {self.max_num_seqs * self.max_model_len} (the host's config check)"
+            )
 
 
 def build_manager(shape: EngineShape):

@@ -1,0 +1,93 @@
+"""Fixtures for tests that run against the real FastDeploy host classes.
+
+Find the host once; when it is missing, skip every test in this folder with one reason. The host
+modules are imported only after the environment they need on a CPU machine is set
+(:func:`fdsched.replay.engine.prepare_host_environment`).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from fdsched.host import HOW_TO_POINT, HostNotFound, find_host
+
+SKIP_REASON = "needs FastDeploy host: " + HOW_TO_POINT
+
+
+def _host_available():
+    from fdsched.replay.engine import prepare_host_environment
+
+    prepare_host_environment()
+    try:
+        find_host()
+    except HostNotFound as exc:
+        return str(exc)
+    return None
+
+
+_MISSING = _host_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    if _MISSING is None:
+        return
+    marker = pytest.mark.skip(reason=SKIP_REASON)
+    for item in items:
+        if "tests/host/" in str(item.fspath).replace("\\", "/"):
+            item.add_marker(marker)
+
+
+def pytest_report_header(config):
+    if _MISSING is None:
+        from fdsched.host import probe
+
+        return f"fdsched host tests: {probe().label}"
+    return f"fdsched host tests: SKIPPED ({_MISSING})"
+
+
+@pytest.fixture(scope="session")
+def host_info():
+    from fdsched.host import probe
+
+    return probe()
+
+
+@pytest.fixture
+def install_profile():
+    """Install the plugin with a shipped profile (or a dict of env overrides); uninstall afterwards."""
+    from fdsched import installer
+    from fdsched.metrics import METRICS
+    from fdsched.settings import load_settings
+
+    def _install(profile=None, **env):
+        settings = load_settings(environ={k: str(v) for k, v in env.items()}, profile=profile)
+        METRICS.reset()
+        return installer.install(settings)
+
+    yield _install
+    installer.uninstall()
+
+
+@pytest.fixture
+def make_manager():
+    """Build managers through the host module's current binding; close them afterwards."""
+    from fdsched.replay.engine import EngineShape, build_manager, close_manager
+
+    built = []
+
+    def _make(**shape):
+        manager = build_manager(EngineShape(**shape))
+        built.append(manager)
+        return manager
+
+    yield _make
+    for manager in built:
+        close_manager(manager)
+
+
+@pytest.fixture
+def clock():
+    from fdsched.replay.engine import logical_clock
+
+    with logical_clock():
+        yield

@@ -1,0 +1,193 @@
+"""The spine against the real host: FastDeploy's loader installs us, rebinding, parity, uninstall, doctor."""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+
+import pytest
+
+RM_MODULE = "fastdeploy.engine.sched.resource_manager_v1"
+PCM_MODULE = "fastdeploy.cache_manager.prefix_cache_manager"
+IMPORT_SITES = {
+    # module -> names it binds at import time (found by grepping both hosts' sources)
+    "fastdeploy.engine.common_engine": ("ResourceManagerV1",),
+    "fastdeploy.engine.resource_manager": ("PrefixCacheManager",),
+}
+
+
+def _originals():
+    from fdsched.host import _original
+
+    return (
+        _original(importlib.import_module(RM_MODULE).ResourceManagerV1),
+        _original(importlib.import_module(PCM_MODULE).PrefixCacheManager),
+    )
+
+
+@pytest.fixture
+def fresh_loader(monkeypatch):
+    """FastDeploy's own model-register plugin loader, as if this process had not loaded plugins yet."""
+    from fastdeploy.plugins import model_register
+
+    from fdsched import installer
+
+    installer.uninstall()
+    monkeypatch.setattr(model_register, "plugins_loaded", False)
+    yield model_register.load_model_register_plugins
+    installer.uninstall()
+
+
+def _import_sites():
+    for module in IMPORT_SITES:
+        try:
+            importlib.import_module(module)
+        except Exception as exc:  # pragma: no cover - depends on the host's optional deps
+            pytest.skip(f"cannot import {module} on this machine: {exc}")
+
+
+def test_fd_plugins_loader_installs_plugin_everywhere(fresh_loader, monkeypatch):
+    _import_sites()
+    rm_host, pcm_host = _originals()
+    monkeypatch.setenv("FD_PLUGINS", "fdsched")
+    monkeypatch.setenv("FDSCHED_PROFILE", "baseline")
+    from fastdeploy.utils import llm_logger
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    llm_logger.addHandler(handler)
+    try:
+        fresh_loader()
+    finally:
+        llm_logger.removeHandler(handler)
+
+    from fdsched import installer
+
+    report = installer.current()
+    assert report is not None, "FastDeploy's loader did not call the fdsched entry point"
+    rm_cls, pcm_cls = report.classes["ResourceManagerV1"], report.classes["PrefixCacheManager"]
+    assert issubclass(rm_cls, rm_host) and rm_cls is not rm_host
+    assert issubclass(pcm_cls, pcm_host) and pcm_cls is not pcm_host
+    assert sys.modules[RM_MODULE].ResourceManagerV1 is rm_cls
+    assert sys.modules[PCM_MODULE].PrefixCacheManager is pcm_cls
+    for module, names in IMPORT_SITES.items():
+        for name in names:
+            assert getattr(sys.modules[module], name) is report.classes[name], f"{module}.{name} not rebound"
+    # One log line naming every change with its state.
+    lines = [r.getMessage() for r in records if "[fdsched]" in r.getMessage() and "installed" in r.getMessage()]
+    assert len(lines) == 1
+    for change_id in report.decisions:
+        assert f"{change_id}=" in lines[0]
+
+
+def test_nothing_is_loaded_without_fd_plugins(fresh_loader, monkeypatch):
+    monkeypatch.delenv("FD_PLUGINS", raising=False)
+    rm_host, pcm_host = _originals()
+    fresh_loader()
+    from fdsched import installer
+
+    assert installer.current() is None
+    assert sys.modules[RM_MODULE].ResourceManagerV1 is rm_host
+    assert sys.modules[PCM_MODULE].PrefixCacheManager is pcm_host
+
+
+def test_entry_point_twice_changes_nothing(fresh_loader, monkeypatch):
+    monkeypatch.setenv("FD_PLUGINS", "fdsched")
+    fresh_loader()
+    from fdsched import installer
+    from fdsched.entry import register
+
+    first = installer.current()
+    bound = sys.modules[RM_MODULE].ResourceManagerV1
+    register()
+    assert installer.current() is first
+    assert sys.modules[RM_MODULE].ResourceManagerV1 is bound
+
+
+def test_bad_settings_raise_before_anything_is_patched(fresh_loader, monkeypatch):
+    rm_host, pcm_host = _originals()
+    monkeypatch.setenv("FD_PLUGINS", "fdsched")
+    monkeypatch.setenv("FD_INIT_NEW_TOKEN_RATIO", "1.5")
+    from fdsched.settings import SettingsError
+
+    with pytest.raises(SettingsError, match="FD_INIT_NEW_TOKEN_RATIO"):
+        fresh_loader()
+    assert sys.modules[RM_MODULE].ResourceManagerV1 is rm_host
+    assert sys.modules[PCM_MODULE].PrefixCacheManager is pcm_host
+
+
+def test_uninstall_restores_every_site(install_profile):
+    _import_sites()
+    rm_host, pcm_host = _originals()
+    report = install_profile("recommended")
+    assert report.sites["ResourceManagerV1"][0] == f"{RM_MODULE}.ResourceManagerV1"
+    from fdsched import installer
+
+    installer.uninstall()
+    assert sys.modules[RM_MODULE].ResourceManagerV1 is rm_host
+    assert sys.modules[PCM_MODULE].PrefixCacheManager is pcm_host
+    for module, names in IMPORT_SITES.items():
+        for name in names:
+            assert getattr(sys.modules[module], name) in (rm_host, pcm_host)
+
+
+def test_manager_built_like_host_tests_is_plugin_subclass(install_profile, make_manager):
+    report = install_profile("baseline")
+    manager = make_manager(block_size=4, num_gpu_blocks=40, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    assert type(manager) is report.classes["ResourceManagerV1"]
+    assert type(manager.cache_manager) is report.classes["PrefixCacheManager"]
+
+
+def _workload_fingerprint(make_manager):
+    """Run a small KV-pressure workload through schedule(); return every observable decision."""
+    from fdsched.replay.engine import logical_clock
+
+    from .workloads import PRESSURE_SHAPE, fingerprint, kv_pressure_requests, run_workload
+
+    with logical_clock():
+        return fingerprint(run_workload(make_manager(**PRESSURE_SHAPE), kv_pressure_requests()))
+
+
+def test_schedules_exactly_as_host_when_every_change_runs_host_code(install_profile, make_manager, host_info):
+    """All changes resolving to the host's own code: identical decisions, step by step."""
+    host_run = _workload_fingerprint(make_manager)
+    # deferred_recycle and nonpolling_transfer are plugin-only, so `off` is the host's code on every host;
+    # the scheduler changes run the host's code under `off` on the old host and `auto` on the new one.
+    mode = "auto" if host_info.has["decode_only_preempt"] else "off"
+    report = install_profile(
+        None,
+        FDSCHED_DEFERRED_RECYCLE="off",
+        FDSCHED_NONPOLLING_TRANSFER="off",
+        FDSCHED_DECODE_ONLY_PREEMPT=mode,
+        FDSCHED_RATIO_RESERVE=mode,
+        FDSCHED_PD_PREFILL_CACHE=mode,
+        FDSCHED_PD_PREFILL_CACHE_MODE="upstream",
+    )
+    assert {d.impl for d in report.decisions.values()} == {"host"}
+    plugin_run = _workload_fingerprint(make_manager)
+    assert plugin_run == host_run
+    assert sum(len(step[4]) for step in host_run) > 0, "workload must exercise preemption"
+
+
+def test_doctor_reports_what_the_host_has(host_info, capsys, monkeypatch):
+    from fdsched.cli import main
+
+    monkeypatch.delenv("FDSCHED_PROFILE", raising=False)
+    assert main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split()[0]: line for line in out.splitlines() if line.split() and line.split()[0] in host_info.has}
+    assert set(rows) == set(host_info.has)
+    expected = {
+        # the old host (e7c8dc2) has none of the five; the new host (d38eeb8) has 7783 and 7387
+        "e7c8dc2fe940ba2f50d932f17b41eab555846ecb": set(),
+        "d38eeb8334331b903fb34c9cd270ff0c58a48adf": {"decode_only_preempt", "ratio_reserve", "pd_prefill_cache"},
+    }
+    has = {cid for cid, value in host_info.has.items() if value}
+    if host_info.commit in expected:
+        assert has == expected[host_info.commit]
+    # Both changes of PR 7783 come together with the split status enum.
+    assert host_info.has["decode_only_preempt"] == host_info.has["ratio_reserve"] == host_info.split_status
+    for cid, line in rows.items():
+        assert (" yes " in line) == (cid in has), line

@@ -1,0 +1,51 @@
+"""Small deterministic workloads driven through the real scheduler (shared by host tests)."""
+
+from __future__ import annotations
+
+import random
+
+
+def kv_pressure_requests(seed=3, count=14, arrival_span=10, prompt=(8, 40), output=(20, 56), max_tokens=56):
+    """(arrival step, id, prompt tokens, true output length, max_tokens) for a pool that runs short."""
+    rnd = random.Random(seed)
+    return [
+        (
+            rnd.randrange(0, arrival_span),
+            f"r{i}",
+            [rnd.randrange(50) for _ in range(rnd.randrange(*prompt))],
+            rnd.randrange(*output),
+            max_tokens,
+        )
+        for i in range(count)
+    ]
+
+
+PRESSURE_SHAPE = dict(block_size=4, num_gpu_blocks=34, max_num_seqs=6, max_num_batched_tokens=48, max_model_len=96)
+
+
+def run_workload(manager, requests, max_steps=3000, on_step=None):
+    """Drive ``requests`` through ``manager``; return the list of StepRecords."""
+    from fdsched.replay.engine import Driver, make_request
+
+    driver = Driver(manager)
+    records = []
+    last_arrival = max(r[0] for r in requests)
+    for step in range(max_steps):
+        for arrival, rid, prompt, out, max_tokens in requests:
+            if arrival == step:
+                driver.add(make_request(rid, prompt, max_tokens), true_output_len=out)
+        record = driver.step()
+        records.append(record)
+        if on_step is not None:
+            on_step(driver, record)
+        if step >= last_arrival and driver.idle():
+            return records
+    raise AssertionError(f"workload did not drain in {max_steps} steps")
+
+
+def fingerprint(records):
+    return [
+        (r.step, r.scheduled_prefill_tokens, r.decode_tokens, tuple(r.finished), tuple(r.preempted), r.blocks_used,
+         r.running, r.waiting)
+        for r in records
+    ]
