@@ -84,15 +84,17 @@ class DeferredRecycleMixin(PluginBase):
             try:
                 evicted = 0
                 heap, in_heap = self.gpu_lru_leaf_heap, self.gpu_lru_leaf_set
+                evict, evictable, pop, push = self._fdsched_evict_node, self._fdsched_evictable_leaf, heapq.heappop, heapq.heappush
+                cpu_status = host_global(PCM, "CacheStatus").CPU
                 while heap and evicted < need_block_num:
-                    node = heapq.heappop(heap)
+                    node = pop(heap)
                     in_heap.remove(node)
                     if node.shared_count != 0 or not node.is_gpu_leaf_node:
                         continue  # as the host: a node that is in use again leaves the heap
-                    parent = self._fdsched_evict_node(node, freed)
+                    parent = evict(node, freed, cpu_status)
                     evicted += 1
-                    if self._fdsched_evictable_leaf(parent) and parent not in in_heap:
-                        heapq.heappush(heap, parent)
+                    if not parent.children and parent not in in_heap and evictable(parent):
+                        push(heap, parent)
                         in_heap.add(parent)
                 self.gpu_free_task_future = None
             except Exception as exc:
@@ -115,7 +117,7 @@ class DeferredRecycleMixin(PluginBase):
                         removed_from_heap = True
                     if node.shared_count != 0 or not node.is_gpu_leaf_node or node.is_persistent:
                         break
-                    parent = self._fdsched_evict_node(node, freed)
+                    parent = self._fdsched_evict_node(node, freed, host_global(PCM, "CacheStatus").CPU)
                     node = parent if not parent.children else None
             except Exception as exc:
                 self._fdsched_eviction_error("free_nodes_directly", exc)
@@ -135,9 +137,9 @@ class DeferredRecycleMixin(PluginBase):
             return False  # flush-only storage mode collects per-node flush info: the host's loop does it
         return True
 
-    def _fdsched_evict_node(self, node, freed: list):
+    def _fdsched_evict_node(self, node, freed: list, cpu_status):
         """Detach an evicted leaf, collect its ids; return its parent."""
-        node.cache_status = host_global(PCM, "CacheStatus").CPU  # see the module docstring
+        node.cache_status = cpu_status  # CacheStatus.CPU: see the module docstring
         self.node_id_pool.append(node.node_id)
         self.node_map.pop(node.node_id, None)
         if node.reverved_dec_block_ids:

@@ -115,6 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_optional_commands(sub) -> None:
     """Commands that live in their own modules (replay, traces, benchmarks)."""
+    from . import bench
+
+    bench.add_commands(sub)
     try:
         from .replay import cli as replay_cli
     except ImportError:
@@ -123,12 +126,18 @@ def _add_optional_commands(sub) -> None:
 
 
 def main(argv: Optional[list] = None) -> int:
+    from .host import HostNotFound
+    from .installer import InstallError
+
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except SettingsError as exc:
+    except (SettingsError, InstallError) as exc:
         print(f"fdsched: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    except HostNotFound as exc:
+        print(f"fdsched: {exc}", file=sys.stderr)
+        return EXIT_NO_HOST
 
 
 if __name__ == "__main__":

@@ -1,0 +1,35 @@
+"""Shared fixtures of the host-free unit tier.
+
+Nothing in tests/unit imports FastDeploy or paddle. Every test runs with the plugin's own
+environment variables removed, so a developer's shell (or tests/host) cannot leak settings in.
+"""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+
+from fdsched.hooks import DISABLE_ENV
+from fdsched.host import HOST_SOURCE_ENV
+from fdsched.settings import PROFILE_ENV, SCHEMA
+
+PLUGIN_ENV_VARS = sorted({s.env for s in SCHEMA if s.env} | {PROFILE_ENV, HOST_SOURCE_ENV, DISABLE_ENV})
+
+
+@pytest.fixture(autouse=True)
+def _clean_plugin_env(monkeypatch):
+    for var in PLUGIN_ENV_VARS:
+        monkeypatch.delenv(var, raising=False)
+
+
+@pytest.fixture
+def write_profile(tmp_path):
+    """Write a YAML profile into tmp_path and return its path (as a str)."""
+
+    def _write(text: str, name: str = "custom.yaml") -> str:
+        path = tmp_path / name
+        path.write_text(textwrap.dedent(text), encoding="utf-8")
+        return str(path)
+
+    return _write

@@ -1,0 +1,144 @@
+"""fdsched.patches: the catalogue is data, and it cannot drift from the mixin code."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+import subprocess
+import sys
+from collections import defaultdict
+
+import pytest
+
+import fdsched.patches
+from fdsched.patches import CATALOGUE, TARGETS, PatchSpec, spec_for
+from fdsched.settings import CHANGE_IDS, SCHEMA
+
+SCHEMA_BY_KEY = {s.key: s for s in SCHEMA}
+PATCH_MODULES = sorted(
+    info.name for info in pkgutil.iter_modules(fdsched.patches.__path__) if info.name not in ("_base", "__init__")
+)
+SPECS = {spec.change_id: spec for spec in CATALOGUE}
+
+
+def own_methods(cls) -> set:
+    """Functions a mixin defines itself, without its private _fdsched helpers."""
+    return {
+        name for name, value in vars(cls).items() if inspect.isfunction(value) and not name.startswith("_fdsched")
+    }
+
+
+def test_catalogue_order_is_the_change_order():
+    assert tuple(spec.change_id for spec in CATALOGUE) == CHANGE_IDS
+    assert all(isinstance(spec, PatchSpec) for spec in CATALOGUE)
+
+
+def test_spec_for():
+    for change_id in CHANGE_IDS:
+        assert spec_for(change_id).change_id == change_id
+    with pytest.raises(KeyError):
+        spec_for("no_such_change")
+
+
+@pytest.mark.parametrize("change_id", CHANGE_IDS)
+def test_mixins_define_exactly_what_the_spec_replaces(change_id):
+    spec = SPECS[change_id]
+    declared = defaultdict(set)
+    for target_method in spec.replaces:
+        target, method = target_method.split(".", 1)
+        declared[target].add(method)
+    assert set(declared) <= set(spec.mixins), f"{change_id}: replaces a method of a target without a mixin"
+    for target, mixin in spec.mixins.items():
+        assert own_methods(mixin) == declared[target], f"{change_id}: {mixin.__name__} drifted from SPEC.replaces"
+
+
+@pytest.mark.parametrize("change_id", CHANGE_IDS)
+def test_targets_and_requirements_name_known_host_classes(change_id):
+    spec = SPECS[change_id]
+    assert set(spec.mixins) <= set(TARGETS)
+    for name in list(spec.replaces) + list(spec.requires):
+        assert name.split(".", 1)[0] in TARGETS
+    for dotted in spec.replaces_dotted:
+        target_path, method = dotted.rsplit(".", 1)
+        assert target_path in TARGETS.values() and method
+
+
+@pytest.mark.parametrize("change_id", CHANGE_IDS)
+def test_spec_text_fields_are_filled(change_id):
+    spec = SPECS[change_id]
+    for field in ("title", "why", "how", "hosts_needing", "delete_when", "upstream_state"):
+        value = getattr(spec, field)
+        assert isinstance(value, str) and value.strip(), f"{change_id}.{field} is empty"
+    assert spec.upstream_state in ("merged", "open", "closed")
+
+
+@pytest.mark.parametrize("change_id", CHANGE_IDS)
+def test_switch_is_the_settings_variable(change_id):
+    spec = SPECS[change_id]
+    assert spec.switch == "FDSCHED_" + change_id.upper()
+    assert SCHEMA_BY_KEY[f"changes.{change_id}"].env == spec.switch
+
+
+@pytest.mark.parametrize("change_id", CHANGE_IDS)
+def test_upstream_prs_are_ints(change_id):
+    prs = SPECS[change_id].upstream_prs
+    assert isinstance(prs, tuple) and prs
+    assert all(type(pr) is int and pr > 0 for pr in prs)
+
+
+@pytest.mark.parametrize("change_id", CHANGE_IDS)
+def test_probe_callables_are_callable(change_id):
+    spec = SPECS[change_id]
+    assert callable(spec.host_has)
+    assert spec.extra_check is None or callable(spec.extra_check)
+    assert spec.host_has_as_selected is None or callable(spec.host_has_as_selected)
+
+
+def test_every_patch_module_is_referenced_by_exactly_one_spec():
+    referenced = defaultdict(list)
+    for spec in CATALOGUE:
+        for module in {mixin.__module__ for mixin in spec.mixins.values()}:
+            referenced[module].append(spec.change_id)
+    for name in PATCH_MODULES:
+        module = importlib.import_module(f"fdsched.patches.{name}")
+        assert len(referenced[module.__name__]) == 1, f"{name}: referenced by {referenced[module.__name__]}"
+        assert module.SPEC in CATALOGUE
+        assert referenced[module.__name__] == [module.SPEC.change_id]
+    assert set(referenced) == {f"fdsched.patches.{name}" for name in PATCH_MODULES}
+
+
+def test_patch_modules_are_named_after_their_change():
+    assert PATCH_MODULES == sorted(CHANGE_IDS)
+
+
+@pytest.mark.parametrize("name", PATCH_MODULES)
+def test_patch_module_docstring_has_every_section(name):
+    doc = importlib.import_module(f"fdsched.patches.{name}").__doc__ or ""
+    for section in ("Replaces:", "Why:", "Upstream:", "Switch:", "Delete:"):
+        assert section in doc, f"{name} docstring lacks {section}"
+
+
+@pytest.mark.parametrize("name", PATCH_MODULES)
+def test_patch_module_docstring_names_its_switch(name):
+    module = importlib.import_module(f"fdsched.patches.{name}")
+    assert module.SPEC.switch in module.__doc__
+
+
+def test_nonpolling_transfer_reports_itself_unavailable():
+    spec = SPECS["nonpolling_transfer"]
+    assert spec.replaces == ()
+    assert spec.extra_check(None)  # a problem text whatever the host
+    assert spec.host_has(None) is False
+
+
+def test_importing_the_plugin_imports_no_host():
+    code = (
+        "import sys, fdsched, fdsched.settings, fdsched.hooks, fdsched.policies, fdsched.rebind, "
+        "fdsched.patches, fdsched.installer, fdsched.cli, fdsched.host\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('fastdeploy', 'paddle'))\n"
+        "print(bad)\n"
+        "sys.exit(1 if bad else 0)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr

@@ -1,0 +1,105 @@
+"""fdsched.cli: `fdsched profiles` and `fdsched doctor` without a host."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from fdsched import __version__
+from fdsched.cli import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK, main
+from fdsched.host import HOST_SOURCE_ENV
+from fdsched.settings import CHANGE_IDS, PROFILE_ENV, shipped_profiles
+
+
+@pytest.fixture
+def no_host(monkeypatch):
+    monkeypatch.delenv(HOST_SOURCE_ENV, raising=False)
+    assert importlib.util.find_spec("fastdeploy") is None, "the unit tier must run where FastDeploy is not importable"
+
+
+def test_profiles_lists_every_shipped_profile(capsys):
+    assert main(["profiles"]) == EXIT_OK
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    for name in shipped_profiles():
+        assert any(line.startswith(name + " ") for line in lines), name
+        assert f"\n{name}: " in out  # its description
+    assert "baseline  " in out
+    assert "deferred_recycle=off decode_only_preempt=off ratio_reserve=off pd_prefill_cache=off" in out
+    assert PROFILE_ENV in out
+
+
+def test_profiles_ignores_the_environment(capsys, monkeypatch):
+    monkeypatch.setenv("FDSCHED_RATIO_RESERVE", "maybe")  # would be an error for load_settings()
+    assert main(["profiles"]) == EXIT_OK
+    assert "recommended" in capsys.readouterr().out
+
+
+def test_profiles_shows_one(capsys):
+    assert main(["profiles", "oracle"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert out.startswith("# ")
+    assert str(shipped_profiles()["oracle"]) in out
+    assert "oracle_reserve: true" in out
+
+
+def test_profiles_unknown_name(capsys):
+    assert main(["profiles", "nosuch"]) == EXIT_ERROR
+    captured = capsys.readouterr()
+    assert "'nosuch'" in captured.err
+    for name in shipped_profiles():
+        assert name in captured.err
+    assert captured.out == ""
+
+
+def test_doctor_without_a_host(capsys, no_host):
+    assert main(["doctor"]) == EXIT_NO_HOST
+    out = capsys.readouterr().out
+    assert f"fdsched {__version__}" in out
+    assert "profile: none" in out
+    assert "host: NOT FOUND" in out
+    assert HOST_SOURCE_ENV in out  # how to point at a host
+    for change_id in CHANGE_IDS:
+        assert change_id in out
+    assert "effective settings:" in out
+    assert "env " not in out  # nothing came from the environment
+
+
+def test_doctor_without_a_host_shows_the_selected_profile(capsys, monkeypatch, no_host):
+    monkeypatch.setenv(PROFILE_ENV, "recommended")
+    assert main(["doctor"]) == EXIT_NO_HOST
+    out = capsys.readouterr().out
+    assert "profile: recommended (" in out
+    assert "profile recommended" in out  # as a source in the settings table
+
+
+def test_doctor_with_a_bad_env_value(capsys, monkeypatch, no_host):
+    monkeypatch.setenv("FDSCHED_RATIO_RESERVE", "maybe")
+    assert main(["doctor"]) == EXIT_ERROR
+    out = capsys.readouterr().out
+    assert "settings: ERROR" in out
+    assert "FDSCHED_RATIO_RESERVE" in out
+    assert "'maybe'" in out
+    assert "one of auto, on, off" in out
+    assert "host:" not in out  # stops before looking for a host
+
+
+def test_doctor_with_an_unknown_profile(capsys, monkeypatch, no_host):
+    monkeypatch.setenv(PROFILE_ENV, "nosuch")
+    assert main(["doctor"]) == EXIT_ERROR
+    out = capsys.readouterr().out
+    assert PROFILE_ENV in out and "'nosuch'" in out
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["--version"])
+    assert exited.value.code == 0
+    assert __version__ in capsys.readouterr().out
+
+
+def test_a_command_is_required(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main([])
+    assert exited.value.code == 2
