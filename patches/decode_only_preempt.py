@@ -1,7 +1,7 @@
 """Change 2 — decode-only preemption.
 
 Replaces:  ResourceManagerV1._trigger_preempt, ResourceManagerV1.schedule (wrapper: ends the
-           no-victim warning episode after each pass)
+           no-victim warning episode after each pass), ResourceManagerV1.__init__ (its state)
 Why:       the host preempts the last running request whatever its phase, so a long prompt that is
            half prefilled can be thrown away and recomputed while decoders hold their blocks.
 Upstream:  PR 7444, 2.6 cherry-pick 7783 (merged; in the "new host" d38eeb8).

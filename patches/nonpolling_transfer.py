@@ -1,6 +1,8 @@
 """Change 5 — the CPU prefix-cache transfer-done receiver waits instead of polling.
 
-Replaces:  PrefixCacheManager.recv_data_transfer_result (and the transfer-done queue it reads)
+Replaces:  nothing yet — NOT IMPLEMENTED in this version: the probe reports it unavailable, so ``auto``
+           skips it with a warning and ``on`` is an error. The plan: PrefixCacheManager.recv_data_transfer_result
+           and the EngineCacheQueue transfer-done channel (server in a manager process the engine starts).
 Why:       the host's receiver thread calls EngineCacheQueue.get_transfer_done_signal(), a BaseManager
            RPC over a locked list, every 1 ms, idle or not.
 Upstream:  PR 7520 (closed: `or True` made the swap branch unreachable, a Process started from a

@@ -6,3 +6,7 @@ Import name ``fdsched``. Layers, one direction only: :mod:`fdsched.policies` (pu
 """
 
 __version__ = "0.1.0"
+
+from .hookspecs import hookimpl  # noqa: E402  (third parties: ``@fdsched.hookimpl``)
+
+__all__ = ["__version__", "hookimpl"]

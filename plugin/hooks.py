@@ -76,9 +76,15 @@ class Policies:
         self.refresh()
 
     def register(self, plugin, name: Optional[str] = None):
+        """Register a hook implementation; a plugin with an unknown ``fdsched_*`` hook is rejected whole."""
         self.pm.register(plugin, name=name)
-        self.pm.check_pending()
-        self.refresh()
+        try:
+            self.pm.check_pending()
+        except Exception:
+            self.pm.unregister(plugin)
+            raise
+        finally:
+            self.refresh()
 
     def unregister(self, plugin) -> None:
         self.pm.unregister(plugin)
@@ -91,7 +97,10 @@ class Policies:
         self._direct_decoding = len(hook.fdsched_is_decoding.get_hookimpls()) == 1
 
     def external_plugins(self) -> list[str]:
-        return sorted(name for name, _ in self.pm.list_name_plugin() if name != "fdsched-defaults")
+        # Blocked names stay in pluggy's registry as None placeholders: they are not loaded plugins.
+        return sorted(
+            name for name, plugin in self.pm.list_name_plugin() if plugin is not None and name != "fdsched-defaults"
+        )
 
     def is_decoding(self, request_id, status_is_decode, num_total_tokens, need_prefill_tokens) -> bool:
         if self._direct_decoding:

@@ -42,7 +42,9 @@ class Rebinding:
                 yield module, self.name
 
     def apply(self) -> list[str]:
-        """Replace every binding; return the ``module.attr`` sites, defining module first."""
+        """Replace every binding; return the ``module.attr`` sites, defining module first. Idempotent."""
+        if self.sites:
+            return [f"{module.__name__}.{attr}" for module, attr in self.sites]
         sites = sorted(self._holders(), key=lambda site: (site[0].__name__ != self.defining_module, site[0].__name__))
         for module, attr in sites:
             setattr(module, attr, self.replacement)

@@ -339,19 +339,19 @@ def shipped_profiles() -> dict[str, Path]:
     return dict(sorted(found.items()))
 
 
-def _resolve_profile(value: str) -> tuple[str, Path]:
+def _resolve_profile(value: str, origin: str = PROFILE_ENV) -> tuple[str, Path]:
     value = value.strip()
     looks_like_path = os.sep in value or value.endswith((".yaml", ".yml"))
     if looks_like_path:
         path = Path(value).expanduser()
         if not path.is_file():
-            raise SettingsError(f"{PROFILE_ENV}={value!r}: no such profile file; allowed: a shipped profile name "
+            raise SettingsError(f"{origin}={value!r}: no such profile file; allowed: a shipped profile name "
                                 f"({', '.join(shipped_profiles())}) or the path of a YAML file")
         return path.stem, path
     profiles = shipped_profiles()
     if value not in profiles:
         raise SettingsError(
-            f"{PROFILE_ENV}={value!r}: unknown profile; allowed: {', '.join(profiles)} or the path of a YAML file"
+            f"{origin}={value!r}: unknown profile; allowed: {', '.join(profiles)} or the path of a YAML file"
         )
     return value, profiles[value]
 
@@ -415,7 +415,7 @@ def load_settings(environ: Optional[Mapping[str, str]] = None, profile: Optional
     profile_name = profile_path = None
     requested = profile if profile is not None else environ.get(PROFILE_ENV)
     if requested is not None and requested.strip() != "":
-        profile_name, path = _resolve_profile(requested)
+        profile_name, path = _resolve_profile(requested, PROFILE_ENV if profile is None else "profile")
         profile_path = str(path)
         for key, raw in read_profile(path).items():
             setting = _BY_KEY[key]
@@ -435,43 +435,66 @@ def load_settings(environ: Optional[Mapping[str, str]] = None, profile: Optional
             raise SettingsError(f"environment variable {setting.env}={raw!r}: bad value; allowed: {exc}") from None
         sources[setting.key] = f"env {setting.env}"
 
-    _check_together(values, sources)
+    _check_together(values, sources, profile_path)
     return Settings(MappingProxyType(values), MappingProxyType(sources), profile_name, profile_path)
 
 
-def _where(key: str, sources: Mapping[str, str]) -> str:
+def _where(key: str, sources: Mapping[str, str], profile_path: Optional[str] = None) -> str:
     setting = _BY_KEY[key]
     source = sources[key]
     if source.startswith("env "):
         return f"environment variable {setting.env}"
     if source.startswith("profile "):
-        return f"{source}, key {key}"
+        name = source[len("profile "):]
+        return f"profile {name} ({profile_path}), key {key}" if profile_path else f"profile {name}, key {key}"
     return f"{key} (default)"
 
 
-def _check_together(values: dict, sources: dict) -> None:
-    """Checks that involve two settings: the later-set one is named first."""
-    init_k, min_k = "host_tunables.FD_INIT_NEW_TOKEN_RATIO", "host_tunables.FD_MIN_NEW_TOKEN_RATIO"
-    if values[min_k] > values[init_k]:
+_PRECEDENCE = {"default": 0, "profile": 1, "env": 2}
+
+
+def _rank(source: str) -> int:
+    return _PRECEDENCE[source.split(" ", 1)[0]]
+
+
+def _check_order(values, sources, low_k, high_k, what, profile_path) -> None:
+    """``values[low_k] <= values[high_k]``, else blame whichever was set with higher precedence."""
+    if values[low_k] <= values[high_k]:
+        return
+    low_name, high_name = low_k.split(".", 1)[1], high_k.split(".", 1)[1]
+    if _rank(sources[high_k]) > _rank(sources[low_k]):
         raise SettingsError(
-            f"{_where(min_k, sources)}: bad value {values[min_k]!r}; allowed: a number not above "
-            f"FD_INIT_NEW_TOKEN_RATIO={values[init_k]!r} (from {_where(init_k, sources)})"
+            f"{_where(high_k, sources, profile_path)}: bad value {values[high_k]!r}; allowed: {what} not below "
+            f"{values[low_k]!r} ({low_name}, from {_where(low_k, sources, profile_path)})"
         )
-    legacy_init = "host_tunables.FD_RESERVE_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL"
-    legacy_min = "host_tunables.FD_RESERVE_MIN_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL"
-    if values[legacy_min] > values[legacy_init]:
-        raise SettingsError(
-            f"{_where(legacy_min, sources)}: bad value {values[legacy_min]!r}; allowed: an integer not above "
-            f"{values[legacy_init]!r} (the legacy initial reservation, from {_where(legacy_init, sources)})"
-        )
+    raise SettingsError(
+        f"{_where(low_k, sources, profile_path)}: bad value {values[low_k]!r}; allowed: {what} not above "
+        f"{values[high_k]!r} ({high_name}, from {_where(high_k, sources, profile_path)})"
+    )
+
+
+def _check_together(values: dict, sources: dict, profile_path: Optional[str] = None) -> None:
+    """Checks that involve two settings: the one set with higher precedence is named first."""
+    _check_order(
+        values, sources, "host_tunables.FD_MIN_NEW_TOKEN_RATIO", "host_tunables.FD_INIT_NEW_TOKEN_RATIO",
+        "a number", profile_path,
+    )
+    _check_order(
+        values,
+        sources,
+        "host_tunables.FD_RESERVE_MIN_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL",
+        "host_tunables.FD_RESERVE_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL",
+        "an integer",
+        profile_path,
+    )
     # The host's own switch for the ratio policy must not contradict ours when both are explicit.
     host_k, ours_k = "host_tunables.FD_USE_NEW_TOKEN_RATIO_RESERVE", "changes.ratio_reserve"
     if sources[host_k] != "default":
         mode = values[ours_k]
         if (mode == "on" and not values[host_k]) or (mode == "off" and values[host_k]):
             raise SettingsError(
-                f"{_where(host_k, sources)}: bad value {int(values[host_k])!r}; it contradicts "
-                f"{_where(ours_k, sources)}={mode!r}; allowed: leave it unset, or "
+                f"{_where(host_k, sources, profile_path)}: bad value {int(values[host_k])!r}; it contradicts "
+                f"{_where(ours_k, sources, profile_path)}={mode!r}; allowed: leave it unset, or "
                 f"{1 if mode == 'on' else 0} with ratio_reserve={mode}"
             )
 

@@ -251,11 +251,6 @@ def test_policies_register_rejects_an_unknown_hook(pol):
         pol.register(UnknownHook(), name="typo")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: hooks.py:78-81 (Policies.register) leaves the rejected plugin registered when check_pending "
-    "raises, so dispatch and the fast-path flags disagree",
-)
 def test_a_rejected_plugin_is_not_left_registered(pol):
     class HalfGood(FirstRequestVictim, UnknownHook):
         pass
@@ -316,11 +311,6 @@ def test_blocked_names_are_blocked_in_the_manager():
     assert [name for name, plugin in pm.list_name_plugin() if plugin is not None] == ["fdsched-defaults"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: hooks.py:93-94 (Policies.external_plugins) lists blocked entry-point names, which pluggy keeps "
-    "as None placeholders, as if they were loaded plugins",
-)
 def test_blocked_names_are_not_reported_as_external_plugins():
     pol = Policies(make_plugin_manager(environ={DISABLE_ENV: "a,b"}))
     assert pol.external_plugins() == []
@@ -338,11 +328,6 @@ def test_hookimpl_is_exported_at_the_documented_place():
     assert hookimpl.project_name == "fdsched"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: hookspecs.py:3 tells third parties to use @fdsched.hookimpl, but plugin/__init__.py does not "
-    "export hookimpl (AttributeError)",
-)
 def test_hookimpl_is_reachable_as_documented_in_hookspecs():
     import fdsched
 

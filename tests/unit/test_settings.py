@@ -305,11 +305,6 @@ def test_min_ratio_above_init_in_yaml(write_profile):
     assert "not above FD_INIT_NEW_TOKEN_RATIO=0.7" in msg
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: settings.py:448 (_where) names a profile by its name only; for a profile given as a path "
-    "the error of a two-setting check does not name the file, unlike every other profile error",
-)
 def test_min_ratio_above_init_in_yaml_names_the_file(write_profile):
     path = write_profile("host_tunables:\n  FD_MIN_NEW_TOKEN_RATIO: 0.9\n", name="ratios.yaml")
     assert path in settings_error(profile=path)
@@ -386,11 +381,6 @@ def test_init_ratio_below_default_min_from_env_still_names_the_variable():
     assert "0.05" in msg
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="bug: settings.py:455-459 (_check_together) always blames FD_MIN_NEW_TOKEN_RATIO, although its "
-    "docstring says the later-set setting is named first; here the user set only FD_INIT_NEW_TOKEN_RATIO",
-)
 def test_init_ratio_below_default_min_names_the_set_variable_first():
     msg = settings_error(environ={"FD_INIT_NEW_TOKEN_RATIO": "0.05"})
     assert msg.startswith("environment variable FD_INIT_NEW_TOKEN_RATIO: bad value 0.05")
