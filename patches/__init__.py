@@ -21,6 +21,7 @@ __all__ = ["PatchSpec", "CATALOGUE", "TARGETS", "spec_for"]
 TARGETS = {
     "ResourceManagerV1": "fastdeploy.engine.sched.resource_manager_v1.ResourceManagerV1",
     "PrefixCacheManager": "fastdeploy.cache_manager.prefix_cache_manager.PrefixCacheManager",
+    "EngineCacheQueue": "fastdeploy.inter_communicator.engine_cache_queue.EngineCacheQueue",
 }
 
 
@@ -52,7 +53,7 @@ class PatchSpec:
         """Why this change cannot be applied to the probed host, or None when it can."""
         for target_method, params in self.requires.items():
             target, method = target_method.split(".", 1)
-            cls = info.rm_class if target == "ResourceManagerV1" else info.pcm_class
+            cls = info.host_classes[target]
             func = getattr(cls, method, None)
             if func is None or not callable(func):
                 return f"{cls.__name__}.{method} is missing"

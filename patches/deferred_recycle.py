@@ -35,7 +35,9 @@ Decisions, deliberately different from upstream's patch or the host:
 * ``free_nodes_directly`` (unused by the host's engine, kept for API parity) never frees the root
   or a persistent node, and never pushes a parent it is about to free anyway.
 
-The path with a CPU tier (swap to CPU) and the attention-store flush-only mode are left to the host.
+The path with a CPU tier (swap to CPU) and the attention-store flush-only mode are left to the host;
+``FDSCHED_TRANSFER_FORCE_DIRECT_RECYCLE=1`` sends eviction through this batched direct path even where the
+host would swap to the CPU tier.
 """
 
 from __future__ import annotations
@@ -130,8 +132,9 @@ class DeferredRecycleMixin(PluginBase):
     def _fdsched_deferred_path(self, need_block_num) -> bool:
         if self._fdsched_impl["deferred_recycle"] != "plugin":
             return False
-        if self.cache_config.num_cpu_blocks >= need_block_num:
-            return False  # the host swaps to the CPU tier here: not this change
+        force_direct = self._fdsched_settings["tunables.transfer_force_direct_recycle"]
+        if self.cache_config.num_cpu_blocks >= need_block_num and not force_direct:
+            return False  # the host swaps to the CPU tier here (change 5's path), unless forced direct
         envs = host_global(PCM, "envs")
         if getattr(envs, "FD_AS_ONLY_FLUSH", False) and self.kvcache_storage_backend == "attention_store":
             return False  # flush-only storage mode collects per-node flush info: the host's loop does it

@@ -1,29 +1,157 @@
 """Change 5 — the CPU prefix-cache transfer-done receiver waits instead of polling.
 
-Replaces:  nothing yet — NOT IMPLEMENTED in this version: the probe reports it unavailable, so ``auto``
-           skips it with a warning and ``on`` is an error. The plan: PrefixCacheManager.recv_data_transfer_result
-           and the EngineCacheQueue transfer-done channel (server in a manager process the engine starts).
-Why:       the host's receiver thread calls EngineCacheQueue.get_transfer_done_signal(), a BaseManager
-           RPC over a locked list, every 1 ms, idle or not.
-Upstream:  PR 7520 (closed: `or True` made the swap branch unreachable, a Process started from a
-           thread, a second queue broke reset(wait_for_tasks_done=True), exceptions swallowed).
+Replaces:  EngineCacheQueue.tansfer_done_queue_init (host spelling; server side: the done lists become
+           lists that can wait and that count a result being handled as pending),
+           EngineCacheQueue.get_transfer_done_signal (client side: one blocking RPC)
+Why:       the host's ``recv_data_transfer_result`` thread (engine process) calls
+           ``get_transfer_done_signal()`` every 1 ms, idle or not: 3 RPCs to the queue's manager process
+           per call, about 2,200 RPCs/s and ~10% of a core on each side; a result waits up to a poll
+           interval before it is handled, while ``issue_swap_task`` holds the KV-cache lock.
+Upstream:  PR 7520 (closed). Its idea — block on a server-side queue — is kept; its faults are not:
+           no ``or True`` (the GPU->CPU swap branch is the host's and stays reachable; only
+           FDSCHED_TRANSFER_FORCE_DIRECT_RECYCLE=1 evicts directly, through change 1's batched path),
+           no process started from a thread (nothing is started at all), no second queue (a result stays
+           in the host's own server-side list until the receiver takes it, so
+           ``reset(wait_for_tasks_done=True)`` still sees it), no swallowed errors (an empty wait is the only
+           "nothing yet"; any other error is logged and raised into the host's loop, which handles it as
+           before), no event that nothing waits on.
 Needs it:  every 2.6 host.
-Switch:    FDSCHED_NONPOLLING_TRANSFER = auto | on | off.
+Switch:    FDSCHED_NONPOLLING_TRANSFER / changes.nonpolling_transfer = auto | on | off;
+           FDSCHED_TRANSFER_WAIT_SECONDS (0.5): the longest single wait.
 Delete:    when upstream ships a blocking transfer-done path.
+
+Where each end runs (checked in both hosts' sources):
+
+* the server: ``EngineCacheQueue(is_server=True)`` is built in the engine process (``common_engine``);
+  its ``BaseManager.start()`` forks the manager process that owns the done lists. The plugin is installed
+  in the engine process before that (the entry point runs when the engine config is built), so the
+  lists the host creates in ``__init__`` are already the plugin's :class:`WaitableDoneList` when the
+  manager process is forked; nothing is pickled.
+* the producers: the cache transfer manager processes (started with ``subprocess``, no plugin) call
+  the host's ``put_transfer_done_signal`` — an ``append`` on the list proxy — which now also wakes a
+  waiting receiver. They need no change.
+* ``reset(wait_for_tasks_done=True)`` runs while the prefix tree is CLEARING; in that state the host's
+  receiver loop logs and survives handling errors, so a result taken is always acknowledged by the
+  next call. (In NORMAL state a handling error ends the host's receiver thread, as it always did.)
+* the receiver: ``PrefixCacheManager.recv_data_transfer_result`` in the engine process, unchanged; its
+  client queue (built in ``launch_cache_manager``) is the plugin's subclass, whose
+  ``get_transfer_done_signal`` blocks in the manager process for up to the wait instead of returning
+  at once. If the server turns out to be the host's (the plugin was not active where it was started),
+  the first call notices and the client falls back to the host's polling, with a warning.
 """
 
 from __future__ import annotations
 
+import threading
+
 from . import PatchSpec
-from ._base import PluginBase
+from ._base import PluginBase, host_global
+
+ECQ = "fastdeploy.inter_communicator.engine_cache_queue"
 
 
-class NonpollingTransferMixin(PluginBase):
-    """Placeholder until the blocking receiver lands: the probe reports it as unavailable."""
+class WaitableDoneList(list):
+    """The server-side done list, able to wait, and honest about results in flight.
+
+    ``pop(index, wait, ack)`` waits up to ``wait`` seconds for an item (None when none came: the only
+    "nothing yet"). An item taken with a ``wait`` counts as in flight until the receiver's next call
+    acknowledges it (``ack=True``: the host's loop asks again only after handling the last result), and
+    ``len()`` includes in-flight items — so the host's own ``result_queue_empty()``, which ``reset
+    (wait_for_tasks_done=True)`` polls, stays False until every result has been handled, closing the
+    host's pop-before-handle window. Plain ``pop(index)`` and every other list operation behave as on a
+    list; appends wake a waiting receiver.
+    """
+
+    def __init__(self, items=()):
+        super().__init__(items)
+        self._ready = threading.Condition()
+        self._in_flight = 0
+
+    def __len__(self):
+        return super().__len__() + self._in_flight
+
+    def append(self, item):
+        with self._ready:
+            super().append(item)
+            self._ready.notify_all()
+
+    def extend(self, items):
+        with self._ready:
+            super().extend(items)
+            self._ready.notify_all()
+
+    def insert(self, index, item):
+        with self._ready:
+            super().insert(index, item)
+            self._ready.notify_all()
+
+    def pop(self, index=-1, wait=None, ack=False):
+        with self._ready:
+            if ack and self._in_flight:
+                self._in_flight -= 1
+            if wait is None:
+                return super().pop(index)
+            if not self._ready.wait_for(lambda: list.__len__(self) > 0, timeout=wait):
+                return None
+            self._in_flight += 1
+            return super().pop(index)
 
 
-def _not_yet(info):
-    return "not implemented in this plugin version yet"
+class _WaitableDoneLists:
+    """Data descriptor for the host's server-side done lists: wrap them when the host assigns them."""
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        try:
+            return obj.__dict__[self.name]
+        except KeyError:
+            raise AttributeError(self.name) from None
+
+    def __set__(self, obj, value):
+        if obj._fdsched_impl["nonpolling_transfer"] == "plugin":
+            value = [WaitableDoneList(items) for items in value]
+        obj.__dict__[self.name] = value
+
+
+class NonpollingCacheQueueMixin(PluginBase):
+    tansfer_done_queue_init = _WaitableDoneLists()
+
+    def get_transfer_done_signal(self):
+        if self._fdsched_impl["nonpolling_transfer"] != "plugin" or self.__dict__.get("_fdsched_polling"):
+            return super().get_transfer_done_signal()
+        wait = self._fdsched_settings["tunables.transfer_wait_seconds"]
+        holding = self.__dict__.get("_fdsched_unacked", False)  # the previous result is handled by now
+        try:
+            data = self.tansfer_done_queue.pop(0, wait, holding)
+        except TypeError as exc:
+            # The server's list is the host's: it takes no wait. Poll as the host does from now on.
+            if "argument" not in str(exc):
+                raise
+            self.__dict__["_fdsched_polling"] = True
+            host_global(ECQ, "logger").warning(
+                "[fdsched] the cache queue server has no waitable done list (was it started without the plugin?); "
+                "falling back to polling"
+            )
+            return super().get_transfer_done_signal()
+        self.__dict__["_fdsched_unacked"] = data is not None
+        if data is not None:
+            host_global(ECQ, "logger").info(f"[fdsched] transfer done signal for task {data[-1]} received")
+        return data
+
+
+def _uses_done_list(info):
+    from fdsched.host import code_names
+
+    names = code_names(info.host_classes["EngineCacheQueue"].__init__)
+    if "tansfer_done_queue_init" not in names:
+        return "EngineCacheQueue.__init__ no longer builds tansfer_done_queue_init; the waitable list cannot attach"
+    if "tansfer_done_queue" not in code_names(info.host_classes["EngineCacheQueue"].get_transfer_done_signal):
+        return "EngineCacheQueue.get_transfer_done_signal no longer reads tansfer_done_queue"
+    return None
 
 
 SPEC = PatchSpec(
@@ -31,14 +159,20 @@ SPEC = PatchSpec(
     title="Non-polling CPU-cache transfer-done path",
     upstream_prs=(7520,),
     upstream_state="closed",
-    replaces=(),
-    requires={"PrefixCacheManager.recv_data_transfer_result": ()},
-    why="The receiver polls an RPC every millisecond even when idle.",
-    how="A server-side blocking queue; the receiver blocks on it; reset(wait_for_tasks_done=True) still sees pending results.",
+    replaces=("EngineCacheQueue.tansfer_done_queue_init", "EngineCacheQueue.get_transfer_done_signal"),
+    requires={
+        "EngineCacheQueue.get_transfer_done_signal": (),
+        "EngineCacheQueue.result_queue_empty": (),
+        "EngineCacheQueue.put_transfer_done_signal": ("item",),
+        "PrefixCacheManager.recv_data_transfer_result": (),
+    },
+    why="The receiver polls an RPC every millisecond even when idle, and a result waits for the next poll.",
+    how="The server's done list can wait; the receiver's get blocks in the server for up to "
+    "FDSCHED_TRANSFER_WAIT_SECONDS; a result being handled still counts as pending for reset().",
     hosts_needing="all 2.6 hosts",
     switch="FDSCHED_NONPOLLING_TRANSFER",
     delete_when="upstream ships a blocking transfer-done path",
-    mixins={"PrefixCacheManager": NonpollingTransferMixin},
+    mixins={"EngineCacheQueue": NonpollingCacheQueueMixin},
     host_has=lambda info: False,
-    extra_check=_not_yet,
+    extra_check=_uses_done_list,
 )

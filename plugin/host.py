@@ -29,6 +29,7 @@ __all__ = [
 HOST_SOURCE_ENV = "FDSCHED_HOST_SOURCE"
 RM_MODULE = "fastdeploy.engine.sched.resource_manager_v1"
 PCM_MODULE = "fastdeploy.cache_manager.prefix_cache_manager"
+ECQ_MODULE = "fastdeploy.inter_communicator.engine_cache_queue"
 HOW_TO_POINT = (
     "install FastDeploy 2.x (fastdeploy-gpu) in this environment, or set "
     f"{HOST_SOURCE_ENV}=/path/to/FastDeploy (a source tree whose fastdeploy/ package imports, "
@@ -103,12 +104,19 @@ class HostInfo:
     location: str
     version: str
     commit: Optional[str]
-    rm_class: type
-    pcm_class: type
+    host_classes: dict  # target name (see fdsched.patches.TARGETS) -> the host's class
     request_status: Any
     has: dict = field(default_factory=dict)
     problems: dict = field(default_factory=dict)  # change_id -> why the plugin cannot patch it here
     split_status: bool = False
+
+    @property
+    def rm_class(self) -> type:
+        return self.host_classes["ResourceManagerV1"]
+
+    @property
+    def pcm_class(self) -> type:
+        return self.host_classes["PrefixCacheManager"]
 
     @property
     def label(self) -> str:
@@ -156,18 +164,22 @@ def probe(environ: Optional[Mapping[str, str]] = None) -> HostInfo:
     """Find and import the host's two modules, then probe every change in the catalogue."""
     from fdsched.patches import CATALOGUE  # local import: patches import nothing from the host at import
 
+    from fdsched.patches import TARGETS
+
     location = find_host(environ)
-    rm_module = importlib.import_module(RM_MODULE)
-    pcm_module = importlib.import_module(PCM_MODULE)
     from fastdeploy.engine.request import RequestStatus
+
+    host_classes = {}
+    for target, dotted in TARGETS.items():
+        module_name, class_name = dotted.rsplit(".", 1)
+        host_classes[target] = _original(getattr(importlib.import_module(module_name), class_name))
 
     version, commit = _host_version(location)
     info = HostInfo(
         location=location,
         version=version,
         commit=commit,
-        rm_class=_original(rm_module.ResourceManagerV1),
-        pcm_class=_original(pcm_module.PrefixCacheManager),
+        host_classes=host_classes,
         request_status=RequestStatus,
         split_status=hasattr(RequestStatus, "RUNNING_PREFILL") and hasattr(RequestStatus, "RUNNING_DECODE"),
     )

@@ -75,6 +75,8 @@ def decide(settings: Settings, info) -> dict:
                 d = Decision(change_id, mode, "host", "host", "host already has it")
             elif problem:
                 d = Decision(change_id, mode, "host", "skipped", f"skipped because {problem}")
+            elif has_change:  # the host has the change, but not in the flavour the settings select
+                d = Decision(change_id, mode, "plugin", "applied", "applied (the host has upstream's flavour)")
             else:
                 d = Decision(change_id, mode, "plugin", "applied", "applied")
         elif mode == "on":
@@ -95,6 +97,12 @@ def decide(settings: Settings, info) -> dict:
             else:
                 d = Decision(change_id, mode, "legacy", "off", "off (plugin restores the pre-change code)")
         decisions[change_id] = d
+    if settings["tunables.transfer_force_direct_recycle"] and decisions["deferred_recycle"].impl != "plugin":
+        raise InstallError(
+            f"FDSCHED_TRANSFER_FORCE_DIRECT_RECYCLE=1 ({settings.sources['tunables.transfer_force_direct_recycle']}) "
+            f"needs changes.deferred_recycle applied, but it is {decisions['deferred_recycle'].detail}; "
+            "allowed: 0, or 1 with FDSCHED_DEFERRED_RECYCLE=on/auto"
+        )
     return decisions
 
 
@@ -113,7 +121,7 @@ def _build(info, settings: Settings, decisions: dict, policies: Policies) -> dic
 
     impl = {cid: d.impl for cid, d in decisions.items()}
     classes = {}
-    for target, host_cls in (("ResourceManagerV1", info.rm_class), ("PrefixCacheManager", info.pcm_class)):
+    for target, host_cls in info.host_classes.items():
         # Later catalogue entries wrap earlier ones (ratio_reserve's _trigger_preempt wraps decode_only_preempt's).
         mixins = tuple(spec.mixins[target] for spec in reversed(CATALOGUE) if target in spec.mixins)
         attrs = {
@@ -150,9 +158,10 @@ def install(
         classes = _build(info, settings, decisions, policies)
         if _CURRENT is not None:
             uninstall()
+        from fdsched.patches import TARGETS
+
         rebindings = [
-            Rebinding(host_mod.RM_MODULE, "ResourceManagerV1", classes["ResourceManagerV1"]),
-            Rebinding(host_mod.PCM_MODULE, "PrefixCacheManager", classes["PrefixCacheManager"]),
+            Rebinding(TARGETS[target].rsplit(".", 1)[0], target, classes[target]) for target in info.host_classes
         ]
         sites = {}
         done = []

@@ -267,7 +267,17 @@ SCHEMA: tuple[Setting, ...] = (
         _bool01,
         False,
         "0 | 1",
-        "Non-polling transfer: recycle evicted GPU blocks directly instead of swapping them to the CPU tier.",
+        "Evict GPU blocks directly (the batched path of change 1) even where the host would swap them to the "
+        "CPU tier; needs changes.deferred_recycle applied.",
+    ),
+    Setting(
+        "tunables.transfer_wait_seconds",
+        "FDSCHED_TRANSFER_WAIT_SECONDS",
+        _float(0.001, 60.0),
+        0.5,
+        "a number in [0.001, 60]",
+        "Non-polling transfer: how long one blocking wait for a transfer-done signal lasts before the receiver "
+        "loop goes round again (the idle RPC rate is about 1 / this).",
     ),
     # ---- replay step-cost model (profile or command line only) ------------------------------
     Setting("replay.step_fixed_ms", None, _float(0.0), 5.0, "a number >= 0", "Modelled fixed cost of one engine step."),

@@ -8,7 +8,6 @@ import yaml
 from fdsched.settings import CHANGE_IDS, load_settings, profile_description, shipped_profiles
 
 PROFILES = shipped_profiles()
-IMPLEMENTED = ("deferred_recycle", "decode_only_preempt", "ratio_reserve", "pd_prefill_cache")
 SINGLE_CHANGE_PROFILES = [name for name in PROFILES if name in CHANGE_IDS]
 
 
@@ -18,10 +17,8 @@ def switches(name: str) -> dict:
 
 
 def test_the_shipped_set():
-    assert set(PROFILES) == {"baseline", "recommended", "oracle", *IMPLEMENTED}
-    # nonpolling_transfer is not implemented yet and has no profile of its own
-    assert "nonpolling_transfer" not in PROFILES
-    assert sorted(SINGLE_CHANGE_PROFILES) == sorted(IMPLEMENTED)
+    assert set(PROFILES) == {"baseline", "recommended", "oracle", *CHANGE_IDS}
+    assert sorted(SINGLE_CHANGE_PROFILES) == sorted(CHANGE_IDS)
 
 
 @pytest.mark.parametrize("name", list(PROFILES))
@@ -58,10 +55,8 @@ def test_pd_prefill_cache_profile_uses_the_default_safe_mode():
 
 
 @pytest.mark.parametrize("name", ["recommended", "oracle"])
-def test_recommended_and_oracle_turn_on_the_implemented_four(name):
-    expected = {change_id: "on" for change_id in IMPLEMENTED}
-    expected["nonpolling_transfer"] = "auto"  # not implemented yet: the files leave it to auto
-    assert switches(name) == expected
+def test_recommended_and_oracle_turn_every_change_on(name):
+    assert switches(name) == {change_id: "on" for change_id in CHANGE_IDS}
 
 
 def test_recommended_selects_the_safe_pd_mode_explicitly():
