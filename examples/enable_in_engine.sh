@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Start a FastDeploy 2.6 OpenAI-compatible server with the plugin (a GPU machine with fastdeploy-gpu installed).
+# FastDeploy loads no plugin unless FD_PLUGINS lists it.
+set -euo pipefail
+
+pip install fastdeploy-sched-plugin            # next to fastdeploy-gpu / paddlepaddle-gpu
+
+export FD_PLUGINS=fdsched                       # FastDeploy's loader calls the fdsched entry point
+export FDSCHED_PROFILE=recommended              # every change on (PD prefill cache in safe mode)
+# export FDSCHED_RATIO_RESERVE=off              # any single change can be overridden
+# export FD_INIT_NEW_TOKEN_RATIO=0.5            # the host's own tunables keep their names
+
+fdsched doctor                                  # what the host has, what will be applied; non-zero exit on error
+
+python -m fastdeploy.entrypoints.openai.api_server \
+  --model "${MODEL:?set MODEL to a model directory}" \
+  --port 8188 --max-model-len 32768 --max-num-seqs 128 \
+  --enable-prefix-caching
+# The engine log shows one line: "[fdsched] fdsched installed (profile recommended) on FastDeploy ...: <change>=<state>; ..."
