@@ -28,3 +28,17 @@ def register() -> None:
             if decision.state == "skipped":
                 llm_logger.warning(f"[fdsched] {decision.change_id} {decision.detail}")
         llm_logger.info("[fdsched] " + report.summary())
+        method = start_method()
+        if method != "fork":
+            llm_logger.warning(
+                f"[fdsched] multiprocessing start method is {method!r}: engine child processes (data-parallel "
+                "services, AsyncLLM's engine process) do not inherit the plugin and run the host's classes unless "
+                "they load FastDeploy plugins themselves; use the 'fork' start method with this plugin"
+            )
+
+
+def start_method() -> str:
+    """The start method ``multiprocessing.Process`` will use in this process (the host's children use the default)."""
+    import multiprocessing
+
+    return multiprocessing.get_start_method(allow_none=True) or multiprocessing.get_context().get_start_method()

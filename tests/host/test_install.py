@@ -191,3 +191,22 @@ def test_doctor_reports_what_the_host_has(host_info, capsys, monkeypatch):
     assert host_info.has["decode_only_preempt"] == host_info.has["ratio_reserve"] == host_info.split_status
     for cid, line in rows.items():
         assert (" yes " in line) == (cid in has), line
+
+
+def test_a_non_fork_start_method_is_warned_about(fresh_loader, monkeypatch):
+    """Children started without fork do not inherit the plugin: the entry point says so at install."""
+    import fdsched.entry
+    from fastdeploy.utils import llm_logger
+
+    monkeypatch.setenv("FD_PLUGINS", "fdsched")
+    monkeypatch.setattr(fdsched.entry, "start_method", lambda: "forkserver")
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    llm_logger.addHandler(handler)
+    try:
+        fresh_loader()
+    finally:
+        llm_logger.removeHandler(handler)
+    warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING and "start method" in r.getMessage()]
+    assert len(warnings) == 1 and "forkserver" in warnings[0]
