@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import sys
@@ -24,6 +25,21 @@ def _originals():
         _original(importlib.import_module(RM_MODULE).ResourceManagerV1),
         _original(importlib.import_module(PCM_MODULE).PrefixCacheManager),
     )
+
+
+@contextlib.contextmanager
+def captured_llm_logger():
+    """Every record FastDeploy's llm_logger handles while the block runs."""
+    from fastdeploy.utils import llm_logger
+
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    llm_logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        llm_logger.removeHandler(handler)
 
 
 @pytest.fixture
@@ -52,16 +68,8 @@ def test_fd_plugins_loader_installs_plugin_everywhere(fresh_loader, monkeypatch)
     rm_host, pcm_host = _originals()
     monkeypatch.setenv("FD_PLUGINS", "fdsched")
     monkeypatch.setenv("FDSCHED_PROFILE", "baseline")
-    from fastdeploy.utils import llm_logger
-
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    llm_logger.addHandler(handler)
-    try:
+    with captured_llm_logger() as records:
         fresh_loader()
-    finally:
-        llm_logger.removeHandler(handler)
 
     from fdsched import installer
 
@@ -196,17 +204,10 @@ def test_doctor_reports_what_the_host_has(host_info, capsys, monkeypatch):
 def test_a_non_fork_start_method_is_warned_about(fresh_loader, monkeypatch):
     """Children started without fork do not inherit the plugin: the entry point says so at install."""
     import fdsched.entry
-    from fastdeploy.utils import llm_logger
 
     monkeypatch.setenv("FD_PLUGINS", "fdsched")
     monkeypatch.setattr(fdsched.entry, "start_method", lambda: "forkserver")
-    records = []
-    handler = logging.Handler()
-    handler.emit = records.append
-    llm_logger.addHandler(handler)
-    try:
+    with captured_llm_logger() as records:
         fresh_loader()
-    finally:
-        llm_logger.removeHandler(handler)
     warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING and "start method" in r.getMessage()]
     assert len(warnings) == 1 and "forkserver" in warnings[0]
