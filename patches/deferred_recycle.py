@@ -84,20 +84,7 @@ class DeferredRecycleMixin(PluginBase):
             started = time.perf_counter()
             freed = []
             try:
-                evicted = 0
-                heap, in_heap = self.gpu_lru_leaf_heap, self.gpu_lru_leaf_set
-                evict, evictable, pop, push = self._fdsched_evict_node, self._fdsched_evictable_leaf, heapq.heappop, heapq.heappush
-                cpu_status = host_global(PCM, "CacheStatus").CPU
-                while heap and evicted < need_block_num:
-                    node = pop(heap)
-                    in_heap.remove(node)
-                    if node.shared_count != 0 or not node.is_gpu_leaf_node:
-                        continue  # as the host: a node that is in use again leaves the heap
-                    parent = evict(node, freed, cpu_status)
-                    evicted += 1
-                    if not parent.children and parent not in in_heap and evictable(parent):
-                        push(heap, parent)
-                        in_heap.add(parent)
+                self._fdsched_evict_lru(need_block_num, freed)
                 self.gpu_free_task_future = None
             except Exception as exc:
                 self._fdsched_eviction_error("free_block_ids_async", exc)
@@ -129,6 +116,47 @@ class DeferredRecycleMixin(PluginBase):
                 self._fdsched_recycle_batch(freed, started)
 
     # ---- pieces ---------------------------------------------------------------------------
+    def _fdsched_evict_lru(self, need_block_num: int, freed: list) -> int:
+        """The LRU loop: pop leaves oldest first, detach them, collect their ids. The hot path.
+
+        Same decisions as the host's loop, with its per-node work reduced to attribute tests: for a node
+        without children ``is_gpu_leaf_node`` is just ``cache_status == GPU``.
+        """
+        cache_status = host_global(PCM, "CacheStatus")
+        gpu, cpu = cache_status.GPU, cache_status.CPU
+        heap, in_heap, root = self.gpu_lru_leaf_heap, self.gpu_lru_leaf_set, self.radix_tree_root
+        pop, push = heapq.heappop, heapq.heappush
+        pool_append, node_map_pop, collect = self.node_id_pool.append, self.node_map.pop, freed.append
+        evicted = 0
+        while heap and evicted < need_block_num:
+            node = pop(heap)
+            in_heap.remove(node)
+            if node.shared_count != 0 or node.cache_status != gpu or (node.children and not node.is_gpu_leaf_node):
+                continue  # as the host: a node that is in use again leaves the heap
+            node.cache_status = cpu  # see the module docstring
+            pool_append(node.node_id)
+            node_map_pop(node.node_id, None)
+            if node.reverved_dec_block_ids:
+                freed.extend(node.reverved_dec_block_ids)
+                node.reverved_dec_block_ids = []
+            collect(node.block_id)
+            evicted += 1
+            parent = node.parent
+            siblings = parent.children
+            if siblings.get(node.hash_value) is node:
+                del siblings[node.hash_value]
+            if (
+                not siblings
+                and parent is not root
+                and parent.shared_count == 0
+                and parent.cache_status == gpu
+                and parent.is_persistent is False
+                and parent not in in_heap
+            ):
+                push(heap, parent)
+                in_heap.add(parent)
+        return evicted
+
     def _fdsched_deferred_path(self, need_block_num) -> bool:
         if self._fdsched_impl["deferred_recycle"] != "plugin":
             return False
@@ -141,27 +169,19 @@ class DeferredRecycleMixin(PluginBase):
         return True
 
     def _fdsched_evict_node(self, node, freed: list, cpu_status):
-        """Detach an evicted leaf, collect its ids; return its parent."""
+        """Detach one evicted leaf, collect its ids; return its parent (free_nodes_directly's step; the LRU
+        loop does the same inline)."""
         node.cache_status = cpu_status  # CacheStatus.CPU: see the module docstring
         self.node_id_pool.append(node.node_id)
         self.node_map.pop(node.node_id, None)
         if node.reverved_dec_block_ids:
             freed.extend(node.reverved_dec_block_ids)
-        node.reverved_dec_block_ids = []
+            node.reverved_dec_block_ids = []
         freed.append(node.block_id)
         parent = node.parent
         if parent.children.get(node.hash_value) is node:
             del parent.children[node.hash_value]
         return parent
-
-    def _fdsched_evictable_leaf(self, node) -> bool:
-        return (
-            not node.children
-            and node is not self.radix_tree_root
-            and node.shared_count == 0
-            and node.is_gpu_leaf_node
-            and node.is_persistent is False
-        )
 
     def _fdsched_eviction_error(self, where: str, exc: Exception) -> None:
         logger = host_global(PCM, "logger")
