@@ -26,7 +26,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Optional
 
-__all__ = ["EngineShape", "prepare_host_environment", "build_manager", "make_request", "Driver", "StepRecord"]
+__all__ = [
+    "EngineShape",
+    "prepare_host_environment",
+    "build_manager",
+    "close_manager",
+    "make_request",
+    "logical_clock",
+    "Driver",
+    "StepRecord",
+]
 
 
 def prepare_host_environment() -> None:
@@ -176,7 +185,9 @@ class StepRecord:
     running: int = 0
     waiting: int = 0
     blocks_used: int = 0
-    schedule_seconds: float = 0.0
+    schedule_seconds: float = 0.0  # wall clock
+    schedule_cpu_seconds: float = 0.0  # this thread's CPU time
+    prefill_chunks: list = field(default_factory=list)  # (request id, prefill_start_index, prefill_end_index)
 
 
 class Driver:
@@ -191,6 +202,7 @@ class Driver:
 
         self._status = RequestStatus
         self._split = hasattr(RequestStatus, "RUNNING_DECODE")
+        self._preprocessed = set()  # prefill-node path: request ids whose async preprocessing ran
 
     # ---- feeding ------------------------------------------------------------------------------
     def add(self, request, true_output_len: Optional[int] = None) -> None:
@@ -199,6 +211,30 @@ class Driver:
         self.rm.add_request(request)
         for future in list(request.async_process_futures):
             future.result()
+
+    def add_in_p(self, request, true_output_len: Optional[int] = None) -> bool:
+        """Feed a request the way a prefill node's engine does (``splitwise_role == "prefill"``).
+
+        The engine starts the request's async preprocessing, preallocates its prompt blocks with
+        ``preallocate_resource_in_p`` (retrying while it fails), waits for the preprocessing and then
+        hands it to ``add_request_in_p``, which puts it straight into ``running``. Here one call is
+        one attempt: False when preallocation failed (call again at a later step; the engine's
+        feeding thread does not move on to the next request meanwhile).
+        """
+        rid = request.request_id
+        if true_output_len is not None:
+            self.output_lengths[rid] = true_output_len
+        if rid not in self._preprocessed:
+            self.rm.apply_async_preprocess(request)
+            self._preprocessed.add(rid)
+        for future in list(request.async_process_futures):
+            future.result()
+        if not self.rm.preallocate_resource_in_p(request):
+            return False
+        self.rm.waiting_async_process(request)
+        self.rm.add_request_in_p([request])
+        self._preprocessed.discard(rid)
+        return True
 
     # ---- one engine step --------------------------------------------------------------------
     def _is_decoding_now(self, request) -> bool:
@@ -214,8 +250,9 @@ class Driver:
         decoding_before = {r.request_id for r in rm.running if self._is_decoding_now(r)}
         phase_before = {r.request_id: ("decode" if r.request_id in decoding_before else "prefill") for r in rm.running}
 
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.thread_time()
         scheduled, errors = rm.schedule()
+        record.schedule_cpu_seconds = time.thread_time() - started_cpu
         record.schedule_seconds = time.perf_counter() - started
         if errors:
             raise RuntimeError(f"scheduler reported errors: {errors}")
@@ -226,6 +263,7 @@ class Driver:
             if isinstance(task, Request):
                 prefilled[task.request_id] = task
                 record.scheduled_prefill_tokens += task.prefill_end_index - task.prefill_start_index
+                record.prefill_chunks.append((task.request_id, task.prefill_start_index, task.prefill_end_index))
             elif type(task).__name__ == "ScheduledPreemptTask":
                 preempted_ids.append(task.request_id)
         record.preempted = [(rid, phase_before.get(rid, "prefill")) for rid in preempted_ids]

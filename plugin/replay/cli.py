@@ -1,0 +1,248 @@
+"""``fdsched replay`` and ``fdsched trace``: the command-line side of the replay.
+
+``fdsched replay`` replays a trace once per profile through the real host scheduler and writes a
+table (terminal), ``report.json`` and ``replay.png``. ``fdsched trace generate`` writes a
+synthetic trace; ``fdsched trace validate`` checks one; ``fdsched trace list`` shows the shipped
+ones. Only ``replay`` needs the FastDeploy host.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import sys
+from pathlib import Path
+
+from .trace import ENGINE_KEYS, TraceError, check_engine, load_trace, resolve_trace, shipped_traces
+
+EXIT_OK, EXIT_ERROR, EXIT_NO_HOST = 0, 1, 2
+DEFAULT_TRACE = "pressure"
+DEFAULT_PROFILES = ("baseline", "recommended")
+
+__all__ = ["add_commands", "cmd_replay", "cmd_trace_generate", "cmd_trace_validate", "cmd_trace_list"]
+
+
+def _nonneg_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if value != value or value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed: a number >= 0")
+    return value
+
+
+def _pos_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: allowed: an integer >= 1")
+    return value
+
+
+def add_commands(sub) -> None:
+    replay = sub.add_parser(
+        "replay",
+        help="replay a trace through the real scheduler under several profiles and compare",
+        description="Replay a JSONL trace through the host's real ResourceManagerV1 once per profile "
+        "(no GPU: the replay plays worker and token processor) and report preemptions, recomputation, "
+        "prefix-cache hits, KV blocks, modelled latency and invariant checks.",
+    )
+    replay.add_argument("--trace", default=DEFAULT_TRACE, help=f"shipped trace name or JSONL path (default {DEFAULT_TRACE}; "
+                        f"shipped: {', '.join(shipped_traces()) or 'none'})")
+    replay.add_argument("--profile", dest="profiles", action="append", metavar="P",
+                        help="profile name or YAML path; repeat for several (default: baseline recommended)")
+    replay.add_argument("--out", default="replay-out", help="output directory (default ./replay-out)")
+    cost = replay.add_argument_group("step-cost model (default: the profile's replay.* settings)")
+    cost.add_argument("--cost-fixed-ms", type=_nonneg_float, help="fixed cost of one engine step, ms")
+    cost.add_argument("--cost-prefill-token-ms", type=_nonneg_float, help="cost per prefill token, ms")
+    cost.add_argument("--cost-decode-request-ms", type=_nonneg_float, help="cost per decoding request, ms")
+    shape = replay.add_argument_group("engine shape (default: the trace header's engine)")
+    shape.add_argument("--block-size", type=_pos_int)
+    shape.add_argument("--num-gpu-blocks", type=_pos_int)
+    shape.add_argument("--max-num-seqs", type=_pos_int)
+    shape.add_argument("--max-num-batched-tokens", type=_pos_int)
+    shape.add_argument("--max-model-len", type=_pos_int)
+    replay.add_argument("--no-plot", action="store_true", help="do not write replay.png")
+    replay.add_argument("--max-steps", type=_pos_int, default=None,
+                        help="stop each profile after N steps (reported as not drained)")
+    replay.add_argument("--no-progress", action="store_true", help="no progress bar")
+    replay.set_defaults(func=cmd_replay)
+
+    trace = sub.add_parser("trace", help="generate, validate or list replay traces (no host needed)")
+    trace_sub = trace.add_subparsers(dest="trace_command", required=True)
+    gen = trace_sub.add_parser("generate", help="write a synthetic trace")
+    from .generate import DEFAULT_REQUESTS, KINDS
+
+    gen.add_argument("--kind", required=True, choices=sorted(KINDS))
+    gen.add_argument("--requests", type=_pos_int, default=None,
+                     help="number of requests (default per kind: "
+                     + ", ".join(f"{k} {v}" for k, v in DEFAULT_REQUESTS.items()) + ")")
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--out", default="-", help="output file (default: standard output)")
+    gen.set_defaults(func=cmd_trace_generate)
+    val = trace_sub.add_parser("validate", help="check a trace (and that its requests fit its engine)")
+    val.add_argument("trace", help="shipped trace name or JSONL path")
+    val.set_defaults(func=cmd_trace_validate)
+    lst = trace_sub.add_parser("list", help="list the shipped traces")
+    lst.set_defaults(func=cmd_trace_list)
+
+
+# --------------------------------------------------------------------------------------------
+# trace
+# --------------------------------------------------------------------------------------------
+def cmd_trace_generate(args) -> int:
+    from .generate import DEFAULT_REQUESTS, generate_text
+
+    n = args.requests or DEFAULT_REQUESTS[args.kind]
+    text = generate_text(args.kind, n, args.seed)
+    if args.out == "-":
+        sys.stdout.write(text)
+    else:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text, encoding="utf-8")
+        print(f"wrote {args.out}: {args.kind}, {n} requests, seed {args.seed}", file=sys.stderr)
+    return EXIT_OK
+
+
+def _trace_summary(trace, engine: dict) -> str:
+    requests = trace.requests
+    prompt = sum(r.prompt_len for r in requests)
+    out = sum(r.effective_output_len for r in requests)
+    last = max(r.arrival for r in requests)
+    groups = sorted({r.prefix_group for r in requests if r.prefix_group})
+    lines = [
+        f"{trace.name}: {len(requests)} requests, arrivals over steps 0..{last}, {prompt} prompt tokens, "
+        f"{out} output tokens" + (f", prefix groups: {', '.join(groups)}" if groups else ""),
+        "engine: " + ", ".join(f"{k}={engine[k]}" for k in ENGINE_KEYS),
+    ]
+    if trace.description:
+        lines.append(trace.description)
+    return "\n".join(lines)
+
+
+def cmd_trace_validate(args) -> int:
+    try:
+        trace = load_trace(resolve_trace(args.trace))
+        engine = trace.engine_with()
+        check_engine(trace, engine)
+    except TraceError as exc:
+        print(f"fdsched: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    print(_trace_summary(trace, engine))
+    print("ok")
+    return EXIT_OK
+
+
+def cmd_trace_list(args) -> int:
+    for name, path in shipped_traces().items():
+        try:
+            trace = load_trace(path)
+            print(f"{name}: {trace.description or '(no description)'}")
+        except TraceError as exc:
+            print(f"{name}: INVALID: {exc}")
+    return EXIT_OK
+
+
+# --------------------------------------------------------------------------------------------
+# replay
+# --------------------------------------------------------------------------------------------
+class _Bar:
+    def __init__(self, tqdm_cls, profile: str, total: int) -> None:
+        self._bar = tqdm_cls(total=total, desc=f"replay {profile}", unit="req", file=sys.stderr, leave=False, disable=None)
+        self._done = 0
+
+    def update_to(self, done: int) -> None:
+        if done > self._done:
+            self._bar.update(done - self._done)
+            self._done = done
+
+    def close(self) -> None:
+        self._bar.close()
+
+
+def cmd_replay(args) -> int:
+    from fdsched.host import HOW_TO_POINT, HostNotFound
+    from fdsched.installer import InstallError
+    from fdsched.settings import SettingsError, load_settings
+
+    from .report import INSTALL_HINT, build_report, format_table, report_json, write_plot
+    from .runner import DEFAULT_MAX_STEPS, run_replay
+
+    profiles = args.profiles or list(DEFAULT_PROFILES)
+    try:
+        path = resolve_trace(args.trace)
+        trace = load_trace(path)
+        overrides = {
+            "block_size": args.block_size,
+            "num_gpu_blocks": args.num_gpu_blocks,
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "max_model_len": args.max_model_len,
+        }
+        engine = trace.engine_with(overrides)
+        check_engine(trace, engine)
+        for profile in profiles:  # every profile must load before anything runs
+            load_settings(profile=profile)
+    except (TraceError, SettingsError) as exc:
+        print(f"fdsched: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+
+    progress_factory = None
+    if not args.no_progress:
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            print(f"fdsched: tqdm is not installed: no progress bar (install with {INSTALL_HINT})", file=sys.stderr)
+        else:
+            progress_factory = lambda profile, total: _Bar(tqdm, profile, total)  # noqa: E731
+
+    cost_overrides = {
+        "step_fixed_ms": args.cost_fixed_ms,
+        "per_prefill_token_ms": args.cost_prefill_token_ms,
+        "per_decode_request_ms": args.cost_decode_request_ms,
+    }
+    try:
+        runs = run_replay(
+            trace, profiles, engine, cost_overrides, args.max_steps or DEFAULT_MAX_STEPS, progress_factory=progress_factory
+        )
+    except HostNotFound as exc:
+        message = str(exc)
+        if HOW_TO_POINT not in message:
+            message += f"; {HOW_TO_POINT}"
+        print(f"fdsched replay: needs the FastDeploy host: {message}", file=sys.stderr)
+        return EXIT_NO_HOST
+    except (SettingsError, InstallError, TraceError) as exc:
+        print(f"fdsched: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+
+    text = path.read_bytes()
+    trace_info = {
+        "name": trace.name,
+        "description": trace.description,
+        "requests": len(trace.requests),
+        "sha256": hashlib.sha256(text).hexdigest(),
+    }
+    report = build_report(trace_info, engine, runs)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(report_json(report), encoding="utf-8")
+    print(f"trace {trace.name}: {len(trace.requests)} requests; engine "
+          + ", ".join(f"{k}={engine[k]}" for k in ENGINE_KEYS))
+    print(format_table(report))
+    print(f"\nreport: {out / 'report.json'}")
+    if not args.no_plot:
+        try:
+            write_plot(report, str(out / "replay.png"), title=f"trace {trace.name}")
+        except ImportError:
+            print(f"fdsched: matplotlib is not installed: no plot (install with {INSTALL_HINT})", file=sys.stderr)
+        else:
+            print(f"plot:   {out / 'replay.png'}")
+    violations = sum(p["figures"]["invariant_violations"] for p in report["profiles"])
+    if violations:
+        print(f"fdsched replay: {violations} invariant violation(s); see 'violations' in {out / 'report.json'}",
+              file=sys.stderr)
+        return EXIT_ERROR
+    return EXIT_OK

@@ -1,0 +1,206 @@
+"""What one replay of one profile produced, and the figures computed from it.
+
+Imports nothing from FastDeploy: the runner (:mod:`fdsched.replay.runner`) fills :class:`ProfileRun`
+from the host objects; everything here works on those plain values, so the arithmetic is tested
+without a host.
+
+Figures (all from the logical run, byte-identical for the same inputs, except ``measured``):
+
+==============================  =================================================================
+preemptions                     preempted requests, split by the victim's phase when it was chosen
+                                (``decode``: it had produced a token since its last prefill;
+                                ``prefill``: its prefill had not finished)
+recomputed prompt tokens        per request, prefill tokens scheduled beyond its first full prefill:
+                                ``max(0, scheduled prefill tokens - (prompt_len - cache hit at its
+                                first admission))``, summed: work redone after preemptions
+decode tokens per step          mean over all steps of the tokens decoding requests produced
+steps to drain                  steps until every request finished (not drained: the step count at
+                                which the run stopped, flagged)
+prefix-cache hit rate           tokens served from the prefix cache at each request's first admission
+                                (the host's own record, ``request.metrics.gpu_cache_token_num``, set
+                                in ``get_prefix_cached_blocks``) / prompt tokens
+blocks in use                   ``num_gpu_blocks - len(free list)`` after each step: peak and mean
+                                (this includes blocks only the prefix cache holds)
+evicted blocks                  radix-tree nodes whose GPU block went back to the free list
+admissions blocked              ``fdsched.metrics.METRICS.admissions_blocked`` (prefills refused by the
+                                reservation threshold); ``None`` where the host's own code decides
+modelled time                   see :mod:`fdsched.replay.costmodel`; throughput = output tokens /
+                                modelled seconds; TTFT = end of the step of the first token - arrival;
+                                TPOT = (finish - first token) / (output tokens - 1), requests with >= 2
+invariant violations            see :mod:`fdsched.replay.invariants`; must be 0
+==============================  =================================================================
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+from .costmodel import StepCost, step_times
+
+__all__ = ["StepRow", "RequestRow", "ProfileRun", "percentile", "mean", "compute_figures", "measured_figures"]
+
+
+@dataclass
+class StepRow:
+    step: int
+    prefill_tokens: int = 0
+    decode_tokens: int = 0
+    first_tokens: int = 0
+    preempted: list = field(default_factory=list)  # (request id, "decode" | "prefill")
+    finished: int = 0
+    running: int = 0
+    waiting: int = 0  # queued in the engine (waiting + preempted), plus arrived but not admitted on a P node
+    blocks_used: int = 0  # not free
+    blocks_held: int = 0  # held by requests
+    evicted: int = 0
+    violations: list = field(default_factory=list)
+    schedule_cpu_s: float = 0.0  # measured
+    schedule_wall_s: float = 0.0  # measured
+
+
+@dataclass
+class RequestRow:
+    id: str
+    arrival: int
+    prompt_len: int
+    target_output: int  # tokens it produces on this node
+    output_tokens: int = 0
+    prefill_tokens: int = 0
+    cache_hit_tokens: Optional[int] = None  # at its first admission (host record)
+    first_chunk_start: Optional[int] = None  # prefill_start_index of its first scheduled chunk
+    first_token_step: Optional[int] = None
+    finish_step: Optional[int] = None
+    finish_count: int = 0
+    preemptions: int = 0
+
+
+@dataclass
+class ProfileRun:
+    profile: str
+    num_gpu_blocks: int
+    cost: StepCost
+    steps: list = field(default_factory=list)  # StepRow
+    requests: list = field(default_factory=list)  # RequestRow, trace order
+    drained: bool = False
+    stop_reason: str = ""  # "" when drained; else why the run stopped
+    stall: Optional[dict] = None  # the scheduler's state when the run stopped because it stalled
+    admissions_blocked: Optional[int] = None
+    request_violations: list = field(default_factory=list)
+    decisions: dict = field(default_factory=dict)
+    host: dict = field(default_factory=dict)
+    wall_seconds: float = 0.0  # measured
+
+
+# --------------------------------------------------------------------------------------------
+# Small statistics
+# --------------------------------------------------------------------------------------------
+def percentile(values: Sequence[float], q: float) -> Optional[float]:
+    """The q-th percentile (0..100), linear interpolation between closest ranks; None when empty."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q={q!r}; allowed: 0..100")
+    if not values:
+        return None
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return float(ordered[0])
+    rank = (len(ordered) - 1) * q / 100.0
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    fraction = rank - low
+    return float(ordered[low] + (ordered[high] - ordered[low]) * fraction)
+
+
+def mean(values: Sequence[float]) -> Optional[float]:
+    return float(sum(values)) / len(values) if values else None
+
+
+def _round(value, digits: int = 6):
+    if value is None:
+        return None
+    if isinstance(value, float):
+        return round(value, digits)
+    return value
+
+
+# --------------------------------------------------------------------------------------------
+# Figures
+# --------------------------------------------------------------------------------------------
+def compute_figures(run: ProfileRun) -> dict:
+    """The logical figures of one run, as a JSON-ready dict (floats rounded to 6 digits)."""
+    steps, requests, cost = run.steps, run.requests, run.cost
+    starts, ends = step_times(cost, [s.prefill_tokens for s in steps], [s.decode_tokens for s in steps])
+    total_ms = ends[-1] if ends else 0.0
+
+    def start_of(step: int) -> float:
+        if step < len(starts):
+            return starts[step]
+        return total_ms + (step - len(starts)) * cost.fixed_ms  # never reached: idle steps
+
+    preempt_decode = sum(1 for s in steps for _, phase in s.preempted if phase == "decode")
+    preempt_prefill = sum(1 for s in steps for _, phase in s.preempted if phase != "decode")
+
+    recomputed = 0
+    hits = prompt_tokens = 0
+    ttft, tpot = [], []
+    for r in requests:
+        prompt_tokens += r.prompt_len
+        hit = r.cache_hit_tokens or 0
+        hits += hit
+        if r.cache_hit_tokens is not None:
+            recomputed += max(0, r.prefill_tokens - (r.prompt_len - hit))
+        if r.first_token_step is not None:
+            ttft.append(ends[r.first_token_step] - start_of(r.arrival))
+        if r.finish_step is not None and r.first_token_step is not None and r.output_tokens >= 2:
+            tpot.append((ends[r.finish_step] - ends[r.first_token_step]) / (r.output_tokens - 1))
+
+    output_tokens = sum(r.output_tokens for r in requests)
+    used = [s.blocks_used for s in steps]
+    violations = sum(len(s.violations) for s in steps) + len(run.request_violations)
+    figures = {
+        "requests": len(requests),
+        "requests_finished": sum(1 for r in requests if r.finish_count >= 1),
+        "drained": run.drained,
+        "stop_reason": run.stop_reason,
+        "stall": dict(run.stall) if run.stall else None,
+        "steps": len(steps),
+        "steps_to_drain": len(steps) if run.drained else None,
+        "preemptions": preempt_decode + preempt_prefill,
+        "preemptions_decode_victims": preempt_decode,
+        "preemptions_prefill_victims": preempt_prefill,
+        "recomputed_prompt_tokens": recomputed,
+        "prefill_tokens": sum(s.prefill_tokens for s in steps),
+        "output_tokens": output_tokens,
+        "decode_tokens_per_step_mean": _round(mean([s.decode_tokens for s in steps])),
+        "prompt_tokens": prompt_tokens,
+        "prefix_hit_tokens": hits,
+        "prefix_hit_rate": _round(hits / prompt_tokens if prompt_tokens else None),
+        "blocks_total": run.num_gpu_blocks,
+        "blocks_in_use_peak": max(used) if used else 0,
+        "blocks_in_use_mean": _round(mean(used)),
+        "blocks_held_by_requests_peak": max((s.blocks_held for s in steps), default=0),
+        "evicted_blocks": sum(s.evicted for s in steps),
+        "admissions_blocked": run.admissions_blocked,
+        "modelled_seconds": _round(total_ms / 1000.0),
+        "throughput_tokens_per_s": _round(output_tokens / (total_ms / 1000.0) if total_ms > 0 else None),
+        "ttft_ms_p50": _round(percentile(ttft, 50)),
+        "ttft_ms_p99": _round(percentile(ttft, 99)),
+        "tpot_ms_p50": _round(percentile(tpot, 50)),
+        "tpot_ms_p99": _round(percentile(tpot, 99)),
+        "invariant_violations": violations,
+    }
+    return figures
+
+
+def measured_figures(run: ProfileRun) -> dict:
+    """Wall-clock measurements: differ from run to run, kept apart from the logical figures."""
+    cpu_ms = [s.schedule_cpu_s * 1000.0 for s in run.steps]
+    wall_ms = [s.schedule_wall_s * 1000.0 for s in run.steps]
+    return {
+        "schedule_cpu_ms_mean": _round(mean(cpu_ms)),
+        "schedule_cpu_ms_p99": _round(percentile(cpu_ms, 99)),
+        "schedule_wall_ms_mean": _round(mean(wall_ms)),
+        "schedule_wall_ms_p99": _round(percentile(wall_ms, 99)),
+        "replay_wall_seconds": _round(run.wall_seconds, 3),
+    }

@@ -1,0 +1,304 @@
+"""Replay a trace through the real host scheduler, once per profile (needs the FastDeploy host).
+
+For each profile: load its settings (``fdsched.settings.load_settings(profile=...)``: the process
+environment still overrides the profile, as in production), install the plugin with them, reset
+the plugin's counters, build a fresh ``ResourceManagerV1`` for the trace's engine inside a logical
+clock, and step it (:class:`fdsched.replay.engine.Driver`) until every request has finished:
+
+* a request is fed at the start of its arrival step: ``add_request`` on a mixed node; on a prefill
+  node (``splitwise_role: prefill``) through ``preallocate_resource_in_p`` then
+  ``add_request_in_p`` as the prefill node's engine does, first come first served (a request whose
+  preallocation fails is retried at the next step, and the ones behind it wait);
+* after every step the block accounting and the request bookkeeping are checked
+  (:mod:`fdsched.replay.invariants`);
+* the run stops early at ``max_steps``, or when it has stalled: ``stall_steps`` consecutive steps
+  in which nothing was fed, scheduled, produced, preempted or finished while requests remain and
+  no arrival is due (the scheduler's state no longer changes: it is hung).
+
+Everything recorded is a function of the inputs, except the measured timings.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from typing import Callable, Optional, Sequence
+
+from .costmodel import cost_from_settings
+from .figures import ProfileRun, RequestRow, StepRow
+from .invariants import check_blocks, check_requests
+from .oracle import ORACLE_PLUGIN_NAME, OracleReserve
+from .trace import Trace, check_engine
+
+__all__ = ["run_profile", "run_replay", "node_output_lengths", "cache_held_blocks", "request_held_blocks"]
+
+DEFAULT_MAX_STEPS = 200_000
+DEFAULT_STALL_STEPS = 200
+
+
+def node_output_lengths(trace: Trace, splitwise_role: str) -> dict:
+    """Tokens each request produces on this node: its real output, or 1 on a prefill node."""
+    if splitwise_role == "prefill":
+        return {r.id: 1 for r in trace.requests}
+    return {r.id: r.effective_output_len for r in trace.requests}
+
+
+class _CountingPool(list):
+    """The prefix cache's node-id pool; every eviction of a GPU node returns its id here."""
+
+    returned = 0
+
+    def append(self, value):  # noqa: D401 - list API
+        self.returned += 1
+        super().append(value)
+
+
+def cache_held_blocks(cache_manager) -> list:
+    """GPU block ids the prefix cache holds (see :mod:`fdsched.replay.invariants`)."""
+    root = cache_manager.radix_tree_root
+    starts = [root]
+    starts.extend(getattr(cache_manager, "gpu_lru_leaf_set", ()))
+    starts.extend(getattr(cache_manager, "req_leaf_map", {}).values())
+    seen = set()
+    blocks = list(getattr(root, "reverved_dec_block_ids", None) or [])
+    stack = [root]
+    # Everything below the root, plus every node reachable upwards from a leaf the cache still tracks.
+    for node in starts[1:]:
+        while node is not None and id(node) not in seen and node is not root:
+            stack.append(node)
+            node = node.parent
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        if node is not root and getattr(node.cache_status, "name", str(node.cache_status)) == "GPU":
+            blocks.append(node.block_id)
+            blocks.extend(node.reverved_dec_block_ids or [])
+        stack.extend(node.children.values())
+    for ids in getattr(cache_manager, "unfilled_req_block_map", {}).values():
+        blocks.extend(ids)
+    return blocks
+
+
+def request_held_blocks(requests) -> dict:
+    held = {}
+    for request in requests:
+        ids = list(request.block_tables or [])
+        ids.extend(getattr(request, "extend_block_tables", None) or [])
+        if ids:
+            held[request.request_id] = ids
+    return held
+
+
+def _host_hit(request) -> int:
+    metrics = getattr(request, "metrics", None)
+    value = getattr(metrics, "gpu_cache_token_num", None)
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else 0
+
+
+def run_profile(
+    trace: Trace,
+    profile: str,
+    engine: dict,
+    cost_overrides: Optional[dict] = None,
+    max_steps: int = DEFAULT_MAX_STEPS,
+    stall_steps: int = DEFAULT_STALL_STEPS,
+    check_every_step: bool = True,
+    progress: Optional[Callable[[int], None]] = None,
+) -> ProfileRun:
+    """Replay ``trace`` under one profile. Raises HostNotFound, SettingsError, InstallError, TraceError."""
+    from fdsched.host import find_host
+    from fdsched.installer import install
+    from fdsched.metrics import METRICS
+    from fdsched.settings import load_settings
+
+    from .engine import EngineShape, build_manager, close_manager, logical_clock, prepare_host_environment
+
+    check_engine(trace, engine)
+    prepare_host_environment()
+    find_host()
+    settings = load_settings(profile=profile)
+    report = install(settings)
+    cost = cost_from_settings(settings, cost_overrides)
+    shape = EngineShape(**engine)
+    role = shape.splitwise_role
+    outputs = node_output_lengths(trace, role)
+
+    run = ProfileRun(profile=profile, num_gpu_blocks=shape.num_gpu_blocks, cost=cost)
+    run.decisions = {cid: d.detail for cid, d in report.decisions.items()}
+    run.host = {"version": report.host.version, "commit": report.host.commit}
+    run.requests = [RequestRow(r.id, r.arrival, r.prompt_len, outputs[r.id]) for r in trace.requests]
+
+    oracle = None
+    if settings["replay.oracle_reserve"]:
+        oracle = OracleReserve(outputs)
+        report.policies.register(oracle, name=ORACLE_PLUGIN_NAME)
+    METRICS.reset()
+    started = time.perf_counter()
+    try:
+        with logical_clock():
+            manager = build_manager(shape)
+            try:
+                _drive(run, trace, manager, outputs, role, max_steps, stall_steps, check_every_step, progress)
+            finally:
+                close_manager(manager)
+    finally:
+        if oracle is not None:
+            report.policies.unregister(oracle)
+    run.wall_seconds = time.perf_counter() - started
+    ratio_impl = report.decisions["ratio_reserve"].impl
+    run.admissions_blocked = None if ratio_impl == "host" else METRICS.admissions_blocked
+    return run
+
+
+def _drive(run, trace, manager, outputs, role, max_steps, stall_steps, check_every_step, progress) -> None:
+    from .engine import Driver, make_request
+
+    driver = Driver(manager, output_lengths=dict(outputs))
+    cache = manager.cache_manager
+    pool = _CountingPool(cache.node_id_pool)
+    cache.node_id_pool = pool
+    rows = {row.id: row for row in run.requests}
+    feed = trace.in_feed_order()
+    objects = {}
+    finish_counts: Counter = Counter()
+    p_queue: deque = deque()
+    next_index = 0
+    quiet = 0
+    evicted_before = 0
+
+    for step in range(max_steps):
+        fed = 0
+        while next_index < len(feed) and feed[next_index].arrival <= step:
+            tr = feed[next_index]
+            request = make_request(tr.id, tr.prompt_tokens(), tr.max_tokens)
+            objects[tr.id] = request
+            if role == "prefill":
+                p_queue.append(request)
+            else:
+                driver.add(request, outputs[tr.id])
+                fed += 1
+            next_index += 1
+        while p_queue and driver.add_in_p(p_queue[0], outputs[p_queue[0].request_id]):
+            p_queue.popleft()
+            fed += 1
+
+        record = driver.step()
+        row = StepRow(
+            step=step,
+            prefill_tokens=record.scheduled_prefill_tokens,
+            decode_tokens=record.decode_tokens,
+            first_tokens=len(record.first_tokens),
+            preempted=[(rid, phase) for rid, phase in record.preempted],
+            finished=len(record.finished),
+            running=record.running,
+            waiting=record.waiting + len(manager.to_be_rescheduled_request_id_set) + len(p_queue),
+            blocks_used=record.blocks_used,
+            schedule_cpu_s=record.schedule_cpu_seconds,
+            schedule_wall_s=record.schedule_seconds,
+        )
+        for rid, start, end in record.prefill_chunks:
+            r = rows[rid]
+            r.prefill_tokens += end - start
+            if r.first_chunk_start is None:
+                r.first_chunk_start = start
+                r.cache_hit_tokens = _host_hit(objects[rid])
+        for rid in record.first_tokens:
+            if rows[rid].first_token_step is None:
+                rows[rid].first_token_step = step
+        for rid, _ in record.preempted:
+            rows[rid].preemptions += 1
+        for rid in record.finished:
+            finish_counts[rid] += 1
+            rows[rid].finish_count += 1
+            rows[rid].finish_step = step
+            rows[rid].output_tokens = len(objects[rid].output_token_ids)
+
+        held = request_held_blocks(objects.values())
+        row.blocks_held = len({b for ids in held.values() for b in ids})
+        row.evicted = pool.returned - evicted_before
+        evicted_before = pool.returned
+        if check_every_step:
+            row.violations = check_blocks(cache.num_gpu_blocks, cache.gpu_free_block_list, held, cache_held_blocks(cache))
+        run.steps.append(row)
+        if progress is not None:
+            progress(sum(1 for c in finish_counts.values() if c))
+
+        remaining = len(feed) - sum(1 for rid in objects if finish_counts[rid])
+        if next_index == len(feed) and not p_queue and driver.idle() and remaining == 0:
+            run.drained = True
+            break
+        active = fed or record.scheduled_prefill_tokens or record.decode_tokens or record.first_tokens
+        active = active or record.preempted or record.finished
+        quiet = 0 if (active or next_index < len(feed)) else quiet + 1
+        if quiet >= stall_steps:
+            run.stall = _stall_detail(manager, p_queue, remaining)
+            held = run.stall["running_with_all_blocks"]
+            run.stop_reason = (
+                f"stalled: nothing fed, scheduled, produced or finished for {stall_steps} steps with "
+                f"{remaining} request(s) left (running {run.stall['running']}, of which {held} already hold every "
+                f"block their prefill needs; waiting {run.stall['waiting']}; not admitted {run.stall['not_admitted']}; "
+                f"free blocks {run.stall['free_blocks']})"
+            )
+            break
+    else:
+        run.stop_reason = f"max_steps={max_steps} reached"
+
+    for rid, request in objects.items():
+        rows[rid].output_tokens = len(request.output_token_ids)
+    if run.drained and not check_every_step:
+        run.steps[-1].violations = check_blocks(
+            cache.num_gpu_blocks, cache.gpu_free_block_list, request_held_blocks(objects.values()), cache_held_blocks(cache)
+        )
+    run.request_violations = check_requests([r.id for r in trace.requests], finish_counts, run.drained)
+    if run.drained and manager.requests:
+        run.request_violations.append(f"the scheduler still tracks finished requests: {sorted(manager.requests)[:8]}")
+
+
+def _stall_detail(manager, p_queue, remaining: int) -> dict:
+    """What a stalled scheduler looks like (plain values, for the report)."""
+    block_size = manager.config.cache_config.block_size
+    running = list(manager.running)
+    prefilling = [r for r in running if r.num_computed_tokens < r.need_prefill_tokens]
+    return {
+        "remaining": remaining,
+        "running": len(running),
+        "running_prefilling": len(prefilling),
+        "running_with_all_blocks": sum(1 for r in prefilling if len(r.block_tables) * block_size >= r.need_prefill_tokens),
+        "waiting": len(manager.waiting),
+        "not_admitted": len(p_queue),
+        "free_blocks": len(manager.cache_manager.gpu_free_block_list),
+    }
+
+
+def run_replay(
+    trace: Trace,
+    profiles: Sequence[str],
+    engine: dict,
+    cost_overrides: Optional[dict] = None,
+    max_steps: int = DEFAULT_MAX_STEPS,
+    stall_steps: int = DEFAULT_STALL_STEPS,
+    progress_factory: Optional[Callable] = None,
+) -> list:
+    """One :class:`ProfileRun` per profile, in order. ``progress_factory(profile, total)`` may return
+    an object with ``update_to(done)`` and ``close()`` (a progress bar)."""
+    runs = []
+    for profile in profiles:
+        bar = progress_factory(profile, len(trace.requests)) if progress_factory else None
+        try:
+            runs.append(
+                run_profile(
+                    trace,
+                    profile,
+                    engine,
+                    cost_overrides,
+                    max_steps,
+                    stall_steps,
+                    progress=bar.update_to if bar is not None else None,
+                )
+            )
+        finally:
+            if bar is not None:
+                bar.close()
+    return runs
