@@ -23,13 +23,25 @@ block_size)`` (hook ``fdsched_estimate_reserve_blocks``). The ratio starts at in
 each pass that scheduled something, and is re-estimated after a preemption. A running chunked
 prefill that fails the threshold stops the running pass and blocks waiting requests for the step.
 On the new host that stop is the host's own code; on the old host the plugin gets the same effect
-through the host's own control flow: ``get_new_block_nums`` returns a count that cannot be
-allocated, and ``_trigger_preempt`` then declines without preempting and marks the step as one in
-which no waiting request may be admitted (the host skips its waiting pass when that list is not
-empty).
+through the host's own control flow: ``get_new_block_nums`` makes the host's next block check fail
+(``PrefixCacheManager.can_allocate_gpu_blocks`` answers False once, evicting nothing), and
+``_trigger_preempt`` then declines without preempting and marks the step as one in which no waiting
+request may be admitted (the host skips its waiting pass when that list is not empty).
+
+``off`` on the new host restores the pre-change running pass too: a running chunk short of blocks
+preempts (``_trigger_preempt`` with the pass's own task lists, read from the calling ``schedule()``
+frame) instead of waiting. Left as the new host has it: the token budget that 7783 pre-deducts for
+decoding requests at the start of a pass.
+
+Beyond upstream: on a prefill node (``splitwise_role == "prefill"``) running requests reserve nothing:
+such a node never decodes, and upstream's reservation there stalls it for good (a chunk that needs no
+new block is refused while preallocated requests hold the pool, and the ratio only decays after a pass
+that scheduled something). The new host's own code (``auto`` there) still has that stall.
 """
 
 from __future__ import annotations
+
+import sys
 
 from fdsched.metrics import METRICS
 from fdsched.policies import LegacyReserve, NewTokenRatio, max_new_tokens_of
@@ -83,17 +95,24 @@ class RatioReserveMixin(PluginBase):
     def get_new_block_nums(self, request, num_new_tokens):
         blocks = super().get_new_block_nums(request, num_new_tokens)
         self._fdsched_block_request = request
-        if (
-            self._fdsched_impl["ratio_reserve"] == "plugin"
-            and not self._fdsched_host.has["ratio_reserve"]
-            and self._fdsched_is_running_prefill(request)
-        ):
-            # Old host: the running pass checks only `blocks`; apply the reservation here.
-            threshold = self._fdsched_threshold(blocks)
-            if not self.cache_manager.can_allocate_gpu_blocks(threshold):
+        impl = self._fdsched_impl["ratio_reserve"]
+        if impl == "host" or not self._fdsched_is_running_prefill(request):
+            return blocks
+        host_has_guard = self._fdsched_host.has["ratio_reserve"]
+        if impl == "plugin" and not host_has_guard:
+            # Old host: its running pass checks only `blocks`; apply the reservation here. On refusal the
+            # host's raw check is made to fail, and _trigger_preempt declines (see there).
+            if not self.cache_manager.can_allocate_gpu_blocks(self._fdsched_threshold(blocks)):
                 METRICS.admission_blocked()
                 self._fdsched_guarded = request
-                return threshold  # cannot be allocated: the host falls through to _trigger_preempt
+                self.cache_manager._fdsched_refuse_next = True
+        elif impl == "legacy" and host_has_guard:
+            # New host, change off: before 7783 a running chunk short of blocks preempted (the host now
+            # waits). Do it here, with the lists of the schedule() pass that called us.
+            if not self.cache_manager.can_allocate_gpu_blocks(blocks):
+                lists = _schedule_lists(sys._getframe(1))
+                if lists is None or not self._trigger_preempt(request, blocks, *lists):
+                    self.cache_manager._fdsched_refuse_next = True  # the host then stops the running pass
         return blocks
 
     def _get_can_schedule_prefill_threshold_block(self, num_chunk_new_block):
@@ -130,6 +149,12 @@ class RatioReserveMixin(PluginBase):
         return threshold
 
     def _fdsched_total_reserve(self) -> int:
+        if self.config.scheduler_config.splitwise_role == "prefill":
+            # A prefill node never decodes: its requests leave after their first token. Reserving decode
+            # blocks there (as 7783 does) can stall it for good: a chunk that needs no new block is refused
+            # while the preallocated requests hold the pool, and the ratio decays only after a pass that
+            # scheduled something.
+            return 0
         ratio = self._fdsched_ratio.value
         clip = self._fdsched_settings["host_tunables.FD_CLIP_MAX_NEW_TOKENS"]
         block_size = self.config.cache_config.block_size
@@ -151,7 +176,7 @@ class RatioReserveMixin(PluginBase):
     # ---- preemption and the end of a pass -------------------------------------------------------
     def _trigger_preempt(self, request, num_new_blocks, preempted_reqs, scheduled_reqs):
         impl = self._fdsched_impl["ratio_reserve"]
-        if impl == "plugin" and self._fdsched_guarded is request:
+        if impl == "plugin" and self._fdsched_guarded is request and not self._fdsched_host.has["ratio_reserve"]:
             # Old host: the guard refused this running chunk. Decline without preempting; a non-empty
             # list makes the host skip its waiting pass, as upstream does after a refused chunk.
             preempted_reqs.append(request)
@@ -200,6 +225,24 @@ class RatioReserveMixin(PluginBase):
         return result
 
 
+def _schedule_lists(frame):
+    """``(preempted_reqs, scheduled_reqs)`` of the host's schedule() pass in ``frame``, or None."""
+    names = frame.f_locals
+    preempted, scheduled = names.get("preempted_reqs"), names.get("scheduled_reqs")
+    if isinstance(preempted, list) and isinstance(scheduled, list):
+        return preempted, scheduled
+    return None
+
+
+class RatioReserveCacheMixin(PluginBase):
+    """Lets the scheduler make the host's next block check fail without evicting anything."""
+
+    def can_allocate_gpu_blocks(self, num_blocks, try_free_gpu_blocks=True):
+        if self.__dict__.pop("_fdsched_refuse_next", False):
+            return False
+        return super().can_allocate_gpu_blocks(num_blocks, try_free_gpu_blocks)
+
+
 def _has_ratio_reserve(info) -> bool:
     return hasattr(info.rm_class, "_get_running_request_reserve_blocks") and hasattr(
         info.rm_class, "_reset_reserve_on_preemption"
@@ -207,13 +250,14 @@ def _has_ratio_reserve(info) -> bool:
 
 
 def _guard_mechanism(info):
-    """On a host without the change the guard relies on the running pass's control flow."""
-    if _has_ratio_reserve(info):
-        return None
+    """The guard (old host) and the pre-change running-chunk preemption (new host, off) attach to the running
+    pass's control flow: its calls and its two task lists."""
     from fdsched.host import code_names
 
     names = code_names(info.rm_class.schedule)
-    needed = {"preempted_reqs", "get_new_block_nums", "_trigger_preempt", "_get_can_schedule_prefill_threshold_block"}
+    needed = {"preempted_reqs", "scheduled_reqs", "get_new_block_nums", "_get_can_schedule_prefill_threshold_block"}
+    if not _has_ratio_reserve(info):
+        needed.add("_trigger_preempt")
     missing = needed - names
     if missing:
         return f"ResourceManagerV1.schedule no longer uses {', '.join(sorted(missing))}; the guard cannot attach"
@@ -231,8 +275,10 @@ SPEC = PatchSpec(
         "ResourceManagerV1._get_can_schedule_prefill_threshold_block",
         "ResourceManagerV1._trigger_preempt",
         "ResourceManagerV1.schedule",
+        "PrefixCacheManager.can_allocate_gpu_blocks",
     ),
     requires={
+        "PrefixCacheManager.can_allocate_gpu_blocks": ("num_blocks",),
         "ResourceManagerV1.get_new_block_nums": ("request", "num_new_tokens"),
         "ResourceManagerV1._get_can_schedule_prefill_threshold_block": ("num_chunk_new_block",),
         "ResourceManagerV1._trigger_preempt": ("request", "num_new_blocks", "preempted_reqs", "scheduled_reqs"),
@@ -244,7 +290,7 @@ SPEC = PatchSpec(
     hosts_needing="2.6 before PR 7783 (old host e7c8dc2)",
     switch="FDSCHED_RATIO_RESERVE",
     delete_when="every supported host carries 7783 and exposes the re-estimate term and cap as settings",
-    mixins={"ResourceManagerV1": RatioReserveMixin},
+    mixins={"ResourceManagerV1": RatioReserveMixin, "PrefixCacheManager": RatioReserveCacheMixin},
     host_has=_has_ratio_reserve,
     extra_check=_guard_mechanism,
 )

@@ -52,17 +52,6 @@ def replays(replay_host):
     return get
 
 
-def _p_node_reservation_hang(replay_host, trace, run) -> bool:
-    """The known hang (see examples/replay.md): on a prefill node, the new_token_ratio reservation
-    counts every running prefill's future decode tokens, preallocation has already taken the pool,
-    a refused chunk schedules nothing, so the ratio never decays. Upstream's own code does it too."""
-    return (
-        trace.engine.get("splitwise_role") == "prefill"
-        and replay_host.has.get("ratio_reserve", False)
-        and run.profile != "baseline"
-    )
-
-
 @pytest.mark.parametrize("profile", PROFILES)
 @pytest.mark.parametrize("name", SHIPPED)
 def test_shipped_trace_keeps_invariants_and_finishes_every_request(replays, replay_host, request, name, profile):
@@ -73,8 +62,6 @@ def test_shipped_trace_keeps_invariants_and_finishes_every_request(replays, repl
     violations = [v for s in run.steps for v in s.violations] + run.request_violations
     assert violations == []
     assert figures["invariant_violations"] == 0
-    if _p_node_reservation_hang(replay_host, trace, run):
-        request.applymarker(pytest.mark.xfail(strict=True, reason="known P-node reservation hang on this host"))
     assert run.drained, run.stop_reason
     assert figures["requests_finished"] == len(trace.requests)
     assert all(r.finish_count == 1 for r in run.requests)
@@ -92,18 +79,24 @@ def test_pressure_preempts_under_baseline_but_never_a_prefill_under_recommended(
     assert rec["recomputed_prompt_tokens"] < base["recomputed_prompt_tokens"]
 
 
-def test_the_p_node_hang_is_what_it_is_said_to_be(replays, replay_host):
-    trace, run = replays("pd-prefill", "recommended")
-    if not _p_node_reservation_hang(replay_host, trace, run):
-        assert run.drained
-        return
-    assert not run.drained and run.stop_reason.startswith("stalled")
-    stall = run.stall
+def test_upstream_ratio_reservation_stalls_a_prefill_node_and_the_plugin_does_not(replays, replay_host, tmp_path):
+    """7783's reservation on a prefill node (the new host's own code, ``auto`` there) counts every running
+    prefill's future decode tokens although the node never decodes: preallocation has already taken the
+    pool, a refused chunk schedules nothing, and the ratio never decays. The plugin reserves nothing there."""
+    if not replay_host.has.get("ratio_reserve"):
+        pytest.skip("the host has no ratio reservation of its own (old host): nothing to compare with")
+    host_code = tmp_path / "ratio-host-code.yaml"
+    host_code.write_text('changes: {ratio_reserve: "auto", decode_only_preempt: "auto"}\n')
+    trace, stalled = replays("pd-prefill", str(host_code))
+    assert not stalled.drained and stalled.stop_reason.startswith("stalled")
+    stall = stalled.stall
     # Every stuck request is a running prefill that already holds all its blocks: only the
     # reservation threshold keeps it from running.
     assert stall["running"] > 0 and stall["running_prefilling"] == stall["running"]
     assert stall["running_with_all_blocks"] == stall["running"]
     assert stall["waiting"] == 0
+    _, fixed = replays("pd-prefill", "recommended")
+    assert fixed.drained
 
 
 @pytest.mark.parametrize("profile", PROFILES)
