@@ -52,8 +52,9 @@ def add_commands(sub) -> None:
     )
     replay.add_argument("--trace", default=DEFAULT_TRACE, help=f"shipped trace name or JSONL path (default {DEFAULT_TRACE}; "
                         f"shipped: {', '.join(shipped_traces()) or 'none'})")
-    replay.add_argument("--profile", dest="profiles", action="append", metavar="P",
-                        help="profile name or YAML path; repeat for several (default: baseline recommended)")
+    replay.add_argument("--profile", dest="profiles", action="extend", nargs="+", metavar="P",
+                        help="profile names or YAML paths, one or more (--profile A B, or the flag repeated; "
+                        "default: baseline recommended)")
     replay.add_argument("--out", default="replay-out", help="output directory (default ./replay-out)")
     cost = replay.add_argument_group("step-cost model (default: the profile's replay.* settings)")
     cost.add_argument("--cost-fixed-ms", type=_nonneg_float, help="fixed cost of one engine step, ms")
