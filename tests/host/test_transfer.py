@@ -6,7 +6,6 @@ import threading
 import time
 from types import SimpleNamespace
 
-import numpy as np
 import pytest
 
 ECQ = "fastdeploy.inter_communicator.engine_cache_queue"
@@ -140,6 +139,8 @@ def test_reset_waits_for_every_result(transfer):
         producer.start()
         while not events.handled:
             time.sleep(0.005)
+        import numpy as np
+
         cm.cache_task_inflight_signal = SimpleNamespace(value=np.zeros(1, dtype=np.int32))
         producer.join(timeout=60)
         cm.reset(wait_for_tasks_done=True)
