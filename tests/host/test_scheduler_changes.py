@@ -255,3 +255,17 @@ def test_scenario_decode_only_never_preempts_a_prefill(rm_with):
 
 def test_scenario_legacy_preempts_a_prefill(rm_with):
     assert "prefill" in _victims(rm_with, "baseline")
+
+
+def test_plugin_metrics_reach_the_hosts_metrics_endpoint(rm_with):
+    """The host's /metrics text (get_filtered_metrics, multi-process mode) includes the plugin's metrics."""
+    from fastdeploy.metrics.metrics import get_filtered_metrics
+
+    rm = rm_with("recommended")
+    a = _place(rm, "a", 8, generated=3)
+    _place(rm, "b", 8, generated=2)
+    _drain_pool(rm)
+    rm._trigger_preempt(a, 1, [], [])
+    text = get_filtered_metrics()
+    assert 'fastdeploy:fdsched_preemptions_total{victim_phase="decode"}' in text
+    assert "fastdeploy:fdsched_new_token_ratio" in text
