@@ -26,6 +26,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Optional
 
+from ..policies import is_decoding
+
 __all__ = [
     "EngineShape",
     "prepare_host_environment",
@@ -238,9 +240,9 @@ class Driver:
 
     # ---- one engine step --------------------------------------------------------------------
     def _is_decoding_now(self, request) -> bool:
-        if self._split:
-            return request.status == self._status.RUNNING_DECODE
-        return request.num_total_tokens > request.need_prefill_tokens
+        """The plugin's one decode test (the host's status where it has RUNNING_DECODE, else token counts)."""
+        status_is_decode = (request.status == self._status.RUNNING_DECODE) if self._split else None
+        return is_decoding(status_is_decode, request.num_total_tokens, request.need_prefill_tokens)
 
     def step(self) -> StepRecord:
         from fastdeploy.engine.request import Request
