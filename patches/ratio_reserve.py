@@ -123,7 +123,10 @@ class RatioReserveMixin(PluginBase):
             threshold = self._fdsched_threshold(num_chunk_new_block)
         else:
             threshold = self._fdsched_legacy_threshold(num_chunk_new_block)
-        if not self.cache_manager.can_allocate_gpu_blocks(threshold):
+        # Count refusals for the metrics; a refusal already pending (see get_new_block_nums) is the host's.
+        if self.cache_manager.__dict__.get("_fdsched_refuse_next") or not self.cache_manager.can_allocate_gpu_blocks(
+            threshold
+        ):
             METRICS.admission_blocked()
         return threshold
 

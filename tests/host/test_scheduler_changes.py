@@ -269,3 +269,36 @@ def test_plugin_metrics_reach_the_hosts_metrics_endpoint(rm_with):
     text = get_filtered_metrics()
     assert 'fastdeploy:fdsched_preemptions_total{victim_phase="decode"}' in text
     assert "fastdeploy:fdsched_new_token_ratio" in text
+
+
+def _chunk_short_of_blocks_scene(rm, chunk_last=True):
+    """Two decoders and a running chunk that needs 4 more blocks while 2 are free."""
+    _place(rm, "d1", 8, generated=1, max_tokens=60, blocks=6)
+    _place(rm, "d2", 8, generated=1, max_tokens=60, blocks=6)
+    chunk = _place(rm, "chunk", 24, computed=8, max_tokens=8, blocks=2)
+    if not chunk_last:
+        rm.running.remove(chunk)
+        rm.running.insert(0, chunk)
+    _drain_pool(rm, keep=2)
+    return chunk
+
+
+def test_off_a_running_chunk_short_of_blocks_preempts_as_before_7783(rm_with):
+    """Pre-change (old host, or off on the new host): the chunk preempts the last running request."""
+    rm = rm_with("baseline")
+    chunk = _chunk_short_of_blocks_scene(rm, chunk_last=False)
+    rm.schedule()
+    assert "d2" in rm.to_be_rescheduled_request_id_set, "the last running request is the victim"
+    assert chunk.num_computed_tokens == 24, "with the victim's blocks the chunk goes ahead"
+
+
+def test_off_a_chunk_that_preempts_itself_gets_no_blocks(rm_with):
+    # No legacy reservation, so only the refusal keeps the host from handing the freed blocks back to it.
+    rm = rm_with("baseline", FD_RESERVE_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL=0)
+    chunk = _chunk_short_of_blocks_scene(rm, chunk_last=True)
+    rm.schedule()
+    assert "chunk" in rm.to_be_rescheduled_request_id_set
+    assert chunk.block_tables == [] and chunk.num_computed_tokens == 0
+    assert chunk not in rm.running
+    free = rm.cache_manager.gpu_free_block_list
+    assert len(free) == len(set(free))
