@@ -23,7 +23,6 @@ __all__ = [
     "HostInfo",
     "find_host",
     "probe",
-    "resolve",
 ]
 
 HOST_SOURCE_ENV = "FDSCHED_HOST_SOURCE"
@@ -66,21 +65,6 @@ def find_host(environ: Optional[Mapping[str, str]] = None) -> str:
 
 def _location(module) -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(module.__file__)))
-
-
-def resolve(dotted: str) -> Any:
-    """Import a module and walk attributes: ``a.b.C.meth`` -> the object, or raise AttributeError."""
-    parts = dotted.split(".")
-    for cut in range(len(parts), 0, -1):
-        name = ".".join(parts[:cut])
-        try:
-            obj = importlib.import_module(name)
-        except ImportError:
-            continue
-        for attr in parts[cut:]:
-            obj = getattr(obj, attr)
-        return obj
-    raise AttributeError(f"cannot import any prefix of {dotted}")
 
 
 def code_names(func) -> frozenset:

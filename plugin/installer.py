@@ -21,7 +21,7 @@ from typing import Mapping, Optional
 from . import host as host_mod
 from .hooks import Policies, make_plugin_manager
 from .rebind import Rebinding
-from .settings import CHANGE_IDS, Settings, SettingsError, effective_ratio_mode, load_settings
+from .settings import CHANGE_IDS, Settings, effective_ratio_mode, load_settings
 
 __all__ = ["Decision", "InstallReport", "InstallError", "decide", "install", "uninstall", "current"]
 
@@ -186,13 +186,3 @@ def uninstall() -> None:
             rebinding.restore()
         _REBINDINGS.clear()
         _CURRENT = None
-
-
-def plan(environ: Optional[Mapping[str, str]] = None, settings: Optional[Settings] = None):
-    """What :func:`install` would do, without patching: (settings, host info, decisions)."""
-    settings = load_settings(environ) if settings is None else settings
-    info = host_mod.probe(environ)
-    return settings, info, decide(settings, info)
-
-
-__all__ += ["plan", "SettingsError"]
