@@ -63,6 +63,14 @@ def cmd_doctor(args) -> int:
     installed = current()
     if installed is not None:
         print("\ninstalled in this process: " + installed.summary())
+    try:
+        from .hooks import Policies, make_plugin_manager
+
+        external = Policies(make_plugin_manager()).external_plugins()
+        print(f"\nthird-party hook plugins (entry-point group fdsched.hooks): {', '.join(external) or 'none'}")
+    except Exception as exc:  # a broken third-party plugin is an error worth showing, not a crash
+        print(f"\nthird-party hook plugins: ERROR: {type(exc).__name__}: {exc}")
+        status = EXIT_ERROR
     print("\neffective settings:")
     print(_table([(k, env, _show(v), src) for k, env, v, src in settings.describe()], ("key", "variable", "value", "source")))
     return status
