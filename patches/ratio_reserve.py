@@ -123,11 +123,8 @@ class RatioReserveMixin(PluginBase):
             threshold = self._fdsched_threshold(num_chunk_new_block)
         else:
             threshold = self._fdsched_legacy_threshold(num_chunk_new_block)
-        # Count refusals for the metrics; a refusal already pending (see get_new_block_nums) is the host's.
-        if self.cache_manager.__dict__.get("_fdsched_refuse_next") or not self.cache_manager.can_allocate_gpu_blocks(
-            threshold
-        ):
-            METRICS.admission_blocked()
+        # Every caller checks the threshold with can_allocate_gpu_blocks right away: count that check's refusal.
+        self.cache_manager._fdsched_admission_check = True
         return threshold
 
     def _fdsched_threshold(self, chunk_blocks: int) -> int:
@@ -165,9 +162,7 @@ class RatioReserveMixin(PluginBase):
         reserve = self._fdsched_policies.reserve_blocks
         total = 0
         for r in self.running:
-            budget = max_new_tokens_of(
-                getattr(r.sampling_params, "max_tokens", None), max_model_len, r.prompt_token_ids_len
-            )
+            budget = _output_budget(r, max_model_len)
             total += reserve(r.request_id, budget, len(r.output_token_ids), ratio, clip, block_size)
         return total
 
@@ -197,9 +192,7 @@ class RatioReserveMixin(PluginBase):
         generated, budgets, decoding = [], [], 0
         for r in self.running:
             generated.append(len(r.output_token_ids))
-            budgets.append(
-                max_new_tokens_of(getattr(r.sampling_params, "max_tokens", None), max_model_len, r.prompt_token_ids_len)
-            )
+            budgets.append(_output_budget(r, max_model_len))
             decoding += self._fdsched_is_decoding(r)
         value = self._fdsched_ratio.on_preemption(
             generated,
@@ -228,6 +221,13 @@ class RatioReserveMixin(PluginBase):
         return result
 
 
+def _output_budget(request, max_model_len: int) -> int:
+    """A running request's output budget (max_tokens, else what the context leaves)."""
+    return max_new_tokens_of(
+        getattr(request.sampling_params, "max_tokens", None), max_model_len, request.prompt_token_ids_len
+    )
+
+
 def _schedule_lists(frame):
     """``(preempted_reqs, scheduled_reqs)`` of the host's schedule() pass in ``frame``, or None."""
     names = frame.f_locals
@@ -238,12 +238,18 @@ def _schedule_lists(frame):
 
 
 class RatioReserveCacheMixin(PluginBase):
-    """Lets the scheduler make the host's next block check fail without evicting anything."""
+    """The host's block check, seen by the scheduler: it can make the next check fail without evicting
+    anything, and a refused admission check is counted for the metrics."""
 
     def can_allocate_gpu_blocks(self, num_blocks, try_free_gpu_blocks=True):
+        admission = self.__dict__.pop("_fdsched_admission_check", False)
         if self.__dict__.pop("_fdsched_refuse_next", False):
-            return False
-        return super().can_allocate_gpu_blocks(num_blocks, try_free_gpu_blocks)
+            allowed = False
+        else:
+            allowed = super().can_allocate_gpu_blocks(num_blocks, try_free_gpu_blocks)
+        if admission and not allowed:
+            METRICS.admission_blocked()
+        return allowed
 
 
 def _has_ratio_reserve(info) -> bool:
