@@ -1,7 +1,8 @@
 """Change 1 — deferred, batched GPU block recycling in LRU eviction.
 
 Replaces:  PrefixCacheManager.free_block_ids_async (the path without a CPU tier),
-           PrefixCacheManager.free_nodes_directly
+           PrefixCacheManager.free_nodes_directly,
+           PrefixCacheManager.recycle_gpu_blocks (same contract, cheap for a batch)
 Why:       the host recycles each evicted node with two recycle_gpu_blocks calls (its reserved decode
            ids, then its block), each of which formats and logs the id list at INFO, sets two
            Prometheus gauges and heap-pushes each id: about 100 us per block, 2 s for 20k blocks.
@@ -13,8 +14,15 @@ Delete:    when upstream merges 7885/7886 into every supported host.
 
 How: the loop pops LRU leaves exactly as the host does, detaches each evicted node and collects
 its block id and its reserved decode ids (clearing the node's ``reverved_dec_block_ids``, host
-spelling, so no stale id survives node reuse); after the loop all ids go back to the free heap in
-one step (pushes for a small batch, one ``heapify`` when that is cheaper), with one log line and
+spelling, so no stale id survives node reuse); after the loop all ids go back through the host's
+own seam, ``self.recycle_gpu_blocks(ids)``, in ONE call, as upstream's 7885/7886 does. Whatever
+observes or extends that method (a test or metrics hook that replaces it on the instance, a
+platform subclass) sees every freed id.
+
+The plugin's ``recycle_gpu_blocks`` keeps the host's contract (an id or a list, optional
+``req_id``; skipped while the prefix tree is being cleared; a batch that would overflow the pool is
+not recycled) and makes a batch cheap for every caller: one merge into the free heap (pushes for a
+small batch, one ``heapify`` when that is cheaper), one summary log line at INFO (the ids at DEBUG),
 one update of each gauge.
 
 Decisions, deliberately different from upstream's patch or the host:
@@ -89,7 +97,7 @@ class DeferredRecycleMixin(PluginBase):
             except Exception as exc:
                 self._fdsched_eviction_error("free_block_ids_async", exc)
             finally:
-                self._fdsched_recycle_batch(freed, started)
+                self._fdsched_recycle_evicted(freed, started)
 
     def free_nodes_directly(self, node):
         if self._fdsched_impl["deferred_recycle"] != "plugin":
@@ -113,7 +121,14 @@ class DeferredRecycleMixin(PluginBase):
             finally:
                 if removed_from_heap:
                     heapq.heapify(self.gpu_lru_leaf_heap)  # list.remove broke the heap order
-                self._fdsched_recycle_batch(freed, started)
+                self._fdsched_recycle_evicted(freed, started)
+
+    def recycle_gpu_blocks(self, gpu_block_ids, req_id=None):
+        """The host's seam for returning GPU blocks, same contract, one heap merge per call."""
+        if self._fdsched_impl["deferred_recycle"] != "plugin":
+            return super().recycle_gpu_blocks(gpu_block_ids, req_id)
+        ids = gpu_block_ids if isinstance(gpu_block_ids, list) else [gpu_block_ids]
+        self._fdsched_recycle_batch(ids, req_id)
 
     # ---- pieces ---------------------------------------------------------------------------
     def _fdsched_evict_lru(self, need_block_num: int, freed: list) -> int:
@@ -193,8 +208,15 @@ class DeferredRecycleMixin(PluginBase):
         logger.error(f"[fdsched] {where}: error: {type(exc).__name__} {exc}")
         raise exc
 
-    def _fdsched_recycle_batch(self, ids: list, started: float) -> None:
-        """Return a batch of GPU block ids to the free heap: once, guarded like the host's recycle."""
+    def _fdsched_recycle_evicted(self, ids: list, started: float) -> None:
+        """Hand an eviction's ids to the host's seam in one call; count the batch."""
+        if not ids:
+            return
+        self.recycle_gpu_blocks(ids)  # an instance attribute that replaces the method sees the batch too
+        METRICS.recycled(len(ids), time.perf_counter() - started)
+
+    def _fdsched_recycle_batch(self, ids: list, req_id) -> None:
+        """Return ``ids`` to the free heap: once, guarded like the host's recycle."""
         if not ids:
             return
         logger = host_global(PCM, "logger")
@@ -215,14 +237,9 @@ class DeferredRecycleMixin(PluginBase):
         metrics = host_global(PCM, "main_process_metrics")
         metrics.free_gpu_block_num.set(len(free))
         metrics.available_gpu_resource.set(self.available_gpu_resource)
-        seconds = time.perf_counter() - started
-        METRICS.recycled(len(ids), seconds)
-        logger.info(
-            f"[fdsched] evicted and recycled {len(ids)} gpu blocks in one batch ({way}, {seconds * 1e3:.2f} ms), "
-            f"free {len(free)}/{self.num_gpu_blocks}"
-        )
+        logger.info(f"[fdsched] req_id:{req_id} recycled {len(ids)} gpu blocks ({way}), free {len(free)}/{self.num_gpu_blocks}")
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug(f"[fdsched] recycled gpu block ids: {ids}")
+            logger.debug(f"[fdsched] req_id:{req_id} recycled gpu block ids: {ids}")
 
     def _fdsched_drop_duplicates(self, ids: list) -> list:
         logger = host_global(PCM, "logger")
@@ -244,14 +261,21 @@ SPEC = PatchSpec(
     title="Deferred batched block recycling in LRU eviction",
     upstream_prs=(7885, 7886),
     upstream_state="open",
-    replaces=("PrefixCacheManager.free_block_ids_async", "PrefixCacheManager.free_nodes_directly"),
+    replaces=(
+        "PrefixCacheManager.free_block_ids_async",
+        "PrefixCacheManager.free_nodes_directly",
+        "PrefixCacheManager.recycle_gpu_blocks",
+    ),
     requires={
         "PrefixCacheManager.free_block_ids_async": ("need_block_num",),
         "PrefixCacheManager.free_nodes_directly": ("node",),
-        "PrefixCacheManager.recycle_gpu_blocks": ("gpu_block_ids",),
+        "PrefixCacheManager.recycle_gpu_blocks": ("gpu_block_ids", "req_id"),
     },
     why="One recycle_gpu_blocks call per evicted node: INFO log of the id list, two gauges, one push per id.",
-    how="Collect the evicted nodes' block ids (block + reserved decode ids) and recycle them once after the loop.",
+    how=(
+        "Collect the evicted nodes' block ids (block + reserved decode ids) and pass them to recycle_gpu_blocks "
+        "once after the loop; that method merges a batch into the free heap at once (one log line, gauges once)."
+    ),
     hosts_needing="all 2.6 hosts (old e7c8dc2, new d38eeb8)",
     switch="FDSCHED_DEFERRED_RECYCLE",
     delete_when="upstream merges PR 7885/7886 into every supported host",

@@ -123,9 +123,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_optional_commands(sub) -> None:
     """Commands that live in their own modules (replay, traces, benchmarks)."""
-    from . import bench
+    from . import bench, hostsetup
 
     bench.add_commands(sub)
+    hostsetup.add_commands(sub)
     try:
         from .replay import cli as replay_cli
     except ImportError:
@@ -135,6 +136,7 @@ def _add_optional_commands(sub) -> None:
 
 def main(argv: Optional[list] = None) -> int:
     from .host import HostNotFound
+    from .hostsuites import HostSuiteError
     from .installer import InstallError
 
     args = build_parser().parse_args(argv)
@@ -146,6 +148,9 @@ def main(argv: Optional[list] = None) -> int:
     except HostNotFound as exc:
         print(f"fdsched: {exc}", file=sys.stderr)
         return EXIT_NO_HOST
+    except HostSuiteError as exc:
+        print(f"fdsched: {exc}", file=sys.stderr)
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":

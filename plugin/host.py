@@ -1,8 +1,9 @@
 """Finding the FastDeploy host and probing what it already has.
 
-The host is an installed ``fastdeploy`` package, or a source tree named by ``FDSCHED_HOST_SOURCE``
-(a directory whose ``fastdeploy/`` package imports with that directory on ``sys.path``). Nothing here
-patches anything: :func:`probe` only looks.
+The host is, in this order: an installed ``fastdeploy`` package; a source tree named by
+``FDSCHED_HOST_SOURCE`` (a directory whose ``fastdeploy/`` package imports with that directory on
+``sys.path``); the active host recorded by ``fdsched host setup`` (:mod:`fdsched.hostsetup`). Nothing
+here patches anything: :func:`probe` only looks.
 """
 
 from __future__ import annotations
@@ -30,9 +31,9 @@ RM_MODULE = "fastdeploy.engine.sched.resource_manager_v1"
 PCM_MODULE = "fastdeploy.cache_manager.prefix_cache_manager"
 ECQ_MODULE = "fastdeploy.inter_communicator.engine_cache_queue"
 HOW_TO_POINT = (
-    "install FastDeploy 2.x (fastdeploy-gpu) in this environment, or set "
-    f"{HOST_SOURCE_ENV}=/path/to/FastDeploy (a source tree whose fastdeploy/ package imports, "
-    "with paddlepaddle installed)"
+    "run `fdsched host setup` (a CPU host from a FastDeploy source archive), install FastDeploy 2.x "
+    f"(fastdeploy-gpu) in this environment, or set {HOST_SOURCE_ENV}=/path/to/FastDeploy (a source tree "
+    "whose fastdeploy/ package imports, with paddlepaddle installed)"
 )
 
 
@@ -43,17 +44,24 @@ class HostNotFound(RuntimeError):
 def find_host(environ: Optional[Mapping[str, str]] = None) -> str:
     """Make the host importable and say where it is; raise :class:`HostNotFound` otherwise.
 
-    An installed ``fastdeploy`` wins; else ``FDSCHED_HOST_SOURCE`` is put on ``sys.path``.
+    An installed ``fastdeploy`` wins; else ``FDSCHED_HOST_SOURCE``, else the host recorded by
+    ``fdsched host setup``, is put on ``sys.path``.
     """
     environ = os.environ if environ is None else environ
     if "fastdeploy" in sys.modules:
         return _location(sys.modules["fastdeploy"])
     source = environ.get(HOST_SOURCE_ENV, "").strip()
-    if importlib.util.find_spec("fastdeploy") is None and source:
-        if not os.path.isfile(os.path.join(source, "fastdeploy", "__init__.py")):
-            raise HostNotFound(f"{HOST_SOURCE_ENV}={source!r} has no fastdeploy/__init__.py; {HOW_TO_POINT}")
-        sys.path.insert(0, os.path.abspath(source))
-        importlib.invalidate_caches()
+    if importlib.util.find_spec("fastdeploy") is None:
+        if source:
+            if not os.path.isfile(os.path.join(source, "fastdeploy", "__init__.py")):
+                raise HostNotFound(f"{HOST_SOURCE_ENV}={source!r} has no fastdeploy/__init__.py; {HOW_TO_POINT}")
+        else:
+            from .hostsetup import recorded_host_path
+
+            source = recorded_host_path(environ) or ""
+        if source:
+            sys.path.insert(0, os.path.abspath(source))
+            importlib.invalidate_caches()
     if importlib.util.find_spec("fastdeploy") is None:
         raise HostNotFound(f"FastDeploy is not importable; {HOW_TO_POINT}")
     try:

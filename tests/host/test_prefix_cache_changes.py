@@ -109,6 +109,80 @@ def test_batched_recycle_frees_exactly_the_evicted_blocks_once(filled):
     _check_accounting(rm)
 
 
+def test_every_evicted_id_goes_through_the_recycle_seam_once_per_batch(filled):
+    """The host's seam is kept: an instance attribute that replaces recycle_gpu_blocks (as the host's own
+    test_free_nodes_directly_handles_gpu_leafs does) sees every freed id, in one call per eviction."""
+    rm = filled()
+    cm = rm.cache_manager
+    leaf = cm.gpu_lru_leaf_heap[0]
+    dec_ids = list(cm.allocate_gpu_blocks(2, "dec"))
+    leaf.reverved_dec_block_ids = list(dec_ids)
+    nodes_before = {id(n): n for n in _tree_nodes(cm)}
+    calls = []
+    cm.recycle_gpu_blocks = lambda ids: calls.append(list(ids))
+
+    cm.free_block_ids_async(5)
+
+    gone = [n for key, n in nodes_before.items() if key not in {id(m) for m in _tree_nodes(cm)}]
+    assert len(gone) == 5 and len(calls) == 1, calls
+    assert sorted(calls[0]) == sorted([n.block_id for n in gone] + dec_ids)
+
+    # free_nodes_directly: the same seam, one call for the whole chain it frees
+    calls.clear()
+    target = next(n for n in _tree_nodes(cm) if n.shared_count == 0 and not n.children and n in cm.gpu_lru_leaf_set)
+    target.reverved_dec_block_ids = list(cm.allocate_gpu_blocks(1, "dec2"))
+    dec = list(target.reverved_dec_block_ids)
+    cm.free_nodes_directly(target)
+    assert len(calls) == 1 and target.block_id in calls[0] and set(dec) <= set(calls[0])
+    assert target.reverved_dec_block_ids == []
+
+
+def test_recycle_seam_overridden_by_a_subclass_sees_the_batch(install_profile, make_manager, clock):
+    """A platform subclass that extends recycle_gpu_blocks keeps seeing evictions (one call, every id)."""
+    from fastdeploy.cache_manager import prefix_cache_manager as pcm_mod
+
+    install_profile("deferred_recycle")
+    plugin_cls = pcm_mod.PrefixCacheManager
+    seen = []
+
+    class Observing(plugin_cls):
+        def recycle_gpu_blocks(self, gpu_block_ids, req_id=None):
+            seen.append(list(gpu_block_ids) if isinstance(gpu_block_ids, list) else [gpu_block_ids])
+            return super().recycle_gpu_blocks(gpu_block_ids, req_id)
+
+    from fdsched.rebind import Rebinding
+
+    stacked = Rebinding(pcm_mod.__name__, "PrefixCacheManager", Observing)
+    stacked.apply()  # where the host builds its cache manager, it now builds the stacked class
+    try:
+        rm = make_manager(**SHAPE)
+    finally:
+        stacked.restore()
+    assert type(rm.cache_manager) is Observing
+    _fill_tree(rm, _prompts())
+    cm = rm.cache_manager
+    free_before = set(cm.gpu_free_block_list)
+    seen.clear()
+    cm.free_block_ids_async(6)
+    assert len(seen) == 1 and len(seen[0]) == 6
+    assert set(cm.gpu_free_block_list) - free_before == set(seen[0])
+    assert _is_heap(cm.gpu_free_block_list)
+    _check_accounting(rm)
+
+
+def test_plugin_recycle_keeps_the_host_contract_for_every_caller(filled):
+    """Single id or list, req_id accepted; the free list stays a heap; one merge for a big batch."""
+    rm = filled()
+    cm = rm.cache_manager
+    ids = cm.allocate_gpu_blocks(min(80, len(cm.gpu_free_block_list)), "r")
+    single = ids.pop()
+    cm.recycle_gpu_blocks(single, "r")
+    assert single in cm.gpu_free_block_list
+    cm.recycle_gpu_blocks(ids, req_id="r")
+    assert set(ids) <= set(cm.gpu_free_block_list) and _is_heap(cm.gpu_free_block_list)
+    assert len(cm.gpu_free_block_list) == len(set(cm.gpu_free_block_list))
+
+
 def test_eviction_matches_the_host_loop(install_profile, make_manager, clock):
     """Same tree, same request: the plugin evicts the same nodes and frees the same ids as the host."""
     outcomes = {}

@@ -19,6 +19,7 @@ def _host_importable() -> bool:
 @pytest.mark.skipif(_host_importable(), reason="FastDeploy is importable here, so the replay would run")
 def test_replay_without_host_exits_2_and_says_how_to_point(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != HOST_SOURCE_ENV and not k.startswith("FDSCHED_")}
+    env["FDSCHED_HOME"] = str(tmp_path / "home")  # no recorded host either
     proc = subprocess.run(
         [sys.executable, "-m", "fdsched.cli", "replay", "--trace", "shared-prefix", "--out", str(tmp_path / "o"),
          "--no-progress"],

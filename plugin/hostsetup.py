@@ -1,0 +1,409 @@
+"""``fdsched host setup``: a CPU FastDeploy host, one command away, for the replay, doctor, bench and tests.
+
+FastDeploy (``fastdeploy-gpu``) is not installable from the package registries, but its scheduler and
+prefix-cache classes are plain Python and run on a CPU with the CPU ``paddlepaddle`` wheel. Setting up
+a host means:
+
+1. take a FastDeploy source archive (``--archive PATH_OR_URL``; by default the public archive of the
+   pinned commit, downloaded over HTTPS), check it (a readable tar.gz, one top folder holding
+   ``fastdeploy/`` with the two scheduler modules, the checksum in a ``SHA256SUMS`` file beside a local
+   archive when there is one);
+2. unpack it into the per-user cache (``$FDSCHED_HOME``, else ``$XDG_CACHE_HOME/fdsched``, else
+   ``~/.cache/fdsched``) under ``hosts/<commit>/``;
+3. install the host's CPU Python dependencies into the current environment from the pinned
+   requirements file shipped with fdsched (``host-requirements-cpu.txt``; ``paddleformers`` without its
+   dependencies, as the host's CPU use needs);
+4. check that the two host modules import, and only then record the host as the active one in
+   ``hosts.json``.
+
+Any step that fails raises :class:`HostSetupError` naming what failed and the next step; nothing is
+recorded then, and a tree unpacked by this call is removed. :func:`recorded_host_path` is what
+:func:`fdsched.host.find_host` consults when neither an installed ``fastdeploy`` nor
+``FDSCHED_HOST_SOURCE`` is there.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Mapping, Optional
+
+__all__ = [
+    "KNOWN_HOSTS",
+    "DEFAULT_COMMIT",
+    "HostSetupError",
+    "cache_dir",
+    "setup_host",
+    "recorded_hosts",
+    "recorded_host_path",
+    "use_host",
+    "host_key",
+]
+
+HOME_ENV = "FDSCHED_HOME"
+REQUIREMENTS = Path(__file__).with_name("host-requirements-cpu.txt")
+NO_DEPS_REQUIREMENTS = ("paddleformers==1.1.1",)  # its own dependency list pulls GPU packages; the host needs none of them
+MARKER = "FDSCHED_HOST_COMMIT"  # written into a set-up tree: fdsched.host reads the commit from it
+REGISTRY = "hosts.json"
+PUBLIC_ARCHIVE = "https://github.com/gongshaotian/FastDeploy/archive/{commit}.tar.gz"
+HOST_MODULES = (
+    "fastdeploy/engine/sched/resource_manager_v1.py",
+    "fastdeploy/cache_manager/prefix_cache_manager.py",
+)
+
+
+@dataclass(frozen=True)
+class KnownHost:
+    key: str  # short name used by tests and the host-suite expectations
+    commit: str
+    what: str
+
+
+KNOWN_HOSTS = {
+    host.commit: host
+    for host in (
+        KnownHost("old", "e7c8dc2fe940ba2f50d932f17b41eab555846ecb", "FastDeploy 2.6 before PR 7387 and PR 7783"),
+        KnownHost("new", "d38eeb8334331b903fb34c9cd270ff0c58a48adf", "FastDeploy 2.6 with PR 7387 and PR 7783"),
+    )
+}
+DEFAULT_COMMIT = "d38eeb8334331b903fb34c9cd270ff0c58a48adf"
+
+
+class HostSetupError(RuntimeError):
+    """A step of ``fdsched host setup`` failed; the message names it and the next step."""
+
+
+def host_key(commit: Optional[str]) -> Optional[str]:
+    """``old`` / ``new`` for a supported commit (a full hash or a prefix of at least 7), else None."""
+    if not commit or len(commit) < 7:
+        return None
+    for full, host in KNOWN_HOSTS.items():
+        if full.startswith(commit.lower()):
+            return host.key
+    return None
+
+
+def cache_dir(environ: Optional[Mapping[str, str]] = None) -> Path:
+    environ = os.environ if environ is None else environ
+    if environ.get(HOME_ENV):
+        return Path(environ[HOME_ENV]).expanduser()
+    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fdsched"
+
+
+# ---- the registry -----------------------------------------------------------------------------------
+def _read_registry(root: Path) -> dict:
+    path = root / REGISTRY
+    if not path.is_file():
+        return {"active": None, "hosts": {}}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise HostSetupError(f"{path} is not readable JSON ({exc}); remove it and run `fdsched host setup` again") from exc
+    if not isinstance(data, dict) or not isinstance(data.get("hosts"), dict):
+        raise HostSetupError(f"{path} is not an fdsched host registry; remove it and run `fdsched host setup` again")
+    return data
+
+
+def _write_registry(root: Path, data: dict) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=root, prefix=".hosts-", suffix=".json")
+    with os.fdopen(fd, "w", encoding="utf-8") as fh:
+        json.dump(data, fh, indent=1, sort_keys=True)
+    os.replace(tmp, root / REGISTRY)
+
+
+def recorded_hosts(environ: Optional[Mapping[str, str]] = None) -> tuple:
+    """(active commit or None, {commit: record}) of the hosts set up for this user."""
+    data = _read_registry(cache_dir(environ))
+    return data.get("active"), dict(data["hosts"])
+
+
+def recorded_host_path(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """The source tree of the active recorded host, if it is still there."""
+    try:
+        active, hosts = recorded_hosts(environ)
+    except HostSetupError:
+        return None
+    record = hosts.get(active or "")
+    if not record:
+        return None
+    path = record.get("path", "")
+    return path if os.path.isfile(os.path.join(path, "fastdeploy", "__init__.py")) else None
+
+
+def use_host(commit: str, environ: Optional[Mapping[str, str]] = None) -> str:
+    """Make a recorded host (a commit or a unique prefix, or old/new) the active one; return its commit."""
+    root = cache_dir(environ)
+    data = _read_registry(root)
+    wanted = commit.lower()
+    matches = [c for c in data["hosts"] if c.startswith(wanted) or KNOWN_HOSTS.get(c, KnownHost("", "", "")).key == wanted]
+    if len(matches) != 1:
+        have = ", ".join(f"{c[:9]} ({host_key(c) or 'unsupported'})" for c in data["hosts"]) or "none"
+        raise HostSetupError(
+            f"host {commit!r} {'is ambiguous' if matches else 'is not set up'}; set up: {have}; "
+            "allowed: a set-up commit (or a unique prefix of it), old or new; set one up with `fdsched host setup`"
+        )
+    data["active"] = matches[0]
+    _write_registry(root, data)
+    return matches[0]
+
+
+# ---- the steps ---------------------------------------------------------------------------------------
+def _say(message: str) -> None:
+    print(f"fdsched host setup: {message}", flush=True)
+
+
+def _fetch(archive: str, workdir: Path) -> Path:
+    """A local path for ``archive`` (a path, or an http(s) URL downloaded into ``workdir``)."""
+    if re.match(r"^https?://", archive):
+        target = workdir / "archive.tar.gz"
+        _say(f"downloading {archive}")
+        try:
+            with urllib.request.urlopen(archive, timeout=60) as response, open(target, "wb") as out:
+                shutil.copyfileobj(response, out)
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            reason = getattr(exc, "reason", exc)
+            raise HostSetupError(
+                f"cannot download {archive}: {reason}; without network, pass an offline copy: "
+                "fdsched host setup --archive /path/to/FastDeploy-<commit>.tar.gz"
+            ) from exc
+        return target
+    path = Path(archive).expanduser()
+    if path.is_dir():
+        raise HostSetupError(f"--archive {archive!r} is a directory; allowed: a .tar.gz file or an http(s) URL")
+    if not path.is_file():
+        raise HostSetupError(f"--archive {archive!r} does not exist; allowed: a .tar.gz file or an http(s) URL")
+    return path
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _check_checksum(path: Path, original: str) -> Optional[str]:
+    """Verify against a SHA256SUMS file beside a local archive; return the digest."""
+    digest = _sha256(path)
+    sums = path.parent / "SHA256SUMS"
+    if path.name != "archive.tar.gz" and sums.is_file():
+        for line in sums.read_text(encoding="utf-8", errors="replace").splitlines():
+            parts = line.split()
+            if len(parts) == 2 and parts[1].lstrip("*") == path.name:
+                if parts[0].lower() != digest:
+                    raise HostSetupError(
+                        f"{original}: checksum {digest} does not match {sums} ({parts[0]}); the archive is corrupt "
+                        "or not the one listed: fetch it again"
+                    )
+                _say(f"checksum matches {sums}")
+    return digest
+
+
+def _unpack(path: Path, original: str, into: Path) -> tuple:
+    """Unpack into ``into``; return (tree root, commit named by the top folder or None)."""
+    try:
+        with tarfile.open(path, "r:*") as tar:
+            members = tar.getmembers()
+            tops = {m.name.split("/", 1)[0] for m in members if m.name not in ("", ".")}
+            if len(tops) != 1:
+                raise HostSetupError(
+                    f"{original}: expected one top folder (FastDeploy-<commit>/), found {len(tops)}: "
+                    f"{', '.join(sorted(tops)[:5])}; allowed: a FastDeploy source archive"
+                )
+            top = tops.pop()
+            names = {m.name for m in members}
+            missing = [m for m in HOST_MODULES + ("fastdeploy/__init__.py",) if f"{top}/{m}" not in names]
+            if missing:
+                raise HostSetupError(
+                    f"{original}: the tree has no {', '.join(missing)}; allowed: a FastDeploy 2.x source archive "
+                    "(with its fastdeploy/ package)"
+                )
+            tar.extractall(into, filter="data")
+    except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
+        raise HostSetupError(f"{original}: not a readable tar.gz archive ({type(exc).__name__}: {exc}); fetch it again") from exc
+    match = re.fullmatch(r"FastDeploy-([0-9a-f]{40})", top)
+    return into / top, (match.group(1) if match else None)
+
+
+def _pip(args: list, what: str) -> None:
+    command = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", *args]
+    _say(f"installing {what}: {' '.join(command[2:])}")
+    result = subprocess.run(command)
+    if result.returncode != 0:
+        raise HostSetupError(
+            f"pip failed (exit {result.returncode}) installing {what}: {' '.join(command)}; "
+            "check the network to the package index and that this is Python 3.10-3.12, then run setup again"
+        )
+
+
+def _check_imports(tree: Path) -> None:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(tree)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env.setdefault("ENABLE_V1_KVCACHE_SCHEDULER", "1")
+    scratch = tempfile.mkdtemp(prefix="fdsched-setup-")
+    env.setdefault("PROMETHEUS_MULTIPROC_DIR", scratch)
+    env.setdefault("FD_LOG_DIR", scratch)
+    code = "import fastdeploy.engine.sched.resource_manager_v1, fastdeploy.cache_manager.prefix_cache_manager"
+    try:
+        result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=scratch)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if result.returncode != 0:
+        tail = "\n".join(result.stderr.strip().splitlines()[-5:])
+        raise HostSetupError(
+            f"the host's scheduler modules do not import from {tree}:\n{tail}\n"
+            "install its dependencies (run setup without --no-deps) or check the archive"
+        )
+
+
+def setup_host(
+    archive: Optional[str] = None,
+    commit: Optional[str] = None,
+    install_deps: bool = True,
+    environ: Optional[Mapping[str, str]] = None,
+) -> dict:
+    """Set up a host; return its record. See the module docstring for the steps."""
+    root = cache_dir(environ)
+    hosts_dir = root / "hosts"
+    hosts_dir.mkdir(parents=True, exist_ok=True)
+    if archive is None:
+        commit = commit or DEFAULT_COMMIT
+        archive = PUBLIC_ARCHIVE.format(commit=commit)
+    started = time.monotonic()
+    work = Path(tempfile.mkdtemp(prefix=".setup-", dir=hosts_dir))
+    placed: Optional[Path] = None
+    try:
+        local = _fetch(archive, work)
+        digest = _check_checksum(local, archive)
+        tree, named = _unpack(local, archive, work / "tree")
+        if commit and named and not named.startswith(commit.lower()):
+            raise HostSetupError(f"--commit {commit} does not match the archive's folder {tree.name}; allowed: {named}")
+        full = named or (commit or "").lower()
+        if not re.fullmatch(r"[0-9a-f]{7,40}", full or ""):
+            raise HostSetupError(
+                f"{archive}: the commit is unknown (top folder {tree.name!r} is not FastDeploy-<40-hex commit>); "
+                "pass --commit <hash>"
+            )
+        known = host_key(full)
+        if known is None:
+            _say(f"warning: commit {full} is not a supported host ({', '.join(c[:9] for c in KNOWN_HOSTS)}); setting it up anyway")
+        (tree / MARKER).write_text(full + "\n", encoding="utf-8")
+        if install_deps:
+            _pip(["-r", str(REQUIREMENTS)], f"the host's CPU dependencies ({REQUIREMENTS.name})")
+            _pip(["--no-deps", *NO_DEPS_REQUIREMENTS], "packages taken without their dependencies")
+        _check_imports(tree)
+        final = hosts_dir / full
+        if final.exists():
+            shutil.rmtree(final)
+        os.replace(tree, final)
+        placed = final
+        data = _read_registry(root)
+        record = {
+            "commit": full,
+            "key": known,
+            "path": str(final),
+            "archive": archive,
+            "sha256": digest,
+            "python": sys.executable,
+            "set_up": time.strftime("%Y-%m-%dT%H:%M:%S"),
+        }
+        data["hosts"][full] = record
+        data["active"] = full
+        _write_registry(root, data)
+        placed = None  # recorded: keep it
+        _say(f"host {full[:9]} ({known or 'unsupported'}) ready at {final} in {time.monotonic() - started:.0f} s")
+        return record
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        if placed is not None:  # unpacked but not recorded: leave nothing behind
+            shutil.rmtree(placed, ignore_errors=True)
+
+
+# ---- CLI ------------------------------------------------------------------------------------------
+def add_commands(sub) -> None:
+    host = sub.add_parser("host", help="set up and list CPU FastDeploy hosts (for replay, doctor, bench, tests)")
+    host_sub = host.add_subparsers(dest="host_command", required=True)
+    setup = host_sub.add_parser("setup", help="unpack a FastDeploy source archive, install its CPU dependencies, record it")
+    setup.add_argument(
+        "--archive",
+        help=f"a FastDeploy source .tar.gz (path or http(s) URL); default: the public archive of --commit",
+    )
+    setup.add_argument(
+        "--commit",
+        help="which commit (default: the new host d38eeb8 when --archive is not given; else read from the archive)",
+    )
+    setup.add_argument("--no-deps", action="store_true", help="do not pip-install the host's dependencies (they are there)")
+    setup.set_defaults(func=cmd_setup)
+    listing = host_sub.add_parser("list", help="the hosts set up for this user (* = active)")
+    listing.set_defaults(func=cmd_list)
+    use = host_sub.add_parser("use", help="make a set-up host the active one")
+    use.add_argument("commit", help="a commit (or unique prefix), or old / new")
+    use.set_defaults(func=cmd_use)
+    from . import hostsuites
+
+    hostsuites.add_command(host_sub)
+
+
+def cmd_setup(args) -> int:
+    try:
+        record = setup_host(args.archive, args.commit, install_deps=not args.no_deps)
+    except HostSetupError as exc:
+        print(f"fdsched host setup: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"active host: {record['commit']} ({record['key'] or 'unsupported'}) at {record['path']}")
+    return 0
+
+
+def cmd_list(args) -> int:
+    from .cli import _table
+
+    try:
+        active, hosts = recorded_hosts()
+    except HostSetupError as exc:
+        print(f"fdsched host list: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"cache: {cache_dir()}")
+    if not hosts:
+        print("no host set up; run: fdsched host setup   (or --archive /path/to/FastDeploy-<commit>.tar.gz offline)")
+        return 0
+    rows = []
+    for commit, record in sorted(hosts.items(), key=lambda kv: kv[1].get("set_up", "")):
+        present = os.path.isdir(record.get("path", ""))
+        known = KNOWN_HOSTS.get(commit)
+        rows.append(
+            (
+                "*" if commit == active else "",
+                commit[:9],
+                known.key if known else "unsupported",
+                known.what if known else "-",
+                record.get("path", "") if present else f"{record.get('path', '')} (MISSING)",
+                record.get("set_up", ""),
+            )
+        )
+    print(_table(rows, ("", "commit", "host", "what", "path", "set up")))
+    return 0
+
+
+def cmd_use(args) -> int:
+    try:
+        commit = use_host(args.commit)
+    except HostSetupError as exc:
+        print(f"fdsched host use: error: {exc}", file=sys.stderr)
+        return 1
+    print(f"active host: {commit}")
+    return 0

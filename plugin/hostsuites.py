@@ -1,0 +1,269 @@
+"""The host's own test suites, run with fdsched loaded through FastDeploy's loader: the cherry-pick tests.
+
+For every *run* — ``no-plugin`` (``FD_PLUGINS`` unset: the host alone), ``default`` (``FD_PLUGINS=fdsched``,
+no profile) and each shipped profile — pytest runs the host tree's own test files (read from the host's
+source tree, never copied) in a fresh process inside that tree, with ``-p fdsched.hostsuite_pytest``:
+that plugin calls FastDeploy's own ``load_model_register_plugins()`` before any test module is imported
+and records every test's outcome. :func:`compare` then holds the outcomes against the expectations table
+(``host_suites.yaml``, shipped with the package): each expected failure names the test, the hosts, the
+runs and its cause (the upstream PR whose behaviour change the test asserts, or the host failing on a CPU
+machine without the plugin). Anything else failing, an expected failure that passes, a run that did not
+install what it should, or a file that collected nothing is a problem.
+
+``fdsched host test`` runs it from the command line; ``tests/host/test_host_suites.py`` runs it in the
+host tier (so CI runs it on both hosts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+__all__ = [
+    "EXPECTATIONS",
+    "NO_PLUGIN",
+    "DEFAULT_RUN",
+    "HostSuiteError",
+    "Expectations",
+    "RunResult",
+    "load_expectations",
+    "run_names",
+    "run_suite",
+    "compare",
+]
+
+EXPECTATIONS = Path(__file__).with_name("host_suites.yaml")
+NO_PLUGIN, DEFAULT_RUN = "no-plugin", "default"
+HOST_KEYS = ("old", "new")
+CAUSES = ("plugin", "host")
+
+
+class HostSuiteError(RuntimeError):
+    """The expectations table is malformed, or a run could not be made."""
+
+
+@dataclass(frozen=True)
+class ExpectedFailure:
+    test: str
+    hosts: tuple
+    runs: tuple  # ("all",) or run names
+    cause: str
+    why: str
+    upstream_pr: Optional[int] = None
+
+    def applies(self, host: str, run: str) -> bool:
+        return host in self.hosts and ("all" in self.runs or run in self.runs)
+
+
+@dataclass(frozen=True)
+class Expectations:
+    suites: dict  # host key -> tuple of files
+    excluded: dict  # file (or file@host) -> why
+    failures: tuple  # ExpectedFailure
+
+    def expected_failures(self, host: str, run: str) -> dict:
+        return {f.test: f for f in self.failures if f.applies(host, run)}
+
+
+def run_names() -> list:
+    from .settings import shipped_profiles
+
+    return [NO_PLUGIN, DEFAULT_RUN] + list(shipped_profiles())
+
+
+def _flatten(items) -> list:
+    out = []
+    for item in items:
+        out.extend(_flatten(item) if isinstance(item, list) else [item])
+    return out
+
+
+def load_expectations(path: Path = EXPECTATIONS) -> Expectations:
+    """Read and check the table; a bad entry is one error naming its path in the file."""
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    where = str(path)
+    if set(data) != {"suites", "excluded", "expected_failures"}:
+        raise HostSuiteError(f"{where}: top-level keys {sorted(data)}; allowed: suites, excluded, expected_failures")
+    suites = {}
+    for host in HOST_KEYS:
+        files = _flatten(data["suites"].get(host) or [])
+        if not files or not all(isinstance(f, str) and f.startswith("tests/") for f in files):
+            raise HostSuiteError(f"{where}: suites.{host}: {files!r}; allowed: a list of tests/... files")
+        suites[host] = tuple(files)
+    names = set(run_names()) | {"all"}
+    failures = []
+    for i, entry in enumerate(data["expected_failures"]):
+        at = f"{where}: expected_failures[{i}]"
+        keys = set(entry)
+        if not {"test", "hosts", "runs", "cause", "why"} <= keys <= {"test", "hosts", "runs", "cause", "why", "upstream_pr"}:
+            raise HostSuiteError(f"{at}: keys {sorted(keys)}; allowed: test, hosts, runs, cause, why, upstream_pr")
+        runs = ("all",) if entry["runs"] == "all" else tuple(entry["runs"])
+        bad_runs = [r for r in runs if r not in names]
+        if bad_runs:
+            raise HostSuiteError(f"{at}.runs: {bad_runs}; allowed: all, {', '.join(sorted(names - {'all'}))}")
+        hosts = tuple(entry["hosts"])
+        if not hosts or any(h not in HOST_KEYS for h in hosts):
+            raise HostSuiteError(f"{at}.hosts: {list(hosts)}; allowed: old, new")
+        if entry["cause"] not in CAUSES:
+            raise HostSuiteError(f"{at}.cause: {entry['cause']!r}; allowed: plugin, host")
+        if (entry["cause"] == "plugin") != isinstance(entry.get("upstream_pr"), int):
+            raise HostSuiteError(f"{at}.upstream_pr: {entry.get('upstream_pr')!r}; allowed: a PR number iff cause is plugin")
+        if entry["cause"] == "plugin" and NO_PLUGIN in runs + (("all",) if "all" in runs else ()):
+            raise HostSuiteError(f"{at}.runs: a plugin-caused failure cannot apply to the {NO_PLUGIN} run")
+        failures.append(
+            ExpectedFailure(entry["test"], hosts, runs, entry["cause"], " ".join(str(entry["why"]).split()), entry.get("upstream_pr"))
+        )
+    return Expectations(suites, dict(data["excluded"] or {}), tuple(failures))
+
+
+@dataclass
+class RunResult:
+    host: str
+    run: str
+    outcomes: dict  # node id -> passed / failed / skipped
+    install: dict
+    exitstatus: int
+    seconds: float
+    output_tail: str = ""
+    problems: list = field(default_factory=list)
+
+    def counts(self) -> dict:
+        counts = {"passed": 0, "failed": 0, "skipped": 0}
+        for outcome in self.outcomes.values():
+            counts[outcome] += 1
+        return counts
+
+
+def _run_env(run: str, results: str, scratch: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FDSCHED_") and k != "FD_PLUGINS"}
+    # Keep the fdsched home (a recorded host) but no plugin setting from the caller's shell: a run is its name.
+    if os.environ.get("FDSCHED_HOME"):
+        env["FDSCHED_HOME"] = os.environ["FDSCHED_HOME"]
+    env.update(
+        FDSCHED_HOSTSUITE_RESULTS=results,
+        PROMETHEUS_MULTIPROC_DIR=os.path.join(scratch, "prom"),
+        FD_LOG_DIR=os.path.join(scratch, "log"),
+        PYTHONDONTWRITEBYTECODE="1",
+    )
+    os.makedirs(env["PROMETHEUS_MULTIPROC_DIR"])
+    if run != NO_PLUGIN:
+        env["FD_PLUGINS"] = "fdsched"
+        if run != DEFAULT_RUN:
+            env["FDSCHED_PROFILE"] = run
+    return env
+
+
+def run_suite(tree: str, host: str, run: str, expectations: Expectations, timeout: float = 900) -> RunResult:
+    """Run the host's files for ``host`` under ``run`` in a fresh pytest process inside ``tree``."""
+    files = [f for f in expectations.suites[host] if os.path.isfile(os.path.join(tree, f))]
+    missing = sorted(set(expectations.suites[host]) - set(files))
+    if missing:
+        raise HostSuiteError(f"the host tree {tree} has no {', '.join(missing)}; allowed: the files of host_suites.yaml")
+    with tempfile.TemporaryDirectory(prefix="fdsched-hostsuite-") as scratch:
+        results = os.path.join(scratch, "results.json")
+        env = _run_env(run, results, scratch)
+        env["PYTHONPATH"] = os.pathsep.join([tree] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "fdsched.hostsuite_pytest",
+                   "-o", "addopts=", *files]
+        started = time.monotonic()
+        try:
+            proc = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+        except subprocess.TimeoutExpired as exc:
+            raise HostSuiteError(f"{host} host, run {run}: pytest did not finish in {timeout:.0f} s ({' '.join(files)})") from exc
+        seconds = time.monotonic() - started
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-40:])
+        if not os.path.isfile(results):
+            raise HostSuiteError(f"{host} host, run {run}: pytest wrote no results (exit {proc.returncode}):\n{tail}")
+        with open(results, encoding="utf-8") as fh:
+            data = json.load(fh)
+    return RunResult(host, run, data["outcomes"], data["install"], data["exitstatus"], seconds, tail)
+
+
+def compare(result: RunResult, expectations: Expectations) -> list:
+    """Every way the run differs from the table (empty when it matches)."""
+    problems = []
+    install = result.install
+    if result.run == NO_PLUGIN:
+        if install.get("installed"):
+            problems.append(f"fdsched was installed although FD_PLUGINS was unset: {install.get('summary')}")
+    elif not install.get("installed"):
+        problems.append("FastDeploy's loader did not install fdsched (FD_PLUGINS=fdsched)")
+    elif install.get("profile") != (None if result.run == DEFAULT_RUN else result.run):
+        problems.append(f"installed with profile {install.get('profile')!r}, expected {result.run!r}")
+    if result.exitstatus not in (0, 1):  # 2-4: interrupted, internal or usage error; 5: nothing collected
+        problems.append(f"pytest exit status {result.exitstatus} (not a test failure: collection or usage error)")
+    for path in expectations.suites[result.host]:
+        if not any(node.split("::", 1)[0] == path for node in result.outcomes):
+            problems.append(f"{path}: no test ran")
+    expected = expectations.expected_failures(result.host, result.run)
+    for node, outcome in sorted(result.outcomes.items()):
+        if outcome == "failed" and node not in expected:
+            problems.append(f"unexpected failure: {node}")
+        elif outcome != "failed" and node in expected:
+            entry = expected[node]
+            problems.append(f"expected to fail ({entry.cause}{f', PR {entry.upstream_pr}' if entry.upstream_pr else ''}) but {outcome}: {node}")
+    for node in sorted(set(expected) - set(result.outcomes)):
+        problems.append(f"expected failure did not run: {node}")
+    return problems
+
+
+# ---- CLI -----------------------------------------------------------------------------------------
+def add_command(host_sub) -> None:
+    test = host_sub.add_parser(
+        "test",
+        help="run the host's own test files with fdsched loaded, under every profile, against host_suites.yaml",
+    )
+    test.add_argument("--run", nargs="+", metavar="RUN", help=f"runs to make (default: all: {NO_PLUGIN}, {DEFAULT_RUN}, every profile)")
+    test.add_argument("--timeout", type=float, default=900, help="seconds per run (default 900)")
+    test.set_defaults(func=cmd_test)
+
+
+def host_tree_and_key() -> tuple:
+    """(source tree, old/new) of the host fdsched finds; raises HostSuiteError when it is not a supported tree."""
+    from .host import probe
+    from .hostsetup import host_key
+
+    info = probe()
+    if not os.path.isdir(os.path.join(info.location, "tests")):
+        raise HostSuiteError(f"{info.label} has no tests/ folder: the host suites need a FastDeploy source tree (fdsched host setup)")
+    key = host_key(info.commit)
+    if key is None:
+        raise HostSuiteError(f"{info.label}: no expectations for this commit; allowed: the old (e7c8dc2) or new (d38eeb8) host")
+    return info.location, key, info.label
+
+
+def cmd_test(args) -> int:
+    from .cli import _table
+
+    expectations = load_expectations()
+    tree, key, label = host_tree_and_key()
+    runs = args.run or run_names()
+    unknown = [r for r in runs if r not in run_names()]
+    if unknown:
+        print(f"fdsched host test: error: --run {unknown}; allowed: {', '.join(run_names())}", file=sys.stderr)
+        return 1
+    print(f"host suites on {label} ({key} host): {len(expectations.suites[key])} files, {len(runs)} runs")
+    rows, failed = [], False
+    for run in runs:
+        result = run_suite(tree, key, run, expectations, timeout=args.timeout)
+        problems = compare(result, expectations)
+        counts = result.counts()
+        expected = sum(1 for node in expectations.expected_failures(key, run) if result.outcomes.get(node) == "failed")
+        rows.append((run, counts["passed"], counts["failed"], expected, counts["skipped"], len(problems), f"{result.seconds:.1f}"))
+        for problem in problems:
+            print(f"  {run}: {problem}")
+        if problems:
+            failed = True
+            print(result.output_tail)
+    print(_table(rows, ("run", "passed", "failed", "expected failures", "skipped", "problems", "seconds")))
+    print("host suites: " + ("FAILED" if failed else "all outcomes as expected"))
+    return 1 if failed else 0
