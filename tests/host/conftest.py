@@ -28,13 +28,37 @@ def _host_available():
 _MISSING = _host_available()
 
 
+_DESELECTED: list = []
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers",
+        "requires_host_change(change_id): compares with the host's own version of a change; deselected (not skipped) "
+        "on a host that lacks it, and the header says so",
+    )
+
+
 def pytest_collection_modifyitems(config, items):
-    if _MISSING is None:
+    if _MISSING is not None:
+        marker = pytest.mark.skip(reason=SKIP_REASON)
+        for item in items:
+            if "tests/host/" in str(item.fspath).replace("\\", "/"):
+                item.add_marker(marker)
         return
-    marker = pytest.mark.skip(reason=SKIP_REASON)
+    from fdsched.host import probe
+
+    info = probe()
+    keep = []
     for item in items:
-        if "tests/host/" in str(item.fspath).replace("\\", "/"):
-            item.add_marker(marker)
+        mark = item.get_closest_marker("requires_host_change")
+        if mark is not None and not info.has.get(mark.args[0]):
+            _DESELECTED.append(f"{item.nodeid} (the host lacks {mark.args[0]})")
+        else:
+            keep.append(item)
+    if _DESELECTED:
+        config.hook.pytest_deselected(items=[i for i in items if i not in keep])
+        items[:] = keep
 
 
 def pytest_report_header(config):
@@ -43,6 +67,13 @@ def pytest_report_header(config):
 
         return f"fdsched host tests: {probe().label}"
     return f"fdsched host tests: SKIPPED ({_MISSING})"
+
+
+def pytest_terminal_summary(terminalreporter):
+    # Printed even with -q (the header is not), so a CI log says which host the tier ran against.
+    terminalreporter.write_line(pytest_report_header(terminalreporter.config))
+    for line in _DESELECTED:
+        terminalreporter.write_line(f"fdsched host tests: deselected on this host: {line}")
 
 
 @pytest.fixture(scope="session")

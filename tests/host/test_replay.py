@@ -79,12 +79,12 @@ def test_pressure_preempts_under_baseline_but_never_a_prefill_under_recommended(
     assert rec["recomputed_prompt_tokens"] < base["recomputed_prompt_tokens"]
 
 
+@pytest.mark.requires_host_change("ratio_reserve")
 def test_upstream_ratio_reservation_stalls_a_prefill_node_and_the_plugin_does_not(replays, replay_host, tmp_path):
     """7783's reservation on a prefill node (the new host's own code, ``auto`` there) counts every running
     prefill's future decode tokens although the node never decodes: preallocation has already taken the
     pool, a refused chunk schedules nothing, and the ratio never decays. The plugin reserves nothing there."""
-    if not replay_host.has.get("ratio_reserve"):
-        pytest.skip("the host has no ratio reservation of its own (old host): nothing to compare with")
+    assert replay_host.has["ratio_reserve"]  # deselected on a host without it (see tests/host/conftest.py)
     host_code = tmp_path / "ratio-host-code.yaml"
     host_code.write_text('changes: {ratio_reserve: "auto", decode_only_preempt: "auto"}\n')
     trace, stalled = replays("pd-prefill", str(host_code))
