@@ -241,7 +241,7 @@ def _unpack(path: Path, original: str, into: Path) -> tuple:
 
 
 def _pip(args: list, what: str) -> None:
-    command = [sys.executable, "-m", "pip", "install", "--disable-pip-version-check", *args]
+    command = [sys.executable, "-m", "pip", "install", "--quiet", "--disable-pip-version-check", *args]
     _say(f"installing {what}: {' '.join(command[2:])}")
     result = subprocess.run(command)
     if result.returncode != 0:
@@ -304,7 +304,7 @@ def setup_host(
             _say(f"warning: commit {full} is not a supported host ({', '.join(c[:9] for c in KNOWN_HOSTS)}); setting it up anyway")
         (tree / MARKER).write_text(full + "\n", encoding="utf-8")
         if install_deps:
-            _pip(["-r", str(REQUIREMENTS)], f"the host's CPU dependencies ({REQUIREMENTS.name})")
+            _pip(["-r", str(REQUIREMENTS)], f"the host's CPU dependencies ({REQUIREMENTS.name}, about 1 GB: a minute or two)")
             _pip(["--no-deps", *NO_DEPS_REQUIREMENTS], "packages taken without their dependencies")
         _check_imports(tree)
         final = hosts_dir / full

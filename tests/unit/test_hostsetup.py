@@ -1,0 +1,198 @@
+"""`fdsched host setup` / `list` / `use`: archive checks, errors, the registry. No host.
+
+The archives here are tiny tar.gz files made by the tests: they exercise the set-up's own handling
+(unpacking, checksums, errors, what is recorded). Whether a real FastDeploy archive sets up and runs
+is checked by CI, which sets up both supported hosts with this same code.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import socket
+import tarfile
+
+import pytest
+
+from fdsched import hostsetup
+from fdsched.cli import main
+from fdsched.hostsetup import HostSetupError, recorded_host_path, recorded_hosts, setup_host, use_host
+
+COMMIT = "d38eeb8334331b903fb34c9cd270ff0c58a48adf"
+MODULES = ("fastdeploy/__init__.py",) + hostsetup.HOST_MODULES
+
+
+def make_archive(path, top=f"FastDeploy-{COMMIT}", files=MODULES, sums=True):
+    with tarfile.open(path, "w:gz") as tar:
+        for name in files:
+            data = b"# placeholder\n"
+            info = tarfile.TarInfo(f"{top}/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    if sums:
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        (path.parent / "SHA256SUMS").write_text(f"{digest}  {path.name}\n")
+    return path
+
+
+def _nothing_left(home):
+    hosts = home / "hosts"
+    assert not (home / "hosts.json").exists()
+    assert not hosts.exists() or os.listdir(hosts) == []
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    path = tmp_path / "home"
+    monkeypatch.setenv(hostsetup.HOME_ENV, str(path))
+    return path
+
+
+def test_setup_unpacks_checks_and_records(tmp_path, home):
+    archive = make_archive(tmp_path / f"FastDeploy-{COMMIT}.tar.gz")
+    record = setup_host(str(archive), install_deps=False)
+    tree = home / "hosts" / COMMIT
+    assert record["commit"] == COMMIT and record["key"] == "new" and record["path"] == str(tree)
+    assert (tree / "fastdeploy" / "engine" / "sched" / "resource_manager_v1.py").is_file()
+    assert (tree / hostsetup.MARKER).read_text().strip() == COMMIT
+    active, hosts = recorded_hosts()
+    assert active == COMMIT and set(hosts) == {COMMIT}
+    assert recorded_host_path() == str(tree)
+    assert [p.name for p in (home / "hosts").iterdir()] == [COMMIT]  # no scratch left behind
+
+
+def test_setup_again_replaces_the_tree(tmp_path, home):
+    archive = make_archive(tmp_path / f"FastDeploy-{COMMIT}.tar.gz")
+    setup_host(str(archive), install_deps=False)
+    stale = home / "hosts" / COMMIT / "stale.txt"
+    stale.write_text("x")
+    setup_host(str(archive), install_deps=False)
+    assert not stale.exists()
+
+
+def test_corrupt_archive_is_one_error_and_nothing_is_recorded(tmp_path, home):
+    archive = make_archive(tmp_path / f"FastDeploy-{COMMIT}.tar.gz", sums=False)
+    archive.write_bytes(archive.read_bytes()[:60])  # truncated
+    with pytest.raises(HostSetupError, match="not a readable tar.gz archive"):
+        setup_host(str(archive), install_deps=False)
+    _nothing_left(home)
+
+
+def test_checksum_mismatch_names_the_sums_file(tmp_path, home):
+    archive = make_archive(tmp_path / f"FastDeploy-{COMMIT}.tar.gz")
+    (tmp_path / "SHA256SUMS").write_text(f"{'0' * 64}  {archive.name}\n")
+    with pytest.raises(HostSetupError, match="does not match .*SHA256SUMS"):
+        setup_host(str(archive), install_deps=False)
+    _nothing_left(home)
+
+
+def test_tree_without_fastdeploy_names_what_is_missing(tmp_path, home):
+    archive = make_archive(tmp_path / f"FastDeploy-{COMMIT}.tar.gz", files=("README.md",))
+    with pytest.raises(HostSetupError) as err:
+        setup_host(str(archive), install_deps=False)
+    assert "fastdeploy/engine/sched/resource_manager_v1.py" in str(err.value)
+    assert "fastdeploy/__init__.py" in str(err.value)
+    _nothing_left(home)
+
+
+def test_directory_or_missing_file_as_archive(tmp_path, home):
+    with pytest.raises(HostSetupError, match="is a directory"):
+        setup_host(str(tmp_path), install_deps=False)
+    with pytest.raises(HostSetupError, match="does not exist"):
+        setup_host(str(tmp_path / "nope.tar.gz"), install_deps=False)
+    _nothing_left(home)
+
+
+def test_unknown_commit_needs_commit_option(tmp_path, home):
+    archive = make_archive(tmp_path / "fd.tar.gz", top="FastDeploy-main", sums=False)
+    with pytest.raises(HostSetupError, match="pass --commit"):
+        setup_host(str(archive), install_deps=False)
+    record = setup_host(str(archive), commit="abcdef1234567", install_deps=False)
+    assert record["key"] is None and recorded_hosts()[0] == "abcdef1234567"
+
+
+def test_commit_option_must_match_the_archive(tmp_path, home):
+    archive = make_archive(tmp_path / f"FastDeploy-{COMMIT}.tar.gz")
+    with pytest.raises(HostSetupError, match="does not match the archive"):
+        setup_host(str(archive), commit="e7c8dc2", install_deps=False)
+    _nothing_left(home)
+
+
+def test_no_network_says_to_pass_an_offline_archive(home):
+    with socket.socket() as sock:  # a loopback port nobody listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(HostSetupError) as err:
+        setup_host(f"http://127.0.0.1:{port}/FastDeploy.tar.gz", install_deps=False)
+    assert "cannot download" in str(err.value) and "--archive" in str(err.value)
+    _nothing_left(home)
+
+
+def test_failing_pip_is_one_error_and_nothing_is_recorded(tmp_path, home, monkeypatch):
+    archive = make_archive(tmp_path / f"FastDeploy-{COMMIT}.tar.gz")
+    broken = tmp_path / "req.txt"
+    broken.write_text(f"{tmp_path / 'no-such-package-dir'}\n")  # pip fails at once, no network needed
+    monkeypatch.setattr(hostsetup, "REQUIREMENTS", broken)
+    with pytest.raises(HostSetupError) as err:
+        setup_host(str(archive), install_deps=True)
+    assert "pip failed" in str(err.value) and str(broken) in str(err.value)
+    _nothing_left(home)
+
+
+def test_failing_import_check_records_nothing(tmp_path, home):
+    archive = make_archive(tmp_path / f"FastDeploy-{COMMIT}.tar.gz", sums=False)
+    # a tree whose scheduler module raises at import
+    with tarfile.open(archive, "w:gz") as tar:
+        for name in MODULES:
+            data = b"raise ImportError('needs paddle')\n" if name.endswith("resource_manager_v1.py") else b""
+            info = tarfile.TarInfo(f"FastDeploy-{COMMIT}/{name}")
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    with pytest.raises(HostSetupError, match="do not import"):
+        setup_host(str(archive), install_deps=False)
+    _nothing_left(home)
+
+
+def test_use_and_list(tmp_path, home, capsys):
+    old = "e7c8dc2fe940ba2f50d932f17b41eab555846ecb"
+    for commit in (old, COMMIT):
+        (tmp_path / commit).mkdir()
+        setup_host(str(make_archive(tmp_path / commit / f"FastDeploy-{commit}.tar.gz", top=f"FastDeploy-{commit}")), install_deps=False)
+    assert recorded_hosts()[0] == COMMIT
+    assert use_host("old") == old and recorded_hosts()[0] == old
+    assert use_host("d38eeb8") == COMMIT
+    with pytest.raises(HostSetupError, match="is not set up"):
+        use_host("1234567")
+    assert main(["host", "list"]) == 0
+    out = capsys.readouterr().out
+    assert "* " in out and "d38eeb833" in out and "e7c8dc2fe" in out and "old" in out and "new" in out
+    assert main(["host", "use", "nope"]) == 1
+    assert "is not set up" in capsys.readouterr().err
+
+
+def test_list_with_nothing_set_up(home, capsys):
+    assert main(["host", "list"]) == 0
+    assert "no host set up; run: fdsched host setup" in capsys.readouterr().out
+
+
+def test_broken_registry_is_named(home, capsys):
+    home.mkdir(parents=True)
+    (home / "hosts.json").write_text("{not json")
+    assert main(["host", "list"]) == 1
+    assert "hosts.json is not readable JSON" in capsys.readouterr().err
+    assert recorded_host_path() is None  # find_host falls through to "not found", not a traceback
+
+
+def test_cli_setup_error_exit_code(tmp_path, home, capsys):
+    assert main(["host", "setup", "--archive", str(tmp_path / "missing.tar.gz"), "--no-deps"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("fdsched host setup: error:") and "does not exist" in err
+
+
+def test_registry_is_json_with_the_record(tmp_path, home):
+    setup_host(str(make_archive(tmp_path / f"FastDeploy-{COMMIT}.tar.gz")), install_deps=False)
+    data = json.loads((home / "hosts.json").read_text())
+    assert data["active"] == COMMIT
+    assert data["hosts"][COMMIT]["sha256"] == hashlib.sha256((tmp_path / f"FastDeploy-{COMMIT}.tar.gz").read_bytes()).hexdigest()

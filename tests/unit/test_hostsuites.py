@@ -1,0 +1,99 @@
+"""The host-suite harness's table and comparison (fdsched.hostsuites), with plain run results. No host."""
+
+from __future__ import annotations
+
+import pytest
+
+from fdsched.hostsuites import (
+    DEFAULT_RUN,
+    NO_PLUGIN,
+    HostSuiteError,
+    RunResult,
+    compare,
+    load_expectations,
+    run_names,
+)
+from fdsched.settings import shipped_profiles
+
+TABLE = load_expectations()
+PLUGIN_FAIL = "tests/v1/test_resource_manager_v1.py::TestResourceManagerV1Additional::test_trigger_preempt_records_tasks"
+
+
+def test_runs_are_no_plugin_default_and_every_profile():
+    assert run_names() == [NO_PLUGIN, DEFAULT_RUN] + list(shipped_profiles())
+
+
+def test_table_entries_name_their_cause():
+    assert TABLE.failures, "the table lists the known failures"
+    for entry in TABLE.failures:
+        assert entry.why
+        if entry.cause == "plugin":
+            assert isinstance(entry.upstream_pr, int)
+            assert NO_PLUGIN not in entry.runs and "all" not in entry.runs
+    plugin_caused = [e for e in TABLE.failures if e.cause == "plugin"]
+    assert [(e.test, e.hosts, e.upstream_pr) for e in plugin_caused] == [(PLUGIN_FAIL, ("old",), 7783)]
+    # the control set of the issue is in both hosts' suites; the transfer manager's only on the old host
+    assert "tests/cache_manager/test_prefix_cache_manager.py" in TABLE.suites["old"]
+    assert "tests/cache_manager/test_cache_transfer_manager.py" in TABLE.suites["old"]
+    assert "tests/cache_manager/test_cache_transfer_manager.py" not in TABLE.suites["new"]
+
+
+def _result(run, outcomes, host="old", installed=True, profile="same"):
+    files = TABLE.suites[host]
+    base = {f"{path}::test_x": "passed" for path in files}
+    base.update(outcomes)
+    install = {"installed": installed}
+    if installed:
+        install["profile"] = (None if run == DEFAULT_RUN else run) if profile == "same" else profile
+    return RunResult(host, run, base, install, 1 if "failed" in base.values() else 0, 1.0)
+
+
+def _expected_failures(host, run):
+    return {node: "failed" for node in TABLE.expected_failures(host, run)}
+
+
+def test_a_run_that_matches_has_no_problems():
+    for run in ("recommended", "baseline"):
+        result = _result(run, _expected_failures("old", run))
+        assert compare(result, TABLE) == []
+    assert compare(_result(NO_PLUGIN, _expected_failures("old", NO_PLUGIN), installed=False), TABLE) == []
+
+
+def test_unexpected_failure_and_unexpected_pass_are_problems():
+    outcomes = _expected_failures("old", "recommended")
+    outcomes[PLUGIN_FAIL] = "passed"
+    outcomes["tests/engine/test_resource_manager.py::test_other"] = "failed"
+    problems = compare(_result("recommended", outcomes), TABLE)
+    assert any(p.startswith("expected to fail (plugin, PR 7783) but passed") for p in problems)
+    assert "unexpected failure: tests/engine/test_resource_manager.py::test_other" in problems
+
+
+def test_the_plugin_failure_is_unexpected_under_baseline():
+    outcomes = _expected_failures("old", "baseline")
+    outcomes[PLUGIN_FAIL] = "failed"
+    assert compare(_result("baseline", outcomes), TABLE) == [f"unexpected failure: {PLUGIN_FAIL}"]
+
+
+def test_install_mismatches_are_problems():
+    run = "recommended"
+    assert "FastDeploy's loader did not install fdsched" in compare(_result(run, _expected_failures("old", run), installed=False), TABLE)[0]
+    assert "expected 'recommended'" in compare(_result(run, _expected_failures("old", run), profile="baseline"), TABLE)[0]
+    assert "although FD_PLUGINS was unset" in compare(_result(NO_PLUGIN, _expected_failures("old", NO_PLUGIN)), TABLE)[0]
+
+
+def test_a_file_that_ran_nothing_is_a_problem():
+    result = _result("baseline", _expected_failures("old", "baseline"))
+    result.outcomes = {k: v for k, v in result.outcomes.items() if not k.startswith("tests/engine/test_common_engine.py")}
+    assert "tests/engine/test_common_engine.py: no test ran" in compare(result, TABLE)
+
+
+def test_bad_table_entries_are_named(tmp_path):
+    text = open(__import__("fdsched.hostsuites", fromlist=["x"]).EXPECTATIONS, encoding="utf-8").read()
+    bad = text.replace("cause: plugin", "cause: sometimes", 1)
+    path = tmp_path / "t.yaml"
+    path.write_text(bad)
+    with pytest.raises(HostSuiteError, match=r"expected_failures\[0\]\.cause: 'sometimes'; allowed: plugin, host"):
+        load_expectations(path)
+    path.write_text(text.replace("runs: [default, decode_only_preempt", "runs: [default, nosuch", 1))
+    with pytest.raises(HostSuiteError, match=r"expected_failures\[0\]\.runs: \['nosuch'\]"):
+        load_expectations(path)
