@@ -112,8 +112,15 @@ class HostInfo:
 
     @property
     def label(self) -> str:
-        commit = f", commit {self.commit[:9]}" if self.commit else ""
-        return f"FastDeploy {self.version}{commit} at {self.location}"
+        from .hostsetup import KNOWN_HOSTS, host_key
+
+        version = "" if self.version.lower() == "unknown" else f" {self.version}"
+        commit = ""
+        if self.commit:
+            key = host_key(self.commit)
+            what = f" = {key} host: {KNOWN_HOSTS[next(c for c in KNOWN_HOSTS if c.startswith(self.commit))].what}" if key else ""
+            commit = f", commit {self.commit[:9]}{what}"
+        return f"FastDeploy{version}{commit} at {self.location}"
 
 
 def _host_version(location: str) -> tuple[str, Optional[str]]:
