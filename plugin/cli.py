@@ -123,10 +123,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_optional_commands(sub) -> None:
     """Commands that live in their own modules (replay, traces, benchmarks)."""
-    from . import bench, hostsetup
+    from . import abreport, bench, hostsetup
 
     bench.add_commands(sub)
     hostsetup.add_commands(sub)
+    abreport.add_command(sub)
     try:
         from .replay import cli as replay_cli
     except ImportError:

@@ -1,0 +1,244 @@
+"""``fdsched ab report``: the per-arm comparison of an online A/B, from a Prometheus text exposition.
+
+An online A/B runs one arm (profile) per data-parallel rank of one deployment (``FDSCHED_PROFILE_BY_DP_RANK``);
+the plugin's metrics carry the arm as the label ``arm``. This command reads a scrape of ``/metrics`` (a saved
+file, ``-`` for stdin, or an http(s) URL), optionally minus an earlier scrape (``--since``: the window between
+the two), and prints one row per figure and one column per arm, with the ratio of each arm to the reference
+arm and the counts behind each figure, so a reader can judge noise.
+
+Figures (per arm; the metric each comes from):
+
+* requests finished, output tokens        ``fastdeploy:fdsched_requests_finished_total``, ``..._output_tokens_total``
+* TTFT mean / p50 / p90 / p99             ``fastdeploy:fdsched_ttft_seconds`` (histogram; quantiles interpolated
+                                          within buckets, as Prometheus' ``histogram_quantile``)
+* TPOT mean / p50 / p90 / p99             ``fastdeploy:fdsched_tpot_seconds``
+* preemptions per 1k requests (all, prefill victims)   ``fastdeploy:fdsched_preemptions_total{victim_phase}``
+* recomputed tokens per request           ``fastdeploy:fdsched_recomputed_tokens_total``
+* admissions blocked per request          ``fastdeploy:fdsched_admissions_blocked_total``
+
+The exposition is parsed with ``prometheus_client``'s own parser (a FastDeploy dependency; the ``report``
+extra installs it).
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Optional
+
+__all__ = ["ArmSeries", "parse_exposition", "arm_figures", "format_report", "ABReportError"]
+
+PREFIX = "fastdeploy:fdsched_"
+
+
+class ABReportError(RuntimeError):
+    """The exposition could not be read, or has no per-arm series."""
+
+
+@dataclass
+class Histogram:
+    buckets: dict = field(default_factory=dict)  # upper bound (float, inf included) -> cumulative count
+    count: float = 0.0
+    total: float = 0.0
+
+    def minus(self, other: "Histogram") -> "Histogram":
+        return Histogram(
+            {le: c - other.buckets.get(le, 0.0) for le, c in self.buckets.items()},
+            self.count - other.count,
+            self.total - other.total,
+        )
+
+    def quantile(self, q: float) -> Optional[float]:
+        """Linear interpolation within the bucket holding the q-th observation (Prometheus' way)."""
+        if self.count <= 0:
+            return None
+        rank = q * self.count
+        lower_bound, lower_count = 0.0, 0.0
+        for le in sorted(self.buckets):
+            cumulative = self.buckets[le]
+            if cumulative >= rank:
+                if math.isinf(le):
+                    return lower_bound  # in the +Inf bucket: the highest finite bound is all we know
+                width = cumulative - lower_count
+                return lower_bound + (le - lower_bound) * ((rank - lower_count) / width if width > 0 else 1.0)
+            lower_bound, lower_count = le, cumulative
+        return lower_bound
+
+    def mean(self) -> Optional[float]:
+        return self.total / self.count if self.count > 0 else None
+
+
+@dataclass
+class ArmSeries:
+    counters: dict = field(default_factory=dict)  # (metric name, other labels frozenset) -> value
+    histograms: dict = field(default_factory=dict)  # metric name -> Histogram
+    dp_ranks: set = field(default_factory=set)
+
+    def counter(self, name: str, **labels) -> float:
+        want = set(labels.items())
+        return sum(v for (n, other), v in self.counters.items() if n == name and want <= set(other))
+
+    def minus(self, other: "ArmSeries") -> "ArmSeries":
+        return ArmSeries(
+            {k: v - other.counters.get(k, 0.0) for k, v in self.counters.items()},
+            {k: h.minus(other.histograms.get(k, Histogram())) for k, h in self.histograms.items()},
+            set(self.dp_ranks),
+        )
+
+
+def _read(source: str) -> str:
+    if source == "-":
+        return sys.stdin.read()
+    if source.startswith(("http://", "https://")):
+        try:
+            with urllib.request.urlopen(source, timeout=30) as response:
+                return response.read().decode("utf-8")
+        except Exception as exc:
+            raise ABReportError(f"cannot read {source}: {exc}; allowed: a saved scrape file, - (stdin) or a /metrics URL") from exc
+    try:
+        with open(source, encoding="utf-8") as fh:
+            return fh.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ABReportError(f"cannot read {source}: {exc}; allowed: a saved scrape file (UTF-8 text), - or a URL") from exc
+
+
+def parse_exposition(text: str, source: str = "<text>") -> dict:
+    """arm -> :class:`ArmSeries` for every fdsched series that carries an ``arm`` label."""
+    try:
+        from prometheus_client.parser import text_string_to_metric_families
+    except ImportError as exc:  # pragma: no cover - the report extra installs it
+        raise ABReportError("the A/B report needs prometheus_client: pip install 'fastdeploy-sched-plugin[report]'") from exc
+    arms: dict = {}
+    try:
+        families = list(text_string_to_metric_families(text))
+    except Exception as exc:
+        raise ABReportError(f"{source}: not a Prometheus text exposition ({exc})") from exc
+    for family in families:
+        if not family.name.startswith(PREFIX):
+            continue
+        for sample in family.samples:
+            arm = sample.labels.get("arm")
+            if arm is None:
+                continue
+            series = arms.setdefault(arm, ArmSeries())
+            if "dp_rank" in sample.labels:
+                series.dp_ranks.add(sample.labels["dp_rank"])
+            others = frozenset((k, v) for k, v in sample.labels.items() if k not in ("arm", "dp_rank", "le"))
+            if family.type == "histogram":
+                hist = series.histograms.setdefault(family.name, Histogram())
+                if sample.name.endswith("_bucket"):
+                    le = float(sample.labels["le"])
+                    hist.buckets[le] = hist.buckets.get(le, 0.0) + sample.value
+                elif sample.name.endswith("_count"):
+                    hist.count += sample.value
+                elif sample.name.endswith("_sum"):
+                    hist.total += sample.value
+            elif family.type in ("counter", "unknown", "untyped"):
+                if sample.name.endswith("_created"):
+                    continue
+                key = (family.name if family.type == "counter" else sample.name, others)
+                series.counters[key] = series.counters.get(key, 0.0) + sample.value
+    if not arms:
+        raise ABReportError(
+            f"{source}: no fdsched series with an arm label; is FDSCHED_PROFILE_BY_DP_RANK set on the deployment, "
+            "and FD_PLUGINS=fdsched?"
+        )
+    return arms
+
+
+# figure name, better direction ("lower"/"higher"/None), function(ArmSeries) -> (value, count behind it)
+def _per(numerator: float, requests: float, scale: float = 1.0):
+    return (numerator / requests * scale if requests > 0 else None), requests
+
+
+def _figures():
+    finished = lambda s: s.counter(PREFIX + "requests_finished")  # noqa: E731
+    rows = [
+        ("requests finished", None, lambda s: (finished(s), finished(s))),
+        ("output tokens", None, lambda s: (s.counter(PREFIX + "output_tokens"), finished(s))),
+    ]
+    for metric, title in (("ttft_seconds", "TTFT"), ("tpot_seconds", "TPOT")):
+        name = PREFIX + metric
+        rows.append((f"{title} mean (ms)", "lower", lambda s, n=name: _ms(s.histograms.get(n, Histogram()).mean(), s, n)))
+        for q in (0.5, 0.9, 0.99):
+            rows.append(
+                (f"{title} p{int(q * 100)} (ms)", "lower", lambda s, n=name, q=q: _ms(s.histograms.get(n, Histogram()).quantile(q), s, n))
+            )
+    rows += [
+        ("preemptions / 1k requests", "lower", lambda s: _per(s.counter(PREFIX + "preemptions"), finished(s), 1000)),
+        (
+            "  prefill-phase victims / 1k requests",
+            "lower",
+            lambda s: _per(s.counter(PREFIX + "preemptions", victim_phase="prefill"), finished(s), 1000),
+        ),
+        ("recomputed tokens / request", "lower", lambda s: _per(s.counter(PREFIX + "recomputed_tokens"), finished(s))),
+        ("admissions blocked / request", None, lambda s: _per(s.counter(PREFIX + "admissions_blocked"), finished(s))),
+    ]
+    return rows
+
+
+def _ms(value, series, name):
+    return (None if value is None else value * 1e3), series.histograms.get(name, Histogram()).count
+
+
+def arm_figures(arms: dict) -> list:
+    """[(figure, better, {arm: (value, count)})]."""
+    return [(title, better, {arm: fn(series) for arm, series in arms.items()}) for title, better, fn in _figures()]
+
+
+def _fmt(value) -> str:
+    if value is None:
+        return "-"
+    if abs(value) >= 100 or value == int(value):
+        return f"{value:.0f}" if abs(value) >= 100 else f"{value:g}"
+    return f"{value:.3g}"
+
+
+def format_report(arms: dict, reference: Optional[str] = None) -> str:
+    from .cli import _table
+
+    names = sorted(arms)
+    reference = reference or names[0]
+    if reference not in arms:
+        raise ABReportError(f"--reference {reference!r} is not an arm of this scrape; allowed: {', '.join(names)}")
+    others = [a for a in names if a != reference]
+    ordered = [reference] + others
+    headers = ["figure", "better"] + [f"{a} (n)" for a in ordered] + [f"{a}/{reference}" for a in others]
+    rows = []
+    for title, better, values in arm_figures(arms):
+        row = [title, {"lower": "lower", "higher": "higher"}.get(better, "")]
+        for arm in ordered:
+            value, count = values[arm]
+            row.append(f"{_fmt(value)} ({_fmt(count)})")
+        ref_value = values[reference][0]
+        for arm in others:
+            value = values[arm][0]
+            row.append("-" if value is None or not ref_value else f"{value / ref_value:.2f}")
+        rows.append(row)
+    ranks = "; ".join(f"{arm}: dp_rank {', '.join(sorted(arms[arm].dp_ranks)) or '?'}" for arm in ordered)
+    return f"arms: {ranks}\n(n) = requests (or observations) behind each figure\n" + _table(rows, headers)
+
+
+def add_command(sub) -> None:
+    ab = sub.add_parser("ab", help="online A/B (one arm per data-parallel rank): the per-arm report")
+    ab_sub = ab.add_subparsers(dest="ab_command", required=True)
+    report = ab_sub.add_parser("report", help="per-arm comparison from a /metrics scrape (file, - or URL)")
+    report.add_argument("scrape", help="a saved Prometheus text exposition, - for stdin, or the /metrics URL")
+    report.add_argument("--since", help="an earlier scrape of the same deployment: report the window between the two")
+    report.add_argument("--reference", help="the arm the others are compared with (default: the first by name)")
+    report.set_defaults(func=cmd_report)
+
+
+def cmd_report(args) -> int:
+    try:
+        arms = parse_exposition(_read(args.scrape), args.scrape)
+        if args.since:
+            earlier = parse_exposition(_read(args.since), args.since)
+            arms = {arm: series.minus(earlier.get(arm, ArmSeries())) for arm, series in arms.items()}
+        print(format_report(arms, args.reference))
+    except ABReportError as exc:
+        print(f"fdsched ab report: error: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,100 @@
+"""`fdsched ab report` on recorded expositions (made with prometheus_client's own writer). No host."""
+
+from __future__ import annotations
+
+import pytest
+
+from fdsched.abreport import ABReportError, Histogram, arm_figures, format_report, parse_exposition
+from fdsched.cli import main
+
+prometheus_client = pytest.importorskip("prometheus_client")  # the test extra installs it
+
+
+def exposition(per_arm):
+    """A scrape with the plugin's per-arm series: per_arm = {arm: (rank, ttfts, tpots, preempt dict, recomputed)}."""
+    from prometheus_client import CollectorRegistry, Counter, Histogram as PHist, generate_latest
+
+    reg = CollectorRegistry()
+    buckets = (0.01, 0.05, 0.1, 0.5, 1, 5)
+    ttft = PHist("fastdeploy:fdsched_ttft_seconds", "ttft", ["arm", "dp_rank"], registry=reg, buckets=buckets)
+    tpot = PHist("fastdeploy:fdsched_tpot_seconds", "tpot", ["arm", "dp_rank"], registry=reg, buckets=buckets)
+    fin = Counter("fastdeploy:fdsched_requests_finished_total", "f", ["arm", "dp_rank"], registry=reg)
+    pre = Counter("fastdeploy:fdsched_preemptions_total", "p", ["arm", "dp_rank", "victim_phase"], registry=reg)
+    rec = Counter("fastdeploy:fdsched_recomputed_tokens_total", "r", ["arm", "dp_rank"], registry=reg)
+    Counter("fastdeploy:fdsched_evicted_blocks_total", "no arm label", registry=reg).inc(5)
+    for arm, (rank, ttfts, tpots, preempt, recomputed) in per_arm.items():
+        for v in ttfts:
+            ttft.labels(arm, rank).observe(v)
+            fin.labels(arm, rank).inc()
+        for v in tpots:
+            tpot.labels(arm, rank).observe(v)
+        for phase, n in preempt.items():
+            pre.labels(arm, rank, phase).inc(n)
+        rec.labels(arm, rank).inc(recomputed)
+    return generate_latest(reg).decode()
+
+
+TEXT = exposition(
+    {
+        "baseline": ("0", [0.2] * 50 + [2.0] * 50, [0.02] * 100, {"decode": 3, "prefill": 2}, 400),
+        "recommended": ("1", [0.2] * 80 + [2.0] * 20, [0.02] * 100, {"decode": 1}, 0),
+    }
+)
+
+
+def test_parse_keeps_arms_apart_and_ignores_unlabelled_series():
+    arms = parse_exposition(TEXT)
+    assert set(arms) == {"baseline", "recommended"}
+    assert arms["baseline"].dp_ranks == {"0"} and arms["recommended"].dp_ranks == {"1"}
+    assert arms["baseline"].counter("fastdeploy:fdsched_requests_finished") == 100
+    assert arms["baseline"].counter("fastdeploy:fdsched_preemptions", victim_phase="prefill") == 2
+    assert arms["baseline"].histograms["fastdeploy:fdsched_ttft_seconds"].count == 100
+
+
+def test_figures_and_ratios():
+    figures = {title: values for title, _better, values in arm_figures(parse_exposition(TEXT))}
+    assert figures["requests finished"]["baseline"] == (100, 100)
+    assert figures["preemptions / 1k requests"]["baseline"][0] == pytest.approx(50.0)
+    assert figures["  prefill-phase victims / 1k requests"]["recommended"][0] == 0
+    assert figures["recomputed tokens / request"]["baseline"][0] == pytest.approx(4.0)
+    assert figures["TTFT mean (ms)"]["baseline"][0] == pytest.approx(1100.0)
+    assert figures["TTFT mean (ms)"]["recommended"][0] == pytest.approx(560.0)
+    # p50: the 50th of 100 observations lies in (0.1, 0.5] for both arms
+    assert 100 < figures["TTFT p50 (ms)"]["baseline"][0] <= 500
+    text = format_report(parse_exposition(TEXT), reference="baseline")
+    line = next(l for l in text.splitlines() if l.startswith("TTFT mean (ms)"))
+    assert "lower" in line and line.rstrip().endswith("0.51")  # 560 / 1100
+    assert "(100)" in line  # the count behind the figure
+
+
+def test_histogram_quantile_interpolates_like_prometheus():
+    h = Histogram({0.1: 0.0, 0.5: 10.0, 1.0: 20.0, float("inf"): 20.0}, 20.0, 10.0)
+    assert h.quantile(0.5) == pytest.approx(0.5)
+    assert h.quantile(0.75) == pytest.approx(0.75)
+    assert Histogram().quantile(0.5) is None
+
+
+def test_since_reports_the_window(tmp_path, capsys):
+    earlier = tmp_path / "t0.prom"
+    later = tmp_path / "t1.prom"
+    earlier.write_text(exposition({"baseline": ("0", [0.2] * 10, [], {}, 0), "recommended": ("1", [0.2] * 10, [], {}, 0)}))
+    later.write_text(exposition({"baseline": ("0", [0.2] * 30, [], {}, 0), "recommended": ("1", [0.2] * 15, [], {}, 0)}))
+    assert main(["ab", "report", str(later), "--since", str(earlier)]) == 0
+    out = capsys.readouterr().out
+    line = next(l for l in out.splitlines() if l.startswith("requests finished"))
+    assert "20 (20)" in line and "5 (5)" in line and "0.25" in line
+
+
+def test_bad_inputs_are_one_error(tmp_path, capsys):
+    empty = tmp_path / "no-arms.prom"
+    empty.write_text("# HELP x y\n# TYPE x counter\nx_total 1\n")
+    assert main(["ab", "report", str(empty)]) == 1
+    assert "no fdsched series with an arm label" in capsys.readouterr().err
+    assert main(["ab", "report", str(tmp_path / "missing.prom")]) == 1
+    assert "cannot read" in capsys.readouterr().err
+    good = tmp_path / "good.prom"
+    good.write_text(TEXT)
+    assert main(["ab", "report", str(good), "--reference", "nosuch"]) == 1
+    assert "allowed: baseline, recommended" in capsys.readouterr().err
+    with pytest.raises(ABReportError):
+        parse_exposition("this is { not prometheus", "x")
