@@ -217,7 +217,7 @@ SCHEMA: tuple[Setting, ...] = (
         _int(0),
         16,
         "an integer >= 0",
-        "Legacy policy: blocks reserved per running request after a preemption.",
+        "Fixed-block reservation (ratio_reserve off): blocks reserved per running request after a preemption.",
     ),
     Setting(
         "host_tunables.FD_RESERVE_DECAY_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL",
@@ -225,15 +225,15 @@ SCHEMA: tuple[Setting, ...] = (
         _float(0.0),
         0.025,
         "a number >= 0",
-        "Legacy policy: decay of the per-request reservation per scheduling pass.",
+        "Fixed-block reservation (ratio_reserve off): decay of the per-request reservation per scheduling pass.",
     ),
     Setting(
         "host_tunables.FD_RESERVE_MIN_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL",
         "FD_RESERVE_MIN_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL",
         _int(0),
         0,
-        "an integer >= 0, not above the legacy initial reservation",
-        "Legacy policy: floor of the per-request reservation.",
+        "an integer >= 0, not above the fixed-block initial reservation",
+        "Fixed-block reservation (ratio_reserve off): floor of the per-request reservation.",
     ),
     # ---- plugin tunables (upstream hard-codes these) ----------------------------------------
     Setting(
@@ -512,7 +512,7 @@ def _check_together(values: dict, sources: dict, profile_path: Optional[str] = N
 def effective_ratio_mode(settings: Settings) -> str:
     """The ratio-reserve switch after the host's FD_USE_NEW_TOKEN_RATIO_RESERVE is considered.
 
-    ``auto`` with FD_USE_NEW_TOKEN_RATIO_RESERVE explicitly 0 means the operator asked for the legacy
+    ``auto`` with FD_USE_NEW_TOKEN_RATIO_RESERVE explicitly 0 means the operator asked for the fixed-block
     policy by the host's own name: treat it as ``off``.
     """
     mode = settings.change_mode("ratio_reserve")

@@ -60,10 +60,8 @@ def test_targets_and_requirements_name_known_host_classes(change_id):
     spec = SPECS[change_id]
     assert set(spec.mixins) <= set(TARGETS)
     for name in list(spec.replaces) + list(spec.requires):
-        assert name.split(".", 1)[0] in TARGETS
-    for dotted in spec.replaces_dotted:
-        target_path, method = dotted.rsplit(".", 1)
-        assert target_path in TARGETS.values() and method
+        target, method = name.split(".", 1)
+        assert target in TARGETS and method.isidentifier(), name
 
 
 @pytest.mark.parametrize("change_id", CHANGE_IDS)
@@ -93,7 +91,7 @@ def test_upstream_prs_are_ints(change_id):
 def test_probe_callables_are_callable(change_id):
     spec = SPECS[change_id]
     assert callable(spec.host_has)
-    assert spec.extra_check is None or callable(spec.extra_check)
+    assert all(callable(r.check) and r.when and set(r.when) <= {"plugin", "off"} for r in spec.relies_on)
     assert spec.host_has_as_selected is None or callable(spec.host_has_as_selected)
 
 

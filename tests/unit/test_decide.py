@@ -39,7 +39,7 @@ MATRIX = [
     ("on", True, True, InstallError),
     ("off", False, False, ("host", "off")),
     ("off", False, True, ("host", "off")),
-    ("off", True, False, ("legacy", "off")),
+    ("off", True, False, ("off", "off")),
     ("off", True, True, InstallError),
 ]
 
@@ -121,7 +121,7 @@ def test_a_problem_in_another_change_does_not_matter():
 def test_auto_with_host_switch_zero_decides_as_off():
     s = settings(FDSCHED_RATIO_RESERVE="auto", FD_USE_NEW_TOKEN_RATIO_RESERVE="0")
     on_new_host = decide(s, host(has=["ratio_reserve"]))["ratio_reserve"]
-    assert (on_new_host.mode, on_new_host.impl, on_new_host.state) == ("off", "legacy", "off")
+    assert (on_new_host.mode, on_new_host.impl, on_new_host.state) == ("off", "off", "off")
     on_old_host = decide(s, host())["ratio_reserve"]
     assert (on_old_host.mode, on_old_host.impl, on_old_host.state) == ("off", "host", "off")
 
@@ -154,7 +154,7 @@ def test_pd_auto_upstream_on_a_host_without_it_applies_the_plugin():
 def test_pd_off_on_a_host_with_upstream_restores_the_old_code(mode):
     s = settings(FDSCHED_PD_PREFILL_CACHE="off", FDSCHED_PD_PREFILL_CACHE_MODE=mode)
     d = decide(s, host(has=["pd_prefill_cache"]))["pd_prefill_cache"]
-    assert (d.impl, d.state) == ("legacy", "off")
+    assert (d.impl, d.state) == ("off", "off")
 
 
 def test_pd_on_safe_over_upstream_host_is_plain_applied():

@@ -391,7 +391,7 @@ def test_equal_min_and_init_ratio_are_fine():
     assert s[MIN] == s[INIT] == 0.7
 
 
-def test_legacy_min_above_legacy_init():
+def test_fixed_block_min_above_its_init():
     msg = settings_error(environ={LEGACY_INIT_ENV: "2", LEGACY_MIN_ENV: "3"})
     assert f"environment variable {LEGACY_MIN_ENV}" in msg
     assert "bad value 3" in msg
@@ -399,7 +399,7 @@ def test_legacy_min_above_legacy_init():
     assert LEGACY_INIT_ENV in msg
 
 
-def test_legacy_min_equal_to_init_is_fine():
+def test_fixed_block_min_equal_to_init_is_fine():
     s = load_settings(environ={LEGACY_INIT_ENV: "4", LEGACY_MIN_ENV: "4"})
     assert s["host_tunables." + LEGACY_MIN_ENV] == 4
 
