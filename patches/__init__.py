@@ -16,7 +16,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-__all__ = ["PatchSpec", "Reliance", "CATALOGUE", "TARGETS", "spec_for"]
+__all__ = ["PatchSpec", "Reliance", "CATALOGUE", "TARGETS", "spec_for", "mixins_for"]
 
 # Dotted paths of the three host classes the plugin subclasses.
 TARGETS = {
@@ -122,3 +122,12 @@ def spec_for(change_id: str) -> PatchSpec:
         if spec.change_id == change_id:
             return spec
     raise KeyError(change_id)
+
+
+def mixins_for(target: str) -> tuple:
+    """The mixins of ``target``'s plugin class, outermost first: later catalogue entries wrap earlier ones.
+
+    Where two changes override the same method this order decides who sees whose calls; a unit test pins it
+    per shared method and says why it must be so.
+    """
+    return tuple(spec.mixins[target] for spec in reversed(CATALOGUE) if target in spec.mixins)

@@ -454,7 +454,7 @@ SPEC = PatchSpec(
                  _running_chunk_check),
         Reliance("pass-end", "schedule() ends each pass, under the lock, with "
                  "_log_console_scheduler_metrics(scheduled_reqs); only the waiting pass reads self.waiting",
-                 _pass_end),
+                 _pass_end, when=("off",)),
         Reliance("threshold-check", "every threshold is checked with can_allocate_gpu_blocks next",
                  _threshold_check),
     ),

@@ -120,14 +120,13 @@ def current() -> Optional[InstallReport]:
 
 
 def _build(info, settings: Settings, decisions: dict, policies: Policies) -> dict:
-    from fdsched.patches import CATALOGUE, TARGETS
+    from fdsched.patches import TARGETS, mixins_for
     from fdsched.patches._base import InitGuard
 
     impl = {cid: d.impl for cid, d in decisions.items()}
     classes = {}
     for target, host_cls in info.host_classes.items():
-        # Later catalogue entries wrap earlier ones (ratio_reserve's _trigger_preempt wraps decode_only_preempt's).
-        mixins = tuple(spec.mixins[target] for spec in reversed(CATALOGUE) if target in spec.mixins)
+        mixins = mixins_for(target)  # outermost first; tests/unit/test_catalogue.py pins the order and why
         attrs = {
             "__module__": "fdsched.patches",
             "__qualname__": host_cls.__name__,

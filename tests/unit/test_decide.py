@@ -167,3 +167,29 @@ def test_decide_uses_the_profile():
     s = load_settings(environ={}, profile="baseline")
     decisions = decide(s, host())
     assert {(d.mode, d.impl, d.state) for d in decisions.values()} == {("off", "host", "off")}
+
+
+# ---- "Relies on:" assumptions probed at install -----------------------------------------------------------------
+def _reliance_host(change_id, reliance, has=False):
+    info = host(has=[change_id] if has else [])
+    info.reliance_problems = {change_id: {reliance: "ResourceManagerV1.schedule no longer uses waiting"}}
+    return info
+
+
+def test_a_failed_reliance_makes_on_an_error_that_names_it():
+    with pytest.raises(InstallError, match=r"relies on running-chunk-check .*no longer uses waiting"):
+        decide(switch("ratio_reserve", "on"), _reliance_host("ratio_reserve", "running-chunk-check"))
+
+
+def test_a_failed_reliance_makes_auto_skip_with_the_reason():
+    d = decide(switch("ratio_reserve", "auto"), _reliance_host("ratio_reserve", "running-chunk-check"))["ratio_reserve"]
+    assert (d.impl, d.state) == ("host", "skipped")
+    assert "relies on running-chunk-check" in d.detail
+
+
+def test_a_reliance_of_the_off_path_only_stops_off():
+    # pass-end matters only where the plugin restores the pre-change code (off on a host that has the change).
+    info = _reliance_host("ratio_reserve", "pass-end", has=True)
+    assert decide(switch("ratio_reserve", "on"), info)["ratio_reserve"].impl == "plugin"
+    with pytest.raises(InstallError, match="relies on pass-end"):
+        decide(switch("ratio_reserve", "off"), info)
