@@ -211,3 +211,28 @@ def test_a_non_fork_start_method_is_warned_about(fresh_loader, monkeypatch):
         fresh_loader()
     warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING and "start method" in r.getMessage()]
     assert len(warnings) == 1 and "forkserver" in warnings[0]
+
+
+@pytest.mark.parametrize("profile, warned", [("oracle", True), ("recommended", False)])
+def test_a_replay_only_profile_warns_when_an_engine_loads_it(fresh_loader, monkeypatch, profile, warned):
+    monkeypatch.setenv("FD_PLUGINS", "fdsched")
+    monkeypatch.setenv("FDSCHED_PROFILE", profile)
+    with captured_llm_logger() as records:
+        fresh_loader()
+    warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING and "oracle_reserve" in r.getMessage()]
+    assert len(warnings) == (1 if warned else 0)
+    if warned:
+        assert "profile oracle" in warnings[0] and "only the replay" in warnings[0]
+
+
+def test_the_replay_does_not_warn_about_the_oracle_profile():
+    from fdsched.replay.runner import run_profile
+    from fdsched.replay.trace import Trace, TraceRequest
+
+    engine = dict(block_size=4, max_model_len=64, num_gpu_blocks=20, max_num_seqs=2, max_num_batched_tokens=16)
+    trace = Trace((TraceRequest(id="a", arrival=0, prompt_len=6, output_len=3, max_tokens=4, line=1),), engine,
+                  source="test", name="test")
+    with captured_llm_logger() as records:
+        run = run_profile(trace, "oracle", engine)
+    assert run.drained
+    assert not [r for r in records if "oracle_reserve" in r.getMessage()]
