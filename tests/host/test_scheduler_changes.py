@@ -307,3 +307,22 @@ def test_off_a_chunk_that_preempts_itself_gets_no_blocks(rm_with):
     assert chunk not in rm.running
     free = rm.cache_manager.gpu_free_block_list
     assert len(free) == len(set(free))
+
+
+def test_a_signal_no_host_check_consumes_is_dropped_and_reported_at_the_end_of_the_pass(rm_with, caplog):
+    from fastdeploy.utils import llm_logger
+
+    from fdsched.patches._base import block_checks
+
+    rm = rm_with("recommended")
+    block_checks(rm.cache_manager).expect("refuse-running-chunk", "ghost", 12345)  # no check is ever for 12345
+    llm_logger.propagate, saved = True, llm_logger.propagate
+    try:
+        with caplog.at_level(logging.WARNING):
+            rm.schedule()
+    finally:
+        llm_logger.propagate = saved
+    assert METRICS.unconsumed_signals == {"refuse-running-chunk": 1}
+    assert block_checks(rm.cache_manager).pending() == ()
+    assert any("ghost" in r.getMessage() and "not consumed" in r.getMessage() for r in caplog.records)
+    assert rm.cache_manager.can_allocate_gpu_blocks(1), "a dropped refusal refuses nothing later"
