@@ -1,10 +1,11 @@
 """The patch catalogue: one module per upstream change, each declaring itself as data.
 
-Every change module defines ``SPEC`` (a :class:`PatchSpec`) and a mixin class. The installer reads
-``CATALOGUE`` to decide what to apply on this host, builds one subclass of each host class from the
-mixins, and ``fdsched doctor`` prints the catalogue. A test checks that every method a mixin defines
-is declared in its spec's ``replaces`` and the other way round, so the catalogue cannot drift from
-the code.
+Every change module defines ``SPEC`` (a :class:`PatchSpec`) and its mixin classes. The installer reads
+``CATALOGUE`` to decide what to apply on this host and builds one subclass of each of the three host
+classes (``TARGETS``) from the mixins; ``fdsched patches`` shows the catalogue's prose to operators and
+``fdsched doctor`` what it decides here. Tests check that every method a mixin defines is declared in its
+spec's ``replaces`` and the other way round, and that each module's "Replaces:" and "Relies on:" text names
+exactly what its spec does, so neither the catalogue nor the docstrings can drift from the code.
 
 Nothing here imports FastDeploy at import time.
 """
@@ -15,14 +16,30 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-__all__ = ["PatchSpec", "CATALOGUE", "TARGETS", "spec_for"]
+__all__ = ["PatchSpec", "Reliance", "CATALOGUE", "TARGETS", "spec_for", "mixins_for"]
 
-# Dotted paths of the two host classes the plugin subclasses.
+# Dotted paths of the three host classes the plugin subclasses.
 TARGETS = {
     "ResourceManagerV1": "fastdeploy.engine.sched.resource_manager_v1.ResourceManagerV1",
     "PrefixCacheManager": "fastdeploy.cache_manager.prefix_cache_manager.PrefixCacheManager",
     "EngineCacheQueue": "fastdeploy.inter_communicator.engine_cache_queue.EngineCacheQueue",
 }
+
+
+@dataclass(frozen=True)
+class Reliance:
+    """One assumption a patch makes about the host's control flow (beyond method names and signatures).
+
+    Written down in the module's "Relies on:" section under ``name`` and probed at install by ``check``
+    (HostInfo -> what differs, or None). It matters only where the plugin runs one of the ``when``
+    implementations of the change ("plugin": the plugin's version; "off": the pre-change code restored on a
+    host that has the change): there ``on``/``off`` fail naming it and ``auto`` skips the change.
+    """
+
+    name: str
+    text: str
+    check: Callable
+    when: tuple = ("plugin", "off")
 
 
 @dataclass(frozen=True)
@@ -40,17 +57,29 @@ class PatchSpec:
     delete_when: str
     mixins: dict  # Target -> mixin class
     host_has: Callable  # HostInfo -> bool: the host already carries the change
-    extra_check: Optional[Callable] = None  # HostInfo -> problem text or None
+    relies_on: tuple = ()  # Reliance, one per "Relies on:" item of the module docstring
     # (settings, host_has) -> bool: whether the host has the change *as the settings select it*
     # (the PD change: the new host has upstream's behaviour, never the safe one).
     host_has_as_selected: Optional[Callable] = None
 
-    @property
-    def replaces_dotted(self) -> tuple:
-        return tuple(_dotted(name) for name in self.replaces)
+    def check_reliances(self, info) -> dict:
+        """Reliance name -> what differs on the probed host, for every assumption that does not hold."""
+        found = {}
+        for reliance in self.relies_on:
+            problem = reliance.check(info)
+            if problem:
+                found[reliance.name] = problem
+        return found
+
+    def reliance_problem(self, failed: dict, impl: str) -> Optional[str]:
+        """The first failed reliance (from :meth:`check_reliances`) that matters for ``impl``, in words."""
+        for reliance in self.relies_on:
+            if reliance.name in failed and impl in reliance.when:
+                return f"it relies on {reliance.name} ({reliance.text}), but {failed[reliance.name]}"
+        return None
 
     def check_host(self, info) -> Optional[str]:
-        """Why this change cannot be applied to the probed host, or None when it can."""
+        """Why this change cannot be applied to the probed host (methods and signatures), or None when it can."""
         for target_method, params in self.requires.items():
             target, method = target_method.split(".", 1)
             cls = info.host_classes[target]
@@ -64,14 +93,7 @@ class PatchSpec:
             missing = [p for p in params if p not in have]
             if missing:
                 return f"{cls.__name__}.{method}{inspect.signature(func)} lacks parameter(s) {', '.join(missing)}"
-        if self.extra_check is not None:
-            return self.extra_check(info)
         return None
-
-
-def _dotted(target_method: str) -> str:
-    target, method = target_method.split(".", 1)
-    return f"{TARGETS[target]}.{method}"
 
 
 def _load_catalogue() -> tuple:
@@ -100,3 +122,12 @@ def spec_for(change_id: str) -> PatchSpec:
         if spec.change_id == change_id:
             return spec
     raise KeyError(change_id)
+
+
+def mixins_for(target: str) -> tuple:
+    """The mixins of ``target``'s plugin class, outermost first: later catalogue entries wrap earlier ones.
+
+    Where two changes override the same method this order decides who sees whose calls; a unit test pins it
+    per shared method and says why it must be so.
+    """
+    return tuple(spec.mixins[target] for spec in reversed(CATALOGUE) if target in spec.mixins)

@@ -1,7 +1,9 @@
 """Change 2 — decode-only preemption.
 
-Replaces:  ResourceManagerV1._trigger_preempt, ResourceManagerV1.schedule (wrapper: ends the
-           no-victim warning episode after each pass), ResourceManagerV1.__init__ (its state)
+Replaces:  ResourceManagerV1._select_preempt_candidate (the new host's seam: which request its preemption
+           loop takes next), ResourceManagerV1._trigger_preempt (the old host, which has no such seam:
+           the loop, paraphrased; on the new host the host's own loop runs), ResourceManagerV1.schedule
+           (wrapper: ends the no-victim warning episode after each pass), ResourceManagerV1.__init__ (its state)
 Why:       the host preempts the last running request whatever its phase, so a long prompt that is
            half prefilled can be thrown away and recomputed while decoders hold their blocks.
 Upstream:  PR 7444, 2.6 cherry-pick 7783 (merged; in the "new host" d38eeb8).
@@ -9,14 +11,21 @@ Needs it:  FastDeploy 2.6 before 7783 (the "old host" e7c8dc2, single RUNNING st
 Switch:    FDSCHED_DECODE_ONLY_PREEMPT / changes.decode_only_preempt = auto | on | off.
            ``off`` on a host that has the change restores the pre-change choice: the last running
            request that does not use extend tables, whatever its phase.
-Delete:    when every supported host has 7783 and nobody A/Bs against the old choice.
+Delete:    when every supported host carries 7783 and nobody A/Bs against the old choice.
+Relies on: (probed at install: ``on``, or ``off`` on the new host, fails naming it; ``auto`` skips)
+  * preempt-loop-seams: (new host) ``_trigger_preempt`` preempts exactly the request that
+    ``_select_preempt_candidate()`` returns, ``(None, -1)`` meaning none, and calls
+    ``_reset_reserve_on_preemption()`` after each preemption.
 
 How: the victim is chosen by the ``fdsched_select_preemption_victim`` hook (default: the last
 decoding request without extend tables, see :func:`fdsched.policies.select_preemption_victim`),
 with decode detection by the one ``fdsched_is_decoding`` hook, so on the old host, whose token
-processor never marks decoding, the plugin still knows from token counts. With no victim the pass
-gives up (the host's caller then stops the running pass) and a warning is logged once per episode.
-A preempted request is reset and requeued the way the host does it.
+processor never marks decoding, the plugin still knows from token counts. On the new host the plugin
+answers the host's own ``_select_preempt_candidate``; the host's loop preempts, requeues, warns when
+there is no victim and resets the reservation through its ``_reset_reserve_on_preemption`` seam (which
+change 3 owns). On the old host the plugin runs the loop itself; with no victim it gives up (the host's
+caller then stops the running pass) and warns once per episode. Reservation state, the host's or the
+plugin's, is change 3's business on both hosts: this module never touches it.
 """
 
 from __future__ import annotations
@@ -26,8 +35,8 @@ import logging
 from fdsched.metrics import METRICS
 from fdsched.policies import NoVictimWarning, VictimCandidate
 
-from . import PatchSpec
-from ._base import PluginBase, host_global
+from . import PatchSpec, Reliance
+from ._base import PluginBase, host_defines, host_global
 
 RM = "fastdeploy.engine.sched.resource_manager_v1"
 
@@ -43,39 +52,57 @@ class DecodeOnlyPreemptMixin(PluginBase):
         finally:
             self._fdsched_no_victim.end_pass()
 
+    def _select_preempt_candidate(self):
+        """The new host's seam: ``(victim, its index in running)``, or ``(None, -1)`` when none qualifies."""
+        impl = self._fdsched_impl["decode_only_preempt"]
+        if impl == "host":
+            victim, index = super()._select_preempt_candidate()
+            decoding = victim is not None and self._fdsched_is_decoding(victim)
+        else:
+            candidates = self._fdsched_candidates()
+            chosen = self._fdsched_policies.select_victim(candidates, impl == "plugin")
+            if chosen is None:
+                return None, -1
+            victim, index, decoding = self.running[chosen], chosen, candidates[chosen].decoding
+        if victim is not None:  # the host's loop preempts what this returns
+            METRICS.preempted("decode" if decoding else "prefill")
+        return victim, index
+
     def _trigger_preempt(self, request, num_new_blocks, preempted_reqs, scheduled_reqs):
+        if host_defines(self, "_select_preempt_candidate"):
+            # New host: its own loop, which asks _select_preempt_candidate (above) for each victim.
+            return super()._trigger_preempt(request, num_new_blocks, preempted_reqs, scheduled_reqs)
         impl = self._fdsched_impl["decode_only_preempt"]
         if impl == "host":
             return self._fdsched_host_preempt(request, num_new_blocks, preempted_reqs, scheduled_reqs)
+        # Old host, no seam: the loop, paraphrased, with the victim from the policy.
         decode_only = impl == "plugin"
-        try:
-            while not self.cache_manager.can_allocate_gpu_blocks(num_new_blocks):
-                candidates = [
-                    VictimCandidate(r.request_id, self._fdsched_is_decoding(r), bool(r.use_extend_tables))
-                    for r in self.running
-                ]
-                index = self._fdsched_policies.select_victim(candidates, decode_only)
-                if index is None:
-                    if decode_only and self._fdsched_no_victim.should_warn():
-                        host_global(RM, "llm_logger").warning(
-                            "[fdsched] Preemption is triggered while no preemptable (decoding) request can be "
-                            f"found, scheduler may be hung! Waiting for {num_new_blocks} blocks for request "
-                            f"{request.request_id}; running: {[r.request_id for r in self.running]}"
-                        )
-                    return False
-                victim = self.running.pop(index)
-                self._fdsched_preempt_request(victim, preempted_reqs, scheduled_reqs)
-                METRICS.preempted("decode" if candidates[index].decoding else "prefill")
-                self._fdsched_native_reserve_on_preempt()
-                if victim is request:
-                    return False
-            return True
-        finally:
-            self._fdsched_native_reserve_after_call()
+        while not self.cache_manager.can_allocate_gpu_blocks(num_new_blocks):
+            candidates = self._fdsched_candidates()
+            index = self._fdsched_policies.select_victim(candidates, decode_only)
+            if index is None:
+                if decode_only and self._fdsched_no_victim.should_warn():
+                    host_global(RM, "llm_logger").warning(
+                        "[fdsched] Preemption is triggered while no preemptable (decoding) request can be "
+                        f"found, scheduler may be hung! Waiting for {num_new_blocks} blocks for request "
+                        f"{request.request_id}; running: {[r.request_id for r in self.running]}"
+                    )
+                return False
+            victim = self.running.pop(index)
+            self._fdsched_preempt_request(victim, preempted_reqs, scheduled_reqs)
+            METRICS.preempted("decode" if candidates[index].decoding else "prefill")
+            if victim is request:
+                return False
+        return True
 
     # ---- helpers --------------------------------------------------------------------------
+    def _fdsched_candidates(self) -> list:
+        return [
+            VictimCandidate(r.request_id, self._fdsched_is_decoding(r), bool(r.use_extend_tables)) for r in self.running
+        ]
+
     def _fdsched_host_preempt(self, request, num_new_blocks, preempted_reqs, scheduled_reqs):
-        """The host's own preemption, with the victims counted by phase for the metrics."""
+        """The old host's own preemption, with the victims counted by phase for the metrics."""
         phase_before = {r.request_id: self._fdsched_is_decoding(r) for r in self.running}
         already = len(preempted_reqs)
         result = super()._trigger_preempt(request, num_new_blocks, preempted_reqs, scheduled_reqs)
@@ -84,7 +111,7 @@ class DecodeOnlyPreemptMixin(PluginBase):
         return result
 
     def _fdsched_preempt_request(self, victim, preempted_reqs, scheduled_reqs):
-        """Reset a victim and requeue it (or drop it on a decode node), as the host does."""
+        """Reset a victim and requeue it (or drop it on a decode node), as the old host's loop does."""
         envs = host_global(RM, "envs")
         logger = host_global(RM, "llm_logger")
         victim.status = self._fdsched_host.request_status.PREEMPTED
@@ -115,22 +142,20 @@ class DecodeOnlyPreemptMixin(PluginBase):
             logger.debug(f"[fdsched] preempted {victim.request_id} at idx {victim.idx}; {self.info()}")
             self._info_each_block()
 
-    def _fdsched_native_reserve_on_preempt(self):
-        """Keep the host's own reservation state as the host would after one preemption."""
-        host_reset = getattr(super(), "_reset_reserve_on_preemption", None)
-        if host_reset is not None:
-            host_reset()
-
-    def _fdsched_native_reserve_after_call(self):
-        """The old host resets its fixed-block reservation at the end of every preemption call."""
-        if not hasattr(self, "_reset_reserve_on_preemption") and hasattr(self, "init_reserve_output_block_num"):
-            self.current_reserve_output_block_num = self.init_reserve_output_block_num
-            self.current_reserve_output_block_num_float = self.init_reserve_output_block_num
-            self.can_relax_prefill_strategy = False
-
 
 def _has_decode_only(info) -> bool:
     return hasattr(info.rm_class, "_select_preempt_candidate") and info.split_status
+
+
+def _preempt_loop_seams(info):
+    if not hasattr(info.rm_class, "_select_preempt_candidate"):
+        return None  # the old host: the plugin runs its own loop
+    from fdsched.host import code_names
+
+    missing = {"_select_preempt_candidate", "_reset_reserve_on_preemption"} - code_names(info.rm_class._trigger_preempt)
+    if missing:
+        return f"ResourceManagerV1._trigger_preempt no longer calls {', '.join(sorted(missing))}"
+    return None
 
 
 SPEC = PatchSpec(
@@ -138,7 +163,12 @@ SPEC = PatchSpec(
     title="Decode-only preemption (LIFO among decoding requests)",
     upstream_prs=(7444, 7783),
     upstream_state="merged",
-    replaces=("ResourceManagerV1.__init__", "ResourceManagerV1._trigger_preempt", "ResourceManagerV1.schedule"),
+    replaces=(
+        "ResourceManagerV1.__init__",
+        "ResourceManagerV1._select_preempt_candidate",
+        "ResourceManagerV1._trigger_preempt",
+        "ResourceManagerV1.schedule",
+    ),
     requires={
         "ResourceManagerV1._trigger_preempt": ("request", "num_new_blocks", "preempted_reqs", "scheduled_reqs"),
         "ResourceManagerV1.schedule": (),
@@ -153,4 +183,8 @@ SPEC = PatchSpec(
     delete_when="every supported host carries 7783 and the pre-change choice is no longer A/B tested",
     mixins={"ResourceManagerV1": DecodeOnlyPreemptMixin},
     host_has=_has_decode_only,
+    relies_on=(
+        Reliance("preempt-loop-seams", "the new host's _trigger_preempt preempts what _select_preempt_candidate "
+                 "returns and calls _reset_reserve_on_preemption after each preemption", _preempt_loop_seams),
+    ),
 )

@@ -19,6 +19,10 @@ Needs it:  every 2.6 host.
 Switch:    FDSCHED_NONPOLLING_TRANSFER / changes.nonpolling_transfer = auto | on | off;
            FDSCHED_TRANSFER_WAIT_SECONDS (0.5): the longest single wait.
 Delete:    when upstream ships a blocking transfer-done path.
+Relies on: (probed at install: ``on`` fails naming it; ``auto`` skips)
+  * done-list-attribute: ``EngineCacheQueue.__init__`` builds the server-side done lists by assigning
+    ``self.tansfer_done_queue_init`` (a data descriptor of the plugin wraps them as they are assigned), and
+    ``get_transfer_done_signal`` reads ``self.tansfer_done_queue``.
 
 Where each end runs (checked in both hosts' sources):
 
@@ -44,7 +48,7 @@ from __future__ import annotations
 
 import threading
 
-from . import PatchSpec
+from . import PatchSpec, Reliance
 from ._base import PluginBase, host_global
 
 ECQ = "fastdeploy.inter_communicator.engine_cache_queue"
@@ -174,5 +178,8 @@ SPEC = PatchSpec(
     delete_when="upstream ships a blocking transfer-done path",
     mixins={"EngineCacheQueue": NonpollingCacheQueueMixin},
     host_has=lambda info: False,
-    extra_check=_uses_done_list,
+    relies_on=(
+        Reliance("done-list-attribute", "EngineCacheQueue.__init__ builds the server's done lists by assigning "
+                 "tansfer_done_queue_init, and get_transfer_done_signal reads tansfer_done_queue", _uses_done_list),
+    ),
 )

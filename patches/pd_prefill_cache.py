@@ -14,13 +14,17 @@ Switch:    FDSCHED_PD_PREFILL_CACHE / changes.pd_prefill_cache = auto | on | off
            ``auto`` with ``safe`` applies the plugin on both hosts (neither host has the safe
            behaviour); ``auto`` with ``upstream`` leaves the new host's own code alone.
 Delete:    when every supported host records only computed blocks on prefill nodes.
+Relies on: (probed at install: ``on``, or ``off`` on the new host, fails naming it; ``auto`` skips)
+  * record-moments: the host records blocks by calling ``cache_manager.update_cache_blocks`` from inside
+    ``schedule()`` (per chunk) and ``preallocate_resource_in_p``, on the calling thread, and releases a
+    finished request's blocks through ``_free_blocks`` (called from ``finish_requests``).
 
 How, for the prefill role only (other roles are untouched). Three moments can record blocks:
 
 ============  =======================  ========================  =================================
 behaviour     at preallocation         per scheduled chunk       when the prefill is done (finish)
 ============  =======================  ========================  =================================
-pre-change    the cache hit only       up to num_computed_tokens nothing more
+off           the cache hit only       up to num_computed_tokens nothing more
 upstream      the whole prompt         nothing                   nothing more
 safe          the cache hit only       nothing                   the whole prompt
 ============  =======================  ========================  =================================
@@ -36,7 +40,7 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 
-from . import PatchSpec
+from . import PatchSpec, Reliance
 from ._base import PluginBase
 
 _CONTEXT = threading.local()
@@ -55,17 +59,17 @@ def _moment(name: str):
 
 
 def _behaviour(obj):
-    """None (host code), 'pre-change', 'upstream' or 'safe'."""
+    """None (host code), 'off' (the pre-change recording, restored), 'upstream' or 'safe'."""
     impl = obj._fdsched_impl["pd_prefill_cache"]
     if impl == "host":
         return None
-    if impl == "legacy":
-        return "pre-change"
+    if impl == "off":
+        return "off"
     return obj._fdsched_settings["pd_prefill_cache.mode"]
 
 
 _ALLOWED = {
-    "pre-change": {CHUNK, RECORD},
+    "off": {CHUNK, RECORD},
     "upstream": {PREALLOCATION, RECORD},
     "safe": {RECORD},
 }
@@ -103,7 +107,7 @@ class PdPrefillCacheMixin(PluginBase):
             return super().schedule()
         with _moment(CHUNK):
             result = super().schedule()
-        if behaviour == "pre-change" and self._fdsched_host.has["pd_prefill_cache"]:
+        if behaviour == "off" and self._fdsched_host.has["pd_prefill_cache"]:
             # The new host no longer updates the tree per chunk on a prefill node; do it as the old host did.
             from fastdeploy.engine.request import Request
 
@@ -141,6 +145,16 @@ def _has_pd_record(info) -> bool:
     return "update_cache_blocks" in code_names(info.rm_class.preallocate_resource_in_p)
 
 
+def _record_moments(info):
+    from fdsched.host import code_names
+
+    if "update_cache_blocks" not in code_names(info.rm_class.schedule):
+        return "ResourceManagerV1.schedule no longer calls update_cache_blocks"
+    if "_free_blocks" not in code_names(info.rm_class.finish_requests):
+        return "ResourceManagerV1.finish_requests no longer calls _free_blocks"
+    return None
+
+
 def _as_selected(settings, host_has_upstream: bool) -> bool:
     # Neither host has the safe behaviour; the new host has upstream's.
     return host_has_upstream and settings["pd_prefill_cache.mode"] == "upstream"
@@ -172,4 +186,9 @@ SPEC = PatchSpec(
     mixins={"ResourceManagerV1": PdPrefillCacheMixin, "PrefixCacheManager": PdPrefillCacheManagerMixin},
     host_has=_has_pd_record,
     host_has_as_selected=_as_selected,
+    relies_on=(
+        Reliance("record-moments", "the host records blocks with update_cache_blocks inside schedule() and "
+                 "preallocate_resource_in_p on the calling thread, and finish_requests frees through _free_blocks",
+                 _record_moments),
+    ),
 )

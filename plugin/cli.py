@@ -1,4 +1,4 @@
-"""``fdsched``: doctor, profiles, and the replay and benchmark commands."""
+"""``fdsched``: doctor, patches, profiles, and the replay and benchmark commands."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def cmd_doctor(args) -> int:
     try:
         settings = load_settings()
     except SettingsError as exc:
-        print(f"settings: ERROR: {exc}")
+        print(f"settings: ERROR: {exc}", file=sys.stderr)
         return EXIT_ERROR
     print(f"profile: {settings.profile or 'none'}" + (f" ({settings.profile_path})" if settings.profile_path else ""))
 
@@ -42,7 +42,7 @@ def cmd_doctor(args) -> int:
         print(f"host: {info.label}")
         print(f"host status enum: {'RUNNING_PREFILL/RUNNING_DECODE' if info.split_status else 'single RUNNING'}")
     except HostNotFound as exc:
-        print(f"host: NOT FOUND: {exc}")
+        print(f"host: NOT FOUND: {exc}", file=sys.stderr)
         status = EXIT_NO_HOST
 
     decisions = {}
@@ -50,7 +50,7 @@ def cmd_doctor(args) -> int:
         try:
             decisions = decide(settings, info)
         except InstallError as exc:
-            print(f"ERROR: {exc}")
+            print(f"ERROR: {exc}", file=sys.stderr)
             status = EXIT_ERROR
     rows = []
     for spec in CATALOGUE:
@@ -69,7 +69,7 @@ def cmd_doctor(args) -> int:
         external = Policies(make_plugin_manager()).external_plugins()
         print(f"\nthird-party hook plugins (entry-point group fdsched.hooks): {', '.join(external) or 'none'}")
     except Exception as exc:  # a broken third-party plugin is an error worth showing, not a crash
-        print(f"\nthird-party hook plugins: ERROR: {type(exc).__name__}: {exc}")
+        print(f"\nthird-party hook plugins: ERROR: {type(exc).__name__}: {exc}", file=sys.stderr)
         status = EXIT_ERROR
     print("\neffective settings:")
     print(_table([(k, env, _show(v), src) for k, env, v, src in settings.describe()], ("key", "variable", "value", "source")))
@@ -82,6 +82,41 @@ def _show(value) -> str:
     if isinstance(value, bool):
         return "1" if value else "0"
     return str(value)
+
+
+def cmd_patches(args) -> int:
+    """The catalogue, as the code uses it: for each change what it replaces, why, how, which hosts need it,
+    when it can be deleted and what it relies on in the host's control flow. Needs no host."""
+    from fdsched.patches import CATALOGUE, TARGETS
+
+    specs = [spec for spec in CATALOGUE if args.change in (None, spec.change_id)]
+    if not specs:
+        print(
+            f"fdsched patches: bad value {args.change!r} for CHANGE; allowed: {', '.join(CHANGE_IDS)}",
+            file=sys.stderr,
+        )
+        return EXIT_ERROR
+    for number, spec in enumerate(specs):
+        if number:
+            print()
+        prs = "/".join(str(p) for p in spec.upstream_prs)
+        print(f"{spec.change_id}: {spec.title}")
+        rows = [
+            ("upstream", f"PR {prs} ({spec.upstream_state})"),
+            ("switch", f"{spec.switch} (profile key changes.{spec.change_id}) = auto | on | off"),
+            ("why", spec.why),
+            ("how", spec.how),
+            ("hosts needing it", spec.hosts_needing),
+            ("delete when", spec.delete_when),
+        ]
+        rows += [("replaces" if i == 0 else "", f"{TARGETS[name.split('.')[0]]}.{name.split('.', 1)[1]}")
+                 for i, name in enumerate(spec.replaces)]
+        rows += [("relies on" if i == 0 else "", f"{r.name} ({'/'.join(r.when)}): {r.text}")
+                 for i, r in enumerate(spec.relies_on)] or [("relies on", "nothing beyond the methods it replaces")]
+        for label, text in rows:
+            print(f"  {label:<17} {text}")
+    print("\nwhether this host has each change and what the settings would do: fdsched doctor")
+    return EXIT_OK
 
 
 def cmd_profiles(args) -> int:
@@ -112,6 +147,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     doctor = sub.add_parser("doctor", help="host, what it already has, what the settings would apply")
     doctor.set_defaults(func=cmd_doctor)
+
+    patches = sub.add_parser("patches", help="the catalogue: what each change replaces, why, when to delete it, "
+                             "what it relies on")
+    patches.add_argument("change", nargs="?", help="one change id (default: all)")
+    patches.set_defaults(func=cmd_patches)
 
     profiles = sub.add_parser("profiles", help="list the shipped profiles, or show one")
     profiles.add_argument("name", nargs="?")

@@ -28,6 +28,12 @@ def register() -> None:
             if decision.state == "skipped":
                 llm_logger.warning(f"[fdsched] {decision.change_id} {decision.detail}")
         llm_logger.info("[fdsched] " + report.summary())
+        if report.settings["replay.oracle_reserve"]:
+            llm_logger.warning(
+                f"[fdsched] profile {report.settings.profile or '?'} sets replay.oracle_reserve: true, which only the "
+                "replay uses (it reserves each request's true remaining output, known only from a trace); an engine "
+                "runs it as its other settings say, and it is not meant for production: use recommended instead"
+            )
         method = start_method()
         if method != "fork":
             llm_logger.warning(

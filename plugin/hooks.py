@@ -28,7 +28,7 @@ class DefaultPolicies:
     def fdsched_select_preemption_victim(self, candidates: Sequence[VictimCandidate], decode_only: bool):
         if decode_only:
             return policies.select_preemption_victim(candidates)
-        return policies.select_legacy_preemption_victim(candidates)
+        return policies.select_any_phase_victim(candidates)
 
     @hookimpl(trylast=True)
     def fdsched_estimate_reserve_blocks(
@@ -118,7 +118,7 @@ class Policies:
         if self._direct_victim:
             if decode_only:
                 return policies.select_preemption_victim(candidates)
-            return policies.select_legacy_preemption_victim(candidates)
+            return policies.select_any_phase_victim(candidates)
         return self.pm.hook.fdsched_select_preemption_victim(candidates=candidates, decode_only=decode_only)
 
     def reserve_blocks(self, request_id, max_new_tokens, generated_tokens, ratio, clip, block_size) -> int:

@@ -18,8 +18,6 @@ from typing import Any, Mapping, Optional
 
 __all__ = [
     "HOST_SOURCE_ENV",
-    "RM_MODULE",
-    "PCM_MODULE",
     "HostNotFound",
     "HostInfo",
     "find_host",
@@ -27,9 +25,6 @@ __all__ = [
 ]
 
 HOST_SOURCE_ENV = "FDSCHED_HOST_SOURCE"
-RM_MODULE = "fastdeploy.engine.sched.resource_manager_v1"
-PCM_MODULE = "fastdeploy.cache_manager.prefix_cache_manager"
-ECQ_MODULE = "fastdeploy.inter_communicator.engine_cache_queue"
 HOW_TO_POINT = (
     "run `fdsched host setup` (a CPU host from a FastDeploy source archive), install FastDeploy 2.x "
     f"(fastdeploy-gpu) in this environment, or set {HOST_SOURCE_ENV}=/path/to/FastDeploy (a source tree "
@@ -100,15 +95,13 @@ class HostInfo:
     request_status: Any
     has: dict = field(default_factory=dict)
     problems: dict = field(default_factory=dict)  # change_id -> why the plugin cannot patch it here
+    # change_id -> {reliance name -> what differs}: "Relies on:" assumptions that do not hold on this host
+    reliance_problems: dict = field(default_factory=dict)
     split_status: bool = False
 
     @property
     def rm_class(self) -> type:
         return self.host_classes["ResourceManagerV1"]
-
-    @property
-    def pcm_class(self) -> type:
-        return self.host_classes["PrefixCacheManager"]
 
     @property
     def label(self) -> str:
@@ -187,6 +180,7 @@ def probe(environ: Optional[Mapping[str, str]] = None) -> HostInfo:
         problem = spec.check_host(info)
         if problem:
             info.problems[spec.change_id] = problem
+        info.reliance_problems[spec.change_id] = spec.check_reliances(info)
     return info
 
 

@@ -5,9 +5,10 @@ Order of work, so that nothing is ever half-patched:
 1. settings are loaded and validated (:func:`fdsched.settings.load_settings`; errors raise here);
 2. the host is found and probed (:func:`fdsched.host.probe`);
 3. every change is decided (:func:`decide`); a change switched ``on`` (or ``off`` on a host that
-   has it) that the host cannot take is an error, raised here;
-4. only then are the two classes built and rebound; if rebinding the second fails, the first is
-   restored before the error propagates.
+   has it) that the host cannot take — a method or signature it needs, or an assumption about the
+   host's control flow written in its module's "Relies on:" — is an error, raised here;
+4. only then are the three classes built and rebound; if rebinding one fails, those already rebound
+   are restored before the error propagates.
 
 :func:`install` is idempotent and cheap on a second call. :func:`uninstall` restores exactly.
 """
@@ -34,7 +35,7 @@ class InstallError(RuntimeError):
 class Decision:
     change_id: str
     mode: str  # auto / on / off, after the host's own switch is considered
-    impl: str  # host / plugin / legacy
+    impl: str  # host (the host's own code) / plugin (the plugin's version) / off (the plugin restores the pre-change code)
     state: str  # one word: applied / host / off / skipped
     detail: str  # the human-readable state line
 
@@ -69,7 +70,10 @@ def decide(settings: Settings, info) -> dict:
         has = has_change  # ... in the flavour the settings select (auto / on decide on this)
         if spec.host_has_as_selected is not None:
             has = spec.host_has_as_selected(settings, has_change)
-        problem = info.problems.get(change_id)
+        failed = getattr(info, "reliance_problems", {}).get(change_id, {})
+        # What stops the plugin from running its version (auto / on), or the pre-change code (off), here.
+        problem = info.problems.get(change_id) or spec.reliance_problem(failed, "plugin")
+        off_problem = info.problems.get(change_id) or spec.reliance_problem(failed, "off")
         if mode == "auto":
             if has:
                 d = Decision(change_id, mode, "host", "host", "host already has it")
@@ -89,13 +93,13 @@ def decide(settings: Settings, info) -> dict:
         else:  # off: what matters is whether the host runs the post-change code at all
             if not has_change:
                 d = Decision(change_id, mode, "host", "off", "off (host's own pre-change code)")
-            elif problem:
+            elif off_problem:
                 raise InstallError(
                     f"changes.{change_id}=off (FDSCHED_{change_id.upper()}) needs the plugin to restore the pre-change "
-                    f"code on {info.label}, which it cannot: {problem}; allowed: auto or on"
+                    f"code on {info.label}, which it cannot: {off_problem}; allowed: auto or on"
                 )
             else:
-                d = Decision(change_id, mode, "legacy", "off", "off (plugin restores the pre-change code)")
+                d = Decision(change_id, mode, "off", "off", "off (plugin restores the pre-change code)")
         decisions[change_id] = d
     if settings["tunables.transfer_force_direct_recycle"] and decisions["deferred_recycle"].impl != "plugin":
         raise InstallError(
@@ -116,14 +120,13 @@ def current() -> Optional[InstallReport]:
 
 
 def _build(info, settings: Settings, decisions: dict, policies: Policies) -> dict:
-    from fdsched.patches import CATALOGUE, TARGETS
+    from fdsched.patches import TARGETS, mixins_for
     from fdsched.patches._base import InitGuard
 
     impl = {cid: d.impl for cid, d in decisions.items()}
     classes = {}
     for target, host_cls in info.host_classes.items():
-        # Later catalogue entries wrap earlier ones (ratio_reserve's _trigger_preempt wraps decode_only_preempt's).
-        mixins = tuple(spec.mixins[target] for spec in reversed(CATALOGUE) if target in spec.mixins)
+        mixins = mixins_for(target)  # outermost first; tests/unit/test_catalogue.py pins the order and why
         attrs = {
             "__module__": "fdsched.patches",
             "__qualname__": host_cls.__name__,

@@ -21,6 +21,9 @@ fastdeploy:fdsched_evicted_blocks_total                      counter    GPU bloc
 fastdeploy:fdsched_recycle_batches_total                     counter    batched recycle calls
 fastdeploy:fdsched_recycle_batch_size                        histogram  blocks per batched recycle call
 fastdeploy:fdsched_eviction_seconds_total                    counter    time spent in the eviction loops
+fastdeploy:fdsched_unconsumed_signals_total{signal}          counter    one-shot signals to the host's control
+                                                                        flow that no check consumed by the end
+                                                                        of the pass (should stay 0; see the log)
 ===========================================================  =========  =====================================
 """
 
@@ -68,6 +71,11 @@ def _prometheus():
                 buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384, 65536),
             ),
             "evict_seconds": Counter("fastdeploy:fdsched_eviction_seconds_total", "Time spent in the eviction loops"),
+            "unconsumed": Counter(
+                "fastdeploy:fdsched_unconsumed_signals_total",
+                "One-shot signals to the host's control flow that no check consumed by the end of the pass",
+                ["signal"],
+            ),
         }
         return _PROM
 
@@ -86,6 +94,7 @@ class PluginMetrics:
         self.recycle_batches = 0
         self.recycle_batch_sizes = deque(maxlen=4096)  # the most recent batches only
         self.eviction_seconds = 0.0
+        self.unconsumed_signals = _Tally()
 
     def preempted(self, victim_phase: str) -> None:
         self.preemptions[victim_phase] += 1
@@ -110,6 +119,12 @@ class PluginMetrics:
         prom = _prometheus()
         if prom:
             prom["blocked"].inc()
+
+    def signal_unconsumed(self, signal: str) -> None:
+        self.unconsumed_signals[signal] += 1
+        prom = _prometheus()
+        if prom:
+            prom["unconsumed"].labels(signal=signal).inc()
 
     def recycled(self, num_blocks: int, seconds: float) -> None:
         self.evicted_blocks += num_blocks

@@ -16,12 +16,12 @@ __all__ = [
     "VictimCandidate",
     "is_decoding",
     "select_preemption_victim",
-    "select_legacy_preemption_victim",
+    "select_any_phase_victim",
     "max_new_tokens_of",
     "reserve_blocks_for_request",
     "reestimate_new_token_ratio",
     "NewTokenRatio",
-    "LegacyReserve",
+    "FixedBlockReserve",
     "NoVictimWarning",
 ]
 
@@ -70,7 +70,7 @@ def select_preemption_victim(candidates: Sequence[VictimCandidate]) -> Optional[
     return None
 
 
-def select_legacy_preemption_victim(candidates: Sequence[VictimCandidate]) -> Optional[int]:
+def select_any_phase_victim(candidates: Sequence[VictimCandidate]) -> Optional[int]:
     """Pre-change preemption: the last request without extend tables, whatever its phase."""
     for index in range(len(candidates) - 1, -1, -1):
         if not candidates[index].uses_extend_tables:
@@ -181,8 +181,8 @@ class NewTokenRatio:
         return self.value
 
 
-class LegacyReserve:
-    """The pre-change fixed-block reservation (FD_RESERVE_*_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL).
+class FixedBlockReserve:
+    """The fixed-block reservation (ratio_reserve off; the pre-change policy) (FD_RESERVE_*_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL).
 
     ``init`` blocks per running request, decaying by ``decay`` per pass that scheduled something,
     never below ``minimum``; once it reaches 0 the reservation is off ("relaxed") until the next

@@ -4,8 +4,9 @@ Every setting is one row of ``SCHEMA``: its YAML key path, its environment varia
 its default and what it is for. The host's own tunables keep their FastDeploy names (``FD_*``) both
 as environment variables and as keys under ``host_tunables:`` in a profile.
 
-Bad input raises one :class:`SettingsError` that names the file and key path or the variable, the
-bad value and what is allowed. It is raised by :func:`load_settings`, before anything is patched.
+Bad input raises one :class:`SettingsError` in one format, ``<where>: bad value <value>[ (why)]; allowed:
+<what>``, where ``<where>`` is ``environment variable <VAR>`` or ``profile <file>, key <key path>``. It is
+raised by :func:`load_settings`, before anything is patched.
 """
 
 from __future__ import annotations
@@ -217,7 +218,7 @@ SCHEMA: tuple[Setting, ...] = (
         _int(0),
         16,
         "an integer >= 0",
-        "Legacy policy: blocks reserved per running request after a preemption.",
+        "Fixed-block reservation (ratio_reserve off): blocks reserved per running request after a preemption.",
     ),
     Setting(
         "host_tunables.FD_RESERVE_DECAY_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL",
@@ -225,15 +226,15 @@ SCHEMA: tuple[Setting, ...] = (
         _float(0.0),
         0.025,
         "a number >= 0",
-        "Legacy policy: decay of the per-request reservation per scheduling pass.",
+        "Fixed-block reservation (ratio_reserve off): decay of the per-request reservation per scheduling pass.",
     ),
     Setting(
         "host_tunables.FD_RESERVE_MIN_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL",
         "FD_RESERVE_MIN_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL",
         _int(0),
         0,
-        "an integer >= 0, not above the legacy initial reservation",
-        "Legacy policy: floor of the per-request reservation.",
+        "an integer >= 0, not above the fixed-block initial reservation",
+        "Fixed-block reservation (ratio_reserve off): floor of the per-request reservation.",
     ),
     # ---- plugin tunables (upstream hard-codes these) ----------------------------------------
     Setting(
@@ -355,51 +356,102 @@ def _resolve_profile(value: str, origin: str = PROFILE_ENV) -> tuple[str, Path]:
     if looks_like_path:
         path = Path(value).expanduser()
         if not path.is_file():
-            raise SettingsError(f"{origin}={value!r}: no such profile file; allowed: a shipped profile name "
-                                f"({', '.join(shipped_profiles())}) or the path of a YAML file")
+            raise SettingsError(f"{origin}: bad value {value!r} (no such profile file); allowed: a shipped profile "
+                                f"name ({', '.join(shipped_profiles())}) or the path of a YAML file")
         return path.stem, path
     profiles = shipped_profiles()
     if value not in profiles:
         raise SettingsError(
-            f"{origin}={value!r}: unknown profile; allowed: {', '.join(profiles)} or the path of a YAML file"
+            f"{origin}: bad value {value!r} (unknown profile); allowed: {', '.join(profiles)} or the path of a YAML file"
         )
     return value, profiles[value]
 
 
+class _DuplicateKey(Exception):
+    def __init__(self, key_path: str, first_line: int, second_line: int):
+        super().__init__(key_path)
+        self.key_path, self.first_line, self.second_line = key_path, first_line, second_line
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """A safe loader that refuses a key given twice in one mapping (PyYAML silently keeps the last one)."""
+
+
+def _unique_mapping(loader, node, deep=False):
+    seen: dict = {}
+    for key_node, value_node in node.value:
+        key = loader.construct_object(key_node, deep=True)
+        line = key_node.start_mark.line + 1
+        if isinstance(key, (str, int, float, bool)) and key in seen:
+            raise _DuplicateKey(str(key), seen[key], line)
+        seen[key] = line
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
+def _parent_path(text: str, line: int) -> str:
+    """The dotted key path a duplicate at ``line`` sits under (its parent keys, by indentation)."""
+    lines = text.splitlines()
+    target = lines[line - 1]
+    indent = len(target) - len(target.lstrip())
+    parents = []
+    for previous in reversed(lines[: line - 1]):
+        stripped = previous.lstrip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        level = len(previous) - len(stripped)
+        if level < indent and stripped.rstrip().endswith(":"):
+            parents.append(stripped.rstrip()[:-1].strip())
+            indent = level
+    return ".".join(reversed(parents))
+
+
 def read_profile(path: Path) -> dict[str, Any]:
-    """Parse one profile file into ``{key path: raw value}``; unknown keys are errors."""
+    """Parse one profile file into ``{key path: raw value}``; unknown and duplicate keys are errors."""
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
-        raise SettingsError(f"profile {path}: cannot be read ({exc.strerror})") from None
+        raise SettingsError(f"profile {path}: cannot be read ({exc.strerror}); allowed: a readable YAML file") from None
     try:
-        document = yaml.safe_load(text)
+        document = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
+    except _DuplicateKey as dup:
+        parent = _parent_path(text, dup.second_line)
+        key = f"{parent}.{dup.key_path}" if parent else dup.key_path
+        raise SettingsError(
+            f"profile {path}, key {key}: bad value (given twice, at line {dup.first_line} and line {dup.second_line}); "
+            "allowed: each key once"
+        ) from None
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
         problem = getattr(exc, "problem", None) or str(exc)
-        raise SettingsError(f"profile {path}: not valid YAML{where}: {problem}") from None
+        raise SettingsError(f"profile {path}: not valid YAML{where}: {problem}; allowed: a YAML mapping") from None
     if document is None:
         return {}
     if not isinstance(document, dict):
-        raise SettingsError(f"profile {path}: the top level must be a mapping, got {type(document).__name__}")
+        raise SettingsError(
+            f"profile {path}: bad value at the top level (a {type(document).__name__}); allowed: a mapping with keys "
+            f"{', '.join(_PROFILE_TOP_KEYS)} (the top level must be a mapping)"
+        )
     flat: dict[str, Any] = {}
     for top, value in document.items():
         if top not in _PROFILE_TOP_KEYS:
             raise SettingsError(
-                f"profile {path}: unknown key {top!r}; allowed top-level keys: {', '.join(_PROFILE_TOP_KEYS)}"
+                f"profile {path}, key {top}: unknown key; allowed top-level keys: {', '.join(_PROFILE_TOP_KEYS)}"
             )
         if top == "description":
             if not isinstance(value, str):
-                raise SettingsError(f"profile {path}: key description: bad value {value!r}; allowed: a string")
+                raise SettingsError(f"profile {path}, key description: bad value {value!r}; allowed: a string")
             continue
         if not isinstance(value, dict):
-            raise SettingsError(f"profile {path}: key {top}: bad value {value!r}; allowed: a mapping of settings")
+            raise SettingsError(f"profile {path}, key {top}: bad value {value!r}; allowed: a mapping of settings")
         for sub, raw in value.items():
             key = f"{top}.{sub}"
             if key not in _BY_KEY:
                 allowed = sorted(k.split(".", 1)[1] for k in _BY_KEY if k.startswith(top + "."))
-                raise SettingsError(f"profile {path}: unknown key {key!r}; allowed under {top}: {', '.join(allowed)}")
+                raise SettingsError(f"profile {path}, key {key}: unknown key; allowed under {top}: {', '.join(allowed)}")
             flat[key] = raw
     return flat
 
@@ -432,7 +484,7 @@ def load_settings(environ: Optional[Mapping[str, str]] = None, profile: Optional
             try:
                 values[key] = setting.parse(raw)
             except ValueError as exc:
-                raise SettingsError(f"profile {path}: key {key}: bad value {raw!r}; allowed: {exc}") from None
+                raise SettingsError(f"profile {path}, key {key}: bad value {raw!r}; allowed: {exc}") from None
             sources[key] = f"profile {profile_name}"
 
     for setting in SCHEMA:
@@ -442,7 +494,7 @@ def load_settings(environ: Optional[Mapping[str, str]] = None, profile: Optional
         try:
             values[setting.key] = setting.parse(raw)
         except ValueError as exc:
-            raise SettingsError(f"environment variable {setting.env}={raw!r}: bad value; allowed: {exc}") from None
+            raise SettingsError(f"environment variable {setting.env}: bad value {raw!r}; allowed: {exc}") from None
         sources[setting.key] = f"env {setting.env}"
 
     _check_together(values, sources, profile_path)
@@ -456,7 +508,7 @@ def _where(key: str, sources: Mapping[str, str], profile_path: Optional[str] = N
         return f"environment variable {setting.env}"
     if source.startswith("profile "):
         name = source[len("profile "):]
-        return f"profile {name} ({profile_path}), key {key}" if profile_path else f"profile {name}, key {key}"
+        return f"profile {profile_path or name}, key {key}"
     return f"{key} (default)"
 
 
@@ -512,7 +564,7 @@ def _check_together(values: dict, sources: dict, profile_path: Optional[str] = N
 def effective_ratio_mode(settings: Settings) -> str:
     """The ratio-reserve switch after the host's FD_USE_NEW_TOKEN_RATIO_RESERVE is considered.
 
-    ``auto`` with FD_USE_NEW_TOKEN_RATIO_RESERVE explicitly 0 means the operator asked for the legacy
+    ``auto`` with FD_USE_NEW_TOKEN_RATIO_RESERVE explicitly 0 means the operator asked for the fixed-block
     policy by the host's own name: treat it as ``off``.
     """
     mode = settings.change_mode("ratio_reserve")

@@ -211,3 +211,62 @@ def test_a_non_fork_start_method_is_warned_about(fresh_loader, monkeypatch):
         fresh_loader()
     warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING and "start method" in r.getMessage()]
     assert len(warnings) == 1 and "forkserver" in warnings[0]
+
+
+@pytest.mark.parametrize("profile, warned", [("oracle", True), ("recommended", False)])
+def test_a_replay_only_profile_warns_when_an_engine_loads_it(fresh_loader, monkeypatch, profile, warned):
+    monkeypatch.setenv("FD_PLUGINS", "fdsched")
+    monkeypatch.setenv("FDSCHED_PROFILE", profile)
+    with captured_llm_logger() as records:
+        fresh_loader()
+    warnings = [r.getMessage() for r in records if r.levelno == logging.WARNING and "oracle_reserve" in r.getMessage()]
+    assert len(warnings) == (1 if warned else 0)
+    if warned:
+        assert "profile oracle" in warnings[0] and "only the replay" in warnings[0]
+
+
+def test_the_replay_does_not_warn_about_the_oracle_profile():
+    from fdsched.replay.runner import run_profile
+    from fdsched.replay.trace import Trace, TraceRequest
+
+    engine = dict(block_size=4, max_model_len=64, num_gpu_blocks=20, max_num_seqs=2, max_num_batched_tokens=16)
+    trace = Trace((TraceRequest(id="a", arrival=0, prompt_len=6, output_len=3, max_tokens=4, line=1),), engine,
+                  source="test", name="test")
+    with captured_llm_logger() as records:
+        run = run_profile(trace, "oracle", trace.engine_with())
+    assert run.drained
+    assert not [r for r in records if "oracle_reserve" in r.getMessage()]
+
+
+def test_relies_on_probes_notice_a_host_whose_control_flow_changed(host_info):
+    """Each "Relies on:" probe fires on a host class whose methods no longer do what the patch relies on."""
+    import dataclasses
+
+    from fdsched.installer import InstallError, decide
+    from fdsched.patches import spec_for
+    from fdsched.settings import load_settings
+
+    assert all(not failed for failed in host_info.reliance_problems.values()), host_info.reliance_problems
+
+    class Changed(host_info.rm_class):
+        def schedule(self):
+            return [], []
+
+        def _trigger_preempt(self, request, num_new_blocks, preempted_reqs, scheduled_reqs):
+            return False
+
+        def finish_requests(self, request_ids):
+            return None
+
+    changed = dataclasses.replace(host_info, host_classes={**host_info.host_classes, "ResourceManagerV1": Changed})
+    failed = {cid: spec_for(cid).check_reliances(changed) for cid in host_info.has}
+    assert {"running-chunk-check", "threshold-check"} <= set(failed["ratio_reserve"])
+    assert ("pass-end" in failed["ratio_reserve"]) == host_info.has["ratio_reserve"]  # only the new host uses it
+    assert ("preempt-loop-seams" in failed["decode_only_preempt"]) == host_info.has["decode_only_preempt"]
+    assert "record-moments" in failed["pd_prefill_cache"]
+    changed.reliance_problems = failed
+    with pytest.raises(InstallError, match="relies on running-chunk-check"):
+        decide(load_settings(environ={"FDSCHED_RATIO_RESERVE": "on"}), changed)
+    if not host_info.has["ratio_reserve"]:
+        decision = decide(load_settings(environ={}), changed)["ratio_reserve"]
+        assert decision.state == "skipped" and "relies on running-chunk-check" in decision.detail

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 import inspect
 import pkgutil
 import subprocess
@@ -60,10 +61,8 @@ def test_targets_and_requirements_name_known_host_classes(change_id):
     spec = SPECS[change_id]
     assert set(spec.mixins) <= set(TARGETS)
     for name in list(spec.replaces) + list(spec.requires):
-        assert name.split(".", 1)[0] in TARGETS
-    for dotted in spec.replaces_dotted:
-        target_path, method = dotted.rsplit(".", 1)
-        assert target_path in TARGETS.values() and method
+        target, method = name.split(".", 1)
+        assert target in TARGETS and method.isidentifier(), name
 
 
 @pytest.mark.parametrize("change_id", CHANGE_IDS)
@@ -93,7 +92,7 @@ def test_upstream_prs_are_ints(change_id):
 def test_probe_callables_are_callable(change_id):
     spec = SPECS[change_id]
     assert callable(spec.host_has)
-    assert spec.extra_check is None or callable(spec.extra_check)
+    assert all(callable(r.check) and r.when and set(r.when) <= {"plugin", "off"} for r in spec.relies_on)
     assert spec.host_has_as_selected is None or callable(spec.host_has_as_selected)
 
 
@@ -143,3 +142,94 @@ def test_importing_the_plugin_imports_no_host():
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stdout + done.stderr
+
+
+# ---- the docstrings say what the specs say ----------------------------------------------------------------
+_SECTION = re.compile(r"^([A-Z][A-Za-z ]*):(\s|$)")
+_HOST_METHOD = re.compile(r"\b(" + "|".join(TARGETS) + r")\.(\w+)")
+
+
+def docstring_sections(doc: str) -> dict:
+    """Header (e.g. "Replaces") -> its text: the header line and the indented lines under it."""
+    sections, current = {}, None
+    for line in doc.splitlines():
+        match = _SECTION.match(line)
+        if match:
+            current = match.group(1)
+            sections[current] = line[match.end(1) + 1 :]
+        elif current and line.startswith(" ") and line.strip():
+            sections[current] += "\n" + line
+        else:
+            current = None
+    return sections
+
+
+def _module_of(change_id):
+    return importlib.import_module(f"fdsched.patches.{change_id}")
+
+
+@pytest.mark.parametrize("change_id", CHANGE_IDS)
+def test_replaces_section_names_exactly_the_spec_replaces(change_id):
+    text = docstring_sections(_module_of(change_id).__doc__)["Replaces"]
+    named = {f"{target}.{method}" for target, method in _HOST_METHOD.findall(text)}
+    assert named == set(SPECS[change_id].replaces), (
+        f"{change_id}: 'Replaces:' names {sorted(named - set(SPECS[change_id].replaces))} not in SPEC.replaces and "
+        f"omits {sorted(set(SPECS[change_id].replaces) - named)}"
+    )
+
+
+@pytest.mark.parametrize("change_id", CHANGE_IDS)
+def test_relies_on_section_lists_exactly_the_spec_reliances(change_id):
+    spec = SPECS[change_id]
+    sections = docstring_sections(_module_of(change_id).__doc__)
+    listed = re.findall(r"^\s+\* ([\w-]+):", sections.get("Relies on", ""), re.M)
+    assert listed == [r.name for r in spec.relies_on], f"{change_id}: 'Relies on:' drifted from SPEC.relies_on"
+    for reliance in spec.relies_on:
+        assert reliance.text.strip() and callable(reliance.check)
+
+
+# ---- the order in which mixins wrap the methods they share -------------------------------------------------
+# method -> (outermost first) change ids whose mixins override it, and why that order is the right one.
+WRAP_ORDER = {
+    ("ResourceManagerV1", "__init__"): (
+        ("ratio_reserve", "decode_only_preempt"),
+        "each calls super().__init__() first, so the host's constructor has finished before any plugin state is set; "
+        "no mixin's state reads another's, so this order only fixes which exists first",
+    ),
+    ("ResourceManagerV1", "schedule"): (
+        ("pd_prefill_cache", "ratio_reserve", "decode_only_preempt"),
+        "ratio_reserve opens the pass's state before, and closes it (preempt tasks in place, waiting queue back) "
+        "after, everything inside; pd_prefill_cache (off on the new host) records the chunks of the pass's final "
+        "task list, so it must wrap the pass that ratio_reserve closes",
+    ),
+    ("ResourceManagerV1", "_trigger_preempt"): (
+        ("ratio_reserve", "decode_only_preempt"),
+        "ratio_reserve must see every preemption call, whichever loop runs inside it (the old host's, or change 2's): "
+        "its guard declines before any loop runs, and it re-estimates the ratio / resets the old host's fixed "
+        "reservation after the loop, so reservation state is the reservation change's alone",
+    ),
+}
+
+
+def test_every_shared_method_has_a_pinned_wrap_order():
+    overriders = defaultdict(list)
+    for target in TARGETS:
+        for mixin in fdsched.patches.mixins_for(target):
+            for method in own_methods(mixin):
+                overriders[(target, method)].append(mixin)
+    shared = {key for key, mixins in overriders.items() if len(mixins) > 1}
+    assert shared == set(WRAP_ORDER), "a method two changes override needs its order pinned (and explained) here"
+
+
+@pytest.mark.parametrize("key", sorted(WRAP_ORDER))
+def test_mixins_wrap_shared_methods_in_the_pinned_order(key):
+    target, method = key
+    expected, why = WRAP_ORDER[key]
+    assert why
+    order = tuple(
+        spec.change_id
+        for mixin in fdsched.patches.mixins_for(target)
+        for spec in CATALOGUE
+        if spec.mixins.get(target) is mixin and method in own_methods(mixin)
+    )
+    assert order == expected

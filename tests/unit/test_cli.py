@@ -58,11 +58,12 @@ def test_profiles_unknown_name(capsys):
 
 def test_doctor_without_a_host(capsys, no_host):
     assert main(["doctor"]) == EXIT_NO_HOST
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
     assert f"fdsched {__version__}" in out
     assert "profile: none" in out
-    assert "host: NOT FOUND" in out
-    assert HOST_SOURCE_ENV in out  # how to point at a host
+    assert "host: NOT FOUND" in captured.err and "NOT FOUND" not in out  # errors go to stderr
+    assert HOST_SOURCE_ENV in captured.err  # how to point at a host
     for change_id in CHANGE_IDS:
         assert change_id in out
     assert "effective settings:" in out
@@ -80,19 +81,20 @@ def test_doctor_without_a_host_shows_the_selected_profile(capsys, monkeypatch, n
 def test_doctor_with_a_bad_env_value(capsys, monkeypatch, no_host):
     monkeypatch.setenv("FDSCHED_RATIO_RESERVE", "maybe")
     assert main(["doctor"]) == EXIT_ERROR
-    out = capsys.readouterr().out
-    assert "settings: ERROR" in out
-    assert "FDSCHED_RATIO_RESERVE" in out
-    assert "'maybe'" in out
-    assert "one of auto, on, off" in out
-    assert "host:" not in out  # stops before looking for a host
+    captured = capsys.readouterr()
+    err = captured.err
+    assert "settings: ERROR" in err and "ERROR" not in captured.out
+    assert "FDSCHED_RATIO_RESERVE" in err
+    assert "'maybe'" in err
+    assert "one of auto, on, off" in err
+    assert "host:" not in captured.out + err  # stops before looking for a host
 
 
 def test_doctor_with_an_unknown_profile(capsys, monkeypatch, no_host):
     monkeypatch.setenv(PROFILE_ENV, "nosuch")
     assert main(["doctor"]) == EXIT_ERROR
-    out = capsys.readouterr().out
-    assert PROFILE_ENV in out and "'nosuch'" in out
+    err = capsys.readouterr().err
+    assert PROFILE_ENV in err and "'nosuch'" in err
 
 
 def test_version(capsys):
@@ -106,3 +108,29 @@ def test_a_command_is_required(capsys):
     with pytest.raises(SystemExit) as exited:
         main([])
     assert exited.value.code == 2
+
+
+def test_patches_shows_each_specs_prose_to_operators(capsys):
+    from fdsched.patches import CATALOGUE, TARGETS
+
+    assert main(["patches"]) == EXIT_OK
+    out = capsys.readouterr().out
+    for spec in CATALOGUE:
+        assert f"{spec.change_id}: {spec.title}" in out
+        for text in (spec.why, spec.how, spec.hosts_needing, spec.delete_when, spec.switch):
+            assert text in out, (spec.change_id, text)
+        for name in spec.replaces:
+            target, method = name.split(".", 1)
+            assert f"{TARGETS[target]}.{method}" in out
+        for reliance in spec.relies_on:
+            assert f"{reliance.name} ({'/'.join(reliance.when)}): {reliance.text}" in out
+
+
+def test_patches_shows_one_change_or_names_the_allowed_ones(capsys):
+    assert main(["patches", "ratio_reserve"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert out.startswith("ratio_reserve: ") and "deferred_recycle:" not in out
+    assert "PrefixCacheManager.can_allocate_gpu_blocks" in out
+    assert main(["patches", "nosuch"]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "'nosuch'" in err and all(change_id in err for change_id in CHANGE_IDS)

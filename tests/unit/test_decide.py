@@ -39,7 +39,7 @@ MATRIX = [
     ("on", True, True, InstallError),
     ("off", False, False, ("host", "off")),
     ("off", False, True, ("host", "off")),
-    ("off", True, False, ("legacy", "off")),
+    ("off", True, False, ("off", "off")),
     ("off", True, True, InstallError),
 ]
 
@@ -121,7 +121,7 @@ def test_a_problem_in_another_change_does_not_matter():
 def test_auto_with_host_switch_zero_decides_as_off():
     s = settings(FDSCHED_RATIO_RESERVE="auto", FD_USE_NEW_TOKEN_RATIO_RESERVE="0")
     on_new_host = decide(s, host(has=["ratio_reserve"]))["ratio_reserve"]
-    assert (on_new_host.mode, on_new_host.impl, on_new_host.state) == ("off", "legacy", "off")
+    assert (on_new_host.mode, on_new_host.impl, on_new_host.state) == ("off", "off", "off")
     on_old_host = decide(s, host())["ratio_reserve"]
     assert (on_old_host.mode, on_old_host.impl, on_old_host.state) == ("off", "host", "off")
 
@@ -154,7 +154,7 @@ def test_pd_auto_upstream_on_a_host_without_it_applies_the_plugin():
 def test_pd_off_on_a_host_with_upstream_restores_the_old_code(mode):
     s = settings(FDSCHED_PD_PREFILL_CACHE="off", FDSCHED_PD_PREFILL_CACHE_MODE=mode)
     d = decide(s, host(has=["pd_prefill_cache"]))["pd_prefill_cache"]
-    assert (d.impl, d.state) == ("legacy", "off")
+    assert (d.impl, d.state) == ("off", "off")
 
 
 def test_pd_on_safe_over_upstream_host_is_plain_applied():
@@ -167,3 +167,29 @@ def test_decide_uses_the_profile():
     s = load_settings(environ={}, profile="baseline")
     decisions = decide(s, host())
     assert {(d.mode, d.impl, d.state) for d in decisions.values()} == {("off", "host", "off")}
+
+
+# ---- "Relies on:" assumptions probed at install -----------------------------------------------------------------
+def _reliance_host(change_id, reliance, has=False):
+    info = host(has=[change_id] if has else [])
+    info.reliance_problems = {change_id: {reliance: "ResourceManagerV1.schedule no longer uses waiting"}}
+    return info
+
+
+def test_a_failed_reliance_makes_on_an_error_that_names_it():
+    with pytest.raises(InstallError, match=r"relies on running-chunk-check .*no longer uses waiting"):
+        decide(switch("ratio_reserve", "on"), _reliance_host("ratio_reserve", "running-chunk-check"))
+
+
+def test_a_failed_reliance_makes_auto_skip_with_the_reason():
+    d = decide(switch("ratio_reserve", "auto"), _reliance_host("ratio_reserve", "running-chunk-check"))["ratio_reserve"]
+    assert (d.impl, d.state) == ("host", "skipped")
+    assert "relies on running-chunk-check" in d.detail
+
+
+def test_a_reliance_of_the_off_path_only_stops_off():
+    # pass-end matters only where the plugin restores the pre-change code (off on a host that has the change).
+    info = _reliance_host("ratio_reserve", "pass-end", has=True)
+    assert decide(switch("ratio_reserve", "on"), info)["ratio_reserve"].impl == "plugin"
+    with pytest.raises(InstallError, match="relies on pass-end"):
+        decide(switch("ratio_reserve", "off"), info)

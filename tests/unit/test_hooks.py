@@ -90,11 +90,11 @@ def test_manager_has_only_the_defaults(pm, pol):
 @pytest.mark.parametrize("candidates", CANDIDATE_LISTS)
 def test_victim_fast_path_and_dispatch_equal_the_pure_functions(pm, pol, candidates):
     assert pol.select_victim(candidates, True) == policies.select_preemption_victim(candidates)
-    assert pol.select_victim(candidates, False) == policies.select_legacy_preemption_victim(candidates)
+    assert pol.select_victim(candidates, False) == policies.select_any_phase_victim(candidates)
     # the default hook implementation (what dispatch reaches) gives the same answers
     hook = pm.hook.fdsched_select_preemption_victim
     assert hook(candidates=candidates, decode_only=True) == policies.select_preemption_victim(candidates)
-    assert hook(candidates=candidates, decode_only=False) == policies.select_legacy_preemption_victim(candidates)
+    assert hook(candidates=candidates, decode_only=False) == policies.select_any_phase_victim(candidates)
 
 
 def test_victim_answers_on_the_mixed_queue(pol):

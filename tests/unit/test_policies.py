@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from fdsched.policies import (
-    LegacyReserve,
+    FixedBlockReserve,
     NewTokenRatio,
     NoVictimWarning,
     VictimCandidate,
@@ -17,7 +17,7 @@ from fdsched.policies import (
     max_new_tokens_of,
     reestimate_new_token_ratio,
     reserve_blocks_for_request,
-    select_legacy_preemption_victim,
+    select_any_phase_victim,
     select_preemption_victim,
 )
 
@@ -59,13 +59,13 @@ def test_is_decoding_without_status_is_the_token_comparison(total, need):
 # --------------------------------------------------------------------------------------------
 def test_no_candidates_no_victim():
     assert select_preemption_victim([]) is None
-    assert select_legacy_preemption_victim([]) is None
+    assert select_any_phase_victim([]) is None
 
 
 def test_all_prefilling_gives_no_decode_only_victim():
     queue = [C("a", False), C("b", False), C("c", False)]
     assert select_preemption_victim(queue) is None
-    assert select_legacy_preemption_victim(queue) == 2  # the old policy throws away prefill work
+    assert select_any_phase_victim(queue) == 2  # the old policy throws away prefill work
 
 
 def test_lifo_among_decoders():
@@ -78,14 +78,14 @@ def test_lifo_among_decoders():
 def test_extend_table_requests_are_skipped():
     queue = [C("a", True), C("b", True, extend=True)]
     assert select_preemption_victim(queue) == 0
-    assert select_legacy_preemption_victim(queue) == 0
+    assert select_any_phase_victim(queue) == 0
     assert select_preemption_victim([C("x", True, extend=True)]) is None
-    assert select_legacy_preemption_victim([C("x", False, extend=True)]) is None
+    assert select_any_phase_victim([C("x", False, extend=True)]) is None
 
 
-def test_legacy_victim_may_be_a_prefill():
+def test_any_phase_victim_may_be_a_prefill():
     queue = [C("a", True), C("b", False), C("c", True, extend=True)]
-    assert select_legacy_preemption_victim(queue) == 1
+    assert select_any_phase_victim(queue) == 1
     assert select_preemption_victim(queue) == 0
 
 
@@ -106,12 +106,12 @@ def test_decode_only_victim_is_the_last_qualifying(queue):
 
 
 @given(candidate_lists)
-def test_legacy_victim_is_the_last_without_extend_tables(queue):
-    index = select_legacy_preemption_victim(queue)
+def test_any_phase_victim_is_the_last_without_extend_tables(queue):
+    index = select_any_phase_victim(queue)
     qualifying = [i for i, c in enumerate(queue) if not c.uses_extend_tables]
     assert index == (qualifying[-1] if qualifying else None)
     decode_only = select_preemption_victim(queue)
-    if decode_only is not None:  # the decode-only victim is never later than the legacy one
+    if decode_only is not None:  # the decode-only victim is never later than the any-phase one
         assert decode_only <= index
 
 
@@ -256,47 +256,47 @@ def test_new_token_ratio_stays_between_floor_and_init(init, decay, passes, data)
 
 
 # --------------------------------------------------------------------------------------------
-# Legacy fixed-block reservation
+# The fixed-block reservation (ratio_reserve off)
 # --------------------------------------------------------------------------------------------
-def test_legacy_reserve_starts_relaxed():
-    legacy = LegacyReserve(init=16, decay=0.5, minimum=0)
-    assert legacy.relaxed is True
-    assert legacy.threshold(chunk_blocks=5, num_running=3) == 5
+def test_fixed_block_reserve_starts_relaxed():
+    fixed = FixedBlockReserve(init=16, decay=0.5, minimum=0)
+    assert fixed.relaxed is True
+    assert fixed.threshold(chunk_blocks=5, num_running=3) == 5
 
 
-def test_legacy_reserve_after_preemption():
-    legacy = LegacyReserve(init=16, decay=0.5, minimum=0)
-    legacy.on_preemption()
-    assert legacy.relaxed is False
-    assert legacy.threshold(5, 3) == 5 + 3 * 16
+def test_fixed_block_reserve_after_preemption():
+    fixed = FixedBlockReserve(init=16, decay=0.5, minimum=0)
+    fixed.on_preemption()
+    assert fixed.relaxed is False
+    assert fixed.threshold(5, 3) == 5 + 3 * 16
 
 
-def test_legacy_reserve_decays_and_relaxes_at_zero():
-    legacy = LegacyReserve(init=2, decay=0.5, minimum=0)
-    legacy.on_preemption()
-    legacy.after_schedule(False)
-    assert legacy.current == 2
-    legacy.after_schedule(True)  # 1.5
-    assert legacy.current == 1 and legacy.relaxed is False
-    assert legacy.threshold(5, 3) == 8
-    legacy.after_schedule(True)  # 1.0
-    assert legacy.current == 1 and legacy.relaxed is False
-    legacy.after_schedule(True)  # 0.5 -> 0
-    assert legacy.current == 0 and legacy.relaxed is True
-    assert legacy.threshold(5, 3) == 5
-    legacy.on_preemption()  # back to init, not relaxed
-    assert legacy.current == 2 and legacy.relaxed is False
-    assert legacy.threshold(5, 3) == 11
+def test_fixed_block_reserve_decays_and_relaxes_at_zero():
+    fixed = FixedBlockReserve(init=2, decay=0.5, minimum=0)
+    fixed.on_preemption()
+    fixed.after_schedule(False)
+    assert fixed.current == 2
+    fixed.after_schedule(True)  # 1.5
+    assert fixed.current == 1 and fixed.relaxed is False
+    assert fixed.threshold(5, 3) == 8
+    fixed.after_schedule(True)  # 1.0
+    assert fixed.current == 1 and fixed.relaxed is False
+    fixed.after_schedule(True)  # 0.5 -> 0
+    assert fixed.current == 0 and fixed.relaxed is True
+    assert fixed.threshold(5, 3) == 5
+    fixed.on_preemption()  # back to init, not relaxed
+    assert fixed.current == 2 and fixed.relaxed is False
+    assert fixed.threshold(5, 3) == 11
 
 
-def test_legacy_reserve_with_a_floor_never_relaxes():
-    legacy = LegacyReserve(init=16, decay=1.0, minimum=4)
-    legacy.on_preemption()
+def test_fixed_block_reserve_with_a_floor_never_relaxes():
+    fixed = FixedBlockReserve(init=16, decay=1.0, minimum=4)
+    fixed.on_preemption()
     for _ in range(100):
-        legacy.after_schedule(True)
-    assert legacy.current == 4
-    assert legacy.relaxed is False
-    assert legacy.threshold(1, 2) == 9
+        fixed.after_schedule(True)
+    assert fixed.current == 4
+    assert fixed.relaxed is False
+    assert fixed.threshold(1, 2) == 9
 
 
 # --------------------------------------------------------------------------------------------

@@ -212,11 +212,35 @@ def test_top_level_must_be_a_mapping(write_profile):
     assert "list" in msg
 
 
+def test_a_key_given_twice_is_an_error_naming_both_lines(write_profile):
+    path = write_profile(
+        "description: x\n"
+        "changes:\n"
+        "  ratio_reserve: \"on\"\n"
+        "  deferred_recycle: \"off\"\n"
+        "  ratio_reserve: \"off\"\n"
+    )
+    msg = settings_error(profile=path)
+    assert msg.startswith(f"profile {path}, key changes.ratio_reserve: bad value")
+    assert "line 3 and line 5" in msg and "allowed: each key once" in msg
+
+
+def test_a_top_level_key_given_twice_is_an_error(write_profile):
+    path = write_profile("tunables:\n  recycle_heapify_min_batch: 8\ntunables:\n  recycle_heapify_min_batch: 9\n")
+    msg = settings_error(profile=path)
+    assert "key tunables: bad value" in msg and "line 1 and line 3" in msg
+
+
+def test_every_shipped_profile_has_each_key_once():
+    for name in shipped_profiles():
+        load_settings(environ={}, profile=name)  # raises on a duplicate
+
+
 def test_unknown_top_level_key(write_profile):
     path = write_profile("change:\n  ratio_reserve: on\n")
     msg = settings_error(profile=path)
     assert path in msg
-    assert "'change'" in msg
+    assert "key change: unknown key" in msg
     assert "allowed top-level keys" in msg
     for allowed in ("changes", "host_tunables", "tunables", "replay", "pd_prefill_cache", "description"):
         assert allowed in msg
@@ -299,7 +323,7 @@ def test_bad_pd_mode_in_yaml(write_profile):
 def test_min_ratio_above_init_in_yaml(write_profile):
     path = write_profile("host_tunables:\n  FD_MIN_NEW_TOKEN_RATIO: 0.9\n", name="ratios.yaml")
     msg = settings_error(profile=path)
-    assert "profile ratios" in msg
+    assert "ratios.yaml, key host_tunables.FD_MIN_NEW_TOKEN_RATIO: bad value 0.9" in msg
     assert "host_tunables.FD_MIN_NEW_TOKEN_RATIO" in msg
     assert "0.9" in msg
     assert "not above 0.7 (FD_INIT_NEW_TOKEN_RATIO" in msg
@@ -364,7 +388,7 @@ def test_missing_profile_path(tmp_path):
 )
 def test_bad_env_value_names_variable_value_and_allowed(var, raw, allowed):
     msg = settings_error(environ={var: raw})
-    assert f"environment variable {var}={raw!r}" in msg
+    assert f"environment variable {var}: bad value {raw!r}; allowed: " in msg
     assert "allowed: " + allowed in msg
 
 
@@ -391,7 +415,7 @@ def test_equal_min_and_init_ratio_are_fine():
     assert s[MIN] == s[INIT] == 0.7
 
 
-def test_legacy_min_above_legacy_init():
+def test_fixed_block_min_above_its_init():
     msg = settings_error(environ={LEGACY_INIT_ENV: "2", LEGACY_MIN_ENV: "3"})
     assert f"environment variable {LEGACY_MIN_ENV}" in msg
     assert "bad value 3" in msg
@@ -399,7 +423,7 @@ def test_legacy_min_above_legacy_init():
     assert LEGACY_INIT_ENV in msg
 
 
-def test_legacy_min_equal_to_init_is_fine():
+def test_fixed_block_min_equal_to_init_is_fine():
     s = load_settings(environ={LEGACY_INIT_ENV: "4", LEGACY_MIN_ENV: "4"})
     assert s["host_tunables." + LEGACY_MIN_ENV] == 4
 
@@ -425,7 +449,7 @@ def test_ratio_off_contradicts_host_switch_one():
 
 def test_profile_ratio_on_contradicts_host_switch_zero_from_env():
     msg = settings_error(environ={PROFILE_ENV: "recommended", "FD_USE_NEW_TOKEN_RATIO_RESERVE": "0"})
-    assert "FD_USE_NEW_TOKEN_RATIO_RESERVE" in msg and "profile recommended" in msg
+    assert "FD_USE_NEW_TOKEN_RATIO_RESERVE" in msg and "recommended.yaml, key changes.ratio_reserve" in msg
 
 
 @pytest.mark.parametrize("mode, host, expected", [("on", "1", "on"), ("off", "0", "off"), ("auto", "1", "auto")])
