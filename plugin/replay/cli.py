@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .trace import ENGINE_KEYS, TraceError, check_engine, load_trace, resolve_trace, shipped_traces
 
-EXIT_OK, EXIT_ERROR, EXIT_NO_HOST = 0, 1, 2
+from ..common import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK
 DEFAULT_TRACE = "pressure"
 DEFAULT_PROFILES = ("baseline", "recommended")
 
@@ -70,6 +70,11 @@ def add_commands(sub) -> None:
     replay.add_argument("--max-steps", type=_pos_int, default=None,
                         help="stop each profile after N steps (reported as not drained)")
     replay.add_argument("--no-progress", action="store_true", help="no progress bar")
+    replay.add_argument("--inherit-env", action="store_true",
+                        help="let FDSCHED_*/FD_* variables of this environment override each profile, as in "
+                        "production (default: each arm is exactly its profile; the report lists what was applied)")
+    replay.add_argument("--check-every", type=_pos_int, default=1, metavar="N",
+                        help="check the block invariants every N steps and at the end (default 1: every step)")
     replay.set_defaults(func=cmd_replay)
 
     trace = sub.add_parser("trace", help="generate, validate or list replay traces (no host needed)")
@@ -112,10 +117,13 @@ def _trace_summary(trace, engine: dict) -> str:
     requests = trace.requests
     prompt = sum(r.prompt_len for r in requests)
     out = sum(r.effective_output_len for r in requests)
-    last = max(r.arrival for r in requests)
+    if trace.time_based:
+        span = f"arrivals over {min(r.arrival_s for r in requests):.3f}..{max(r.arrival_s for r in requests):.3f} s"
+    else:
+        span = f"arrivals over steps 0..{max(r.arrival for r in requests)}"
     groups = sorted({r.prefix_group for r in requests if r.prefix_group})
     lines = [
-        f"{trace.name}: {len(requests)} requests, arrivals over steps 0..{last}, {prompt} prompt tokens, "
+        f"{trace.name}: {len(requests)} requests, {span}, {prompt} prompt tokens, "
         f"{out} output tokens" + (f", prefix groups: {', '.join(groups)}" if groups else ""),
         "engine: " + ", ".join(f"{k}={engine[k]}" for k in ENGINE_KEYS),
     ]
@@ -169,7 +177,7 @@ def cmd_replay(args) -> int:
     from fdsched.installer import InstallError
     from fdsched.settings import SettingsError, load_settings
 
-    from .report import INSTALL_HINT, build_report, format_table, report_json, write_plot
+    from .report import INSTALL_HINT, build_report, format_header, format_table, report_json, write_plot
     from .runner import DEFAULT_MAX_STEPS, run_replay
 
     profiles = args.profiles or list(DEFAULT_PROFILES)
@@ -186,7 +194,7 @@ def cmd_replay(args) -> int:
         engine = trace.engine_with(overrides)
         check_engine(trace, engine)
         for profile in profiles:  # every profile must load before anything runs
-            load_settings(profile=profile)
+            load_settings(environ=None if args.inherit_env else {}, profile=profile)
     except (TraceError, SettingsError) as exc:
         print(f"fdsched: {exc}", file=sys.stderr)
         return EXIT_ERROR
@@ -207,7 +215,8 @@ def cmd_replay(args) -> int:
     }
     try:
         runs = run_replay(
-            trace, profiles, engine, cost_overrides, args.max_steps or DEFAULT_MAX_STEPS, progress_factory=progress_factory
+            trace, profiles, engine, cost_overrides, args.max_steps or DEFAULT_MAX_STEPS,
+            progress_factory=progress_factory, inherit_env=args.inherit_env, check_every=args.check_every,
         )
     except HostNotFound as exc:
         message = str(exc)
@@ -230,8 +239,7 @@ def cmd_replay(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(report_json(report), encoding="utf-8")
-    print(f"trace {trace.name}: {len(trace.requests)} requests; engine "
-          + ", ".join(f"{k}={engine[k]}" for k in ENGINE_KEYS))
+    print(format_header(report))
     print(format_table(report))
     print(f"\nreport: {out / 'report.json'}")
     if not args.no_plot:
