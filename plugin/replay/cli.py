@@ -3,7 +3,7 @@
 ``fdsched replay`` replays a trace once per profile through the real host scheduler and writes a
 table (terminal), ``report.json`` and ``replay.png``. ``fdsched trace generate`` writes a
 synthetic trace; ``fdsched trace validate`` checks one; ``fdsched trace list`` shows the shipped
-ones. Only ``replay`` needs the FastDeploy host.
+ones; ``fdsched trace import`` turns a public request log (CSV) into a time-based trace. Only ``replay`` needs the FastDeploy host.
 """
 
 from __future__ import annotations
@@ -94,6 +94,32 @@ def add_commands(sub) -> None:
     val.set_defaults(func=cmd_trace_validate)
     lst = trace_sub.add_parser("list", help="list the shipped traces")
     lst.set_defaults(func=cmd_trace_list)
+    imp = trace_sub.add_parser(
+        "import", help="turn a public request log (Azure LLM trace, BurstGPT, any CSV) into a time-based trace",
+        description="Stream a CSV request log into a JSONL trace with arrivals in seconds (see examples/replay.md).",
+    )
+    imp.add_argument("csv", help="the CSV file")
+    imp.add_argument("--format", dest="fmt", required=True, choices=("azure", "burstgpt", "generic"))
+    imp.add_argument("--columns", help="generic: time=COL,prompt=COL,output=COL")
+    imp.add_argument("--out", required=True, help="the trace to write (JSONL)")
+    imp.add_argument("--start", type=_nonneg_float, default=0.0, help="window start, seconds after the first row")
+    imp.add_argument("--duration", type=_nonneg_float, default=None, help="window length, seconds")
+    imp.add_argument("--limit", type=_pos_int, default=None, help="at most N requests")
+    imp.add_argument("--rate-scale", type=_nonneg_float, default=1.0,
+                     help="divide arrival times by this (2 = twice the request rate; default 1)")
+    imp.add_argument("--sample", type=_nonneg_float, default=1.0, help="keep each row with this probability (seeded)")
+    imp.add_argument("--seed", type=int, default=0)
+    imp.add_argument("--max-tokens", default="unset", metavar="unset|true|N",
+                     help="the clients' max_tokens: unset (null, the engine default), true (each request's true "
+                     "output length) or one integer for all (default unset)")
+    imp.add_argument("--description", default="")
+    shape_i = imp.add_argument_group("engine shape for the trace header (default: the replay defaults)")
+    shape_i.add_argument("--block-size", type=_pos_int)
+    shape_i.add_argument("--num-gpu-blocks", type=_pos_int)
+    shape_i.add_argument("--max-num-seqs", type=_pos_int)
+    shape_i.add_argument("--max-num-batched-tokens", type=_pos_int)
+    shape_i.add_argument("--max-model-len", type=_pos_int)
+    imp.set_defaults(func=cmd_trace_import)
 
 
 # --------------------------------------------------------------------------------------------
@@ -142,6 +168,37 @@ def cmd_trace_validate(args) -> int:
         return EXIT_ERROR
     print(_trace_summary(trace, engine))
     print("ok")
+    return EXIT_OK
+
+
+def cmd_trace_import(args) -> int:
+    from .importer import ImportOptions, import_summary, import_trace, parse_columns, parse_max_tokens
+
+    try:
+        options = ImportOptions(
+            fmt=args.fmt,
+            columns=parse_columns(args.columns) if args.columns else {},
+            start_s=args.start,
+            duration_s=args.duration,
+            limit=args.limit,
+            rate_scale=args.rate_scale,
+            sample=args.sample,
+            seed=args.seed,
+            max_tokens=parse_max_tokens(args.max_tokens),
+            engine={
+                "block_size": args.block_size,
+                "num_gpu_blocks": args.num_gpu_blocks,
+                "max_num_seqs": args.max_num_seqs,
+                "max_num_batched_tokens": args.max_num_batched_tokens,
+                "max_model_len": args.max_model_len,
+            },
+            description=args.description,
+        )
+        result = import_trace(args.csv, args.out, options)
+    except TraceError as exc:
+        print(f"fdsched: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    print(f"wrote {args.out}: {import_summary(result)}", file=sys.stderr)
     return EXIT_OK
 
 
