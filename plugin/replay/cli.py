@@ -73,8 +73,9 @@ def add_commands(sub) -> None:
     replay.add_argument("--inherit-env", action="store_true",
                         help="let FDSCHED_*/FD_* variables of this environment override each profile, as in "
                         "production (default: each arm is exactly its profile; the report lists what was applied)")
-    replay.add_argument("--check-every", type=_pos_int, default=1, metavar="N",
-                        help="check the block invariants every N steps and at the end (default 1: every step)")
+    replay.add_argument("--check-every", type=_pos_int, default=None, metavar="N",
+                        help="check the block invariants every N steps and at the end (default: every step for "
+                        "traces up to 2000 requests, else every 32)")
     replay.set_defaults(func=cmd_replay)
 
     trace = sub.add_parser("trace", help="generate, validate or list replay traces (no host needed)")

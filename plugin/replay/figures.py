@@ -99,6 +99,7 @@ class ProfileRun:
     settings: dict = field(default_factory=dict)  # every effective setting of the arm
     environment: dict = field(default_factory=dict)  # which variables were applied, which not
     estimator: Optional[dict] = None  # a replay reservation hook's final state (adaptive)
+    check_every: int = 1  # block invariants checked every N steps (0: only at the end)
     wall_seconds: float = 0.0  # measured
 
 

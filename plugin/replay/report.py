@@ -129,6 +129,7 @@ def build_report(trace: dict, engine: dict, runs: Sequence[ProfileRun], include_
             "settings_that_differ": {k: _plain(run.settings.get(k)) for k in differing},
             "environment": dict(run.environment),
             "cost_model": run.cost.to_json(),
+            "invariants_checked_every_steps": run.check_every,
             "figures": compute_figures(run),
             "violations": _violations(run),
         }

@@ -39,6 +39,14 @@ __all__ = ["run_profile", "run_replay", "arm_settings", "host_environment", "oth
 
 DEFAULT_MAX_STEPS = 200_000
 DEFAULT_STALL_STEPS = 200
+# Block invariants: every step for traces up to this many requests, else every AUTO_CHECK_EVERY steps.
+AUTO_CHECK_ALL_UP_TO = 2000
+AUTO_CHECK_EVERY = 32
+
+
+def auto_check_every(requests: int) -> int:
+    """How often the block invariants are checked when the caller does not say (always at the end too)."""
+    return 1 if requests <= AUTO_CHECK_ALL_UP_TO else AUTO_CHECK_EVERY
 
 
 def node_output_lengths(trace: Trace, splitwise_role: str) -> dict:
@@ -59,31 +67,46 @@ class _CountingPool(list):
 
 
 def cache_held_blocks(cache_manager) -> list:
-    """GPU block ids the prefix cache holds (see :mod:`fdsched.replay.invariants`)."""
+    """GPU block ids the prefix cache holds (see :mod:`fdsched.replay.invariants`).
+
+    Everything below the root, plus every node reachable upwards from a leaf the cache still tracks.
+    Written for speed (the replay may call it every step): the GPU status member is looked up once
+    and compared by identity.
+    """
     root = cache_manager.radix_tree_root
-    starts = [root]
-    starts.extend(getattr(cache_manager, "gpu_lru_leaf_set", ()))
-    starts.extend(getattr(cache_manager, "req_leaf_map", {}).values())
-    seen = set()
+    gpu = _gpu_status(root)
     blocks = list(getattr(root, "reverved_dec_block_ids", None) or [])
-    stack = [root]
-    # Everything below the root, plus every node reachable upwards from a leaf the cache still tracks.
-    for node in starts[1:]:
-        while node is not None and id(node) not in seen and node is not root:
-            stack.append(node)
-            node = node.parent
-    while stack:
+    append, extend = blocks.append, blocks.extend
+    # Nodes hash by identity (the host defines no __eq__), so a set of nodes is a set of identities.
+    seen = {root}
+    stack = list(root.children.values())
+    while stack:  # the tree below the root
         node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        if node is not root and getattr(node.cache_status, "name", str(node.cache_status)) == "GPU":
-            blocks.append(node.block_id)
-            blocks.extend(node.reverved_dec_block_ids or [])
-        stack.extend(node.children.values())
+        seen.add(node)
+        if node.cache_status is gpu:
+            append(node.block_id)
+            if node.reverved_dec_block_ids:
+                extend(node.reverved_dec_block_ids)
+        children = node.children
+        if children:
+            stack.extend(children.values())
+    leaves = list(getattr(cache_manager, "gpu_lru_leaf_set", ())) + list(getattr(cache_manager, "req_leaf_map", {}).values())
+    for node in leaves:  # nodes the cache tracks that are no longer attached below the root
+        while node is not None and node not in seen:
+            seen.add(node)
+            if node.cache_status is gpu:
+                append(node.block_id)
+                if node.reverved_dec_block_ids:
+                    extend(node.reverved_dec_block_ids)
+            node = node.parent
     for ids in getattr(cache_manager, "unfilled_req_block_map", {}).values():
-        blocks.extend(ids)
+        extend(ids)
     return blocks
+
+
+def _gpu_status(node):
+    """The host's ``CacheStatus.GPU`` member (found from the class of a node's status)."""
+    return type(node.cache_status).GPU
 
 
 def request_held_blocks(requests) -> dict:
@@ -172,12 +195,12 @@ def run_profile(
     check_every_step: bool = True,
     progress: Optional[Callable[[int], None]] = None,
     inherit_env: bool = False,
-    check_every: int = 1,
+    check_every: Optional[int] = None,
 ) -> ProfileRun:
     """Replay ``trace`` under one profile. Raises HostNotFound, SettingsError, InstallError, TraceError.
 
     ``check_every``: run the block invariants every N steps (and always at the last step); 1 checks
-    every step. ``check_every_step=False`` checks only at the end.
+    every step; None: :func:`auto_check_every`. ``check_every_step=False`` checks only at the end.
     """
     from fdsched.host import find_host
     from fdsched.installer import install
@@ -225,7 +248,8 @@ def run_profile(
         report.policies.register(reservation, name=ADAPTIVE_PLUGIN_NAME)
     METRICS.reset()
     started = time.perf_counter()
-    every = 0 if not check_every_step else max(1, check_every)
+    every = 0 if not check_every_step else max(1, check_every or auto_check_every(len(trace.requests)))
+    run.check_every = every
     try:
         with host_environment(settings), logical_clock():
             manager = build_manager(shape)
@@ -400,7 +424,7 @@ def run_replay(
     stall_steps: int = DEFAULT_STALL_STEPS,
     progress_factory: Optional[Callable] = None,
     inherit_env: bool = False,
-    check_every: int = 1,
+    check_every: Optional[int] = None,
 ) -> list:
     """One :class:`ProfileRun` per profile, in order. ``progress_factory(profile, total)`` may return
     an object with ``update_to(done)`` and ``close()`` (a progress bar)."""
