@@ -120,6 +120,9 @@ def build_manager(shape: EngineShape):
         speculative_config=SimpleNamespace(method=None, num_speculative_tokens=0),
         scheduler_config=scheduler,
     )
+    # The scheduler names a machine-wide shared-memory signal after this port; processes that build
+    # managers side by side (test runs, replays) would share one name and unlink each other's signal.
+    fd_config.parallel_config.local_engine_worker_queue_port = _private_signal_suffix()
     manager = resource_manager_v1.ResourceManagerV1(
         max_num_seqs=shape.max_num_seqs,
         config=fd_config,
@@ -127,6 +130,11 @@ def build_manager(shape: EngineShape):
         splitwise_role=shape.splitwise_role,
     )
     return manager
+
+
+def _private_signal_suffix() -> int:
+    """A number no other process uses at the same time (not a port anyone listens on)."""
+    return 1_000_000 + os.getpid()
 
 
 def close_manager(manager) -> None:
