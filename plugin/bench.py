@@ -19,6 +19,8 @@ import heapq
 import statistics
 import time
 
+from .common import percentile
+
 
 def _install(profile):
     from fdsched import installer
@@ -337,8 +339,8 @@ def bench_transfer(idle_seconds: float, count: int, interval: float) -> dict:
             "idle_rpc_per_s": idle_rate,
             "handled": len(handled),
             "in_order": [t for t, _, _ in handled] == sorted((t for t, _, _ in handled), key=lambda t: int(t[5:].split("@")[0])),
-            "p50_ms": _percentile(latencies, 50),
-            "p99_ms": _percentile(latencies, 99),
+            "p50_ms": percentile(latencies, 50),
+            "p99_ms": percentile(latencies, 99),
             "max_ms": latencies[-1] if latencies else float("nan"),
         }
         stop_transfer(server, rm)
@@ -362,13 +364,6 @@ def stop_transfer(server, rm) -> None:
     server.manager.shutdown()
     time.sleep(0.2)
     close_manager(rm)
-
-
-def _percentile(sorted_values, q):
-    if not sorted_values:
-        return float("nan")
-    index = min(len(sorted_values) - 1, max(0, round(q / 100 * (len(sorted_values) - 1))))
-    return sorted_values[index]
 
 
 def _run_transfer(args) -> int:

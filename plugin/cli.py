@@ -9,14 +9,8 @@ from typing import Optional
 from . import __version__
 from .settings import CHANGE_IDS, PROFILE_ENV, SettingsError, load_settings, profile_description, shipped_profiles
 
-EXIT_OK, EXIT_ERROR, EXIT_NO_HOST = 0, 1, 2
-
-
-def _table(rows, headers) -> str:
-    rows = [[str(c) for c in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    line = lambda cells: "  ".join(c.ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
-    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
+from .common import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK
+from .common import text_table as _table
 
 
 def cmd_doctor(args) -> int:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
+from .common import ceil_div
+
 __all__ = [
     "VictimCandidate",
     "is_decoding",
@@ -126,7 +128,7 @@ def reserve_blocks_for_request(
     remaining = max_new_tokens - generated_tokens
     clipped = min(remaining, clip_max_new_tokens)
     reserved_tokens = max(int(clipped * ratio), 0)
-    return -(-reserved_tokens // block_size)
+    return ceil_div(reserved_tokens, block_size)
 
 
 def reestimate_new_token_ratio(

@@ -307,6 +307,15 @@ SCHEMA: tuple[Setting, ...] = (
         "Replay only: reserve each request's true remaining output instead of the ratio estimate (the reference "
         "limit for the reservation policy).",
     ),
+    Setting(
+        "replay.adaptive_reserve",
+        None,
+        _bool01,
+        False,
+        "true | false",
+        "Replay only (prototype, until the estimator is wired into ratio_reserve): reserve with the adaptive "
+        "estimator (fdsched.adaptive), learned from the replay's finished requests, through the reservation hook.",
+    ),
 )
 
 _BY_KEY = {s.key: s for s in SCHEMA}

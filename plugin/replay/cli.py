@@ -3,7 +3,7 @@
 ``fdsched replay`` replays a trace once per profile through the real host scheduler and writes a
 table (terminal), ``report.json`` and ``replay.png``. ``fdsched trace generate`` writes a
 synthetic trace; ``fdsched trace validate`` checks one; ``fdsched trace list`` shows the shipped
-ones. Only ``replay`` needs the FastDeploy host.
+ones; ``fdsched trace import`` turns a public request log (CSV) into a time-based trace. Only ``replay`` needs the FastDeploy host.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from pathlib import Path
 
 from .trace import ENGINE_KEYS, TraceError, check_engine, load_trace, resolve_trace, shipped_traces
 
-EXIT_OK, EXIT_ERROR, EXIT_NO_HOST = 0, 1, 2
+from ..common import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK
 DEFAULT_TRACE = "pressure"
 DEFAULT_PROFILES = ("baseline", "recommended")
 
@@ -70,6 +70,12 @@ def add_commands(sub) -> None:
     replay.add_argument("--max-steps", type=_pos_int, default=None,
                         help="stop each profile after N steps (reported as not drained)")
     replay.add_argument("--no-progress", action="store_true", help="no progress bar")
+    replay.add_argument("--inherit-env", action="store_true",
+                        help="let FDSCHED_*/FD_* variables of this environment override each profile, as in "
+                        "production (default: each arm is exactly its profile; the report lists what was applied)")
+    replay.add_argument("--check-every", type=_pos_int, default=None, metavar="N",
+                        help="check the block invariants every N steps and at the end (default: every step for "
+                        "traces up to 2000 requests, else every 32)")
     replay.set_defaults(func=cmd_replay)
 
     trace = sub.add_parser("trace", help="generate, validate or list replay traces (no host needed)")
@@ -89,6 +95,32 @@ def add_commands(sub) -> None:
     val.set_defaults(func=cmd_trace_validate)
     lst = trace_sub.add_parser("list", help="list the shipped traces")
     lst.set_defaults(func=cmd_trace_list)
+    imp = trace_sub.add_parser(
+        "import", help="turn a public request log (Azure LLM trace, BurstGPT, any CSV) into a time-based trace",
+        description="Stream a CSV request log into a JSONL trace with arrivals in seconds (see examples/replay.md).",
+    )
+    imp.add_argument("csv", help="the CSV file")
+    imp.add_argument("--format", dest="fmt", required=True, choices=("azure", "burstgpt", "generic"))
+    imp.add_argument("--columns", help="generic: time=COL,prompt=COL,output=COL")
+    imp.add_argument("--out", required=True, help="the trace to write (JSONL)")
+    imp.add_argument("--start", type=_nonneg_float, default=0.0, help="window start, seconds after the first row")
+    imp.add_argument("--duration", type=_nonneg_float, default=None, help="window length, seconds")
+    imp.add_argument("--limit", type=_pos_int, default=None, help="at most N requests")
+    imp.add_argument("--rate-scale", type=_nonneg_float, default=1.0,
+                     help="divide arrival times by this (2 = twice the request rate; default 1)")
+    imp.add_argument("--sample", type=_nonneg_float, default=1.0, help="keep each row with this probability (seeded)")
+    imp.add_argument("--seed", type=int, default=0)
+    imp.add_argument("--max-tokens", default="unset", metavar="unset|true|N",
+                     help="the clients' max_tokens: unset (null, the engine default), true (each request's true "
+                     "output length) or one integer for all (default unset)")
+    imp.add_argument("--description", default="")
+    shape_i = imp.add_argument_group("engine shape for the trace header (default: the replay defaults)")
+    shape_i.add_argument("--block-size", type=_pos_int)
+    shape_i.add_argument("--num-gpu-blocks", type=_pos_int)
+    shape_i.add_argument("--max-num-seqs", type=_pos_int)
+    shape_i.add_argument("--max-num-batched-tokens", type=_pos_int)
+    shape_i.add_argument("--max-model-len", type=_pos_int)
+    imp.set_defaults(func=cmd_trace_import)
 
 
 # --------------------------------------------------------------------------------------------
@@ -112,10 +144,13 @@ def _trace_summary(trace, engine: dict) -> str:
     requests = trace.requests
     prompt = sum(r.prompt_len for r in requests)
     out = sum(r.effective_output_len for r in requests)
-    last = max(r.arrival for r in requests)
+    if trace.time_based:
+        span = f"arrivals over {min(r.arrival_s for r in requests):.3f}..{max(r.arrival_s for r in requests):.3f} s"
+    else:
+        span = f"arrivals over steps 0..{max(r.arrival for r in requests)}"
     groups = sorted({r.prefix_group for r in requests if r.prefix_group})
     lines = [
-        f"{trace.name}: {len(requests)} requests, arrivals over steps 0..{last}, {prompt} prompt tokens, "
+        f"{trace.name}: {len(requests)} requests, {span}, {prompt} prompt tokens, "
         f"{out} output tokens" + (f", prefix groups: {', '.join(groups)}" if groups else ""),
         "engine: " + ", ".join(f"{k}={engine[k]}" for k in ENGINE_KEYS),
     ]
@@ -134,6 +169,37 @@ def cmd_trace_validate(args) -> int:
         return EXIT_ERROR
     print(_trace_summary(trace, engine))
     print("ok")
+    return EXIT_OK
+
+
+def cmd_trace_import(args) -> int:
+    from .importer import ImportOptions, import_summary, import_trace, parse_columns, parse_max_tokens
+
+    try:
+        options = ImportOptions(
+            fmt=args.fmt,
+            columns=parse_columns(args.columns) if args.columns else {},
+            start_s=args.start,
+            duration_s=args.duration,
+            limit=args.limit,
+            rate_scale=args.rate_scale,
+            sample=args.sample,
+            seed=args.seed,
+            max_tokens=parse_max_tokens(args.max_tokens),
+            engine={
+                "block_size": args.block_size,
+                "num_gpu_blocks": args.num_gpu_blocks,
+                "max_num_seqs": args.max_num_seqs,
+                "max_num_batched_tokens": args.max_num_batched_tokens,
+                "max_model_len": args.max_model_len,
+            },
+            description=args.description,
+        )
+        result = import_trace(args.csv, args.out, options)
+    except TraceError as exc:
+        print(f"fdsched: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    print(f"wrote {args.out}: {import_summary(result)}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -169,7 +235,7 @@ def cmd_replay(args) -> int:
     from fdsched.installer import InstallError
     from fdsched.settings import SettingsError, load_settings
 
-    from .report import INSTALL_HINT, build_report, format_table, report_json, write_plot
+    from .report import INSTALL_HINT, build_report, format_header, format_table, report_json, write_plot
     from .runner import DEFAULT_MAX_STEPS, run_replay
 
     profiles = args.profiles or list(DEFAULT_PROFILES)
@@ -186,7 +252,7 @@ def cmd_replay(args) -> int:
         engine = trace.engine_with(overrides)
         check_engine(trace, engine)
         for profile in profiles:  # every profile must load before anything runs
-            load_settings(profile=profile)
+            load_settings(environ=None if args.inherit_env else {}, profile=profile)
     except (TraceError, SettingsError) as exc:
         print(f"fdsched: {exc}", file=sys.stderr)
         return EXIT_ERROR
@@ -207,7 +273,8 @@ def cmd_replay(args) -> int:
     }
     try:
         runs = run_replay(
-            trace, profiles, engine, cost_overrides, args.max_steps or DEFAULT_MAX_STEPS, progress_factory=progress_factory
+            trace, profiles, engine, cost_overrides, args.max_steps or DEFAULT_MAX_STEPS,
+            progress_factory=progress_factory, inherit_env=args.inherit_env, check_every=args.check_every,
         )
     except HostNotFound as exc:
         message = str(exc)
@@ -230,8 +297,7 @@ def cmd_replay(args) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(report_json(report), encoding="utf-8")
-    print(f"trace {trace.name}: {len(trace.requests)} requests; engine "
-          + ", ".join(f"{k}={engine[k]}" for k in ENGINE_KEYS))
+    print(format_header(report))
     print(format_table(report))
     print(f"\nreport: {out / 'report.json'}")
     if not args.no_plot:

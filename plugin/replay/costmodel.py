@@ -7,7 +7,9 @@ The replay runs the real scheduler but no model, so time is modelled. One engine
 
 A step in which nothing runs (waiting for arrivals) costs ``fixed_ms``. Modelled time starts at 0
 at the beginning of step 0; a request arriving at step ``s`` arrives at the modelled time at which
-step ``s`` begins, and a token produced in step ``s`` exists when step ``s`` ends.
+step ``s`` begins, and a token produced in step ``s`` exists when step ``s`` ends. In a time-based
+trace (arrivals in seconds) a step may be preceded by a gap: idle time skipped until the next
+arrival while nothing runs; a request arrives at its own time.
 
 Defaults come from the profile (``replay.step_fixed_ms``, ``replay.per_prefill_token_ms``,
 ``replay.per_decode_request_ms``); the command line overrides them. The model is a coarse linear
@@ -60,11 +62,15 @@ def cost_from_settings(settings: Mapping, overrides: Optional[Mapping] = None) -
     return StepCost(values["step_fixed_ms"], values["per_prefill_token_ms"], values["per_decode_request_ms"])
 
 
-def step_times(cost: StepCost, prefill_tokens: Sequence[int], decode_requests: Sequence[int]) -> tuple:
-    """(start_ms, end_ms) lists, one entry per step."""
+def step_times(
+    cost: StepCost, prefill_tokens: Sequence[int], decode_requests: Sequence[int], gaps_ms: Optional[Sequence[float]] = None
+) -> tuple:
+    """(start_ms, end_ms) lists, one entry per step; ``gaps_ms``: idle time skipped before each step."""
     starts, ends = [], []
     now = 0.0
-    for prefill, decode in zip(prefill_tokens, decode_requests):
+    gaps = gaps_ms if gaps_ms is not None else [0.0] * len(prefill_tokens)
+    for prefill, decode, gap in zip(prefill_tokens, decode_requests, gaps):
+        now += gap
         starts.append(now)
         now += cost.step_ms(prefill, decode)
         ends.append(now)

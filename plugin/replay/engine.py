@@ -1,7 +1,9 @@
 """Drive the real host scheduler without a GPU: build it, feed requests, play worker and token processor.
 
-Used by the replay and by the host tests. Builds ``ResourceManagerV1`` through whatever class the
-host module binds at call time, so with the plugin installed it is the plugin's subclass.
+The one harness: the replay (:mod:`fdsched.replay.runner`), the benchmarks (:mod:`fdsched.bench`)
+and the host tests all build and drive the scheduler through this module. It builds
+``ResourceManagerV1`` through whatever class the host module binds at call time, so with the plugin
+installed it is the plugin's subclass.
 
 One :meth:`Driver.step` is one engine step:
 
@@ -11,7 +13,11 @@ One :meth:`Driver.step` is one engine step:
    the prompt produces nothing);
 3. the token processor: append the token, flip ``RUNNING_PREFILL`` to ``RUNNING_DECODE`` on a host
    that has the split status, ``finish_requests`` when the request reaches its true output length or
-   ``max_tokens``, and ``reschedule_preempt_task`` for each request preempted in this step.
+   ``max_tokens`` (:func:`fdsched.replay.trace.effective_output_len`), and ``reschedule_preempt_task``
+   for each request preempted in this step.
+
+Which running requests decode is the plugin's one decode test, through the installed plugin's hook
+(``fdsched_is_decoding``) when the plugin is installed, else the plugin's default policy.
 
 Everything is deterministic for the same inputs: asynchronous preprocessing is waited on, and the
 prefix cache's LRU timestamps come from a logical clock (:func:`logical_clock`).
@@ -23,10 +29,12 @@ import os
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Optional
 
+from ..common import ceil_div
 from ..policies import is_decoding
+from .trace import ENGINE_DEFAULTS, check_engine_shape, effective_output_len
 
 __all__ = [
     "EngineShape",
@@ -50,34 +58,24 @@ def prepare_host_environment() -> None:
 
 @dataclass(frozen=True)
 class EngineShape:
-    """The engine the scheduler thinks it runs on."""
+    """The engine the scheduler thinks it runs on (defaults: :data:`fdsched.replay.trace.ENGINE_DEFAULTS`)."""
 
-    block_size: int = 16
-    num_gpu_blocks: int = 512
-    max_num_seqs: int = 32
-    max_num_batched_tokens: int = 2048
-    max_model_len: int = 4096
-    enable_prefix_caching: bool = True
-    splitwise_role: str = "mixed"
-    enc_dec_block_num: int = 2
+    block_size: int = ENGINE_DEFAULTS["block_size"]
+    num_gpu_blocks: int = ENGINE_DEFAULTS["num_gpu_blocks"]
+    max_num_seqs: int = ENGINE_DEFAULTS["max_num_seqs"]
+    max_num_batched_tokens: int = ENGINE_DEFAULTS["max_num_batched_tokens"]
+    max_model_len: int = ENGINE_DEFAULTS["max_model_len"]
+    enable_prefix_caching: bool = ENGINE_DEFAULTS["enable_prefix_caching"]
+    splitwise_role: str = ENGINE_DEFAULTS["splitwise_role"]
+    enc_dec_block_num: int = ENGINE_DEFAULTS["enc_dec_block_num"]
 
     def check(self) -> None:
-        need = -(-self.max_model_len // self.block_size) + 2
-        if self.num_gpu_blocks < need:
-            raise ValueError(
-                f"num_gpu_blocks={self.num_gpu_blocks} is too small: the host needs at least "
-                f"max_model_len / block_size + 2 = {need}"
-            )
-        if self.max_num_batched_tokens > self.max_num_seqs * self.max_model_len:
-            raise ValueError(
-                f"max_num_batched_tokens={self.max_num_batched_tokens} must not exceed max_num_seqs * max_model_len "
-                f"= {self.max_num_seqs * self.max_model_len} (the host's config check)"
-            )
+        """Raises :class:`fdsched.replay.trace.TraceError` (a ValueError) naming the bad key."""
+        check_engine_shape(asdict(self))
 
 
 def build_manager(shape: EngineShape):
     """A ``ResourceManagerV1`` built from real host configs, the way the host's own tests build one."""
-    from dataclasses import asdict
     from types import SimpleNamespace
 
     shape.check()
@@ -98,7 +96,7 @@ def build_manager(shape: EngineShape):
 
     cache = CacheConfig(args)
     cache.block_size = shape.block_size
-    cache.max_block_num_per_seq = -(-shape.max_model_len // shape.block_size) + 1
+    cache.max_block_num_per_seq = ceil_div(shape.max_model_len, shape.block_size) + 1
     cache.enc_dec_block_num = shape.enc_dec_block_num
     cache.enable_prefix_caching = shape.enable_prefix_caching
     cache.enable_output_caching = False
@@ -122,6 +120,9 @@ def build_manager(shape: EngineShape):
         speculative_config=SimpleNamespace(method=None, num_speculative_tokens=0),
         scheduler_config=scheduler,
     )
+    # The scheduler names a machine-wide shared-memory signal after this port; processes that build
+    # managers side by side (test runs, replays) would share one name and unlink each other's signal.
+    fd_config.parallel_config.local_engine_worker_queue_port = _private_signal_suffix()
     manager = resource_manager_v1.ResourceManagerV1(
         max_num_seqs=shape.max_num_seqs,
         config=fd_config,
@@ -131,9 +132,20 @@ def build_manager(shape: EngineShape):
     return manager
 
 
+def _private_signal_suffix() -> int:
+    """A number no other process uses at the same time (not a port anyone listens on)."""
+    return 1_000_000 + os.getpid()
+
+
 def close_manager(manager) -> None:
     """Release what a manager holds outside Python objects (shared memory, thread pools)."""
-    manager.need_block_num_signal.clear()
+    try:
+        manager.need_block_num_signal.clear()
+    except FileNotFoundError:
+        # The signal's shared-memory name is the same for every manager built with the same engine
+        # port (e.g. other test processes on this machine); one of them may unlink it between the
+        # host's existence check and its unlink. Nothing is left to release then.
+        pass
     manager.finish_execution_pool.shutdown(wait=True)
     manager.async_preprocess_pool.shutdown(wait=True)
 
@@ -193,23 +205,41 @@ class StepRecord:
 
 
 class Driver:
-    """Plays worker and token processor around a real scheduler."""
+    """Plays worker and token processor around a real scheduler.
 
-    def __init__(self, manager, output_lengths: Optional[dict] = None, token_id: int = 7):
+    ``output_lengths``: request id -> true output length (a request without one stops only at
+    ``max_tokens``). ``policies``: the :class:`fdsched.hooks.Policies` whose decode test to use;
+    default: the installed plugin's, else the plugin's default policy.
+    """
+
+    def __init__(self, manager, output_lengths: Optional[dict] = None, token_id: int = 7, policies=None):
         self.rm = manager
         self.output_lengths = output_lengths or {}  # request id -> true output length
         self.token_id = token_id
         self.step_no = 0
-        from fastdeploy.engine.request import RequestStatus
+        from fastdeploy.engine.request import Request, RequestStatus
 
+        self._request_cls = Request
         self._status = RequestStatus
         self._split = hasattr(RequestStatus, "RUNNING_DECODE")
+        self._decode_status = RequestStatus.RUNNING_DECODE if self._split else None
+        self._prefill_status = RequestStatus.RUNNING_PREFILL if self._split else None
         self._preprocessed = set()  # prefill-node path: request ids whose async preprocessing ran
+        self._stop_at = {}  # request id -> tokens at which it finishes (None: only at max_tokens)
+        if policies is None:
+            from fdsched.installer import current
+
+            installed = current()
+            policies = installed.policies if installed is not None else None
+        self._policies = policies
 
     # ---- feeding ------------------------------------------------------------------------------
-    def add(self, request, true_output_len: Optional[int] = None) -> None:
+    def _remember(self, request, true_output_len: Optional[int]) -> None:
         if true_output_len is not None:
             self.output_lengths[request.request_id] = true_output_len
+
+    def add(self, request, true_output_len: Optional[int] = None) -> None:
+        self._remember(request, true_output_len)
         self.rm.add_request(request)
         for future in list(request.async_process_futures):
             future.result()
@@ -224,8 +254,7 @@ class Driver:
         feeding thread does not move on to the next request meanwhile).
         """
         rid = request.request_id
-        if true_output_len is not None:
-            self.output_lengths[rid] = true_output_len
+        self._remember(request, true_output_len)
         if rid not in self._preprocessed:
             self.rm.apply_async_preprocess(request)
             self._preprocessed.add(rid)
@@ -239,18 +268,30 @@ class Driver:
         return True
 
     # ---- one engine step --------------------------------------------------------------------
-    def _is_decoding_now(self, request) -> bool:
-        """The plugin's one decode test (the host's status where it has RUNNING_DECODE, else token counts)."""
-        status_is_decode = (request.status == self._status.RUNNING_DECODE) if self._split else None
-        return is_decoding(status_is_decode, request.num_total_tokens, request.need_prefill_tokens)
+    def is_decoding(self, request) -> bool:
+        """The plugin's one decode test: the hook ``fdsched_is_decoding`` of the installed plugin (its
+        default: the host's status where it has RUNNING_DECODE, else token counts)."""
+        status_is_decode = (request.status == self._decode_status) if self._split else None
+        if self._policies is None:
+            return is_decoding(status_is_decode, request.num_total_tokens, request.need_prefill_tokens)
+        return self._policies.is_decoding(
+            request.request_id, status_is_decode, request.num_total_tokens, request.need_prefill_tokens
+        )
+
+    def _stop_after(self, request) -> Optional[int]:
+        rid = request.request_id
+        if rid not in self._stop_at:
+            limit = self.output_lengths.get(rid)
+            max_tokens = request.sampling_params.max_tokens
+            self._stop_at[rid] = max_tokens if limit is None else effective_output_len(limit, max_tokens)
+        return self._stop_at[rid]
 
     def step(self) -> StepRecord:
-        from fastdeploy.engine.request import Request
-
         rm = self.rm
         record = StepRecord(step=self.step_no)
-        decoding_before = {r.request_id for r in rm.running if self._is_decoding_now(r)}
-        phase_before = {r.request_id: ("decode" if r.request_id in decoding_before else "prefill") for r in rm.running}
+        phase_before = {}
+        for r in rm.running:
+            phase_before[r.request_id] = "decode" if self.is_decoding(r) else "prefill"
 
         started, started_cpu = time.perf_counter(), time.thread_time()
         scheduled, errors = rm.schedule()
@@ -261,8 +302,9 @@ class Driver:
 
         prefilled = {}
         preempted_ids = []
+        request_cls = self._request_cls
         for task in scheduled:
-            if isinstance(task, Request):
+            if isinstance(task, request_cls):
                 prefilled[task.request_id] = task
                 record.scheduled_prefill_tokens += task.prefill_end_index - task.prefill_start_index
                 record.prefill_chunks.append((task.request_id, task.prefill_start_index, task.prefill_end_index))
@@ -280,23 +322,22 @@ class Driver:
                 if prefilled[rid].prefill_end_index >= request.need_prefill_tokens:
                     producers.append(request)
                     record.first_tokens.append(rid)
-            elif rid in decoding_before and rm.allocated_slots(request) >= request.num_total_tokens:
+            elif phase_before.get(rid) == "decode" and rm.allocated_slots(request) >= request.num_total_tokens:
                 producers.append(request)
                 record.decode_tokens += 1
 
         finished = []
         for request in producers:
             request.output_token_ids.append(self.token_id)
-            if self._split and request.status == self._status.RUNNING_PREFILL:
-                request.status = self._status.RUNNING_DECODE
-            limit = self.output_lengths.get(request.request_id)
-            max_tokens = request.sampling_params.max_tokens
-            if (limit is not None and len(request.output_token_ids) >= limit) or (
-                max_tokens is not None and len(request.output_token_ids) >= max_tokens
-            ):
+            if self._split and request.status == self._prefill_status:
+                request.status = self._decode_status
+            stop = self._stop_after(request)
+            if stop is not None and len(request.output_token_ids) >= stop:
                 finished.append(request.request_id)
         if finished:
             rm.finish_requests(finished)
+            for rid in finished:
+                self._stop_at.pop(rid, None)
         record.finished = finished
         for rid in preempted_ids:
             rm.reschedule_preempt_task(rid)

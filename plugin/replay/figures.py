@@ -25,7 +25,8 @@ evicted blocks                  radix-tree nodes whose GPU block went back to th
 admissions blocked              ``fdsched.metrics.METRICS.admissions_blocked`` (prefills refused by the
                                 reservation threshold); ``None`` where the host's own code decides
 modelled time                   see :mod:`fdsched.replay.costmodel`; throughput = output tokens /
-                                modelled seconds; TTFT = end of the step of the first token - arrival;
+                                modelled seconds; TTFT = end of the step of the first token - arrival
+                                (the arrival step's start, or a time-based request's own time);
                                 TPOT = (finish - first token) / (output tokens - 1), requests with >= 2
 invariant violations            see :mod:`fdsched.replay.invariants`; must be 0
 ==============================  =================================================================
@@ -33,13 +34,15 @@ invariant violations            see :mod:`fdsched.replay.invariants`; must be 0
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
+from ..common import mean, percentile
 from .costmodel import StepCost, step_times
 
-__all__ = ["StepRow", "RequestRow", "ProfileRun", "percentile", "mean", "compute_figures", "measured_figures"]
+__all__ = [
+    "StepRow", "RequestRow", "ProfileRun", "percentile", "mean", "latency_samples", "compute_figures", "measured_figures",
+]
 
 
 @dataclass
@@ -58,6 +61,8 @@ class StepRow:
     violations: list = field(default_factory=list)
     schedule_cpu_s: float = 0.0  # measured
     schedule_wall_s: float = 0.0  # measured
+    gap_ms: float = 0.0  # time-based traces: idle modelled time skipped before this step
+    replay_cpu_s: float = 0.0  # measured: the replay's own CPU time in this step (all but schedule())
 
 
 @dataclass
@@ -74,6 +79,7 @@ class RequestRow:
     finish_step: Optional[int] = None
     finish_count: int = 0
     preemptions: int = 0
+    arrival_ms: Optional[float] = None  # time-based traces: the modelled arrival time (else: start of its step)
 
 
 @dataclass
@@ -90,32 +96,16 @@ class ProfileRun:
     request_violations: list = field(default_factory=list)
     decisions: dict = field(default_factory=dict)
     host: dict = field(default_factory=dict)
+    settings: dict = field(default_factory=dict)  # every effective setting of the arm
+    environment: dict = field(default_factory=dict)  # which variables were applied, which not
+    estimator: Optional[dict] = None  # a replay reservation hook's final state (adaptive)
+    check_every: int = 1  # block invariants checked every N steps (0: only at the end)
     wall_seconds: float = 0.0  # measured
 
 
 # --------------------------------------------------------------------------------------------
 # Small statistics
 # --------------------------------------------------------------------------------------------
-def percentile(values: Sequence[float], q: float) -> Optional[float]:
-    """The q-th percentile (0..100), linear interpolation between closest ranks; None when empty."""
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile q={q!r}; allowed: 0..100")
-    if not values:
-        return None
-    ordered = sorted(values)
-    if len(ordered) == 1:
-        return float(ordered[0])
-    rank = (len(ordered) - 1) * q / 100.0
-    low = math.floor(rank)
-    high = min(low + 1, len(ordered) - 1)
-    fraction = rank - low
-    return float(ordered[low] + (ordered[high] - ordered[low]) * fraction)
-
-
-def mean(values: Sequence[float]) -> Optional[float]:
-    return float(sum(values)) / len(values) if values else None
-
-
 def _round(value, digits: int = 6):
     if value is None:
         return None
@@ -127,10 +117,13 @@ def _round(value, digits: int = 6):
 # --------------------------------------------------------------------------------------------
 # Figures
 # --------------------------------------------------------------------------------------------
-def compute_figures(run: ProfileRun) -> dict:
-    """The logical figures of one run, as a JSON-ready dict (floats rounded to 6 digits)."""
-    steps, requests, cost = run.steps, run.requests, run.cost
-    starts, ends = step_times(cost, [s.prefill_tokens for s in steps], [s.decode_tokens for s in steps])
+def latency_samples(run: ProfileRun) -> dict:
+    """Per-request modelled latencies (ms), in trace order: TTFT, TPOT (requests with >= 2 tokens),
+    and the finish time of every finished request; plus the run's total modelled time."""
+    steps, cost = run.steps, run.cost
+    starts, ends = step_times(
+        cost, [s.prefill_tokens for s in steps], [s.decode_tokens for s in steps], [s.gap_ms for s in steps]
+    )
     total_ms = ends[-1] if ends else 0.0
 
     def start_of(step: int) -> float:
@@ -138,22 +131,35 @@ def compute_figures(run: ProfileRun) -> dict:
             return starts[step]
         return total_ms + (step - len(starts)) * cost.fixed_ms  # never reached: idle steps
 
+    ttft, tpot, finish = [], [], []
+    for r in run.requests:
+        if r.first_token_step is not None:
+            arrived = start_of(r.arrival) if r.arrival_ms is None else r.arrival_ms
+            ttft.append(ends[r.first_token_step] - arrived)
+        if r.finish_step is not None:
+            finish.append(ends[r.finish_step])
+            if r.first_token_step is not None and r.output_tokens >= 2:
+                tpot.append((ends[r.finish_step] - ends[r.first_token_step]) / (r.output_tokens - 1))
+    return {"total_ms": total_ms, "ttft_ms": ttft, "tpot_ms": tpot, "finish_ms": finish}
+
+
+def compute_figures(run: ProfileRun) -> dict:
+    """The logical figures of one run, as a JSON-ready dict (floats rounded to 6 digits)."""
+    steps, requests = run.steps, run.requests
+    lat = latency_samples(run)
+    total_ms, ttft, tpot = lat["total_ms"], lat["ttft_ms"], lat["tpot_ms"]
+
     preempt_decode = sum(1 for s in steps for _, phase in s.preempted if phase == "decode")
     preempt_prefill = sum(1 for s in steps for _, phase in s.preempted if phase != "decode")
 
     recomputed = 0
     hits = prompt_tokens = 0
-    ttft, tpot = [], []
     for r in requests:
         prompt_tokens += r.prompt_len
         hit = r.cache_hit_tokens or 0
         hits += hit
         if r.cache_hit_tokens is not None:
             recomputed += max(0, r.prefill_tokens - (r.prompt_len - hit))
-        if r.first_token_step is not None:
-            ttft.append(ends[r.first_token_step] - start_of(r.arrival))
-        if r.finish_step is not None and r.first_token_step is not None and r.output_tokens >= 2:
-            tpot.append((ends[r.finish_step] - ends[r.first_token_step]) / (r.output_tokens - 1))
 
     output_tokens = sum(r.output_tokens for r in requests)
     used = [s.blocks_used for s in steps]
@@ -197,7 +203,10 @@ def measured_figures(run: ProfileRun) -> dict:
     """Wall-clock measurements: differ from run to run, kept apart from the logical figures."""
     cpu_ms = [s.schedule_cpu_s * 1000.0 for s in run.steps]
     wall_ms = [s.schedule_wall_s * 1000.0 for s in run.steps]
+    replay_ms = [s.replay_cpu_s * 1000.0 for s in run.steps]
     return {
+        "replay_cpu_ms_mean": _round(mean(replay_ms)),
+        "replay_cpu_ms_p99": _round(percentile(replay_ms, 99)),
         "schedule_cpu_ms_mean": _round(mean(cpu_ms)),
         "schedule_cpu_ms_p99": _round(percentile(cpu_ms, 99)),
         "schedule_wall_ms_mean": _round(mean(wall_ms)),

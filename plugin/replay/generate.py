@@ -23,13 +23,14 @@ import math
 import random
 from typing import Callable
 
+from ..common import ceil_div
 from .trace import ENGINE_DEFAULTS, dump_trace
 
 __all__ = ["KINDS", "DEFAULT_REQUESTS", "generate", "generate_text", "peak_demand_blocks"]
 
 
 def _blocks(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
+    return ceil_div(tokens, block_size)
 
 
 def _min_pool(engine: dict) -> int:

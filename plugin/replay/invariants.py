@@ -57,6 +57,8 @@ def check_blocks(
     :param cache_blocks: block ids the prefix cache holds (duplicates allowed: a reserved id may be
         listed by two views of the same node).
     """
+    if _holds_quickly(num_gpu_blocks, free_list, request_blocks, cache_blocks):
+        return []
     problems = []
     everything = range(num_gpu_blocks)
     free_counts = Counter(free_list)
@@ -86,6 +88,28 @@ def check_blocks(
     if not problems and len(free_list) + len(used) != num_gpu_blocks:  # cannot happen when the above hold
         problems.append(f"free {len(free_list)} + used {len(used)} != total {num_gpu_blocks}")
     return problems
+
+
+def _holds_quickly(num_gpu_blocks, free_list, request_blocks, cache_blocks) -> bool:
+    """True when the accounting certainly holds (the common case), with set sizes only; False sends
+    the caller to the full check, which names what is wrong."""
+    free = set(free_list)
+    if len(free) != len(free_list):
+        return False
+    cache = set(cache_blocks)
+    by_requests = set()
+    total = 0
+    for blocks in request_blocks.values():
+        mine = set(blocks)
+        total += len(mine)
+        by_requests |= mine
+    if total != len(by_requests) and (by_requests - cache):
+        return False  # some block is held by two requests; the full check decides whether that is allowed
+    used = cache | by_requests
+    if free & used or len(free) + len(used) != num_gpu_blocks:
+        return False
+    everything = free | used
+    return not everything or (min(everything) >= 0 and max(everything) < num_gpu_blocks)
 
 
 def _owners(ids, request_blocks: Mapping[str, Sequence[int]], cache: set) -> str:

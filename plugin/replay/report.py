@@ -9,7 +9,8 @@ from __future__ import annotations
 import json
 from typing import Optional, Sequence
 
-from .figures import ProfileRun, compute_figures, measured_figures
+from ..common import text_table
+from .figures import ProfileRun, compute_figures, latency_samples, measured_figures
 
 __all__ = [
     "REPORT_VERSION",
@@ -21,10 +22,13 @@ __all__ = [
     "format_value",
     "ratio",
     "format_table",
+    "format_header",
+    "differing_settings",
+    "BETTER",
     "write_plot",
 ]
 
-REPORT_VERSION = 1
+REPORT_VERSION = 2
 INSTALL_HINT = "pip install 'fastdeploy-sched-plugin[report]'"
 
 # (figure key, label) in table order.
@@ -52,11 +56,43 @@ TABLE_ROWS = (
 MEASURED_ROWS = (
     ("schedule_cpu_ms_mean", "schedule() CPU ms / step, mean*"),
     ("schedule_cpu_ms_p99", "schedule() CPU ms / step, p99*"),
+    ("replay_cpu_ms_mean", "replay's own CPU ms / step, mean*"),
+    ("replay_wall_seconds", "replay wall time (s)*"),
 )
+
+# Which direction of each figure is better ("lower" / "higher"); figures not listed have none
+# (they describe the run: pool use, evictions, refused admissions).
+BETTER = {
+    "preemptions": "lower",
+    "preemptions_decode_victims": "lower",
+    "preemptions_prefill_victims": "lower",
+    "recomputed_prompt_tokens": "lower",
+    "decode_tokens_per_step_mean": "higher",
+    "steps_to_drain": "lower",
+    "prefix_hit_rate": "higher",
+    "modelled_seconds": "lower",
+    "throughput_tokens_per_s": "higher",
+    "ttft_ms_p50": "lower",
+    "ttft_ms_p99": "lower",
+    "tpot_ms_p50": "lower",
+    "tpot_ms_p99": "lower",
+    "requests_finished": "higher",
+    "invariant_violations": "lower",
+}
+MEASURED_BETTER = {key: "lower" for key, _ in MEASURED_ROWS}
 
 
 def _series(run: ProfileRun) -> dict:
+    lat = latency_samples(run)
+    ends, now = [], 0.0
+    for s in run.steps:
+        now += s.gap_ms + run.cost.step_ms(s.prefill_tokens, s.decode_tokens)
+        ends.append(round(now, 3))
     return {
+        "step_end_ms": ends,
+        "ttft_ms": sorted(round(v, 3) for v in lat["ttft_ms"]),
+        "tpot_ms": sorted(round(v, 3) for v in lat["tpot_ms"]),
+        "finish_ms": sorted(round(v, 3) for v in lat["finish_ms"]),
         "blocks_in_use": [s.blocks_used for s in run.steps],
         "blocks_held_by_requests": [s.blocks_held for s in run.steps],
         "running": [s.running for s in run.steps],
@@ -73,31 +109,54 @@ def _violations(run: ProfileRun, limit: int = 20) -> list:
     return found[:limit]
 
 
+def differing_settings(runs: Sequence[ProfileRun]) -> list:
+    """Setting keys whose effective values are not the same in every arm (schema order)."""
+    if not runs:
+        return []
+    keys = list(runs[0].settings)
+    return [k for k in keys if len({repr(run.settings.get(k)) for run in runs}) > 1]
+
+
 def build_report(trace: dict, engine: dict, runs: Sequence[ProfileRun], include_series: bool = True) -> dict:
     """The report document. ``trace``: name, description, requests, sha256 (plain values)."""
+    differing = differing_settings(runs)
     profiles = []
     for run in runs:
         entry = {
             "profile": run.profile,
             "host": dict(run.host),
             "decisions": dict(run.decisions),
+            "settings_that_differ": {k: _plain(run.settings.get(k)) for k in differing},
+            "environment": dict(run.environment),
             "cost_model": run.cost.to_json(),
+            "invariants_checked_every_steps": run.check_every,
             "figures": compute_figures(run),
             "violations": _violations(run),
         }
+        if run.estimator is not None:
+            entry["estimator"] = dict(run.estimator)
         if include_series:
             entry["series"] = _series(run)
         profiles.append(entry)
+    hosts = {(r.host.get("version"), r.host.get("commit")) for r in runs}
+    host = dict(runs[0].host) if len(hosts) == 1 and runs else {"arms_differ": [dict(r.host) for r in runs]}
     return {
         "fdsched_replay_report": REPORT_VERSION,
         "trace": dict(trace),
         "engine": dict(engine),
+        "host": host,
+        "better": dict(BETTER),
         "profiles": profiles,
         "measured": {
             "note": "wall-clock measurements on this machine; they differ from run to run",
+            "better": dict(MEASURED_BETTER),
             "profiles": {run.profile: measured_figures(run) for run in runs},
         },
     }
+
+
+def _plain(value):
+    return value if value is None or isinstance(value, (bool, int, float, str)) else str(value)
 
 
 def report_json(report: dict) -> str:
@@ -133,39 +192,29 @@ def ratio(b, a) -> Optional[float]:
     return b / a
 
 
-def _grid(rows: list, headers: list) -> str:
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-
-    def line(cells):
-        first = cells[0].ljust(widths[0])
-        rest = [c.rjust(w) for c, w in zip(cells[1:], widths[1:])]
-        return "  ".join([first] + rest).rstrip()
-
-    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
-
-
 def format_table(report: dict, measured: bool = True) -> str:
     """Rows = figures, one column per profile, then one ratio column per profile after the first
     (``B/A``: that profile's value over the first one's)."""
     profiles = report["profiles"]
     names = [p["profile"] for p in profiles]
-    headers = ["figure"] + names + [f"{n}/{names[0]}" for n in names[1:]]
+    headers = ["figure", "better"] + names + [f"{n}/{names[0]}" for n in names[1:]]
     rows = []
+    better = dict(report.get("better", BETTER), **report.get("measured", {}).get("better", MEASURED_BETTER))
 
-    def add(label: str, values: list) -> None:
-        cells = [label] + [format_value(v) for v in values]
+    def add(key: str, label: str, values: list) -> None:
+        cells = [label, better.get(key, "")] + [format_value(v) for v in values]
         for v in values[1:]:
             r = ratio(v, values[0])
             cells.append("-" if r is None else f"{r:.2f}")
         rows.append(cells)
 
     for key, label in TABLE_ROWS:
-        add(label, [p["figures"].get(key) for p in profiles])
+        add(key, label, [p["figures"].get(key) for p in profiles])
     if measured:
         by_name = report["measured"]["profiles"]
         for key, label in MEASURED_ROWS:
-            add(label, [by_name.get(n, {}).get(key) for n in names])
-    text = _grid(rows, headers)
+            add(key, label, [by_name.get(n, {}).get(key) for n in names])
+    text = text_table(rows, headers, align_right_from=2)
     notes = []
     if measured:
         notes.append("* measured wall-clock/CPU figures (not part of the deterministic report)")
@@ -178,11 +227,46 @@ def format_table(report: dict, measured: bool = True) -> str:
     return text + ("\n" + "\n".join(notes) if notes else "")
 
 
+def format_header(report: dict) -> str:
+    """What ran: the trace, the engine, the host, and per arm its decisions, the settings that differ
+    between arms and the environment variables that were (not) applied."""
+    trace, engine, host = report["trace"], report["engine"], report.get("host", {})
+    lines = [
+        f"trace {trace['name']}: {trace['requests']} requests; engine "
+        + ", ".join(f"{k}={v}" for k, v in engine.items()),
+    ]
+    if "arms_differ" in host:
+        lines.append("host: DIFFERS BETWEEN ARMS: " + "; ".join(f"{h.get('version')} {h.get('commit')}" for h in host["arms_differ"]))
+    else:
+        lines.append(f"host: FastDeploy {host.get('version') or '?'}" + (f", commit {host['commit']}" if host.get("commit") else ""))
+    for p in report["profiles"]:
+        decisions = ", ".join(f"{cid}={detail}" for cid, detail in p["decisions"].items())
+        lines.append(f"arm {p['profile']}: {decisions}")
+        if p.get("settings_that_differ"):
+            lines.append("    settings that differ: " + ", ".join(f"{k}={v}" for k, v in p["settings_that_differ"].items()))
+        env = p.get("environment") or {}
+        if env.get("applied"):
+            lines.append("    environment applied: " + ", ".join(f"{k}={v}" for k, v in env["applied"].items()))
+        if env.get("not_applied"):
+            lines.append("    environment NOT applied (use --inherit-env): " + ", ".join(env["not_applied"]))
+        if env.get("other_host_variables"):
+            lines.append("    other FD_* variables the host may read (every arm alike): "
+                         + ", ".join(f"{k}={v}" for k, v in env["other_host_variables"].items()))
+        if env.get("hook_plugins"):
+            lines.append("    third-party hook plugins loaded: " + ", ".join(env["hook_plugins"]))
+    return "\n".join(lines)
+
+
 # --------------------------------------------------------------------------------------------
 # Plot
 # --------------------------------------------------------------------------------------------
 def write_plot(report: dict, path: str, title: str = "") -> None:
-    """blocks in use and running / waiting over steps, one panel per profile, preemptions marked.
+    """One figure, the same scales everywhere.
+
+    * one panel per arm over modelled time: KV blocks in use and held by requests (left axis, 0 to
+      the pool size in every panel), running and waiting requests (right axis, one scale for all
+      arms), preemptions marked by the victim's phase;
+    * arms overlaid: completed requests over modelled time, TTFT CDF, TPOT CDF.
 
     Needs matplotlib (raises ImportError otherwise; the caller says how to install it).
     """
@@ -190,54 +274,97 @@ def write_plot(report: dict, path: str, title: str = "") -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     from matplotlib.lines import Line2D
 
     profiles = report["profiles"]
     total = report["engine"].get("num_gpu_blocks")
     marks = {"decode": ("tab:red", "v"), "prefill": ("black", "x")}
-    fig, axes = plt.subplots(len(profiles), 1, figsize=(11, 1.0 + 2.9 * len(profiles)), sharex=True, squeeze=False)
-    for ax, entry in zip(axes[:, 0], profiles):
+    colors = [f"C{i}" for i in range(10)]
+    n = len(profiles)
+    seconds = lambda ms: [v / 1000.0 for v in ms]  # noqa: E731
+    t_max = max((p["series"]["step_end_ms"][-1] for p in profiles if p["series"]["step_end_ms"]), default=1.0) / 1000.0
+    req_max = max((max(p["series"]["running"] + p["series"]["waiting"] or [0]) for p in profiles), default=1) or 1
+    blocks_max = total or max((max(p["series"]["blocks_in_use"] or [1]) for p in profiles), default=1)
+
+    height = 2.3 * n + 3.6
+    fig = plt.figure(figsize=(12, height))
+    grid = fig.add_gridspec(n + 1, 3, height_ratios=[1.0] * n + [1.35])
+    first = None
+    for i, entry in enumerate(profiles):
+        ax = fig.add_subplot(grid[i, :], sharex=first)
+        first = first or ax
         series = entry["series"]
-        steps = list(range(len(series["blocks_in_use"])))
-        ax.plot(steps, series["blocks_in_use"], color="tab:blue", lw=1.2)
-        ax.plot(steps, series["blocks_held_by_requests"], color="tab:cyan", lw=0.8, ls="--")
+        times = seconds(series["step_end_ms"])
+        ax.plot(times, series["blocks_in_use"], color="tab:blue", lw=1.1)
+        ax.plot(times, series["blocks_held_by_requests"], color="tab:cyan", lw=0.8, ls="--")
         if total:
             ax.axhline(total, color="grey", lw=0.8, ls=":")
+        ax.set_ylim(0, blocks_max * 1.08)
+        ax.set_xlim(0, t_max * 1.01)
         ax.set_ylabel("KV blocks")
-        ax.set_ylim(0, (total or max(series["blocks_in_use"] or [1])) * 1.08)
         twin = ax.twinx()
-        twin.plot(steps, series["running"], color="tab:green", lw=1.0)
-        twin.plot(steps, series["waiting"], color="tab:orange", lw=1.0)
+        twin.plot(times, series["running"], color="tab:green", lw=0.9)
+        twin.plot(times, series["waiting"], color="tab:orange", lw=0.9)
+        twin.set_ylim(0, req_max * 1.08)
         twin.set_ylabel("requests")
-        twin.set_ylim(bottom=0)
         for phase, (color, marker) in marks.items():
             xs = [p[0] for p in series["preemptions"] if p[2] == phase]
             if xs:
-                ys = [series["blocks_in_use"][x] for x in xs]
-                ax.scatter(xs, ys, color=color, marker=marker, s=30, zorder=5)
+                ax.scatter([times[x] for x in xs], [series["blocks_in_use"][x] for x in xs], color=color, marker=marker,
+                           s=26, zorder=5)
         f = entry["figures"]
         ax.set_title(
-            f"{entry['profile']}: {f['preemptions']} preemptions "
-            f"({f['preemptions_decode_victims']} decode / {f['preemptions_prefill_victims']} prefill victims), "
-            f"{f['steps']} steps" + ("" if f["drained"] else f" - NOT DRAINED ({f['stop_reason'].split(':')[0]})"),
-            fontsize=10,
+            f"{entry['profile']}: {f['preemptions']} preemptions ({f['preemptions_decode_victims']} decode / "
+            f"{f['preemptions_prefill_victims']} prefill victims), {f['steps']} steps"
+            + ("" if f["drained"] else f" - NOT DRAINED ({f['stop_reason'].split(':')[0]})"),
+            fontsize=9.5, loc="left",
         )
-    axes[-1, 0].set_xlabel("engine step")
+        if i < n - 1:
+            plt.setp(ax.get_xticklabels(), visible=False)
+        else:
+            ax.set_xlabel("modelled time (s)")
+
+    done_ax = fig.add_subplot(grid[n, 0])
+    ttft_ax = fig.add_subplot(grid[n, 1])
+    tpot_ax = fig.add_subplot(grid[n, 2])
+    for i, entry in enumerate(profiles):
+        series, color = entry["series"], colors[i % len(colors)]
+        finish = seconds(series["finish_ms"])
+        done_ax.step(finish, range(1, len(finish) + 1), where="post", color=color, lw=1.1, label=entry["profile"])
+        for ax, key in ((ttft_ax, "ttft_ms"), (tpot_ax, "tpot_ms")):
+            values = series[key]
+            if values:
+                ax.step(values, [(k + 1) / len(values) for k in range(len(values))], where="post", color=color, lw=1.1)
+    done_ax.set_xlim(0, t_max * 1.01)
+    done_ax.set_xlabel("modelled time (s)")
+    done_ax.set_ylabel("requests completed")
+    done_ax.legend(fontsize=8, frameon=False, loc="upper left")
+    ttft_ax.set_xlabel("TTFT, modelled ms (log; left is better)")
+    tpot_ax.set_xlabel("TPOT, modelled ms (left is better)")
+    for ax in (ttft_ax, tpot_ax):
+        ax.set_ylim(0, 1.02)
+        ax.set_ylabel("fraction of requests")
+        ax.grid(alpha=0.3)
+    if any(p["series"]["ttft_ms"] for p in profiles):
+        low = min(min(p["series"]["ttft_ms"]) for p in profiles if p["series"]["ttft_ms"])
+        if low > 0:
+            ttft_ax.set_xscale("log")
+    done_ax.grid(alpha=0.3)
+
     legend = [
-        Line2D([], [], color="tab:blue", lw=1.2, label="blocks in use (not free)"),
+        Line2D([], [], color="tab:blue", lw=1.1, label="blocks in use (not free)"),
         Line2D([], [], color="tab:cyan", lw=0.8, ls="--", label="blocks held by requests"),
         Line2D([], [], color="grey", lw=0.8, ls=":", label=f"pool ({total})"),
-        Line2D([], [], color="tab:green", lw=1.0, label="running (right axis)"),
-        Line2D([], [], color="tab:orange", lw=1.0, label="waiting (right axis)"),
+        Line2D([], [], color="tab:green", lw=0.9, label="running (right axis)"),
+        Line2D([], [], color="tab:orange", lw=0.9, label="waiting (right axis)"),
         Line2D([], [], color=marks["decode"][0], marker=marks["decode"][1], ls="", label="preemption, decode victim"),
         Line2D([], [], color=marks["prefill"][0], marker=marks["prefill"][1], ls="", label="preemption, prefill victim"),
     ]
-    height = 1.0 + 2.9 * len(profiles)
     fig.legend(handles=legend, loc="upper center", ncol=4, fontsize=8, frameon=False,
-               bbox_to_anchor=(0.5, 1 - 0.3 / height))
-    if title:
-        fig.suptitle(title, fontsize=11, y=1 - 0.05 / height)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.62 / height))
-    fig.savefig(path, dpi=110)
+               bbox_to_anchor=(0.5, 1 - 0.25 / height))
+    host = report.get("host", {})
+    subtitle = f"FastDeploy {host.get('version', '?')} {str(host.get('commit') or '')[:8]}".strip()
+    fig.suptitle((title + " - " if title else "") + subtitle, fontsize=11, y=1 - 0.05 / height)
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.7 / height))
+    fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -1,11 +1,14 @@
 """Replay a trace through the real host scheduler, once per profile (needs the FastDeploy host).
 
-For each profile: load its settings (``fdsched.settings.load_settings(profile=...)``: the process
-environment still overrides the profile, as in production), install the plugin with them, reset
+For each profile (an "arm"): load its settings (:func:`arm_settings`: exactly the profile, unless
+``inherit_env`` lets the process environment override it as in production; either way the run
+records which variables were applied and which not), install the plugin with them, reset
 the plugin's counters, build a fresh ``ResourceManagerV1`` for the trace's engine inside a logical
 clock, and step it (:class:`fdsched.replay.engine.Driver`) until every request has finished:
 
-* a request is fed at the start of its arrival step: ``add_request`` on a mixed node; on a prefill
+* a request is fed at the start of its arrival step (a time-based trace: at the start of the first
+  step that begins at or after its ``arrival_s`` on the modelled clock; when nothing runs or waits,
+  the clock jumps to the next arrival): ``add_request`` on a mixed node; on a prefill
   node (``splitwise_role: prefill``) through ``preallocate_resource_in_p`` then
   ``add_request_in_p`` as the prefill node's engine does, first come first served (a request whose
   preallocation fails is retried at the next step, and the ones behind it wait);
@@ -20,20 +23,30 @@ Everything recorded is a function of the inputs, except the measured timings.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter, deque
-from typing import Callable, Optional, Sequence
+from contextlib import contextmanager
+from typing import Callable, Mapping, Optional, Sequence
 
 from .costmodel import cost_from_settings
 from .figures import ProfileRun, RequestRow, StepRow
 from .invariants import check_blocks, check_requests
-from .oracle import ORACLE_PLUGIN_NAME, OracleReserve
+from .oracle import ADAPTIVE_PLUGIN_NAME, ORACLE_PLUGIN_NAME, AdaptiveReserveHook, OracleReserve
 from .trace import Trace, check_engine
 
-__all__ = ["run_profile", "run_replay", "node_output_lengths", "cache_held_blocks", "request_held_blocks"]
+__all__ = ["run_profile", "run_replay", "arm_settings", "host_environment", "other_host_env", "node_output_lengths", "cache_held_blocks", "request_held_blocks"]
 
 DEFAULT_MAX_STEPS = 200_000
 DEFAULT_STALL_STEPS = 200
+# Block invariants: every step for traces up to this many requests, else every AUTO_CHECK_EVERY steps.
+AUTO_CHECK_ALL_UP_TO = 2000
+AUTO_CHECK_EVERY = 32
+
+
+def auto_check_every(requests: int) -> int:
+    """How often the block invariants are checked when the caller does not say (always at the end too)."""
+    return 1 if requests <= AUTO_CHECK_ALL_UP_TO else AUTO_CHECK_EVERY
 
 
 def node_output_lengths(trace: Trace, splitwise_role: str) -> dict:
@@ -54,31 +67,46 @@ class _CountingPool(list):
 
 
 def cache_held_blocks(cache_manager) -> list:
-    """GPU block ids the prefix cache holds (see :mod:`fdsched.replay.invariants`)."""
+    """GPU block ids the prefix cache holds (see :mod:`fdsched.replay.invariants`).
+
+    Everything below the root, plus every node reachable upwards from a leaf the cache still tracks.
+    Written for speed (the replay may call it every step): the GPU status member is looked up once
+    and compared by identity.
+    """
     root = cache_manager.radix_tree_root
-    starts = [root]
-    starts.extend(getattr(cache_manager, "gpu_lru_leaf_set", ()))
-    starts.extend(getattr(cache_manager, "req_leaf_map", {}).values())
-    seen = set()
+    gpu = _gpu_status(root)
     blocks = list(getattr(root, "reverved_dec_block_ids", None) or [])
-    stack = [root]
-    # Everything below the root, plus every node reachable upwards from a leaf the cache still tracks.
-    for node in starts[1:]:
-        while node is not None and id(node) not in seen and node is not root:
-            stack.append(node)
-            node = node.parent
-    while stack:
+    append, extend = blocks.append, blocks.extend
+    # Nodes hash by identity (the host defines no __eq__), so a set of nodes is a set of identities.
+    seen = {root}
+    stack = list(root.children.values())
+    while stack:  # the tree below the root
         node = stack.pop()
-        if id(node) in seen:
-            continue
-        seen.add(id(node))
-        if node is not root and getattr(node.cache_status, "name", str(node.cache_status)) == "GPU":
-            blocks.append(node.block_id)
-            blocks.extend(node.reverved_dec_block_ids or [])
-        stack.extend(node.children.values())
+        seen.add(node)
+        if node.cache_status is gpu:
+            append(node.block_id)
+            if node.reverved_dec_block_ids:
+                extend(node.reverved_dec_block_ids)
+        children = node.children
+        if children:
+            stack.extend(children.values())
+    leaves = list(getattr(cache_manager, "gpu_lru_leaf_set", ())) + list(getattr(cache_manager, "req_leaf_map", {}).values())
+    for node in leaves:  # nodes the cache tracks that are no longer attached below the root
+        while node is not None and node not in seen:
+            seen.add(node)
+            if node.cache_status is gpu:
+                append(node.block_id)
+                if node.reverved_dec_block_ids:
+                    extend(node.reverved_dec_block_ids)
+            node = node.parent
     for ids in getattr(cache_manager, "unfilled_req_block_map", {}).values():
-        blocks.extend(ids)
+        extend(ids)
     return blocks
+
+
+def _gpu_status(node):
+    """The host's ``CacheStatus.GPU`` member (found from the class of a node's status)."""
+    return type(node.cache_status).GPU
 
 
 def request_held_blocks(requests) -> dict:
@@ -97,6 +125,66 @@ def _host_hit(request) -> int:
     return int(value) if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
+def arm_settings(profile: str, inherit_env: bool, environ: Optional[Mapping[str, str]] = None):
+    """An arm's settings and the environment variables that touched it.
+
+    By default an arm is exactly its profile: the plugin's variables (``FDSCHED_*`` of the settings
+    schema and the host tunables ``FD_*`` it knows) are not applied. With ``inherit_env`` they are,
+    as in production. Returns ``(settings, applied, ignored)``: variable -> value dicts.
+    """
+    from fdsched.settings import PROFILE_ENV, SCHEMA, load_settings
+
+    environ = os.environ if environ is None else environ
+    names = {s.env for s in SCHEMA if s.env} | {PROFILE_ENV}
+    present = {name: environ[name] for name in sorted(names) if name in environ}
+    if inherit_env:
+        settings = load_settings(environ=environ, profile=profile)
+        applied = {s.env: environ[s.env] for s in SCHEMA if s.env and settings.sources[s.key] == f"env {s.env}"}
+        ignored = {k: v for k, v in present.items() if k not in applied}
+    else:
+        settings = load_settings(environ={}, profile=profile)
+        applied, ignored = {}, present
+    return settings, applied, ignored
+
+
+@contextmanager
+def host_environment(settings):
+    """While an arm runs, the host's own ``FD_*`` variables that the settings schema knows hold the
+    arm's effective values (the host reads some of them, e.g. ``FD_USE_NEW_TOKEN_RATIO_RESERVE``, when
+    it builds the scheduler), and the plugin's ``FDSCHED_*`` variables are out of the way."""
+    from fdsched.settings import SCHEMA
+
+    saved = {}
+    for setting in SCHEMA:
+        name = setting.env
+        if not name:
+            continue
+        saved[name] = os.environ.get(name)
+        if name.startswith("FD_"):
+            value = settings[setting.key]
+            os.environ[name] = ("1" if value else "0") if isinstance(value, bool) else str(value)
+        else:
+            os.environ.pop(name, None)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def other_host_env(environ: Optional[Mapping[str, str]] = None) -> dict:
+    """``FD_*`` variables set in the environment that the settings schema does not know: the host reads
+    some of them (e.g. ``FD_DISABLE_CHUNKED_PREFILL``) in every arm alike. Reported, not changed."""
+    from fdsched.settings import SCHEMA
+
+    environ = os.environ if environ is None else environ
+    known = {s.env for s in SCHEMA if s.env} | {"FD_LOG_DIR", "FD_PLUGINS"}
+    return {k: environ[k] for k in sorted(environ) if k.startswith("FD_") and k not in known}
+
+
 def run_profile(
     trace: Trace,
     profile: str,
@@ -106,19 +194,24 @@ def run_profile(
     stall_steps: int = DEFAULT_STALL_STEPS,
     check_every_step: bool = True,
     progress: Optional[Callable[[int], None]] = None,
+    inherit_env: bool = False,
+    check_every: Optional[int] = None,
 ) -> ProfileRun:
-    """Replay ``trace`` under one profile. Raises HostNotFound, SettingsError, InstallError, TraceError."""
+    """Replay ``trace`` under one profile. Raises HostNotFound, SettingsError, InstallError, TraceError.
+
+    ``check_every``: run the block invariants every N steps (and always at the last step); 1 checks
+    every step; None: :func:`auto_check_every`. ``check_every_step=False`` checks only at the end.
+    """
     from fdsched.host import find_host
     from fdsched.installer import install
     from fdsched.metrics import METRICS
-    from fdsched.settings import load_settings
 
     from .engine import EngineShape, build_manager, close_manager, logical_clock, prepare_host_environment
 
     check_engine(trace, engine)
     prepare_host_environment()
     find_host()
-    settings = load_settings(profile=profile)
+    settings, env_applied, env_ignored = arm_settings(profile, inherit_env)
     report = install(settings)
     cost = cost_from_settings(settings, cost_overrides)
     shape = EngineShape(**engine)
@@ -128,49 +221,85 @@ def run_profile(
     run = ProfileRun(profile=profile, num_gpu_blocks=shape.num_gpu_blocks, cost=cost)
     run.decisions = {cid: d.detail for cid, d in report.decisions.items()}
     run.host = {"version": report.host.version, "commit": report.host.commit}
-    run.requests = [RequestRow(r.id, r.arrival, r.prompt_len, outputs[r.id]) for r in trace.requests]
+    run.settings = {key: settings[key] for key, *_ in settings.describe()}
+    run.environment = {
+        "inherit_env": inherit_env,
+        "applied": env_applied,
+        "not_applied": env_ignored,
+        "other_host_variables": other_host_env(),
+        "hook_plugins": report.policies.external_plugins(),
+    }
+    run.requests = [
+        RequestRow(r.id, r.arrival, r.prompt_len, outputs[r.id],
+                   arrival_ms=None if r.arrival_s is None else r.arrival_s * 1000.0)
+        for r in trace.requests
+    ]
 
-    oracle = None
+    reservation = None
     if settings["replay.oracle_reserve"]:
-        oracle = OracleReserve(outputs)
-        report.policies.register(oracle, name=ORACLE_PLUGIN_NAME)
+        reservation = OracleReserve(outputs)
+        report.policies.register(reservation, name=ORACLE_PLUGIN_NAME)
+    elif settings["replay.adaptive_reserve"]:
+        reservation = AdaptiveReserveHook(
+            max_model_len=shape.max_model_len,
+            init_ratio=settings["host_tunables.FD_INIT_NEW_TOKEN_RATIO"],
+        )
+        reservation.client_max_tokens = {r.id: r.max_tokens for r in trace.requests}
+        report.policies.register(reservation, name=ADAPTIVE_PLUGIN_NAME)
     METRICS.reset()
     started = time.perf_counter()
+    every = 0 if not check_every_step else max(1, check_every or auto_check_every(len(trace.requests)))
+    run.check_every = every
     try:
-        with logical_clock():
+        with host_environment(settings), logical_clock():
             manager = build_manager(shape)
             try:
-                _drive(run, trace, manager, outputs, role, max_steps, stall_steps, check_every_step, progress)
+                _drive(run, trace, manager, outputs, role, max_steps, stall_steps, every, progress, cost,
+                       reservation, report.policies)
             finally:
                 close_manager(manager)
     finally:
-        if oracle is not None:
-            report.policies.unregister(oracle)
+        if reservation is not None:
+            report.policies.unregister(reservation)
     run.wall_seconds = time.perf_counter() - started
+    if reservation is not None and hasattr(reservation, "state"):
+        run.estimator = reservation.state()
     ratio_impl = report.decisions["ratio_reserve"].impl
     run.admissions_blocked = None if ratio_impl == "host" else METRICS.admissions_blocked
     return run
 
 
-def _drive(run, trace, manager, outputs, role, max_steps, stall_steps, check_every_step, progress) -> None:
+def _drive(run, trace, manager, outputs, role, max_steps, stall_steps, check_every, progress, cost, reservation,
+           policies) -> None:
     from .engine import Driver, make_request
 
-    driver = Driver(manager, output_lengths=dict(outputs))
+    driver = Driver(manager, output_lengths=dict(outputs), policies=policies)
     cache = manager.cache_manager
     pool = _CountingPool(cache.node_id_pool)
     cache.node_id_pool = pool
     rows = {row.id: row for row in run.requests}
     feed = trace.in_feed_order()
+    timed = trace.time_based
+    arrival_ms = [r.arrival_s * 1000.0 for r in feed] if timed else None
     objects = {}
     finish_counts: Counter = Counter()
+    finished_once = 0
     p_queue: deque = deque()
     next_index = 0
     quiet = 0
     evicted_before = 0
+    now_ms = 0.0  # modelled time at the start of the step
+    observe = getattr(reservation, "observe_finished", None)
+    observe_preempt = getattr(reservation, "observe_preemption", None)
 
     for step in range(max_steps):
+        step_cpu = time.thread_time()
+        gap = 0.0
+        if timed and next_index < len(feed) and not p_queue and driver.idle() and arrival_ms[next_index] > now_ms:
+            gap = arrival_ms[next_index] - now_ms  # nothing runs: skip to the next arrival
+            now_ms = arrival_ms[next_index]
         fed = 0
-        while next_index < len(feed) and feed[next_index].arrival <= step:
+        while next_index < len(feed) and (arrival_ms[next_index] <= now_ms if timed else feed[next_index].arrival <= step):
             tr = feed[next_index]
             request = make_request(tr.id, tr.prompt_tokens(), tr.max_tokens)
             objects[tr.id] = request
@@ -197,7 +326,9 @@ def _drive(run, trace, manager, outputs, role, max_steps, stall_steps, check_eve
             blocks_used=record.blocks_used,
             schedule_cpu_s=record.schedule_cpu_seconds,
             schedule_wall_s=record.schedule_seconds,
+            gap_ms=gap,
         )
+        now_ms += cost.step_ms(record.scheduled_prefill_tokens, record.decode_tokens)
         for rid, start, end in record.prefill_chunks:
             r = rows[rid]
             r.prefill_tokens += end - start
@@ -209,24 +340,35 @@ def _drive(run, trace, manager, outputs, role, max_steps, stall_steps, check_eve
                 rows[rid].first_token_step = step
         for rid, _ in record.preempted:
             rows[rid].preemptions += 1
+        if record.preempted and observe_preempt is not None:
+            observe_preempt(len(record.preempted))
         for rid in record.finished:
             finish_counts[rid] += 1
+            if finish_counts[rid] == 1:
+                finished_once += 1
             rows[rid].finish_count += 1
             rows[rid].finish_step = step
-            rows[rid].output_tokens = len(objects[rid].output_token_ids)
+            request = objects[rid]
+            rows[rid].output_tokens = len(request.output_token_ids)
+            if observe is not None:
+                observe(rid, request.sampling_params.max_tokens, request.prompt_token_ids_len,
+                        len(request.output_token_ids))
 
-        held = request_held_blocks(objects.values())
+        live = manager.requests.values()
+        held = request_held_blocks(live)
         row.blocks_held = len({b for ids in held.values() for b in ids})
         row.evicted = pool.returned - evicted_before
         evicted_before = pool.returned
-        if check_every_step:
+        remaining = len(feed) - finished_once
+        done = next_index == len(feed) and not p_queue and driver.idle() and remaining == 0
+        if check_every and (step % check_every == 0 or done):
             row.violations = check_blocks(cache.num_gpu_blocks, cache.gpu_free_block_list, held, cache_held_blocks(cache))
         run.steps.append(row)
         if progress is not None:
-            progress(sum(1 for c in finish_counts.values() if c))
+            progress(finished_once)
+        row.replay_cpu_s = time.thread_time() - step_cpu - record.schedule_cpu_seconds
 
-        remaining = len(feed) - sum(1 for rid in objects if finish_counts[rid])
-        if next_index == len(feed) and not p_queue and driver.idle() and remaining == 0:
+        if done:
             run.drained = True
             break
         active = fed or record.scheduled_prefill_tokens or record.decode_tokens or record.first_tokens
@@ -234,10 +376,10 @@ def _drive(run, trace, manager, outputs, role, max_steps, stall_steps, check_eve
         quiet = 0 if (active or next_index < len(feed)) else quiet + 1
         if quiet >= stall_steps:
             run.stall = _stall_detail(manager, p_queue, remaining)
-            held = run.stall["running_with_all_blocks"]
+            held_all = run.stall["running_with_all_blocks"]
             run.stop_reason = (
                 f"stalled: nothing fed, scheduled, produced or finished for {stall_steps} steps with "
-                f"{remaining} request(s) left (running {run.stall['running']}, of which {held} already hold every "
+                f"{remaining} request(s) left (running {run.stall['running']}, of which {held_all} already hold every "
                 f"block their prefill needs; waiting {run.stall['waiting']}; not admitted {run.stall['not_admitted']}; "
                 f"free blocks {run.stall['free_blocks']})"
             )
@@ -247,9 +389,10 @@ def _drive(run, trace, manager, outputs, role, max_steps, stall_steps, check_eve
 
     for rid, request in objects.items():
         rows[rid].output_tokens = len(request.output_token_ids)
-    if run.drained and not check_every_step:
+    if run.drained and not check_every:
         run.steps[-1].violations = check_blocks(
-            cache.num_gpu_blocks, cache.gpu_free_block_list, request_held_blocks(objects.values()), cache_held_blocks(cache)
+            cache.num_gpu_blocks, cache.gpu_free_block_list, request_held_blocks(manager.requests.values()),
+            cache_held_blocks(cache)
         )
     run.request_violations = check_requests([r.id for r in trace.requests], finish_counts, run.drained)
     if run.drained and manager.requests:
@@ -280,6 +423,8 @@ def run_replay(
     max_steps: int = DEFAULT_MAX_STEPS,
     stall_steps: int = DEFAULT_STALL_STEPS,
     progress_factory: Optional[Callable] = None,
+    inherit_env: bool = False,
+    check_every: Optional[int] = None,
 ) -> list:
     """One :class:`ProfileRun` per profile, in order. ``progress_factory(profile, total)`` may return
     an object with ``update_to(done)`` and ``close()`` (a progress bar)."""
@@ -296,6 +441,8 @@ def run_replay(
                     max_steps,
                     stall_steps,
                     progress=bar.update_to if bar is not None else None,
+                    inherit_env=inherit_env,
+                    check_every=check_every,
                 )
             )
         finally:

@@ -27,7 +27,12 @@ Every other line is one request::
 ``id``
     unique non-empty string.
 ``arrival``
-    integer >= 0: the engine step at whose start the request reaches the scheduler.
+    integer >= 0: the engine step at whose start the request reaches the scheduler; or instead
+``arrival_s``
+    number >= 0: the modelled time, in seconds, at which the request reaches the scheduler (a
+    time-based trace, e.g. an imported production log). The replay feeds it at the start of the
+    first step that begins at or after that time, skips idle time when nothing runs, and counts
+    TTFT from this time. One trace uses one of the two, never both.
 ``prompt``
     the prompt as a list of token ids (integers >= 0), or instead
 ``prompt_len``
@@ -42,7 +47,7 @@ Every other line is one request::
     stops at ``min(output_len, max_tokens)``. On a prefill node (``splitwise_role`` "prefill")
     every request leaves after its first token, as the node hands it to a decode node.
 
-Requests may appear in any order; the replay feeds them by ``(arrival, line)``.
+Requests may appear in any order; the replay feeds them by ``(arrival or arrival_s, line)``.
 Errors name the file, the line and the field (:class:`TraceError`).
 """
 
@@ -50,12 +55,15 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import random
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
+
+from ..common import ceil_div
 
 __all__ = [
     "TraceError",
@@ -72,6 +80,9 @@ __all__ = [
     "group_tokens",
     "request_tokens",
     "check_engine",
+    "check_engine_shape",
+    "min_gpu_blocks",
+    "effective_output_len",
 ]
 
 VOCAB_SIZE = 50_000  # generated token ids are in [1, VOCAB_SIZE)
@@ -90,7 +101,7 @@ ENGINE_DEFAULTS = {
 ENGINE_KEYS = tuple(ENGINE_DEFAULTS)
 SPLITWISE_ROLES = ("mixed", "prefill")
 _HEADER_KEYS = ("description", "engine", "generator")
-_REQUEST_KEYS = ("id", "arrival", "prompt", "prompt_len", "prefix_group", "prefix_len", "max_tokens", "output_len")
+_REQUEST_KEYS = ("id", "arrival", "arrival_s", "prompt", "prompt_len", "prefix_group", "prefix_len", "max_tokens", "output_len")
 
 
 class TraceError(ValueError):
@@ -108,13 +119,16 @@ class TraceRequest:
     prefix_group: Optional[str] = None
     prefix_len: int = 0
     line: int = 0
+    arrival_s: Optional[float] = None  # time-based traces: seconds (then ``arrival`` is 0 and unused)
+
+    @property
+    def feed_key(self) -> tuple:
+        return (self.arrival if self.arrival_s is None else self.arrival_s, self.line)
 
     @property
     def effective_output_len(self) -> int:
         """Tokens it really generates: stops at its end of sequence or at max_tokens."""
-        if self.max_tokens is None:
-            return self.output_len
-        return min(self.output_len, self.max_tokens)
+        return effective_output_len(self.output_len, self.max_tokens)
 
     def prompt_tokens(self) -> list:
         """The prompt's token ids (explicit, or generated deterministically)."""
@@ -123,7 +137,11 @@ class TraceRequest:
         return request_tokens(self.id, self.prompt_len, self.prefix_group, self.prefix_len)
 
     def to_json(self) -> dict:
-        out: dict = {"id": self.id, "arrival": self.arrival}
+        out: dict = {"id": self.id}
+        if self.arrival_s is None:
+            out["arrival"] = self.arrival
+        else:
+            out["arrival_s"] = self.arrival_s
         if self.prompt is not None:
             out["prompt"] = list(self.prompt)
         else:
@@ -154,8 +172,18 @@ class Trace:
                 merged[key] = value
         return merged
 
+    @property
+    def time_based(self) -> bool:
+        """Arrivals in seconds (``arrival_s``) rather than engine steps."""
+        return bool(self.requests) and self.requests[0].arrival_s is not None
+
     def in_feed_order(self) -> list:
-        return sorted(self.requests, key=lambda r: (r.arrival, r.line))
+        return sorted(self.requests, key=lambda r: r.feed_key)
+
+
+def effective_output_len(output_len: int, max_tokens: Optional[int]) -> int:
+    """The one rule for when a request stops: at its own end of sequence, or at max_tokens if set."""
+    return output_len if max_tokens is None else min(output_len, max_tokens)
 
 
 # --------------------------------------------------------------------------------------------
@@ -244,13 +272,23 @@ def _parse_request(where: _Where, raw: dict) -> TraceRequest:
     for key in raw:
         if key not in _REQUEST_KEYS:
             raise where.error(key, f"unknown field; allowed: {', '.join(_REQUEST_KEYS)}")
-    for required in ("id", "arrival", "output_len"):
+    for required in ("id", "output_len"):
         if required not in raw:
             raise where.error(required, "missing (required)")
     rid = raw["id"]
     if not isinstance(rid, str) or not rid:
         raise where.error("id", f"bad value {rid!r}; allowed: a non-empty string")
-    arrival = _check_int(where, "arrival", raw["arrival"], 0)
+    if ("arrival" in raw) == ("arrival_s" in raw):
+        raise where.error("arrival", "give exactly one of 'arrival' (an engine step) or 'arrival_s' (seconds)")
+    arrival, arrival_s = 0, None
+    if "arrival" in raw:
+        arrival = _check_int(where, "arrival", raw["arrival"], 0)
+    else:
+        arrival_s = raw["arrival_s"]
+        if not isinstance(arrival_s, (int, float)) or isinstance(arrival_s, bool) or not math.isfinite(arrival_s) \
+                or arrival_s < 0:
+            raise where.error("arrival_s", f"bad value {arrival_s!r}; allowed: a number of seconds >= 0")
+        arrival_s = float(arrival_s)
     output_len = _check_int(where, "output_len", raw["output_len"], 1)
     if "max_tokens" not in raw:
         raise where.error("max_tokens", "missing (required; null means the engine's default)")
@@ -295,6 +333,7 @@ def _parse_request(where: _Where, raw: dict) -> TraceRequest:
         prefix_group=prefix_group,
         prefix_len=prefix_len,
         line=where.line,
+        arrival_s=arrival_s,
     )
 
 
@@ -324,6 +363,12 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>", name: Optional[st
             engine, description, generator = _parse_header(where, obj["header"])
         else:
             request = _parse_request(where, obj)
+            if requests and (request.arrival_s is None) != (requests[0].arrival_s is None):
+                first = "arrival_s" if requests[0].arrival_s is not None else "arrival"
+                raise where.error(
+                    "arrival_s" if request.arrival_s is not None else "arrival",
+                    f"mixes step and time arrivals; this trace uses {first!r} (line {requests[0].line})",
+                )
             if request.id in seen:
                 raise where.error("id", f"duplicate id {request.id!r} (first on line {seen[request.id]})")
             seen[request.id] = number
@@ -369,10 +414,10 @@ def resolve_trace(value: str) -> Path:
     raise TraceError(f"trace {value!r}: unknown; allowed: a shipped trace ({', '.join(shipped)}) or the path of a JSONL file")
 
 
-def check_engine(trace: Trace, engine: dict) -> None:
-    """Check the engine shape and that every request can run on it (errors name the line)."""
+def check_engine_shape(engine: dict) -> None:
+    """The one check of an engine shape (the replay's, the host test harness's, an importer's header)."""
     block_size, max_len = engine["block_size"], engine["max_model_len"]
-    need = -(-max_len // block_size) + 2
+    need = min_gpu_blocks(max_len, block_size)
     if engine["num_gpu_blocks"] < need:
         raise TraceError(
             f"engine num_gpu_blocks={engine['num_gpu_blocks']} is too small for max_model_len={max_len} and "
@@ -385,6 +430,22 @@ def check_engine(trace: Trace, engine: dict) -> None:
         )
     if engine["splitwise_role"] not in SPLITWISE_ROLES:
         raise TraceError(f"engine splitwise_role={engine['splitwise_role']!r}; allowed: {', '.join(SPLITWISE_ROLES)}")
+    if engine["max_num_batched_tokens"] > engine["max_num_seqs"] * max_len:
+        raise TraceError(
+            f"engine max_num_batched_tokens={engine['max_num_batched_tokens']} is too large; allowed: at most "
+            f"max_num_seqs * max_model_len = {engine['max_num_seqs'] * max_len} (the host's config check)"
+        )
+
+
+def min_gpu_blocks(max_model_len: int, block_size: int) -> int:
+    """The smallest pool the host accepts: one sequence of max_model_len tokens plus 2 blocks."""
+    return ceil_div(max_model_len, block_size) + 2
+
+
+def check_engine(trace: Trace, engine: dict) -> None:
+    """Check the engine shape and that every request can run on it (errors name the line)."""
+    check_engine_shape(engine)
+    max_len = engine["max_model_len"]
     for request in trace.requests:
         where = _Where(trace.source, request.line)
         if request.prompt_len >= max_len:

@@ -17,7 +17,7 @@ def switches(name: str) -> dict:
 
 
 def test_the_shipped_set():
-    assert set(PROFILES) == {"baseline", "recommended", "oracle", *CHANGE_IDS}
+    assert set(PROFILES) == {"baseline", "recommended", "oracle", "adaptive-replay", *CHANGE_IDS}
     assert sorted(SINGLE_CHANGE_PROFILES) == sorted(CHANGE_IDS)
 
 

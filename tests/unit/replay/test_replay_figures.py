@@ -118,3 +118,19 @@ def test_empty_run():
     f = compute_figures(run)
     assert f["throughput_tokens_per_s"] is None and f["prefix_hit_rate"] is None and f["ttft_ms_p50"] is None
     assert math.isclose(f["modelled_seconds"], 0.0)
+
+
+def test_time_based_ttft_counts_from_the_arrival_time_and_idle_gaps_are_skipped():
+    from fdsched.replay.costmodel import StepCost
+    from fdsched.replay.figures import ProfileRun, RequestRow, StepRow, compute_figures
+
+    run = ProfileRun(profile="p", num_gpu_blocks=8, cost=StepCost(10.0, 0.0, 0.0))
+    # Step 0 at 0..10 ms; nothing runs until the next arrival at 1000 ms: step 1 runs 1000..1010.
+    run.steps = [StepRow(0, prefill_tokens=4), StepRow(1, prefill_tokens=4, gap_ms=990.0)]
+    run.requests = [
+        RequestRow("a", 0, 4, 1, output_tokens=1, first_token_step=0, finish_step=0, finish_count=1, arrival_ms=0.0),
+        RequestRow("b", 0, 4, 1, output_tokens=1, first_token_step=1, finish_step=1, finish_count=1, arrival_ms=995.0),
+    ]
+    figures = compute_figures(run)
+    assert figures["modelled_seconds"] == 1.01
+    assert figures["ttft_ms_p50"] == pytest.approx((10.0 + 15.0) / 2)

@@ -10,7 +10,7 @@ from fdsched.hooks import Policies, make_plugin_manager
 from fdsched.replay.costmodel import StepCost
 from fdsched.replay.figures import ProfileRun, RequestRow, StepRow
 from fdsched.replay.oracle import ORACLE_PLUGIN_NAME, OracleReserve
-from fdsched.replay.report import build_report, format_table, format_value, ratio, report_json, write_plot
+from fdsched.replay.report import build_report, format_header, format_table, format_value, ratio, report_json, write_plot
 
 TRACE = {"name": "t", "description": "", "requests": 1, "sha256": "0" * 64}
 ENGINE = {"block_size": 4, "num_gpu_blocks": 10}
@@ -26,6 +26,8 @@ def _run(profile, preempt=0, drained=True, blocked=3):
                                finish_step=1, finish_count=1)]
     run.admissions_blocked = blocked
     run.decisions = {"ratio_reserve": "applied"}
+    run.host = {"version": "2.6.0", "commit": "d38eeb8"}
+    run.settings = {"changes.ratio_reserve": "on", "replay.oracle_reserve": profile == "oracle"}
     run.stop_reason = "" if drained else "max_steps=2 reached"
     return run
 
@@ -41,9 +43,13 @@ def test_table_has_a_column_per_profile_and_ratio_columns():
     report = build_report(TRACE, ENGINE, [_run("baseline", preempt=2), _run("recommended", preempt=1, blocked=None)])
     table = format_table(report)
     header = table.splitlines()[0].split()
-    assert header == ["figure", "baseline", "recommended", "recommended/baseline"]
+    assert header == ["figure", "better", "baseline", "recommended", "recommended/baseline"]
     row = next(line for line in table.splitlines() if line.startswith("preemptions "))
-    assert row.split()[-3:] == ["2", "1", "0.50"]
+    assert row.split()[-4:] == ["lower", "2", "1", "0.50"]
+    throughput = next(line for line in table.splitlines() if line.startswith("throughput"))
+    assert " higher " in throughput
+    evicted = next(line for line in table.splitlines() if line.startswith("evicted blocks"))
+    assert "lower" not in evicted and "higher" not in evicted  # a description of the run, not a score
     blocked = next(line for line in table.splitlines() if line.startswith("admissions blocked"))
     assert blocked.split()[-3:] == ["3", "n/a", "-"]
     assert "recommended: admissions blocked n/a" in table
@@ -104,3 +110,41 @@ def test_oracle_overrides_the_default_through_the_hook_and_unregisters():
     assert ORACLE_PLUGIN_NAME in policies.external_plugins()
     policies.unregister(oracle)
     assert policies.reserve_blocks("a", 100, 0, 0.5, 4096, 4) == 13
+
+
+def test_header_names_host_decisions_differing_settings_and_environment():
+    base, oracle = _run("baseline"), _run("oracle")
+    base.environment = {"inherit_env": False, "applied": {}, "not_applied": {"FDSCHED_RATIO_RESERVE": "off"},
+                        "other_host_variables": {}, "hook_plugins": []}
+    oracle.environment = {"inherit_env": True, "applied": {"FDSCHED_RATIO_RESERVE": "off"}, "not_applied": {},
+                          "other_host_variables": {"FD_DISABLE_CHUNKED_PREFILL": "1"}, "hook_plugins": ["x"]}
+    report = build_report(TRACE, ENGINE, [base, oracle])
+    assert report["host"] == {"version": "2.6.0", "commit": "d38eeb8"}
+    assert [p["settings_that_differ"] for p in report["profiles"]] == [
+        {"replay.oracle_reserve": False}, {"replay.oracle_reserve": True}]
+    assert report["better"]["ttft_ms_p50"] == "lower"
+    text = format_header(report)
+    assert "host: FastDeploy 2.6.0, commit d38eeb8" in text
+    assert "arm baseline: ratio_reserve=applied" in text
+    assert "settings that differ: replay.oracle_reserve=False" in text
+    assert "environment NOT applied (use --inherit-env): FDSCHED_RATIO_RESERVE" in text
+    assert "environment applied: FDSCHED_RATIO_RESERVE=off" in text
+    assert "FD_DISABLE_CHUNKED_PREFILL=1" in text and "hook plugins loaded: x" in text
+
+
+def test_a_host_that_differs_between_arms_is_called_out():
+    a, b = _run("a"), _run("b")
+    b.host = {"version": "2.6.0", "commit": "e7c8dc2"}
+    report = build_report(TRACE, ENGINE, [a, b])
+    assert "arms_differ" in report["host"]
+    assert "DIFFERS BETWEEN ARMS" in format_header(report)
+
+
+def test_series_carry_latency_distributions_and_completions_in_modelled_time():
+    run = _run("a")
+    run.steps[1].gap_ms = 10.0  # idle time skipped before step 1
+    entry = build_report(TRACE, ENGINE, [run])["profiles"][0]
+    assert entry["series"]["step_end_ms"] == [1.0, 12.0]
+    assert entry["series"]["ttft_ms"] == [1.0]  # arrived at step 0's start, first token at its end
+    assert entry["series"]["tpot_ms"] == [11.0]
+    assert entry["series"]["finish_ms"] == [12.0]

@@ -201,3 +201,35 @@ def test_resolve_errors(tmp_path):
     path = tmp_path / "mine.jsonl"
     path.write_text(json.dumps(REQ) + "\n")
     assert resolve_trace(str(path)) == path
+
+
+def test_time_based_requests_parse_order_and_round_trip(tmp_path):
+    lines = [
+        '{"id": "b", "arrival_s": 2.5, "prompt_len": 4, "max_tokens": null, "output_len": 2}',
+        '{"id": "a", "arrival_s": 0.25, "prompt_len": 4, "max_tokens": 8, "output_len": 2}',
+    ]
+    trace = parse_trace(lines)
+    assert trace.time_based
+    assert [r.id for r in trace.in_feed_order()] == ["a", "b"]
+    path = tmp_path / "t.jsonl"
+    path.write_text(dump_trace(trace.requests), encoding="utf-8")
+    assert [(r.id, r.arrival_s) for r in load_trace(path).requests] == [("b", 2.5), ("a", 0.25)]
+    assert not parse_trace(['{"id": "s", "arrival": 3, "prompt_len": 4, "max_tokens": null, "output_len": 2}']).time_based
+
+
+@pytest.mark.parametrize(
+    "second, field_name, words",
+    [
+        ('{"id": "b", "arrival": 1, "prompt_len": 4, "max_tokens": null, "output_len": 2}', "arrival", "mixes step and time"),
+        ('{"id": "b", "arrival_s": -1, "prompt_len": 4, "max_tokens": null, "output_len": 2}', "arrival_s", "seconds >= 0"),
+        ('{"id": "b", "arrival_s": "soon", "prompt_len": 4, "max_tokens": null, "output_len": 2}', "arrival_s", "seconds"),
+        ('{"id": "b", "arrival_s": 1, "arrival": 1, "prompt_len": 4, "max_tokens": null, "output_len": 2}', "arrival",
+         "exactly one"),
+        ('{"id": "b", "prompt_len": 4, "max_tokens": null, "output_len": 2}', "arrival", "exactly one"),
+    ],
+)
+def test_time_based_errors_name_line_and_field(second, field_name, words):
+    first = '{"id": "a", "arrival_s": 0, "prompt_len": 4, "max_tokens": null, "output_len": 2}'
+    with pytest.raises(TraceError) as info:
+        parse_trace([first, second], source="t.jsonl")
+    assert f"line 2, field {field_name!r}" in str(info.value) and words in str(info.value)

@@ -1,0 +1,315 @@
+"""Adaptive KV reservation: learn the output-length distribution, reserve the running set's expected
+remainder plus one margin for the set as a whole. Pure policy code: plain values in, plain values
+out; imports nothing from FastDeploy.
+
+Why: upstream's new_token_ratio reservation (PR 7444/7783) keeps ``min(max_tokens - generated, clip)
+x ratio`` tokens free per running request. Where clients leave ``max_tokens`` unset the budget is
+the rest of the context, and most of that reservation is never used; admission waits for blocks no
+request will fill. The legacy policy reserves a fixed amount and preempts instead.
+
+What: every finished request is one sample of the output length ``L``. Where the client set
+``max_tokens`` the sample is relative (``L / max_tokens``), else absolute (tokens): two
+distributions, because a request's budget says a lot about its length when the client chose it and
+nothing when the engine filled it in. A running request that has generated ``g`` tokens is
+expected to generate ``E[L - g | L > g]`` more, with variance ``Var[L - g | L > g]``. The running set
+reserves the sum of those means plus ``k x sqrt(sum of the variances)``: one margin for the whole set
+(the remainders of many requests add up far more tightly than their per-request worst cases do).
+
+* **Warm-up**: until a distribution holds ``min_samples`` samples, requests of that kind fall back to
+  upstream's ratio formula (:func:`fdsched.policies.reserve_blocks_for_request`). So does a request
+  that has generated more than any sample (the learned tail says nothing about it).
+* **Drift**: a sliding window of the last ``window`` finished requests (both kinds together, so old
+  samples of a kind that stopped arriving age out too).
+* **Censoring**: only finished requests are samples. A preempted or still-running request is not:
+  its length is unknown (it is at least what it generated). Early on, short requests finish first,
+  so the first samples under-estimate; the warm-up fallback and the preemption feedback cover that.
+* **Feedback**: a preemption means the reservation was too small; it raises the margin factor by
+  ``k_step`` (up to ``k_max``), and every finished sample lets the extra decay by ``k_decay``.
+* **Determinism**: the state is a function of the sequence of events (finished samples,
+  preemptions), nothing else; no clock, no randomness.
+* **Cost**: lengths go into log-spaced buckets (``buckets_per_octave`` per doubling) whose count,
+  sum and sum of squares are kept in Fenwick trees: a sample or a query is O(log buckets).
+
+The query within the bucket that holds ``g`` assumes the samples are spread evenly across it; with 8
+buckets per doubling that bucket is about 9 % wide.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+from typing import Iterable, Optional, Sequence
+
+from .common import ceil_div
+from .policies import reserve_blocks_for_request
+
+__all__ = [
+    "LengthHistogram",
+    "RemainderEstimate",
+    "AdaptiveReserve",
+    "RunningRequest",
+    "SetMargin",
+    "RELATIVE_SCALE",
+    "expected_remainders",
+]
+
+# Relative samples (L / max_tokens, in (0, 1]) are stored as L / max_tokens * RELATIVE_SCALE.
+RELATIVE_SCALE = 4096.0
+
+
+class _Fenwick:
+    """Prefix sums over a fixed number of slots, O(log n) update and query."""
+
+    __slots__ = ("n", "tree")
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.tree = [0.0] * (n + 1)
+
+    def add(self, index: int, delta: float) -> None:
+        i = index + 1
+        tree, n = self.tree, self.n
+        while i <= n:
+            tree[i] += delta
+            i += i & -i
+
+    def prefix(self, index: int) -> float:
+        """Sum of slots 0 .. index-1."""
+        total = 0.0
+        i = index
+        tree = self.tree
+        while i > 0:
+            total += tree[i]
+            i -= i & -i
+        return total
+
+
+class LengthHistogram:
+    """Weighted samples of a positive length in log-spaced buckets: count, sum, sum of squares.
+
+    Bucket ``b`` covers ``[lo * 2**(b / per_octave), lo * 2**((b + 1) / per_octave))``; values
+    below ``lo`` go to bucket 0, values above ``hi`` to the last one.
+    """
+
+    def __init__(self, lo: float = 1.0, hi: float = 1 << 20, buckets_per_octave: int = 8) -> None:
+        if not (0 < lo < hi) or buckets_per_octave < 1:
+            raise ValueError(f"LengthHistogram(lo={lo}, hi={hi}, buckets_per_octave={buckets_per_octave})")
+        self.lo, self.hi, self.per_octave = float(lo), float(hi), buckets_per_octave
+        self.buckets = int(math.ceil(math.log2(hi / lo) * buckets_per_octave)) + 1
+        self._count = _Fenwick(self.buckets)
+        self._sum = _Fenwick(self.buckets)
+        self._sumsq = _Fenwick(self.buckets)
+        self.n = 0.0  # total weight
+
+    def bucket(self, value: float) -> int:
+        if value < self.lo:
+            return 0
+        index = int(math.log2(value / self.lo) * self.per_octave)
+        return min(index, self.buckets - 1)
+
+    def edges(self, index: int) -> tuple:
+        low = self.lo * 2 ** (index / self.per_octave) if index > 0 else 0.0
+        return low, self.lo * 2 ** ((index + 1) / self.per_octave)
+
+    def add(self, value: float, weight: float = 1.0) -> None:
+        """Add (or, with a negative weight, remove) a sample."""
+        index = self.bucket(value)
+        self._count.add(index, weight)
+        self._sum.add(index, weight * value)
+        self._sumsq.add(index, weight * value * value)
+        self.n += weight
+
+    def _slot(self, index: int) -> tuple:
+        return (
+            self._count.prefix(index + 1) - self._count.prefix(index),
+            self._sum.prefix(index + 1) - self._sum.prefix(index),
+            self._sumsq.prefix(index + 1) - self._sumsq.prefix(index),
+        )
+
+    def tail(self, threshold: float) -> tuple:
+        """(weight, sum, sum of squares) of the samples above ``threshold``."""
+        index = self.bucket(threshold)
+        count = self.n - self._count.prefix(index + 1)
+        total = self._sum.prefix(self.buckets) - self._sum.prefix(index + 1)
+        squares = self._sumsq.prefix(self.buckets) - self._sumsq.prefix(index + 1)
+        c, s, q = self._slot(index)
+        if c > 1e-12:
+            # The part of this bucket above the threshold, its samples taken as spread evenly over it.
+            low, high = self.edges(index)
+            part = min(max((high - threshold) / max(high - low, 1e-12), 0.0), 1.0) * c
+            a, b = max(threshold, low), high
+            count += part
+            total += part * (a + b) / 2.0
+            squares += part * (a * a + a * b + b * b) / 3.0
+        return max(count, 0.0), total, squares
+
+
+@dataclass(frozen=True)
+class RemainderEstimate:
+    """Expected remaining output tokens of one running request, and their variance."""
+
+    mean: float
+    variance: float
+
+
+@dataclass(frozen=True)
+class RunningRequest:
+    """What the reservation knows about one running request."""
+
+    max_tokens: Optional[int]  # as the client sent it (None: unset)
+    budget: int  # max_tokens, or what the context leaves (max_model_len - prompt length)
+    generated: int
+
+
+class SetMargin:
+    """Telescoping block counts for a running set seen one request at a time.
+
+    ``add(mean, variance)`` returns how many blocks to add for this request so that, after the
+    last request of the set, the answers sum to ``ceil((sum of means + k sqrt(sum of variances)) /
+    block_size)``; ``reset()`` starts a new set.
+    """
+
+    def __init__(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.mean = 0.0
+        self.variance = 0.0
+        self.blocks = 0
+
+    def add(self, mean: float, variance: float, k: float, block_size: int) -> int:
+        self.mean += mean
+        self.variance += variance
+        total = ceil_div(int(math.ceil(self.mean + k * math.sqrt(max(self.variance, 0.0)))), block_size)
+        delta = max(total - self.blocks, 0)
+        self.blocks += delta
+        return delta
+
+
+class AdaptiveReserve:
+    """The estimator. Feed it events (:meth:`observe_finished`, :meth:`observe_preemption`); ask it
+    for a running set's reservation (:meth:`reserve_blocks`) or one request's remainder
+    (:meth:`remainder`)."""
+
+    def __init__(
+        self,
+        window: int = 2000,
+        min_samples: int = 50,
+        k: float = 2.0,
+        k_step: float = 0.5,
+        k_max: float = 6.0,
+        k_decay: float = 0.98,
+        buckets_per_octave: int = 8,
+        max_length: int = 1 << 20,
+    ) -> None:
+        if window < 1 or min_samples < 1 or k < 0 or k_step < 0 or k_max < k or not 0 <= k_decay <= 1:
+            raise ValueError("AdaptiveReserve: window, min_samples >= 1; 0 <= k <= k_max; k_step >= 0; k_decay in [0, 1]")
+        self.window, self.min_samples = window, min_samples
+        self.k0, self.k_step, self.k_max, self.k_decay = k, k_step, k_max, k_decay
+        self.k_extra = 0.0
+        self.absolute = LengthHistogram(1.0, float(max_length), buckets_per_octave)
+        self.relative = LengthHistogram(1.0, RELATIVE_SCALE, buckets_per_octave)
+        self._samples: deque = deque()  # (is_relative, stored value), oldest first
+        self.finished = 0
+        self.preemptions = 0
+        self.fallbacks = 0  # requests answered with the ratio formula (warm-up or beyond the tail)
+
+    # ---- events -------------------------------------------------------------------------------
+    def observe_finished(self, max_tokens: Optional[int], output_tokens: int) -> None:
+        """A request finished after ``output_tokens`` tokens (its client's ``max_tokens``, or None)."""
+        if output_tokens < 1:
+            return
+        if max_tokens is not None and max_tokens >= 1:
+            sample = (True, min(output_tokens / max_tokens, 1.0) * RELATIVE_SCALE)
+        else:
+            sample = (False, float(output_tokens))
+        self._histogram(sample[0]).add(sample[1])
+        self._samples.append(sample)
+        if len(self._samples) > self.window:
+            old_relative, old_value = self._samples.popleft()
+            self._histogram(old_relative).add(old_value, -1.0)
+        self.finished += 1
+        self.k_extra *= self.k_decay
+
+    def observe_preemption(self, count: int = 1) -> None:
+        """``count`` running requests were preempted: the last reservations were too small."""
+        self.preemptions += count
+        self.k_extra = min(self.k_extra + self.k_step * count, self.k_max - self.k0)
+
+    # ---- queries ------------------------------------------------------------------------------
+    @property
+    def k(self) -> float:
+        return self.k0 + self.k_extra
+
+    def _histogram(self, relative: bool) -> LengthHistogram:
+        return self.relative if relative else self.absolute
+
+    def remainder(self, max_tokens: Optional[int], budget: int, generated: int) -> Optional[RemainderEstimate]:
+        """``E[L - g | L > g]`` and its variance for one running request; None: not learned yet (warm-up,
+        or it has generated more than the samples cover)."""
+        relative = max_tokens is not None and max_tokens >= 1
+        histogram = self._histogram(relative)
+        if histogram.n < self.min_samples:
+            return None
+        scale = (max_tokens / RELATIVE_SCALE) if relative else 1.0
+        # Lengths are whole tokens: L > g means L >= g + 1; the threshold sits halfway.
+        count, total, squares = histogram.tail((generated + 0.5) / scale)
+        if count < 0.5:
+            return None
+        mean_value = total / count
+        variance = max(squares / count - mean_value * mean_value, 0.0) * scale * scale
+        mean = mean_value * scale - generated
+        left = max(budget - generated, 0)
+        mean = min(max(mean, 1.0), left)
+        return RemainderEstimate(mean, min(variance, float(left) * left))
+
+    def reserve_blocks(
+        self, running: Iterable[RunningRequest], block_size: int, ratio: float, clip_max_new_tokens: int
+    ) -> int:
+        """Blocks to keep free for the running set: learned requests share one margin; the others
+        use upstream's ratio formula."""
+        means = variances = 0.0
+        fallback_blocks = 0
+        for r in running:
+            estimate = self.remainder(r.max_tokens, r.budget, r.generated)
+            if estimate is None:
+                self.fallbacks += 1
+                fallback_blocks += reserve_blocks_for_request(r.budget, r.generated, ratio, clip_max_new_tokens, block_size)
+            else:
+                means += estimate.mean
+                variances += estimate.variance
+        learned = int(math.ceil(means + self.k * math.sqrt(variances))) if means or variances else 0
+        return fallback_blocks + ceil_div(learned, block_size)
+
+    def state(self) -> dict:
+        """Samples, the current estimates and the margin (plain values, for metrics and reports)."""
+
+        def summary(histogram: LengthHistogram, scale: float) -> dict:
+            if histogram.n < 0.5:
+                return {"samples": 0, "mean": None, "std": None, "learned": False}
+            count, total, squares = histogram.tail(0.0)
+            mean = total / count
+            std = math.sqrt(max(squares / count - mean * mean, 0.0))
+            return {
+                "samples": int(round(histogram.n)),
+                "mean": round(mean * scale, 3),
+                "std": round(std * scale, 3),
+                "learned": histogram.n >= self.min_samples,
+            }
+
+        return {
+            "finished_seen": self.finished,
+            "window": self.window,
+            "min_samples": self.min_samples,
+            "absolute_tokens": summary(self.absolute, 1.0),
+            "relative_to_max_tokens": summary(self.relative, 1.0 / RELATIVE_SCALE),
+            "k": round(self.k, 6),
+            "preemptions_seen": self.preemptions,
+            "fallback_answers": self.fallbacks,
+        }
+
+
+def expected_remainders(estimator: AdaptiveReserve, running: Sequence[RunningRequest]) -> list:
+    """The per-request estimates (None where the ratio formula answers), e.g. for a report."""
+    return [estimator.remainder(r.max_tokens, r.budget, r.generated) for r in running]

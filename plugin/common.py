@@ -1,0 +1,62 @@
+"""Small computations every part of the plugin shares, written once.
+
+Imports nothing from FastDeploy and nothing else from the plugin, so every layer (policies,
+patches, replay, benchmarks, CLI) may use it.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable, Optional, Sequence
+
+__all__ = ["EXIT_OK", "EXIT_ERROR", "EXIT_NO_HOST", "ceil_div", "blocks_for_tokens", "percentile", "mean", "text_table"]
+
+# Exit codes of every ``fdsched`` command: done / a bad input, setting or check / no FastDeploy host.
+EXIT_OK, EXIT_ERROR, EXIT_NO_HOST = 0, 1, 2
+
+
+def ceil_div(numerator: int, denominator: int) -> int:
+    """``ceil(numerator / denominator)`` for integers, without floats (denominator > 0)."""
+    return -(-numerator // denominator)
+
+
+def blocks_for_tokens(tokens: int, block_size: int) -> int:
+    """KV blocks that hold ``tokens`` tokens (0 for 0 or fewer)."""
+    return ceil_div(max(tokens, 0), block_size)
+
+
+def percentile(values: Sequence[float], q: float) -> Optional[float]:
+    """The q-th percentile (0..100), linear interpolation between closest ranks; None when empty."""
+    if not 0 <= q <= 100:
+        raise ValueError(f"percentile q={q!r}; allowed: 0..100")
+    if not values:
+        return None
+    ordered = sorted(values)
+    if len(ordered) == 1:
+        return float(ordered[0])
+    rank = (len(ordered) - 1) * q / 100.0
+    low = math.floor(rank)
+    high = min(low + 1, len(ordered) - 1)
+    fraction = rank - low
+    return float(ordered[low] + (ordered[high] - ordered[low]) * fraction)
+
+
+def mean(values: Sequence[float]) -> Optional[float]:
+    return float(sum(values)) / len(values) if values else None
+
+
+def text_table(rows: Iterable[Sequence], headers: Sequence[str], align_right_from: Optional[int] = None) -> str:
+    """A plain-text table: a header, a rule, one line per row. Columns from ``align_right_from`` on
+    are right-aligned (numbers); the rest left-aligned."""
+    rows = [[str(c) for c in row] for row in rows]
+    headers = [str(h) for h in headers]
+    widths = [max([len(h)] + [len(r[i]) for r in rows]) for i, h in enumerate(headers)]
+
+    def line(cells) -> str:
+        out = []
+        for i, (cell, width) in enumerate(zip(cells, widths)):
+            right = align_right_from is not None and i >= align_right_from
+            out.append(cell.rjust(width) if right else cell.ljust(width))
+        return "  ".join(out).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])

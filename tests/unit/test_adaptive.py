@@ -1,0 +1,141 @@
+"""The adaptive reservation estimator (fdsched.adaptive): plain values, no host."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from fdsched.adaptive import AdaptiveReserve, LengthHistogram, RunningRequest, SetMargin
+from fdsched.policies import reserve_blocks_for_request
+
+
+def test_histogram_tail_matches_exact_statistics_on_integer_lengths():
+    rnd = random.Random(0)
+    values = [rnd.randint(1, 2000) for _ in range(5000)]
+    hist = LengthHistogram(buckets_per_octave=8)
+    for v in values:
+        hist.add(v)
+    for g in (0, 10, 100, 700, 1500):
+        above = [v for v in values if v > g]
+        count, total, _ = hist.tail(g + 0.5)
+        assert count == pytest.approx(len(above), rel=0.03, abs=5)
+        assert total / count == pytest.approx(sum(above) / len(above), rel=0.03)
+
+
+def test_removing_a_sample_restores_the_histogram():
+    hist = LengthHistogram()
+    hist.add(10)
+    before = hist.tail(0.0)
+    hist.add(500)
+    hist.add(500, -1.0)
+    assert hist.tail(0.0) == pytest.approx(before)
+
+
+def _learned(lengths, max_tokens=None, **kw):
+    est = AdaptiveReserve(min_samples=10, **kw)
+    for length in lengths:
+        est.observe_finished(max_tokens, length)
+    return est
+
+
+def test_expected_remainder_given_what_was_generated():
+    est = _learned([100] * 50 + [1000] * 50)
+    young = est.remainder(None, 4000, 0)
+    assert young.mean == pytest.approx(550, rel=0.05)  # half short, half long
+    old = est.remainder(None, 4000, 200)  # it outlived every short one: it is a long one
+    assert old.mean == pytest.approx(800, rel=0.05) and old.variance < young.variance
+
+
+def test_relative_samples_scale_with_the_clients_max_tokens():
+    est = _learned([50] * 40, max_tokens=100)  # clients that set max_tokens use half of it
+    assert est.remainder(400, 400, 0).mean == pytest.approx(200, rel=0.06)
+    assert est.remainder(None, 4000, 0) is None  # the absolute distribution has no samples yet
+
+
+def test_remainder_never_exceeds_the_budget_and_is_at_least_one_token():
+    est = _learned([3000] * 20)
+    assert est.remainder(None, 500, 10).mean == 490
+    est = _learned([10] * 20 + [11] * 20)
+    assert est.remainder(None, 4000, 10).mean >= 1
+
+
+def test_warm_up_and_beyond_the_tail_fall_back_to_the_ratio_formula():
+    est = AdaptiveReserve(min_samples=10)
+    running = [RunningRequest(None, 3000, 5), RunningRequest(None, 3000, 50)]
+    expected = sum(reserve_blocks_for_request(r.budget, r.generated, 0.7, 4096, 16) for r in running)
+    assert est.reserve_blocks(running, 16, 0.7, 4096) == expected
+    for _ in range(10):
+        est.observe_finished(None, 20)
+    beyond = [RunningRequest(None, 3000, 500)]  # longer than every sample
+    assert est.reserve_blocks(beyond, 16, 0.7, 4096) == reserve_blocks_for_request(3000, 500, 0.7, 4096, 16)
+    assert est.fallbacks == 3
+
+
+def test_one_margin_for_the_set_is_tighter_than_a_margin_per_request():
+    rnd = random.Random(1)
+    est = _learned([rnd.randint(1, 400) for _ in range(400)], k=2.0)
+    running = [RunningRequest(None, 4000, 0)] * 64
+    estimates = [est.remainder(r.max_tokens, r.budget, r.generated) for r in running]
+    mean_total = sum(e.mean for e in estimates)
+    per_request = sum(e.mean + 2.0 * math.sqrt(e.variance) for e in estimates)
+    blocks = est.reserve_blocks(running, 16, 0.7, 4096)
+    assert math.ceil(mean_total / 16) < blocks < per_request / 16
+    assert blocks == math.ceil((mean_total + 2.0 * math.sqrt(sum(e.variance for e in estimates))) / 16)
+
+
+def test_set_margin_answers_sum_to_the_set_reservation():
+    margin = SetMargin()
+    parts = [margin.add(m, v, 2.0, 16) for m, v in [(100, 400), (30, 900), (5, 25), (250, 10000)]]
+    assert all(p >= 0 for p in parts)
+    assert sum(parts) == math.ceil((385 + 2.0 * math.sqrt(11325)) / 16)
+    margin.reset()
+    assert margin.add(16, 0, 2.0, 16) == 1
+
+
+def test_sliding_window_forgets_old_samples():
+    est = AdaptiveReserve(window=100, min_samples=10)
+    for _ in range(100):
+        est.observe_finished(None, 1000)
+    for _ in range(100):
+        est.observe_finished(None, 10)  # the workload changed
+    assert est.remainder(None, 4000, 0).mean == pytest.approx(10, rel=0.1)
+    assert est.state()["absolute_tokens"]["samples"] == 100
+
+
+def test_preemptions_raise_the_margin_and_finished_samples_let_it_decay():
+    est = _learned([100] * 20, k=2.0, k_step=0.5, k_max=3.0, k_decay=0.5)
+    est.observe_preemption(1)
+    assert est.k == 2.5
+    est.observe_preemption(5)
+    assert est.k == 3.0  # capped
+    est.observe_finished(None, 100)
+    assert est.k == 2.5
+
+
+def test_same_events_same_state():
+    def run():
+        rnd = random.Random(7)
+        est = AdaptiveReserve(window=50, min_samples=5)
+        for i in range(300):
+            if i % 17 == 0:
+                est.observe_preemption()
+            est.observe_finished(rnd.choice([None, 256]), rnd.randint(1, 256))
+        return est.state(), est.reserve_blocks([RunningRequest(None, 2000, 30), RunningRequest(256, 256, 10)], 16, 0.5, 4096)
+
+    assert run() == run()
+
+
+def test_censoring_only_finished_requests_are_samples():
+    est = AdaptiveReserve(min_samples=1)
+    est.observe_finished(None, 0)  # nothing generated: not a length sample
+    assert est.state()["finished_seen"] == 0
+    est.observe_preemption()  # a preempted request is not a sample either
+    assert est.state()["absolute_tokens"]["samples"] == 0
+
+
+@pytest.mark.parametrize("kw", [{"window": 0}, {"min_samples": 0}, {"k": -1}, {"k": 3, "k_max": 2}, {"k_decay": 2}])
+def test_bad_parameters_are_refused(kw):
+    with pytest.raises(ValueError):
+        AdaptiveReserve(**kw)
