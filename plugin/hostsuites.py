@@ -59,6 +59,7 @@ class ExpectedFailure:
     cause: str
     why: str
     upstream_pr: Optional[int] = None
+    change: Optional[str] = None
 
     def applies(self, host: str, run: str) -> bool:
         return host in self.hosts and ("all" in self.runs or run in self.runs)
@@ -104,8 +105,9 @@ def load_expectations(path: Path = EXPECTATIONS) -> Expectations:
     for i, entry in enumerate(data["expected_failures"]):
         at = f"{where}: expected_failures[{i}]"
         keys = set(entry)
-        if not {"test", "hosts", "runs", "cause", "why"} <= keys <= {"test", "hosts", "runs", "cause", "why", "upstream_pr"}:
-            raise HostSuiteError(f"{at}: keys {sorted(keys)}; allowed: test, hosts, runs, cause, why, upstream_pr")
+        allowed = {"test", "hosts", "runs", "cause", "why", "upstream_pr", "change"}
+        if not {"test", "hosts", "runs", "cause", "why"} <= keys <= allowed:
+            raise HostSuiteError(f"{at}: keys {sorted(keys)}; allowed: {', '.join(sorted(allowed))}")
         runs = ("all",) if entry["runs"] == "all" else tuple(entry["runs"])
         bad_runs = [r for r in runs if r not in names]
         if bad_runs:
@@ -117,10 +119,17 @@ def load_expectations(path: Path = EXPECTATIONS) -> Expectations:
             raise HostSuiteError(f"{at}.cause: {entry['cause']!r}; allowed: plugin, host")
         if (entry["cause"] == "plugin") != isinstance(entry.get("upstream_pr"), int):
             raise HostSuiteError(f"{at}.upstream_pr: {entry.get('upstream_pr')!r}; allowed: a PR number iff cause is plugin")
+        from .settings import CHANGE_IDS
+
+        if (entry["cause"] == "plugin") != (entry.get("change") in CHANGE_IDS):
+            raise HostSuiteError(f"{at}.change: {entry.get('change')!r}; allowed: one of {', '.join(CHANGE_IDS)} iff cause is plugin")
         if entry["cause"] == "plugin" and NO_PLUGIN in runs + (("all",) if "all" in runs else ()):
             raise HostSuiteError(f"{at}.runs: a plugin-caused failure cannot apply to the {NO_PLUGIN} run")
         failures.append(
-            ExpectedFailure(entry["test"], hosts, runs, entry["cause"], " ".join(str(entry["why"]).split()), entry.get("upstream_pr"))
+            ExpectedFailure(
+                entry["test"], hosts, runs, entry["cause"], " ".join(str(entry["why"]).split()), entry.get("upstream_pr"),
+                entry.get("change"),
+            )
         )
     return Expectations(suites, dict(data["excluded"] or {}), tuple(failures))
 

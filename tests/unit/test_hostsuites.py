@@ -38,6 +38,27 @@ def test_table_entries_name_their_cause():
     assert "tests/cache_manager/test_cache_transfer_manager.py" not in TABLE.suites["new"]
 
 
+def test_plugin_caused_entries_list_exactly_the_runs_that_apply_their_change():
+    """A new profile that switches the change on must be added to the entry (and one that does not, must not)."""
+    from fdsched.settings import load_settings
+
+    for entry in TABLE.failures:
+        if entry.cause != "plugin":
+            continue
+        applying = []
+        for run in run_names():
+            if run == NO_PLUGIN:
+                continue
+            settings = load_settings(environ={}, profile=None if run == DEFAULT_RUN else run)
+            # the hosts of these entries lack the change, so auto applies it as on does
+            if settings.change_mode(entry.change) in ("auto", "on"):
+                applying.append(run)
+        assert sorted(entry.runs) == sorted(applying), (
+            f"{entry.test}: runs {sorted(entry.runs)} but the runs that apply {entry.change} are {sorted(applying)}; "
+            "update plugin/host_suites.yaml"
+        )
+
+
 def _result(run, outcomes, host="old", installed=True, profile="same"):
     files = TABLE.suites[host]
     base = {f"{path}::test_x": "passed" for path in files}
@@ -94,6 +115,6 @@ def test_bad_table_entries_are_named(tmp_path):
     path.write_text(bad)
     with pytest.raises(HostSuiteError, match=r"expected_failures\[0\]\.cause: 'sometimes'; allowed: plugin, host"):
         load_expectations(path)
-    path.write_text(text.replace("runs: [default, decode_only_preempt", "runs: [default, nosuch", 1))
+    path.write_text(text.replace("runs: [default, adaptive-replay", "runs: [default, nosuch", 1))
     with pytest.raises(HostSuiteError, match=r"expected_failures\[0\]\.runs: \['nosuch'\]"):
         load_expectations(path)
