@@ -10,28 +10,48 @@ from fdsched.cli import main
 prometheus_client = pytest.importorskip("prometheus_client")  # the test extra installs it
 
 
-def exposition(per_arm):
-    """A scrape with the plugin's per-arm series: per_arm = {arm: (rank, ttfts, tpots, preempt dict, recomputed)}."""
-    from prometheus_client import CollectorRegistry, Counter, Histogram as PHist, generate_latest
+_WRITER = r"""
+import json, sys
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
-    reg = CollectorRegistry()
-    buckets = (0.01, 0.05, 0.1, 0.5, 1, 5)
-    ttft = PHist("fastdeploy:fdsched_ttft_seconds", "ttft", ["arm", "dp_rank"], registry=reg, buckets=buckets)
-    tpot = PHist("fastdeploy:fdsched_tpot_seconds", "tpot", ["arm", "dp_rank"], registry=reg, buckets=buckets)
-    fin = Counter("fastdeploy:fdsched_requests_finished_total", "f", ["arm", "dp_rank"], registry=reg)
-    pre = Counter("fastdeploy:fdsched_preemptions_total", "p", ["arm", "dp_rank", "victim_phase"], registry=reg)
-    rec = Counter("fastdeploy:fdsched_recomputed_tokens_total", "r", ["arm", "dp_rank"], registry=reg)
-    Counter("fastdeploy:fdsched_evicted_blocks_total", "no arm label", registry=reg).inc(5)
-    for arm, (rank, ttfts, tpots, preempt, recomputed) in per_arm.items():
-        for v in ttfts:
-            ttft.labels(arm, rank).observe(v)
-            fin.labels(arm, rank).inc()
-        for v in tpots:
-            tpot.labels(arm, rank).observe(v)
-        for phase, n in preempt.items():
-            pre.labels(arm, rank, phase).inc(n)
-        rec.labels(arm, rank).inc(recomputed)
-    return generate_latest(reg).decode()
+per_arm = json.loads(sys.argv[1])
+reg = CollectorRegistry()
+buckets = (0.01, 0.05, 0.1, 0.5, 1, 5)
+ttft = Histogram("fastdeploy:fdsched_ttft_seconds", "ttft", ["arm", "dp_rank"], registry=reg, buckets=buckets)
+tpot = Histogram("fastdeploy:fdsched_tpot_seconds", "tpot", ["arm", "dp_rank"], registry=reg, buckets=buckets)
+fin = Counter("fastdeploy:fdsched_requests_finished_total", "f", ["arm", "dp_rank"], registry=reg)
+pre = Counter("fastdeploy:fdsched_preemptions_total", "p", ["arm", "dp_rank", "victim_phase"], registry=reg)
+rec = Counter("fastdeploy:fdsched_recomputed_tokens_total", "r", ["arm", "dp_rank"], registry=reg)
+Counter("fastdeploy:fdsched_evicted_blocks_total", "no arm label", registry=reg).inc(5)
+for arm, (rank, ttfts, tpots, preempt, recomputed) in per_arm.items():
+    for v in ttfts:
+        ttft.labels(arm, rank).observe(v)
+        fin.labels(arm, rank).inc()
+    for v in tpots:
+        tpot.labels(arm, rank).observe(v)
+    for phase, n in preempt.items():
+        pre.labels(arm, rank, phase).inc(n)
+    rec.labels(arm, rank).inc(recomputed)
+sys.stdout.write(generate_latest(reg).decode())
+"""
+
+
+def exposition(per_arm):
+    """A scrape with the plugin's per-arm series, written by prometheus_client itself.
+
+    per_arm = {arm: (rank, ttfts, tpots, preemptions by phase, recomputed tokens)}. Written in a clean process:
+    where PROMETHEUS_MULTIPROC_DIR is set (a host tier in the same run), prometheus_client keeps values in
+    per-process files that two registries of one process would share.
+    """
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    proc = subprocess.run([sys.executable, "-c", _WRITER, json.dumps(per_arm)], env=env, capture_output=True, text=True,
+                          check=True, timeout=60)
+    return proc.stdout
 
 
 TEXT = exposition(
