@@ -104,7 +104,8 @@ class HostInfo:
         return self.host_classes["ResourceManagerV1"]
 
     @property
-    def label(self) -> str:
+    def name(self) -> str:
+        """Version when known, commit, and which supported host it is (no location)."""
         from .hostsetup import KNOWN_HOSTS, host_key
 
         version = "" if self.version.lower() == "unknown" else f" {self.version}"
@@ -113,7 +114,11 @@ class HostInfo:
             key = host_key(self.commit)
             what = f" = {key} host: {KNOWN_HOSTS[next(c for c in KNOWN_HOSTS if c.startswith(self.commit))].what}" if key else ""
             commit = f", commit {self.commit[:9]}{what}"
-        return f"FastDeploy{version}{commit} at {self.location}"
+        return f"FastDeploy{version}{commit}"
+
+    @property
+    def label(self) -> str:
+        return f"{self.name} at {self.location}"
 
 
 def _host_version(location: str) -> tuple[str, Optional[str]]:

@@ -238,7 +238,7 @@ def format_header(report: dict) -> str:
     if "arms_differ" in host:
         lines.append("host: DIFFERS BETWEEN ARMS: " + "; ".join(f"{h.get('version')} {h.get('commit')}" for h in host["arms_differ"]))
     else:
-        lines.append(f"host: FastDeploy {host.get('version') or '?'}" + (f", commit {host['commit']}" if host.get("commit") else ""))
+        lines.append("host: " + (host.get("label") or f"FastDeploy {host.get('version') or '?'}, commit {host.get('commit') or '?'}"))
     for p in report["profiles"]:
         decisions = ", ".join(f"{cid}={detail}" for cid, detail in p["decisions"].items())
         lines.append(f"arm {p['profile']}: {decisions}")
@@ -363,7 +363,7 @@ def write_plot(report: dict, path: str, title: str = "") -> None:
     fig.legend(handles=legend, loc="upper center", ncol=4, fontsize=8, frameon=False,
                bbox_to_anchor=(0.5, 1 - 0.25 / height))
     host = report.get("host", {})
-    subtitle = f"FastDeploy {host.get('version', '?')} {str(host.get('commit') or '')[:8]}".strip()
+    subtitle = host.get("label") or f"FastDeploy {host.get('version', '?')} {str(host.get('commit') or '')[:8]}".strip()
     fig.suptitle((title + " - " if title else "") + subtitle, fontsize=11, y=1 - 0.05 / height)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.7 / height))
     fig.savefig(path, dpi=100)

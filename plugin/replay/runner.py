@@ -220,7 +220,7 @@ def run_profile(
 
     run = ProfileRun(profile=profile, num_gpu_blocks=shape.num_gpu_blocks, cost=cost)
     run.decisions = {cid: d.detail for cid, d in report.decisions.items()}
-    run.host = {"version": report.host.version, "commit": report.host.commit}
+    run.host = {"version": report.host.version, "commit": report.host.commit, "label": report.host.name}
     run.settings = {key: settings[key] for key, *_ in settings.describe()}
     run.environment = {
         "inherit_env": inherit_env,
@@ -449,3 +449,4 @@ def run_replay(
             if bar is not None:
                 bar.close()
     return runs
+
