@@ -241,6 +241,11 @@ class InitGuard:
             super().__init__(*args, **kwargs)
         finally:
             self.__dict__.pop("_fdsched_constructing", None)
+        if getattr(type(self), "_fdsched_target", None) == "ResourceManagerV1" and "_fdsched_impl" in self.__dict__:
+            # Refusals are counted only where the plugin's reservation code decides: declare the series there (at
+            # 0), so a scrape tells "none refused" from "not counted" (the host's own code runs).
+            if self._fdsched_impl.get("ratio_reserve") != "host":
+                METRICS.admission_counting(of=self)
 
     def _fdsched_bind_arm(self, args, kwargs) -> None:
         """Set this instance's arm (see the module docstring) before any ``__init__`` of the chain runs."""

@@ -225,6 +225,13 @@ class PluginMetrics:
         if prom:
             prom["blocked"].labels(**labels).inc()
 
+    def admission_counting(self, of=None) -> None:
+        """``of`` counts refused admissions (the plugin's reservation code runs there): its series exists at 0."""
+        self._arm(labels_of(of))["admissions_blocked"] += 0
+        prom = _prometheus()
+        if prom:
+            prom["blocked"].labels(**labels_of(of)).inc(0)
+
     def signal_unconsumed(self, signal: str, of=None) -> None:
         self.unconsumed_signals[signal] += 1
         prom = _prometheus()

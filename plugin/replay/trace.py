@@ -486,7 +486,7 @@ def dump_trace(requests: Sequence, engine: Optional[dict] = None, description: s
 # How the replay spreads one trace over data-parallel ranks, in words (the report repeats it).
 DP_SPLIT_RULE = (
     "each request goes to a rank drawn uniformly at random (random.Random(seed)), as FastDeploy's Router picks a "
-    "mixed instance (fastdeploy/router/router.py, select_mixed: random.choice)"
+    "mixed instance (fastdeploy/router/router.py, Router.select_mixed: random.randint over the registered servers)"
 )
 
 
@@ -494,7 +494,8 @@ def split_across_ranks(trace: Trace, ranks: Sequence[int], seed: int = 0) -> dic
     """rank -> the sub-trace that rank would serve when one traffic stream is spread over ``ranks``.
 
     The draw is uniform and independent per request (``random.Random(seed)``, in trace order), which is what
-    FastDeploy's Router does for mixed instances (``select_mixed``: ``random.choice`` over the healthy ones);
+    FastDeploy's Router does for mixed instances (``Router.select_mixed``: ``random.randint`` over the registered
+    servers; fastdeploy/router/router.py line 171 on the old host, 198 on the new);
     one api_server with the default local scheduler sends everything to rank 0 instead (see
     examples/ab_run.md). Every request keeps its own arrival; a rank's sub-trace is named ``<trace>@dp<rank>``.
     """

@@ -17,10 +17,7 @@ import pytest
 
 from fdsched.metrics import METRICS
 
-from .workloads import PRESSURE_SHAPE, kv_pressure_requests
-
-# KV pressure under which the baseline preempts prefills and recommended still preempts (decoders only).
-PREFILL_VICTIM_WORKLOAD = dict(seed=4, count=24, prompt=(30, 90), output=(10, 40))
+from .workloads import PREFILL_VICTIM_WORKLOAD, PRESSURE_SHAPE, drive_together, kv_pressure_requests
 ARMS = {0: "baseline", 1: "recommended"}
 
 
@@ -56,45 +53,6 @@ def build():
         close_manager(manager)
 
 
-class StepClock:
-    """Seconds of a modelled engine: 20 ms per step of the driver it belongs to."""
-
-    def __init__(self):
-        self.driver = None
-
-    def __call__(self):
-        return 1000.0 + 0.02 * (self.driver.step_no if self.driver is not None else 0)
-
-
-def _driver(manager):
-    from fdsched.replay.engine import Driver
-
-    clock = StepClock()
-    driver = Driver(manager, clock=clock)
-    clock.driver = driver
-    return driver
-
-
-def _drive_together(managers, requests, max_steps=3000):
-    """Drive every manager through the same workload, one step each in turn (one process, interleaved).
-
-    Returns rank -> the victim phases of its preemptions."""
-    from fdsched.replay.engine import make_request
-
-    drivers = {rank: _driver(m) for rank, m in managers.items()}
-    victims = {rank: [] for rank in managers}
-    last_arrival = max(r[0] for r in requests)
-    for step in range(max_steps):
-        for rank, driver in drivers.items():
-            for arrival, rid, prompt, out, max_tokens in requests:
-                if arrival == step:
-                    driver.add(make_request(rid, prompt, max_tokens), true_output_len=out)
-            victims[rank] += [phase for _, phase in driver.step().preempted]
-        if step >= last_arrival and all(d.idle() for d in drivers.values()):
-            return victims
-    raise AssertionError(f"workload did not drain in {max_steps} steps")
-
-
 def test_each_rank_runs_its_arm_side_by_side_in_one_process(install_arms, build, clock, host_info):
     report = install_arms()
     rm0, rm1, rm2 = build(0), build(1), build(2)  # rank 2 is not listed: the default arm (no profile)
@@ -111,7 +69,7 @@ def test_each_rank_runs_its_arm_side_by_side_in_one_process(install_arms, build,
     assert cls._fdsched_impl == {cid: d.impl for cid, d in report.decisions.items()}
     assert type(rm0) is type(rm1) is cls
 
-    victims = _drive_together({0: rm0, 1: rm1}, kv_pressure_requests(**PREFILL_VICTIM_WORKLOAD))
+    victims = drive_together({0: rm0, 1: rm1}, kv_pressure_requests(**PREFILL_VICTIM_WORKLOAD))
     assert "prefill" in victims[0], "rank 0 (baseline) preempts as the pre-change host does, prefills included"
     assert victims[1], "the workload must cause preemptions on rank 1 too"
     assert "prefill" not in victims[1], "rank 1 (recommended) never preempts a prefill"
@@ -148,7 +106,7 @@ def _child_rank(rank, conn):
         manager = build_manager(EngineShape(**PRESSURE_SHAPE), dp_rank=rank, dp_size=2)
         try:
             with logical_clock():
-                victims = _drive_together({rank: manager}, kv_pressure_requests(**PREFILL_VICTIM_WORKLOAD))[rank]
+                victims = drive_together({rank: manager}, kv_pressure_requests(**PREFILL_VICTIM_WORKLOAD))[rank]
             conn.send(("ok", manager._fdsched_arm, victims))
         finally:
             close_manager(manager)
@@ -177,7 +135,7 @@ def test_forked_rank_runs_its_arm_and_metrics_and_report_show_both(install_arms,
     proc = multiprocessing.get_context("fork").Process(target=_child_rank, args=(1, child))
     proc.start()
     child.close()
-    victims0 = _drive_together({0: rm0}, kv_pressure_requests(**PREFILL_VICTIM_WORKLOAD))[0]
+    victims0 = drive_together({0: rm0}, kv_pressure_requests(**PREFILL_VICTIM_WORKLOAD))[0]
     status, arm1, victims1 = parent.recv()
     proc.join(60)
     assert status == "ok", arm1
@@ -258,3 +216,55 @@ def test_arms_from_the_environment(build):
         assert build(3)._fdsched_arm == "ratio_reserve"
     finally:
         installer.uninstall()
+
+
+def test_done_when_one_deployment_through_fastdeploys_loader(tmp_path, capsys, host_info):
+    """Issue 11, done when: FDSCHED_PROFILE_BY_DP_RANK=0=baseline,1=recommended, the plugin loaded by FastDeploy's
+    own loader; rank 0 preempts as the pre-change host does (prefills too), rank 1 (forked after rank 0's
+    scheduler exists) never preempts a prefill; the host's /metrics shows both arms; the report compares them."""
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from fdsched.cli import main
+
+    root = Path(__file__).resolve().parents[2]
+    scrape = tmp_path / "metrics.prom"
+    prom_dir = tmp_path / "prom"
+    prom_dir.mkdir()
+    env = dict(
+        os.environ,
+        FD_PLUGINS="fdsched",
+        FDSCHED_PROFILE_BY_DP_RANK="0=baseline,1=recommended",
+        PROMETHEUS_MULTIPROC_DIR=str(prom_dir),
+        FD_LOG_DIR=str(tmp_path / "log"),
+    )
+    env.pop("FDSCHED_PROFILE", None)
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.host.ab_scenario", str(scrape)],
+        cwd=root, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["0"]["arm"] == "baseline" and result["1"]["arm"] == "recommended", result
+    assert "prefill" in result["0"]["victims"], result
+    assert result["1"]["victims"] and "prefill" not in result["1"]["victims"], result
+    assert "online A/B arms (FDSCHED_PROFILE_BY_DP_RANK): dp rank 0: baseline, dp rank 1: recommended" in result[
+        "summary"]
+
+    text = scrape.read_text()
+    for arm, rank in (("baseline", 0), ("recommended", 1)):
+        assert f'fastdeploy:fdsched_requests_finished_total{{arm="{arm}",dp_rank="{rank}"}} 24.0' in text
+        assert f'fastdeploy:fdsched_ttft_seconds_count{{arm="{arm}",dp_rank="{rank}"}} 24.0' in text
+    prefill0 = result["0"]["victims"].count("prefill")
+    assert f'fastdeploy:fdsched_preemptions_total{{arm="baseline",dp_rank="0",victim_phase="prefill"}} {prefill0}.0' in text
+    assert 'arm="recommended",dp_rank="1",victim_phase="prefill"' not in text
+
+    capsys.readouterr()
+    assert main(["ab", "report", str(scrape), "--reference", "baseline"]) == 0
+    printed = capsys.readouterr().out
+    assert "arms: baseline: dp_rank 0; recommended: dp_rank 1" in printed
+    assert "recommended/baseline" in printed
+    with capsys.disabled():
+        print(f"\n[done-when, {host_info.label}]\nvictims: {result}\n{printed}")
