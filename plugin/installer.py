@@ -200,8 +200,8 @@ def _build(info, settings: Settings, decisions: dict, policies: Policies, arms: 
             "_fdsched_init_signature": init_signature(host_cls),
         }
         extra = ()
-        if target == "ResourceManagerV1":
-            extra = (RequestOutcomesMixin,)  # measurement only: every arm, every profile
+        if target == "ResourceManagerV1" and hasattr(host_cls, "finish_requests"):
+            extra = (RequestOutcomesMixin,)  # measurement only (every arm, every profile); without the seam: none
         if target == "PrefixCacheManager" and arms:
             attrs["cache_task_queue"] = ArmStamp("cache_task_queue")
         classes[target] = type(host_cls.__name__, (InitGuard,) + extra + mixins + (host_cls,), attrs)
