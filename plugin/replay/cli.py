@@ -266,8 +266,16 @@ def cmd_replay(args) -> int:
         }
         engine = trace.engine_with(overrides)
         check_engine(trace, engine)
-        for profile in profiles:  # every profile must load before anything runs
+        for profile in profiles if dp_arms is None else ():  # every profile must load before anything runs
             load_settings(environ=None if args.inherit_env else {}, profile=profile)
+        for rank, profile in (dp_arms or {}).items():  # every arm too, and an error names its rank
+            from fdsched.settings import _resolve_profile
+
+            _resolve_profile(profile, f"--dp-arms, rank {rank}")
+            try:
+                load_settings(environ=None if args.inherit_env else {}, profile=profile)
+            except SettingsError as exc:
+                raise SettingsError(f"--dp-arms, rank {rank} (profile {profile}): {exc}") from None
     except (TraceError, SettingsError) as exc:
         print(f"fdsched: {exc}", file=sys.stderr)
         return EXIT_ERROR

@@ -237,11 +237,3 @@ def test_cli_replay_dp_arms_splits_one_trace_across_one_scheduler_per_arm(replay
     assert figures["dp1:recommended"]["preemptions_prefill_victims"] == 0
     assert figures["dp0:baseline"]["requests_finished"] == len(shares[0].requests)
 
-
-def test_cli_replay_dp_arms_errors(replay_host, capsys):
-    from fdsched.cli import main
-
-    assert main(["replay", "--dp-arms", "0=baseline,0=recommended", "--no-progress"]) == 1
-    assert "--dp-arms: bad value '0=recommended' (rank 0 is given twice" in capsys.readouterr().err
-    assert main(["replay", "--dp-arms", "0=baseline", "--profile", "baseline", "--no-progress"]) == 1
-    assert "allowed: one of --dp-arms or --profile" in capsys.readouterr().err
