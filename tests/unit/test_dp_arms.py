@@ -166,3 +166,86 @@ def test_plain_counters_keep_totals_and_split_by_arm():
     (ttft, tpot), = m.latencies[("recommended", "1")]
     assert ttft == pytest.approx(0.25) and tpot == pytest.approx(0.1)
     assert m.arm("nosuch") == {}
+
+
+# ---- per-instance arms on plugin classes built over plain host classes ---------------------------------------
+class _FakeRM:
+    def __init__(self, max_num_seqs, config, tensor_parallel_size, splitwise_role, local_data_parallel_id=0):
+        self.built_with = local_data_parallel_id
+
+
+class _FakePCM:
+    def __init__(self, config, tensor_parallel_size, splitwise_role="mixed", local_data_parallel_id=0):
+        self.cache_task_queue = None
+
+
+class _FakeECQ:
+    def __init__(self, address=None, is_server=False, local_data_parallel_id=0):
+        pass
+
+
+def _classes(arms):
+    from fdsched.hooks import Policies, make_plugin_manager
+    from fdsched.installer import _build, decide
+
+    info = types.SimpleNamespace(
+        has={}, problems={}, label="fake host", split_status=False, request_status=None,
+        host_classes={"ResourceManagerV1": _FakeRM, "PrefixCacheManager": _FakePCM, "EngineCacheQueue": _FakeECQ},
+    )
+    default = load_settings({}, profile="ratio_reserve")
+    decided = decide_arms({r: load_settings({}, profile=p) for r, p in arms.items()}, info)
+    classes = _build(info, default, decide(default, info), Policies(make_plugin_manager({}, load_entry_points=False)),
+                     decided)
+    return classes, decided
+
+
+def test_instances_take_their_ranks_arm_and_the_class_keeps_the_single_profile():
+    classes, arms = _classes({0: "baseline", 1: "recommended"})
+    rm_cls = classes["ResourceManagerV1"]
+    rm0, rm1, rm5 = (rm_cls(8, _config(r), 1, "mixed", r) for r in (0, 1, 5))
+    assert (rm0._fdsched_arm, rm1._fdsched_arm, rm5._fdsched_arm) == ("baseline", "recommended", "ratio_reserve")
+    assert rm0._fdsched_impl == arms[0].impl and rm1._fdsched_impl == arms[1].impl
+    assert rm0._fdsched_settings.profile == "baseline" and rm5._fdsched_dp_rank == 5
+    assert rm_cls._fdsched_settings.profile == "ratio_reserve" and rm_cls._fdsched_impl["decode_only_preempt"] == "host"
+    assert labels_of(rm1) == {"arm": "recommended", "dp_rank": "1"}
+    pcm = classes["PrefixCacheManager"](_config(1), 1, "mixed", 1)
+    assert pcm._fdsched_arm == "recommended"
+    queue = classes["EngineCacheQueue"](is_server=True)
+    assert "_fdsched_arm" not in queue.__dict__  # no rank: the class's (every arm's union for change 5)
+    assert classes["EngineCacheQueue"]._fdsched_impl["nonpolling_transfer"] == "plugin"
+    pcm.cache_task_queue = queue  # the manager's own client takes the manager's arm
+    assert queue._fdsched_arm == "recommended" and queue._fdsched_impl == pcm._fdsched_impl
+
+
+def _forked_rank(cls, rank, conn):
+    import os
+
+    try:
+        rm = cls(8, _config(rank), 1, "mixed", rank)
+        conn.send((rm._fdsched_arm, rm._fdsched_impl["decode_only_preempt"]))
+    finally:
+        conn.close()
+        os._exit(0)
+
+
+def test_a_rank_forked_after_rank_0_was_built_takes_its_own_arm():
+    import multiprocessing
+
+    classes, arms = _classes({0: "baseline", 1: "recommended"})
+    rm0 = classes["ResourceManagerV1"](8, _config(0), 1, "mixed", 0)  # built before the fork, as the engine does
+    ctx = multiprocessing.get_context("fork")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_forked_rank, args=(classes["ResourceManagerV1"], 1, child))
+    proc.start()
+    child.close()
+    assert parent.recv() == ("recommended", arms[1].impl["decode_only_preempt"])
+    proc.join(30)
+    assert rm0._fdsched_arm == "baseline"
+
+
+def test_a_single_profile_class_has_no_arms_and_instances_match_the_class():
+    classes, _ = _classes({})
+    rm = classes["ResourceManagerV1"](8, _config(3), 1, "mixed", 3)
+    assert classes["ResourceManagerV1"]._fdsched_arms == {}
+    assert rm._fdsched_impl == classes["ResourceManagerV1"]._fdsched_impl and rm._fdsched_arm == "ratio_reserve"
+    assert "cache_task_queue" not in vars(classes["PrefixCacheManager"])  # no stamping without arms
