@@ -64,8 +64,8 @@ class DecodeOnlyPreemptMixin(PluginBase):
             if chosen is None:
                 return None, -1
             victim, index, decoding = self.running[chosen], chosen, candidates[chosen].decoding
-        if victim is not None:  # the host's loop preempts what this returns
-            METRICS.preempted("decode" if decoding else "prefill")
+        if victim is not None:  # the host's loop preempts what this returns (its computed tokens are still set)
+            METRICS.preempted("decode" if decoding else "prefill", of=self, recomputed_tokens=_computed(victim))
         return victim, index
 
     def _trigger_preempt(self, request, num_new_blocks, preempted_reqs, scheduled_reqs):
@@ -89,8 +89,9 @@ class DecodeOnlyPreemptMixin(PluginBase):
                     )
                 return False
             victim = self.running.pop(index)
+            computed = _computed(victim)  # before the reset below
             self._fdsched_preempt_request(victim, preempted_reqs, scheduled_reqs)
-            METRICS.preempted("decode" if candidates[index].decoding else "prefill")
+            METRICS.preempted("decode" if candidates[index].decoding else "prefill", of=self, recomputed_tokens=computed)
             if victim is request:
                 return False
         return True
@@ -104,10 +105,15 @@ class DecodeOnlyPreemptMixin(PluginBase):
     def _fdsched_host_preempt(self, request, num_new_blocks, preempted_reqs, scheduled_reqs):
         """The old host's own preemption, with the victims counted by phase for the metrics."""
         phase_before = {r.request_id: self._fdsched_is_decoding(r) for r in self.running}
+        computed_before = {r.request_id: _computed(r) for r in self.running}
         already = len(preempted_reqs)
         result = super()._trigger_preempt(request, num_new_blocks, preempted_reqs, scheduled_reqs)
         for victim in preempted_reqs[already:]:
-            METRICS.preempted("decode" if phase_before.get(victim.request_id) else "prefill")
+            METRICS.preempted(
+                "decode" if phase_before.get(victim.request_id) else "prefill",
+                of=self,
+                recomputed_tokens=computed_before.get(victim.request_id, 0),
+            )
         return result
 
     def _fdsched_preempt_request(self, victim, preempted_reqs, scheduled_reqs):
@@ -141,6 +147,12 @@ class DecodeOnlyPreemptMixin(PluginBase):
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(f"[fdsched] preempted {victim.request_id} at idx {victim.idx}; {self.info()}")
             self._info_each_block()
+
+
+def _computed(request) -> int:
+    """Tokens of ``request`` whose KV a preemption throws away (they are computed again when it returns)."""
+    value = getattr(request, "num_computed_tokens", 0)
+    return int(value) if isinstance(value, int) and not isinstance(value, bool) else 0
 
 
 def _has_decode_only(info) -> bool:

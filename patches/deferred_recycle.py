@@ -213,7 +213,7 @@ class DeferredRecycleMixin(PluginBase):
         if not ids:
             return
         self.recycle_gpu_blocks(ids)  # an instance attribute that replaces the method sees the batch too
-        METRICS.recycled(len(ids), time.perf_counter() - started)
+        METRICS.recycled(len(ids), time.perf_counter() - started, of=self)
 
     def _fdsched_recycle_batch(self, ids: list, req_id) -> None:
         """Return ``ids`` to the free heap: once, guarded like the host's recycle."""

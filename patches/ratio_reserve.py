@@ -136,7 +136,7 @@ class RatioReserveMixin(PluginBase):
                 self.current_reserve_output_block_num = self.init_reserve_output_block_num
                 self.current_reserve_output_block_num_float = float(self.init_reserve_output_block_num)
         if self._fdsched_impl["ratio_reserve"] == "plugin":
-            METRICS.ratio(self._fdsched_ratio.value)
+            METRICS.ratio(self._fdsched_ratio.value, of=self)
 
     # ---- the pass ---------------------------------------------------------------------------------
     def schedule(self):
@@ -156,7 +156,7 @@ class RatioReserveMixin(PluginBase):
         with self.lock:
             if impl == "plugin":
                 self._fdsched_ratio.after_schedule(scheduled_anything)
-                METRICS.ratio(self._fdsched_ratio.value)
+                METRICS.ratio(self._fdsched_ratio.value, of=self)
             else:
                 self._fdsched_fixed.after_schedule(scheduled_anything)
         return result
@@ -184,7 +184,7 @@ class RatioReserveMixin(PluginBase):
         logger = host_global(RM, "llm_logger")
         if this_pass.has_open_work():
             # The host's pass never reached its end seam: close it here, and say so.
-            METRICS.signal_unconsumed(PASS_END)
+            METRICS.signal_unconsumed(PASS_END, of=self)
             logger.warning(
                 "[fdsched] the schedule() pass ended without calling _log_console_scheduler_metrics: the plugin's "
                 "running-chunk preemptions are added to the pass's tasks after it and the waiting queue is put back "
@@ -192,15 +192,15 @@ class RatioReserveMixin(PluginBase):
             )
             self._fdsched_close_pass(this_pass, scheduled_reqs if scheduled_reqs is not None else [])
         for request_id in sorted(this_pass.declines):
-            METRICS.signal_unconsumed(DECLINE_PREEMPTION)
+            METRICS.signal_unconsumed(DECLINE_PREEMPTION, of=self)
             logger.warning(f"[fdsched] the guard refused running chunk {request_id} but no preemption call followed")
         if this_pass.threshold_for is not None:
-            METRICS.signal_unconsumed(THRESHOLD_FOR_RUNNING_CHUNK)
+            METRICS.signal_unconsumed(THRESHOLD_FOR_RUNNING_CHUNK, of=self)
             logger.warning(
                 f"[fdsched] no threshold was computed for running chunk {this_pass.threshold_for[0]} "
                 f"({this_pass.threshold_for[1]} blocks) after its block count"
             )
-        block_checks(self.cache_manager).end_pass(logger)
+        block_checks(self.cache_manager).end_pass(logger, of=self)
 
     # ---- the running chunk --------------------------------------------------------------------------
     def get_new_block_nums(self, request, num_new_tokens):
@@ -220,7 +220,7 @@ class RatioReserveMixin(PluginBase):
         """Old host: its running pass checks only the chunk's own blocks; apply the reservation here."""
         if self.cache_manager.can_allocate_gpu_blocks(self._fdsched_threshold(blocks)):
             return
-        METRICS.admission_blocked()
+        METRICS.admission_blocked(of=self)
         block_checks(self.cache_manager).expect(REFUSE_RUNNING_CHUNK, request.request_id, blocks)
         this_pass.declines.add(request.request_id)
 
@@ -255,7 +255,7 @@ class RatioReserveMixin(PluginBase):
 
     def _fdsched_threshold(self, chunk_blocks: int) -> int:
         reserve = self._fdsched_total_reserve()
-        METRICS.reserved(reserve)
+        METRICS.reserved(reserve, of=self)
         return self._fdsched_speculative_slack(chunk_blocks + reserve)
 
     def _fdsched_fixed_threshold(self, chunk_blocks: int) -> int:
@@ -265,7 +265,7 @@ class RatioReserveMixin(PluginBase):
             return chunk_blocks  # pre-change: a running chunk needed only its own blocks
         fixed = self._fdsched_fixed
         threshold = fixed.threshold(chunk_blocks, len(self.running))
-        METRICS.reserved(threshold - chunk_blocks)
+        METRICS.reserved(threshold - chunk_blocks, of=self)
         if fixed.relaxed:
             return threshold
         return self._fdsched_speculative_slack(threshold)
@@ -352,7 +352,7 @@ class RatioReserveMixin(PluginBase):
             self.config.cache_config.block_size,
             self._fdsched_settings["tunables.ratio_reestimate_extra_blocks"],
         )
-        METRICS.ratio(value)
+        METRICS.ratio(value, of=self)
 
 
 def _output_budget(request, max_model_len: int) -> int:
@@ -374,7 +374,7 @@ class RatioReserveCacheMixin(PluginBase):
         else:
             allowed = super().can_allocate_gpu_blocks(num_blocks, try_free_gpu_blocks)
         if COUNT_REFUSAL in kinds and not allowed:
-            METRICS.admission_blocked()
+            METRICS.admission_blocked(of=self)
         return allowed
 
 

@@ -2,8 +2,9 @@
 
 An online A/B runs one arm (profile) per data-parallel rank of one deployment (``FDSCHED_PROFILE_BY_DP_RANK``);
 the plugin's metrics carry the arm as the label ``arm``. This command reads a scrape of ``/metrics`` (a saved
-file, ``-`` for stdin, or an http(s) URL), optionally minus an earlier scrape (``--since``: the window between
-the two), and prints one row per figure and one column per arm, with the ratio of each arm to the reference
+file, ``-`` for stdin, or an http(s) URL) — or several, added up: with ``multi_api_server`` every rank's
+api_server has its own ``/metrics`` — optionally minus earlier scrapes (``--since``: the window between the
+two), and prints one row per figure and one column per arm, with the ratio of each arm to the reference
 arm and the counts behind each figure, so a reader can judge noise.
 
 Figures (per arm; the metric each comes from):
@@ -14,7 +15,8 @@ Figures (per arm; the metric each comes from):
 * TPOT mean / p50 / p90 / p99             ``fastdeploy:fdsched_tpot_seconds``
 * preemptions per 1k requests (all, prefill victims)   ``fastdeploy:fdsched_preemptions_total{victim_phase}``
 * recomputed tokens per request           ``fastdeploy:fdsched_recomputed_tokens_total``
-* admissions blocked per request          ``fastdeploy:fdsched_admissions_blocked_total``
+* admissions blocked per request          ``fastdeploy:fdsched_admissions_blocked_total`` (``-`` for an arm where the
+                                          host's own reservation code decides: the plugin does not see its refusals)
 
 The exposition is parsed with ``prometheus_client``'s own parser (a FastDeploy dependency; the ``report``
 extra installs it).
@@ -28,7 +30,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Optional
 
-__all__ = ["ArmSeries", "parse_exposition", "arm_figures", "format_report", "ABReportError"]
+__all__ = ["ArmSeries", "parse_exposition", "merge_scrapes", "arm_figures", "format_report", "ABReportError"]
 
 PREFIX = "fastdeploy:fdsched_"
 
@@ -42,6 +44,14 @@ class Histogram:
     buckets: dict = field(default_factory=dict)  # upper bound (float, inf included) -> cumulative count
     count: float = 0.0
     total: float = 0.0
+
+    def plus(self, other: "Histogram") -> "Histogram":
+        bounds = set(self.buckets) | set(other.buckets)
+        return Histogram(
+            {le: self.buckets.get(le, 0.0) + other.buckets.get(le, 0.0) for le in bounds},
+            self.count + other.count,
+            self.total + other.total,
+        )
 
     def minus(self, other: "Histogram") -> "Histogram":
         return Histogram(
@@ -79,6 +89,16 @@ class ArmSeries:
     def counter(self, name: str, **labels) -> float:
         want = set(labels.items())
         return sum(v for (n, other), v in self.counters.items() if n == name and want <= set(other))
+
+    def plus(self, other: "ArmSeries") -> "ArmSeries":
+        """The series of two scrapes of different servers together (multi_api_server: one /metrics per rank)."""
+        counters = dict(self.counters)
+        for k, v in other.counters.items():
+            counters[k] = counters.get(k, 0.0) + v
+        histograms = dict(self.histograms)
+        for k, h in other.histograms.items():
+            histograms[k] = histograms[k].plus(h) if k in histograms else h
+        return ArmSeries(counters, histograms, self.dp_ranks | other.dp_ranks)
 
     def minus(self, other: "ArmSeries") -> "ArmSeries":
         return ArmSeries(
@@ -153,6 +173,15 @@ def _per(numerator: float, requests: float, scale: float = 1.0):
     return (numerator / requests * scale if requests > 0 else None), requests
 
 
+def merge_scrapes(scrapes: list) -> dict:
+    """arm -> :class:`ArmSeries` summed over several parsed scrapes (one per server of the deployment)."""
+    merged: dict = {}
+    for arms in scrapes:
+        for arm, series in arms.items():
+            merged[arm] = merged[arm].plus(series) if arm in merged else series
+    return merged
+
+
 def _figures():
     finished = lambda s: s.counter(PREFIX + "requests_finished")  # noqa: E731
     rows = [
@@ -174,9 +203,17 @@ def _figures():
             lambda s: _per(s.counter(PREFIX + "preemptions", victim_phase="prefill"), finished(s), 1000),
         ),
         ("recomputed tokens / request", "lower", lambda s: _per(s.counter(PREFIX + "recomputed_tokens"), finished(s))),
-        ("admissions blocked / request", None, lambda s: _per(s.counter(PREFIX + "admissions_blocked"), finished(s))),
+        ("admissions blocked / request", None, _admissions_blocked),
     ]
     return rows
+
+
+def _admissions_blocked(series):
+    """Counted only where the plugin's reservation code runs (its series exists there, from 0); else n/a."""
+    name = PREFIX + "admissions_blocked"
+    if not any(n == name for n, _ in series.counters):
+        return None, series.counter(PREFIX + "requests_finished")
+    return _per(series.counter(name), series.counter(PREFIX + "requests_finished"))
 
 
 def _ms(value, series, name):
@@ -221,21 +258,40 @@ def format_report(arms: dict, reference: Optional[str] = None) -> str:
     return f"arms: {ranks}\n(n) = requests (or observations) behind each figure\n" + _table(rows, headers)
 
 
+def _parse_or_empty(text: str, source: str) -> dict:
+    """An earlier scrape may predate every per-arm series (taken before the first request finished)."""
+    try:
+        return parse_exposition(text, source)
+    except ABReportError as exc:
+        if "no fdsched series with an arm label" in str(exc):
+            return {}
+        raise
+
+
 def add_command(sub) -> None:
     ab = sub.add_parser("ab", help="online A/B (one arm per data-parallel rank): the per-arm report")
     ab_sub = ab.add_subparsers(dest="ab_command", required=True)
     report = ab_sub.add_parser("report", help="per-arm comparison from a /metrics scrape (file, - or URL)")
-    report.add_argument("scrape", help="a saved Prometheus text exposition, - for stdin, or the /metrics URL")
-    report.add_argument("--since", help="an earlier scrape of the same deployment: report the window between the two")
+    report.add_argument(
+        "scrape",
+        nargs="+",
+        help="a saved Prometheus text exposition, - for stdin, or a /metrics URL; several (one per api_server of a "
+        "multi_api_server deployment, each has its own /metrics) are added up",
+    )
+    report.add_argument(
+        "--since",
+        nargs="+",
+        help="earlier scrapes of the same servers: report the window between them and the scrapes",
+    )
     report.add_argument("--reference", help="the arm the others are compared with (default: the first by name)")
     report.set_defaults(func=cmd_report)
 
 
 def cmd_report(args) -> int:
     try:
-        arms = parse_exposition(_read(args.scrape), args.scrape)
+        arms = merge_scrapes([parse_exposition(_read(source), source) for source in args.scrape])
         if args.since:
-            earlier = parse_exposition(_read(args.since), args.since)
+            earlier = merge_scrapes([_parse_or_empty(_read(source), source) for source in args.since])
             arms = {arm: series.minus(earlier.get(arm, ArmSeries())) for arm, series in arms.items()}
         print(format_report(arms, args.reference))
     except ABReportError as exc:

@@ -17,12 +17,14 @@ def cmd_doctor(args) -> int:
     from fdsched.patches import CATALOGUE
 
     from .host import HostNotFound
-    from .installer import InstallError, current, decide
+    from .installer import InstallError, current, decide, decide_arms
+    from .settings import load_arm_settings
 
     print(f"fdsched {__version__}")
     status = EXIT_OK
     try:
         settings = load_settings()
+        arm_settings = load_arm_settings()
     except SettingsError as exc:
         print(f"settings: ERROR: {exc}", file=sys.stderr)
         return EXIT_ERROR
@@ -54,6 +56,16 @@ def cmd_doctor(args) -> int:
         rows.append((spec.change_id, f"{prs} ({spec.upstream_state})", has, settings.change_mode(spec.change_id), would))
     print()
     print(_table(rows, ("change", "upstream PR", "host has it", "switch", "would be")))
+    if arm_settings:
+        print("\nonline A/B arms (FDSCHED_PROFILE_BY_DP_RANK; other ranks: the profile above):")
+        try:
+            arms = decide_arms(arm_settings, info) if info is not None else {}
+        except InstallError as exc:
+            print(f"ERROR: {exc}", file=sys.stderr)
+            status, arms = EXIT_ERROR, {}
+        for rank, arm_s in sorted(arm_settings.items()):
+            line = arms[rank].line() if rank in arms else "-"
+            print(f"  dp rank {rank}: {arm_s.profile} ({arm_s.profile_path}): {line}")
     installed = current()
     if installed is not None:
         print("\ninstalled in this process: " + installed.summary())

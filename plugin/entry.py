@@ -27,6 +27,10 @@ def register() -> None:
         for decision in report.decisions.values():
             if decision.state == "skipped":
                 llm_logger.warning(f"[fdsched] {decision.change_id} {decision.detail}")
+        for rank, arm in sorted((report.arms or {}).items()):
+            for decision in arm.decisions.values():
+                if decision.state == "skipped":
+                    llm_logger.warning(f"[fdsched] data-parallel rank {rank} (arm {arm.label}): {decision.change_id} {decision.detail}")
         llm_logger.info("[fdsched] " + report.summary())
         if report.settings["replay.oracle_reserve"]:
             llm_logger.warning(

@@ -10,6 +10,15 @@ Order of work, so that nothing is ever half-patched:
 4. only then are the three classes built and rebound; if rebinding one fails, those already rebound
    are restored before the error propagates.
 
+Online A/B (``FDSCHED_PROFILE_BY_DP_RANK``): steps 1 and 3 run for every arm too, and an error names the
+rank and its profile. The classes are the same whatever the arms (every mixin of every change is always in
+them, and a mixin whose change an instance does not apply runs the host's code); what differs per arm is
+data. Each class carries ``_fdsched_arms`` (rank -> :class:`Arm`) and ``_fdsched_default_arm`` (ranks not
+listed: ``FDSCHED_PROFILE`` or the defaults), and :class:`fdsched.patches._base.InitGuard` picks the arm of
+the instance's own data-parallel rank when it is built (``local_data_parallel_id``: the engine forks ranks
+1..N-1 after rank 0's scheduler exists, so nothing per process or per class can tell them apart). The class
+attributes ``_fdsched_impl`` / ``_fdsched_settings`` stay those of the single profile.
+
 :func:`install` is idempotent and cheap on a second call. :func:`uninstall` restores exactly.
 """
 
@@ -22,9 +31,9 @@ from typing import Mapping, Optional
 from . import host as host_mod
 from .hooks import Policies, make_plugin_manager
 from .rebind import Rebinding
-from .settings import CHANGE_IDS, Settings, effective_ratio_mode, load_settings
+from .settings import DP_PROFILE_ENV, CHANGE_IDS, Settings, effective_ratio_mode, load_arm_settings, load_settings
 
-__all__ = ["Decision", "InstallReport", "InstallError", "decide", "install", "uninstall", "current"]
+__all__ = ["Arm", "Decision", "InstallReport", "InstallError", "decide", "decide_arms", "install", "uninstall", "current"]
 
 
 class InstallError(RuntimeError):
@@ -43,6 +52,27 @@ class Decision:
         return f"{self.change_id}={self.detail}"
 
 
+@dataclass(frozen=True)
+class Arm:
+    """What one instance runs: the arm's label (its profile's name, or ``default``), settings and decisions."""
+
+    label: str
+    settings: Settings
+    decisions: dict  # change id -> Decision
+
+    @property
+    def impl(self) -> dict:
+        return {cid: d.impl for cid, d in self.decisions.items()}
+
+    def line(self) -> str:
+        return "; ".join(d.line() for d in self.decisions.values())
+
+
+def arm_label(settings: Settings) -> str:
+    """The ``arm`` label of metrics: the profile's name, or ``default`` without a profile."""
+    return settings.profile or "default"
+
+
 @dataclass
 class InstallReport:
     settings: Settings
@@ -51,11 +81,16 @@ class InstallReport:
     classes: dict
     sites: dict
     policies: Policies
+    arms: dict = None  # rank -> Arm (FDSCHED_PROFILE_BY_DP_RANK); empty for a single-profile deployment
 
     def summary(self) -> str:
         profile = self.settings.profile or "none"
         changes = "; ".join(d.line() for d in self.decisions.values())
-        return f"fdsched installed (profile {profile}) on {self.host.label}: {changes}"
+        text = f"fdsched installed (profile {profile}) on {self.host.label}: {changes}"
+        if self.arms:
+            ranks = ", ".join(f"dp rank {rank}: {arm.label}" for rank, arm in sorted(self.arms.items()))
+            text += f"; online A/B arms ({DP_PROFILE_ENV}): {ranks}; other ranks: {arm_label(self.settings)}"
+        return text
 
 
 def decide(settings: Settings, info) -> dict:
@@ -110,6 +145,20 @@ def decide(settings: Settings, info) -> dict:
     return decisions
 
 
+def decide_arms(arm_settings: Mapping[int, Settings], info) -> dict:
+    """rank -> :class:`Arm`; an arm the host cannot take is one :class:`InstallError` naming the rank and profile."""
+    arms = {}
+    for rank, settings in sorted(arm_settings.items()):
+        try:
+            decisions = decide(settings, info)
+        except InstallError as exc:
+            raise InstallError(
+                f"environment variable {DP_PROFILE_ENV}, rank {rank} (profile {settings.profile}): {exc}"
+            ) from None
+        arms[rank] = Arm(arm_label(settings), settings, decisions)
+    return arms
+
+
 _LOCK = threading.RLock()
 _CURRENT: Optional[InstallReport] = None
 _REBINDINGS: list = []
@@ -119,46 +168,79 @@ def current() -> Optional[InstallReport]:
     return _CURRENT
 
 
-def _build(info, settings: Settings, decisions: dict, policies: Policies) -> dict:
+def _build(info, settings: Settings, decisions: dict, policies: Policies, arms: Optional[dict] = None) -> dict:
     from fdsched.patches import TARGETS, mixins_for
-    from fdsched.patches._base import InitGuard
+    from fdsched.patches._base import ArmStamp, InitGuard, RequestOutcomesMixin, init_signature
 
-    impl = {cid: d.impl for cid, d in decisions.items()}
+    arms = dict(arms or {})
+    default_arm = Arm(arm_label(settings), settings, decisions)
+    impl = default_arm.impl
     classes = {}
     for target, host_cls in info.host_classes.items():
         mixins = mixins_for(target)  # outermost first; tests/unit/test_catalogue.py pins the order and why
+        target_impl = impl
+        if target == "EngineCacheQueue" and arms:
+            # The queue *server* is built by each rank's engine without its rank: its done lists are waitable
+            # when any arm runs change 5 (a waitable list behaves as a plain list for a polling receiver).
+            # Each cache manager's own *client* is stamped with its manager's arm (ArmStamp below).
+            if any(arm.impl["nonpolling_transfer"] == "plugin" for arm in arms.values()):
+                target_impl = dict(impl, nonpolling_transfer="plugin")
         attrs = {
             "__module__": "fdsched.patches",
             "__qualname__": host_cls.__name__,
             "__doc__": f"fdsched subclass of {TARGETS[target]} (changes: {', '.join(m.__name__ for m in mixins)}).",
-            "_fdsched_impl": impl,
+            "_fdsched_impl": target_impl,
             "_fdsched_settings": settings,
             "_fdsched_policies": policies,
             "_fdsched_host": info,
             "_fdsched_host_class": host_cls,
+            "_fdsched_target": target,
+            "_fdsched_arms": arms,
+            "_fdsched_default_arm": default_arm,
+            "_fdsched_init_signature": init_signature(host_cls),
         }
-        classes[target] = type(host_cls.__name__, (InitGuard,) + mixins + (host_cls,), attrs)
+        extra = ()
+        if target == "ResourceManagerV1" and hasattr(host_cls, "finish_requests"):
+            extra = (RequestOutcomesMixin,)  # measurement only (every arm, every profile); without the seam: none
+        if target == "PrefixCacheManager" and arms:
+            attrs["cache_task_queue"] = ArmStamp("cache_task_queue")
+        classes[target] = type(host_cls.__name__, (InitGuard,) + extra + mixins + (host_cls,), attrs)
     return classes
 
 
 def install(
-    settings: Optional[Settings] = None, environ: Optional[Mapping[str, str]] = None, policies: Optional[Policies] = None
+    settings: Optional[Settings] = None,
+    environ: Optional[Mapping[str, str]] = None,
+    policies: Optional[Policies] = None,
+    arms: Optional[Mapping[int, Settings]] = None,
 ) -> InstallReport:
     """Install the plugin in this process (idempotent).
 
     Without arguments the settings come from the environment, once: a second call returns the
     first report and changes nothing. Passing different ``settings`` reinstalls with them (the
-    replay switches profiles this way).
+    replay switches profiles this way). ``arms`` (rank -> settings) are the online A/B arms; without
+    ``settings`` they too come from the environment (``FDSCHED_PROFILE_BY_DP_RANK``), with explicit
+    ``settings`` there are none unless given.
     """
     global _CURRENT
     with _LOCK:
-        if _CURRENT is not None and (settings is None or settings == _CURRENT.settings) and policies is None:
+        if (
+            _CURRENT is not None
+            and (settings is None or settings == _CURRENT.settings)
+            and policies is None
+            and (arms is None or dict(arms) == {r: a.settings for r, a in (_CURRENT.arms or {}).items()})
+        ):
             return _CURRENT
-        settings = load_settings(environ) if settings is None else settings
+        if settings is None:
+            settings = load_settings(environ)
+            arm_settings = load_arm_settings(environ) if arms is None else dict(arms)
+        else:
+            arm_settings = dict(arms or {})
         info = host_mod.probe(environ)
         decisions = decide(settings, info)
+        arm_map = decide_arms(arm_settings, info)
         policies = policies or Policies(make_plugin_manager(environ))
-        classes = _build(info, settings, decisions, policies)
+        classes = _build(info, settings, decisions, policies, arm_map)
         if _CURRENT is not None:
             uninstall()
         from fdsched.patches import TARGETS
@@ -177,7 +259,7 @@ def install(
                 rebinding.restore()
             raise
         _REBINDINGS[:] = rebindings
-        _CURRENT = InstallReport(settings, info, decisions, classes, sites, policies)
+        _CURRENT = InstallReport(settings, info, decisions, classes, sites, policies, arm_map)
         return _CURRENT
 
 

@@ -7,11 +7,21 @@ to a Prometheus metric on the default registry; in FastDeploy's multi-process mo
 ``MultiProcessCollector``. The Prometheus objects are created once per process, however often the
 plugin is installed.
 
+**Labels: every series carries ``arm`` and ``dp_rank``.** ``arm`` is the profile the recording scheduler
+runs (its rank's arm under ``FDSCHED_PROFILE_BY_DP_RANK``, else ``FDSCHED_PROFILE``; ``default`` without a
+profile), ``dp_rank`` its data-parallel rank. The host's ``/metrics`` sums the samples of forked ranks that
+share a label set, so without these labels the arms of an online A/B would be added together. One helper,
+:func:`labels_of`, gives an instance's label values; every update takes the recording instance as ``of=``
+(a new metric: declare it with ``LABELS + (its own labels)`` and call ``.labels(**labels_of(of), ...)``).
+Updates without ``of`` are labelled ``arm="default", dp_rank=""``.
+
 ===========================================================  =========  =====================================
-name                                                         type       meaning
+name (all with labels arm, dp_rank)                          type       meaning
 ===========================================================  =========  =====================================
 fastdeploy:fdsched_preemptions_total{victim_phase}           counter    preemptions, by the victim's phase
                                                                         (decode / prefill)
+fastdeploy:fdsched_recomputed_tokens_total                   counter    computed tokens thrown away by
+                                                                        preemptions (computed again later)
 fastdeploy:fdsched_new_token_ratio                           gauge      current new_token_ratio
 fastdeploy:fdsched_reserved_blocks                           gauge      blocks reserved for running requests
                                                                         at the last admission decision
@@ -24,6 +34,12 @@ fastdeploy:fdsched_eviction_seconds_total                    counter    time spe
 fastdeploy:fdsched_unconsumed_signals_total{signal}          counter    one-shot signals to the host's control
                                                                         flow that no check consumed by the end
                                                                         of the pass (should stay 0; see the log)
+fastdeploy:fdsched_requests_finished_total                   counter    requests the scheduler finished
+fastdeploy:fdsched_output_tokens_total                       counter    output tokens of finished requests
+fastdeploy:fdsched_ttft_seconds                              histogram  time to first token of finished requests
+                                                                        (engine_recv_first_token_time -
+                                                                        arrival_time, the request's own stamps)
+fastdeploy:fdsched_tpot_seconds                              histogram  time per output token after the first
 ===========================================================  =========  =====================================
 """
 
@@ -33,7 +49,41 @@ import threading
 from collections import Counter as _Tally
 from collections import deque
 
-__all__ = ["METRICS", "PluginMetrics"]
+__all__ = ["METRICS", "PluginMetrics", "LABELS", "labels_of", "request_latencies"]
+
+LABELS = ("arm", "dp_rank")
+_NO_LABELS = {"arm": "default", "dp_rank": ""}
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+TPOT_BUCKETS = (0.002, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.0)
+
+
+def labels_of(obj) -> dict:
+    """The ``arm`` and ``dp_rank`` label values of the plugin object ``obj`` (a scheduler, cache manager or
+    cache queue); ``arm="default", dp_rank=""`` for None or an object that has no arm."""
+    if obj is None:
+        return dict(_NO_LABELS)
+    arm = getattr(obj, "_fdsched_arm", None)
+    if arm is None:
+        default = getattr(obj, "_fdsched_default_arm", None)
+        arm = default.label if default is not None else "default"
+    rank = getattr(obj, "_fdsched_dp_rank", None)
+    return {"arm": str(arm), "dp_rank": "" if rank is None else str(rank)}
+
+
+def request_latencies(arrival, first_token, latest_token, output_tokens):
+    """(TTFT, TPOT) in seconds from a request's timestamps; None where a stamp is missing or the value is
+    negative. TPOT needs two output tokens."""
+    ttft = tpot = None
+    if isinstance(arrival, (int, float)) and isinstance(first_token, (int, float)) and first_token >= arrival:
+        ttft = float(first_token - arrival)
+    if (
+        output_tokens > 1
+        and isinstance(first_token, (int, float))
+        and isinstance(latest_token, (int, float))
+        and latest_token >= first_token
+    ):
+        tpot = float(latest_token - first_token) / (output_tokens - 1)
+    return ttft, tpot
 
 _PROM_LOCK = threading.Lock()
 _PROM = None
@@ -52,35 +102,65 @@ def _prometheus():
             return None
         _PROM = {
             "preemptions": Counter(
-                "fastdeploy:fdsched_preemptions_total", "Preemptions by the victim's phase", ["victim_phase"]
+                "fastdeploy:fdsched_preemptions_total", "Preemptions by the victim's phase", LABELS + ("victim_phase",)
             ),
-            "ratio": Gauge("fastdeploy:fdsched_new_token_ratio", "Current new_token_ratio", multiprocess_mode="max"),
+            "recomputed": Counter(
+                "fastdeploy:fdsched_recomputed_tokens_total", "Computed tokens thrown away by preemptions", LABELS
+            ),
+            "ratio": Gauge(
+                "fastdeploy:fdsched_new_token_ratio", "Current new_token_ratio", LABELS, multiprocess_mode="max"
+            ),
             "reserved": Gauge(
                 "fastdeploy:fdsched_reserved_blocks",
                 "Blocks reserved for running requests at the last admission decision",
+                LABELS,
                 multiprocess_mode="max",
             ),
             "blocked": Counter(
-                "fastdeploy:fdsched_admissions_blocked_total", "Prefills refused by the reservation threshold"
+                "fastdeploy:fdsched_admissions_blocked_total", "Prefills refused by the reservation threshold", LABELS
             ),
-            "evicted": Counter("fastdeploy:fdsched_evicted_blocks_total", "GPU blocks freed by LRU eviction"),
-            "batches": Counter("fastdeploy:fdsched_recycle_batches_total", "Batched recycle calls"),
+            "evicted": Counter("fastdeploy:fdsched_evicted_blocks_total", "GPU blocks freed by LRU eviction", LABELS),
+            "batches": Counter("fastdeploy:fdsched_recycle_batches_total", "Batched recycle calls", LABELS),
             "batch_size": Histogram(
                 "fastdeploy:fdsched_recycle_batch_size",
                 "Blocks per batched recycle call",
+                LABELS,
                 buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384, 65536),
             ),
-            "evict_seconds": Counter("fastdeploy:fdsched_eviction_seconds_total", "Time spent in the eviction loops"),
+            "evict_seconds": Counter(
+                "fastdeploy:fdsched_eviction_seconds_total", "Time spent in the eviction loops", LABELS
+            ),
             "unconsumed": Counter(
                 "fastdeploy:fdsched_unconsumed_signals_total",
                 "One-shot signals to the host's control flow that no check consumed by the end of the pass",
-                ["signal"],
+                LABELS + ("signal",),
+            ),
+            "finished": Counter("fastdeploy:fdsched_requests_finished_total", "Requests the scheduler finished", LABELS),
+            "output_tokens": Counter(
+                "fastdeploy:fdsched_output_tokens_total", "Output tokens of finished requests", LABELS
+            ),
+            "ttft": Histogram(
+                "fastdeploy:fdsched_ttft_seconds",
+                "Time to first token of finished requests (engine_recv_first_token_time - arrival_time)",
+                LABELS,
+                buckets=TTFT_BUCKETS,
+            ),
+            "tpot": Histogram(
+                "fastdeploy:fdsched_tpot_seconds",
+                "Time per output token after the first, of finished requests",
+                LABELS,
+                buckets=TPOT_BUCKETS,
             ),
         }
         return _PROM
 
 
 class PluginMetrics:
+    """Plain counters (totals over every arm, as before arms existed) plus ``by_arm``: ``(arm, dp_rank)`` ->
+    a tally of the per-arm figures (``preemptions_decode``, ``preemptions_prefill``, ``recomputed_tokens``,
+    ``admissions_blocked``, ``requests_finished``, ``output_tokens``), and ``latencies``: ``(arm, dp_rank)`` ->
+    the most recent (ttft, tpot) pairs."""
+
     def __init__(self) -> None:
         self.reset()
 
@@ -95,48 +175,112 @@ class PluginMetrics:
         self.recycle_batch_sizes = deque(maxlen=4096)  # the most recent batches only
         self.eviction_seconds = 0.0
         self.unconsumed_signals = _Tally()
+        self.recomputed_tokens = 0
+        self.requests_finished = 0
+        self.output_tokens = 0
+        self.by_arm = {}
+        self.latencies = {}
 
-    def preempted(self, victim_phase: str) -> None:
+    def _arm(self, labels: dict) -> _Tally:
+        key = (labels["arm"], labels["dp_rank"])
+        tally = self.by_arm.get(key)
+        if tally is None:
+            tally = self.by_arm[key] = _Tally()
+        return tally
+
+    def arm(self, arm: str, dp_rank="") -> _Tally:
+        """The per-arm tally of ``arm`` on ``dp_rank`` (empty when nothing was recorded)."""
+        return self.by_arm.get((arm, str(dp_rank)), _Tally())
+
+    def preempted(self, victim_phase: str, of=None, recomputed_tokens: int = 0) -> None:
+        labels = labels_of(of)
         self.preemptions[victim_phase] += 1
+        self.recomputed_tokens += recomputed_tokens
+        tally = self._arm(labels)
+        tally[f"preemptions_{victim_phase}"] += 1
+        tally["recomputed_tokens"] += recomputed_tokens
         prom = _prometheus()
         if prom:
-            prom["preemptions"].labels(victim_phase=victim_phase).inc()
+            prom["preemptions"].labels(victim_phase=victim_phase, **labels).inc()
+            if recomputed_tokens:
+                prom["recomputed"].labels(**labels).inc(recomputed_tokens)
 
-    def ratio(self, value: float) -> None:
+    def ratio(self, value: float, of=None) -> None:
         self.new_token_ratio = value
         prom = _prometheus()
         if prom:
-            prom["ratio"].set(value)
+            prom["ratio"].labels(**labels_of(of)).set(value)
 
-    def reserved(self, blocks: int) -> None:
+    def reserved(self, blocks: int, of=None) -> None:
         self.reserved_blocks = blocks
         prom = _prometheus()
         if prom:
-            prom["reserved"].set(blocks)
+            prom["reserved"].labels(**labels_of(of)).set(blocks)
 
-    def admission_blocked(self) -> None:
+    def admission_blocked(self, of=None) -> None:
+        labels = labels_of(of)
         self.admissions_blocked += 1
+        self._arm(labels)["admissions_blocked"] += 1
         prom = _prometheus()
         if prom:
-            prom["blocked"].inc()
+            prom["blocked"].labels(**labels).inc()
 
-    def signal_unconsumed(self, signal: str) -> None:
+    def admission_counting(self, of=None) -> None:
+        """``of`` counts refused admissions (the plugin's reservation code runs there): its series exists at 0."""
+        self._arm(labels_of(of))["admissions_blocked"] += 0
+        prom = _prometheus()
+        if prom:
+            prom["blocked"].labels(**labels_of(of)).inc(0)
+
+    def signal_unconsumed(self, signal: str, of=None) -> None:
         self.unconsumed_signals[signal] += 1
         prom = _prometheus()
         if prom:
-            prom["unconsumed"].labels(signal=signal).inc()
+            prom["unconsumed"].labels(signal=signal, **labels_of(of)).inc()
 
-    def recycled(self, num_blocks: int, seconds: float) -> None:
+    def recycled(self, num_blocks: int, seconds: float, of=None) -> None:
         self.evicted_blocks += num_blocks
         self.recycle_batches += 1
         self.recycle_batch_sizes.append(num_blocks)
         self.eviction_seconds += seconds
         prom = _prometheus()
         if prom:
-            prom["evicted"].inc(num_blocks)
-            prom["batches"].inc()
-            prom["batch_size"].observe(num_blocks)
-            prom["evict_seconds"].inc(seconds)
+            labels = labels_of(of)
+            prom["evicted"].labels(**labels).inc(num_blocks)
+            prom["batches"].labels(**labels).inc()
+            prom["batch_size"].labels(**labels).observe(num_blocks)
+            prom["evict_seconds"].labels(**labels).inc(seconds)
+
+    def request_finished(self, request, of=None) -> None:
+        """A request the scheduler ``of`` finished: its outcome from the request's own timestamps."""
+        labels = labels_of(of)
+        outputs = len(getattr(request, "output_token_ids", None) or ())
+        stamps = getattr(request, "metrics", None)
+        ttft, tpot = request_latencies(
+            getattr(stamps, "arrival_time", None),
+            getattr(stamps, "engine_recv_first_token_time", None),
+            getattr(stamps, "engine_recv_latest_token_time", None),
+            outputs,
+        )
+        self.requests_finished += 1
+        self.output_tokens += outputs
+        tally = self._arm(labels)
+        tally["requests_finished"] += 1
+        tally["output_tokens"] += outputs
+        key = (labels["arm"], labels["dp_rank"])
+        recent = self.latencies.get(key)
+        if recent is None:
+            recent = self.latencies[key] = deque(maxlen=4096)
+        recent.append((ttft, tpot))
+        prom = _prometheus()
+        if prom:
+            prom["finished"].labels(**labels).inc()
+            if outputs:
+                prom["output_tokens"].labels(**labels).inc(outputs)
+            if ttft is not None:
+                prom["ttft"].labels(**labels).observe(ttft)
+            if tpot is not None:
+                prom["tpot"].labels(**labels).observe(tpot)
 
 
 METRICS = PluginMetrics()

@@ -24,6 +24,9 @@ __all__ = [
     "CHANGE_IDS",
     "SWITCH_VALUES",
     "PROFILE_ENV",
+    "DP_PROFILE_ENV",
+    "parse_dp_arms",
+    "load_arm_settings",
     "SCHEMA",
     "Setting",
     "Settings",
@@ -34,6 +37,9 @@ __all__ = [
 ]
 
 PROFILE_ENV = "FDSCHED_PROFILE"
+# Online A/B in one deployment: one profile per data-parallel rank, e.g. ``0=baseline,1=recommended``.
+DP_PROFILE_ENV = "FDSCHED_PROFILE_BY_DP_RANK"
+MAX_DP_RANK = 1023  # a bound on typos (FastDeploy's data-parallel sizes are single or double digits)
 SWITCH_VALUES = ("auto", "on", "off")
 
 # The five upstream changes, in catalogue order. Ids are used as YAML keys under ``changes:``.
@@ -581,3 +587,64 @@ def effective_ratio_mode(settings: Settings) -> str:
     if mode == "auto" and explicit_host and not settings["host_tunables.FD_USE_NEW_TOKEN_RATIO_RESERVE"]:
         return "off"
     return mode
+
+
+# --------------------------------------------------------------------------------------------
+# Online A/B: one profile per data-parallel rank
+# --------------------------------------------------------------------------------------------
+_DP_ALLOWED = (
+    "a comma list of RANK=PROFILE, each RANK an integer in [0, %d] given once and each PROFILE a shipped profile "
+    "name or the path of a YAML file (e.g. 0=baseline,1=recommended)" % MAX_DP_RANK
+)
+
+
+def parse_dp_arms(raw: str, origin: str = f"environment variable {DP_PROFILE_ENV}") -> dict:
+    """``"0=baseline,1=recommended"`` -> ``{0: "baseline", 1: "recommended"}`` (rank -> profile as written).
+
+    Only the syntax is checked here (ranks, duplicates, empty profiles); :func:`load_arm_settings` loads each
+    profile. An empty or blank value means no arms. Raises :class:`SettingsError` naming the bad item.
+    """
+    arms: dict = {}
+    if raw is None or raw.strip() == "":
+        return arms
+    for item in raw.split(","):
+        text = item.strip()
+        if not text:
+            raise SettingsError(f"{origin}: bad value {raw!r} (an empty item); allowed: {_DP_ALLOWED}")
+        rank_text, sep, profile = text.partition("=")
+        rank_text, profile = rank_text.strip(), profile.strip()
+        if not sep or not profile:
+            raise SettingsError(f"{origin}: bad value {text!r} (no profile after RANK=); allowed: {_DP_ALLOWED}")
+        try:
+            rank = int(rank_text)
+        except ValueError:
+            rank = -1
+        if not rank_text.isdigit() or not 0 <= rank <= MAX_DP_RANK:
+            raise SettingsError(f"{origin}: bad value {text!r} (rank {rank_text!r}); allowed: {_DP_ALLOWED}")
+        if rank in arms:
+            raise SettingsError(
+                f"{origin}: bad value {text!r} (rank {rank} is given twice: {arms[rank]} and {profile}); "
+                f"allowed: {_DP_ALLOWED}"
+            )
+        arms[rank] = profile
+    return arms
+
+
+def load_arm_settings(environ: Optional[Mapping[str, str]] = None) -> dict:
+    """rank -> :class:`Settings` of that rank's arm, from ``FDSCHED_PROFILE_BY_DP_RANK`` (empty when unset).
+
+    Each arm is loaded exactly as ``FDSCHED_PROFILE`` would be (defaults < its profile < environment
+    variables: a per-change or tunable variable overrides every arm, as it overrides the single profile).
+    Any error is one :class:`SettingsError` that names the rank and the profile.
+    """
+    environ = os.environ if environ is None else environ
+    arms = parse_dp_arms(environ.get(DP_PROFILE_ENV, ""))
+    loaded = {}
+    for rank, profile in arms.items():
+        where = f"environment variable {DP_PROFILE_ENV}, rank {rank}"
+        _resolve_profile(profile, where)  # unknown name / missing file: the rank is in the message
+        try:
+            loaded[rank] = load_settings(environ, profile=profile)
+        except SettingsError as exc:
+            raise SettingsError(f"{where} (profile {profile}): {exc}") from None
+    return loaded

@@ -55,6 +55,11 @@ def add_commands(sub) -> None:
     replay.add_argument("--profile", dest="profiles", action="extend", nargs="+", metavar="P",
                         help="profile names or YAML paths, one or more (--profile A B, or the flag repeated; "
                         "default: baseline recommended)")
+    replay.add_argument("--dp-arms", metavar="RANK=PROFILE,...",
+                        help="predict an online A/B (FDSCHED_PROFILE_BY_DP_RANK): split the trace across one scheduler "
+                        "per data-parallel rank, each running its profile, e.g. 0=baseline,1=recommended; requests go "
+                        "to ranks uniformly at random, as FastDeploy's Router does (not with --profile)")
+    replay.add_argument("--dp-seed", type=int, default=0, help="seed of the --dp-arms split (default 0)")
     replay.add_argument("--out", default="replay-out", help="output directory (default ./replay-out)")
     cost = replay.add_argument_group("step-cost model (default: the profile's replay.* settings)")
     cost.add_argument("--cost-fixed-ms", type=_nonneg_float, help="fixed cost of one engine step, ms")
@@ -236,10 +241,20 @@ def cmd_replay(args) -> int:
     from fdsched.settings import SettingsError, load_settings
 
     from .report import INSTALL_HINT, build_report, format_header, format_table, report_json, write_plot
-    from .runner import DEFAULT_MAX_STEPS, run_replay
+    from .runner import DEFAULT_MAX_STEPS, run_dp_arms, run_replay
 
     profiles = args.profiles or list(DEFAULT_PROFILES)
+    dp_arms = None
     try:
+        if args.dp_arms is not None:
+            from fdsched.settings import parse_dp_arms
+
+            if args.profiles:
+                raise SettingsError("--dp-arms: bad value with --profile; allowed: one of --dp-arms or --profile")
+            dp_arms = parse_dp_arms(args.dp_arms, origin="--dp-arms")
+            if len(dp_arms) < 1:
+                raise SettingsError(f"--dp-arms: bad value {args.dp_arms!r}; allowed: RANK=PROFILE,... (one or more)")
+            profiles = list(dp_arms.values())
         path = resolve_trace(args.trace)
         trace = load_trace(path)
         overrides = {
@@ -251,8 +266,16 @@ def cmd_replay(args) -> int:
         }
         engine = trace.engine_with(overrides)
         check_engine(trace, engine)
-        for profile in profiles:  # every profile must load before anything runs
+        for profile in profiles if dp_arms is None else ():  # every profile must load before anything runs
             load_settings(environ=None if args.inherit_env else {}, profile=profile)
+        for rank, profile in (dp_arms or {}).items():  # every arm too, and an error names its rank
+            from fdsched.settings import _resolve_profile
+
+            _resolve_profile(profile, f"--dp-arms, rank {rank}")
+            try:
+                load_settings(environ=None if args.inherit_env else {}, profile=profile)
+            except SettingsError as exc:
+                raise SettingsError(f"--dp-arms, rank {rank} (profile {profile}): {exc}") from None
     except (TraceError, SettingsError) as exc:
         print(f"fdsched: {exc}", file=sys.stderr)
         return EXIT_ERROR
@@ -272,10 +295,16 @@ def cmd_replay(args) -> int:
         "per_decode_request_ms": args.cost_decode_request_ms,
     }
     try:
-        runs = run_replay(
-            trace, profiles, engine, cost_overrides, args.max_steps or DEFAULT_MAX_STEPS,
-            progress_factory=progress_factory, inherit_env=args.inherit_env, check_every=args.check_every,
-        )
+        if dp_arms is not None:
+            runs = run_dp_arms(
+                trace, dp_arms, engine, args.dp_seed, cost_overrides, args.max_steps or DEFAULT_MAX_STEPS,
+                progress_factory=progress_factory, inherit_env=args.inherit_env, check_every=args.check_every,
+            )
+        else:
+            runs = run_replay(
+                trace, profiles, engine, cost_overrides, args.max_steps or DEFAULT_MAX_STEPS,
+                progress_factory=progress_factory, inherit_env=args.inherit_env, check_every=args.check_every,
+            )
     except HostNotFound as exc:
         message = str(exc)
         if HOW_TO_POINT not in message:
@@ -293,6 +322,15 @@ def cmd_replay(args) -> int:
         "requests": len(trace.requests),
         "sha256": hashlib.sha256(text).hexdigest(),
     }
+    if dp_arms is not None:
+        from .trace import DP_SPLIT_RULE
+
+        trace_info["dp_arms"] = {
+            "arms": {str(rank): profile for rank, profile in sorted(dp_arms.items())},
+            "seed": args.dp_seed,
+            "split": DP_SPLIT_RULE,
+            "requests_per_rank": {run.profile: len(run.requests) for run in runs},
+        }
     report = build_report(trace_info, engine, runs)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

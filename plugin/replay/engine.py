@@ -74,8 +74,12 @@ class EngineShape:
         check_engine_shape(asdict(self))
 
 
-def build_manager(shape: EngineShape):
-    """A ``ResourceManagerV1`` built from real host configs, the way the host's own tests build one."""
+def build_manager(shape: EngineShape, dp_rank: int = 0, dp_size: Optional[int] = None):
+    """A ``ResourceManagerV1`` built from real host configs, the way the host's own tests build one.
+
+    ``dp_rank`` / ``dp_size``: the data-parallel rank this scheduler is for (passed as the engine passes it,
+    ``local_data_parallel_id``, and set in ``parallel_config``) and the number of ranks.
+    """
     from types import SimpleNamespace
 
     shape.check()
@@ -122,19 +126,24 @@ def build_manager(shape: EngineShape):
     )
     # The scheduler names a machine-wide shared-memory signal after this port; processes that build
     # managers side by side (test runs, replays) would share one name and unlink each other's signal.
-    fd_config.parallel_config.local_engine_worker_queue_port = _private_signal_suffix()
+    fd_config.parallel_config.local_engine_worker_queue_port = _private_signal_suffix(dp_rank)
+    fd_config.parallel_config.local_data_parallel_id = dp_rank
+    if dp_size is not None:
+        fd_config.parallel_config.data_parallel_size = dp_size
     manager = resource_manager_v1.ResourceManagerV1(
         max_num_seqs=shape.max_num_seqs,
         config=fd_config,
         tensor_parallel_size=1,
         splitwise_role=shape.splitwise_role,
+        local_data_parallel_id=dp_rank,
     )
     return manager
 
 
-def _private_signal_suffix() -> int:
-    """A number no other process uses at the same time (not a port anyone listens on)."""
-    return 1_000_000 + os.getpid()
+def _private_signal_suffix(dp_rank: int = 0) -> int:
+    """A number no other process (nor another rank's scheduler in this one) uses at the same time (not a port
+    anyone listens on). Linux pids stay below 2**22, so ranks are 10**7 apart."""
+    return 1_000_000 + os.getpid() + 10_000_000 * dp_rank
 
 
 def close_manager(manager) -> None:
@@ -209,11 +218,15 @@ class Driver:
 
     ``output_lengths``: request id -> true output length (a request without one stops only at
     ``max_tokens``). ``policies``: the :class:`fdsched.hooks.Policies` whose decode test to use;
-    default: the installed plugin's, else the plugin's default policy.
+    default: the installed plugin's, else the plugin's default policy. ``clock``: when given (a function
+    returning seconds), the driver stamps each request's ``metrics`` as the engine does: ``arrival_time``
+    when it is added, ``engine_recv_first_token_time`` / ``engine_recv_latest_token_time`` when a token
+    comes (the plugin's per-arm TTFT / TPOT read them); without it nothing is stamped.
     """
 
-    def __init__(self, manager, output_lengths: Optional[dict] = None, token_id: int = 7, policies=None):
+    def __init__(self, manager, output_lengths: Optional[dict] = None, token_id: int = 7, policies=None, clock=None):
         self.rm = manager
+        self.clock = clock
         self.output_lengths = output_lengths or {}  # request id -> true output length
         self.token_id = token_id
         self.step_no = 0
@@ -243,6 +256,8 @@ class Driver:
         self.rm.add_request(request)
         for future in list(request.async_process_futures):
             future.result()
+        if self.clock is not None:  # after the host's own stamps (it sets arrival_time from the wall clock)
+            request.metrics.arrival_time = self.clock()
 
     def add_in_p(self, request, true_output_len: Optional[int] = None) -> bool:
         """Feed a request the way a prefill node's engine does (``splitwise_role == "prefill"``).
@@ -327,8 +342,13 @@ class Driver:
                 record.decode_tokens += 1
 
         finished = []
+        now = self.clock() if self.clock is not None else None
         for request in producers:
             request.output_token_ids.append(self.token_id)
+            if now is not None:
+                if len(request.output_token_ids) == 1 or request.metrics.engine_recv_first_token_time is None:
+                    request.metrics.engine_recv_first_token_time = now
+                request.metrics.engine_recv_latest_token_time = now
             if self._split and request.status == self._prefill_status:
                 request.status = self._decode_status
             stop = self._stop_after(request)

@@ -235,6 +235,10 @@ def format_header(report: dict) -> str:
         f"trace {trace['name']}: {trace['requests']} requests; engine "
         + ", ".join(f"{k}={v}" for k, v in engine.items()),
     ]
+    dp = trace.get("dp_arms")
+    if dp:
+        shares = ", ".join(f"{name} {n}" for name, n in dp["requests_per_rank"].items())
+        lines.append(f"online A/B prediction (--dp-arms, seed {dp['seed']}): requests per rank: {shares}; {dp['split']}")
     if "arms_differ" in host:
         lines.append("host: DIFFERS BETWEEN ARMS: " + "; ".join(f"{h.get('version')} {h.get('commit')}" for h in host["arms_differ"]))
     else:

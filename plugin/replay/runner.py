@@ -33,9 +33,9 @@ from .costmodel import cost_from_settings
 from .figures import ProfileRun, RequestRow, StepRow
 from .invariants import check_blocks, check_requests
 from .oracle import ADAPTIVE_PLUGIN_NAME, ORACLE_PLUGIN_NAME, AdaptiveReserveHook, OracleReserve
-from .trace import Trace, check_engine
+from .trace import Trace, TraceError, check_engine
 
-__all__ = ["run_profile", "run_replay", "arm_settings", "host_environment", "other_host_env", "node_output_lengths", "cache_held_blocks", "request_held_blocks"]
+__all__ = ["run_profile", "run_replay", "run_dp_arms", "dp_arm_name", "arm_settings", "host_environment", "other_host_env", "node_output_lengths", "cache_held_blocks", "request_held_blocks"]
 
 DEFAULT_MAX_STEPS = 200_000
 DEFAULT_STALL_STEPS = 200
@@ -450,3 +450,57 @@ def run_replay(
                 bar.close()
     return runs
 
+
+def dp_arm_name(rank: int, profile: str) -> str:
+    """The column of rank ``rank`` running ``profile`` in a ``--dp-arms`` report."""
+    return f"dp{rank}:{profile}"
+
+
+def run_dp_arms(
+    trace: Trace,
+    arms: dict,
+    engine: dict,
+    seed: int = 0,
+    cost_overrides: Optional[dict] = None,
+    max_steps: int = DEFAULT_MAX_STEPS,
+    stall_steps: int = DEFAULT_STALL_STEPS,
+    progress_factory: Optional[Callable] = None,
+    inherit_env: bool = False,
+    check_every: Optional[int] = None,
+) -> list:
+    """Predict an online A/B: one :class:`ProfileRun` per rank of ``arms`` (rank -> profile), each the rank's
+    scheduler (its own KV pool of the engine's shape) serving its share of ``trace``
+    (:func:`fdsched.replay.trace.split_across_ranks`). Ranks do not interact in the scheduler, so each rank
+    runs on its own, one after the other; the runs are named ``dp<rank>:<profile>``."""
+    from .trace import split_across_ranks
+
+    shares = split_across_ranks(trace, list(arms), seed)
+    empty = [rank for rank, share in shares.items() if not share.requests]
+    if empty:
+        raise TraceError(
+            f"--dp-arms: rank(s) {empty} get no request of the {len(trace.requests)} in the trace with seed {seed}; "
+            "allowed: a longer trace, fewer ranks or another --dp-seed"
+        )
+    runs = []
+    for rank in sorted(arms):
+        name = dp_arm_name(rank, arms[rank])
+        share = shares[rank]
+        bar = progress_factory(name, len(share.requests)) if progress_factory else None
+        try:
+            run = run_profile(
+                share,
+                arms[rank],
+                engine,
+                cost_overrides,
+                max_steps,
+                stall_steps,
+                progress=bar.update_to if bar is not None else None,
+                inherit_env=inherit_env,
+                check_every=check_every,
+            )
+        finally:
+            if bar is not None:
+                bar.close()
+        run.profile = name
+        runs.append(run)
+    return runs

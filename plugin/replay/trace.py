@@ -83,6 +83,8 @@ __all__ = [
     "check_engine_shape",
     "min_gpu_blocks",
     "effective_output_len",
+    "split_across_ranks",
+    "DP_SPLIT_RULE",
 ]
 
 VOCAB_SIZE = 50_000  # generated token ids are in [1, VOCAB_SIZE)
@@ -479,3 +481,39 @@ def dump_trace(requests: Sequence, engine: Optional[dict] = None, description: s
         obj = request.to_json() if isinstance(request, TraceRequest) else request
         lines.append(json.dumps(obj, separators=(", ", ": ")))
     return "\n".join(lines) + "\n"
+
+
+# How the replay spreads one trace over data-parallel ranks, in words (the report repeats it).
+DP_SPLIT_RULE = (
+    "each request goes to a rank drawn uniformly at random (random.Random(seed)), as FastDeploy's Router picks a "
+    "mixed instance (fastdeploy/router/router.py, Router.select_mixed: random.randint over the registered servers)"
+)
+
+
+def split_across_ranks(trace: Trace, ranks: Sequence[int], seed: int = 0) -> dict:
+    """rank -> the sub-trace that rank would serve when one traffic stream is spread over ``ranks``.
+
+    The draw is uniform and independent per request (``random.Random(seed)``, in trace order), which is what
+    FastDeploy's Router does for mixed instances (``Router.select_mixed``: ``random.randint`` over the registered
+    servers; fastdeploy/router/router.py line 171 on the old host, 198 on the new);
+    one api_server with the default local scheduler sends everything to rank 0 instead (see
+    examples/ab_run.md). Every request keeps its own arrival; a rank's sub-trace is named ``<trace>@dp<rank>``.
+    """
+    ordered = sorted(set(int(r) for r in ranks))
+    if not ordered:
+        raise TraceError("split_across_ranks: no ranks; allowed: one or more data-parallel ranks")
+    rng = random.Random(seed)
+    shares: dict = {rank: [] for rank in ordered}
+    for request in trace.requests:
+        shares[ordered[rng.randrange(len(ordered))]].append(request)
+    return {
+        rank: Trace(
+            requests=tuple(requests),
+            engine=dict(trace.engine),
+            description=trace.description,
+            generator=trace.generator,
+            source=trace.source,
+            name=f"{trace.name}@dp{rank}",
+        )
+        for rank, requests in shares.items()
+    }

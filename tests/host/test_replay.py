@@ -215,3 +215,25 @@ def test_cli_replay_writes_table_json_and_png(replay_host, tmp_path, capsys):
         assert not (out / "replay.png").exists()
     else:
         assert (out / "replay.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_cli_replay_dp_arms_splits_one_trace_across_one_scheduler_per_arm(replay_host, tmp_path, capsys):
+    """--dp-arms predicts an online A/B: each rank serves its share (uniform random split, seeded) with its profile."""
+    from fdsched.cli import main
+    from fdsched.replay.trace import load_trace, resolve_trace, split_across_ranks
+
+    out = tmp_path / "out"
+    code = main(["replay", "--trace", "pressure", "--out", str(out), "--no-progress", "--no-plot",
+                 "--dp-arms", "0=baseline,1=recommended", "--dp-seed", "0"])
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "dp1:recommended/dp0:baseline" in printed and "online A/B prediction (--dp-arms, seed 0)" in printed
+    report = json.loads((out / "report.json").read_text())
+    assert [p["profile"] for p in report["profiles"]] == ["dp0:baseline", "dp1:recommended"]
+    shares = split_across_ranks(load_trace(resolve_trace("pressure")), [0, 1], seed=0)
+    assert report["trace"]["dp_arms"]["requests_per_rank"] == {
+        "dp0:baseline": len(shares[0].requests), "dp1:recommended": len(shares[1].requests)}
+    figures = {p["profile"]: p["figures"] for p in report["profiles"]}
+    assert figures["dp1:recommended"]["preemptions_prefill_victims"] == 0
+    assert figures["dp0:baseline"]["requests_finished"] == len(shares[0].requests)
+

@@ -272,8 +272,9 @@ def test_plugin_metrics_reach_the_hosts_metrics_endpoint(rm_with):
     _drain_pool(rm)
     rm._trigger_preempt(a, 1, [], [])
     text = get_filtered_metrics()
-    assert 'fastdeploy:fdsched_preemptions_total{victim_phase="decode"}' in text
-    assert "fastdeploy:fdsched_new_token_ratio" in text
+    # Every series carries the arm (the profile) and the data-parallel rank.
+    assert 'fastdeploy:fdsched_preemptions_total{arm="recommended",dp_rank="0",victim_phase="decode"}' in text
+    assert 'fastdeploy:fdsched_new_token_ratio{arm="recommended",dp_rank="0"}' in text
 
 
 def _chunk_short_of_blocks_scene(rm, chunk_last=True):

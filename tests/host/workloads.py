@@ -49,3 +49,47 @@ def fingerprint(records):
          r.running, r.waiting)
         for r in records
     ]
+
+
+# KV pressure under which the baseline preempts prefills and recommended still preempts (decoders only).
+PREFILL_VICTIM_WORKLOAD = dict(seed=4, count=24, prompt=(30, 90), output=(10, 40))
+
+
+class StepClock:
+    """Seconds of a modelled engine: 20 ms per step of the driver it belongs to."""
+
+    def __init__(self):
+        self.driver = None
+
+    def __call__(self):
+        return 1000.0 + 0.02 * (self.driver.step_no if self.driver is not None else 0)
+
+
+def stamped_driver(manager):
+    """A Driver that stamps request timestamps (arrival, first / latest token) with a :class:`StepClock`."""
+    from fdsched.replay.engine import Driver
+
+    clock = StepClock()
+    driver = Driver(manager, clock=clock)
+    clock.driver = driver
+    return driver
+
+
+def drive_together(managers, requests, max_steps=3000):
+    """Drive every manager (rank -> manager) through the same workload, one step each in turn.
+
+    Returns rank -> the victim phases of its preemptions."""
+    from fdsched.replay.engine import make_request
+
+    drivers = {rank: stamped_driver(m) for rank, m in managers.items()}
+    victims = {rank: [] for rank in managers}
+    last_arrival = max(r[0] for r in requests)
+    for step in range(max_steps):
+        for rank, driver in drivers.items():
+            for arrival, rid, prompt, out, max_tokens in requests:
+                if arrival == step:
+                    driver.add(make_request(rid, prompt, max_tokens), true_output_len=out)
+            victims[rank] += [phase for _, phase in driver.step().preempted]
+        if step >= last_arrival and all(d.idle() for d in drivers.values()):
+            return victims
+    raise AssertionError(f"workload did not drain in {max_steps} steps")

@@ -118,3 +118,44 @@ def test_bad_inputs_are_one_error(tmp_path, capsys):
     assert "allowed: baseline, recommended" in capsys.readouterr().err
     with pytest.raises(ABReportError):
         parse_exposition("this is { not prometheus", "x")
+
+
+# ---- a real scrape ---------------------------------------------------------------------------------------
+# tests/unit/data/ab-scrape-old-host.prom: the host's own /metrics text (get_filtered_metrics) recorded from
+# `python -m tests.host.ab_scenario` on the old host (e7c8dc2) with FDSCHED_PROFILE_BY_DP_RANK=0=baseline,1=recommended:
+# rank 0 built in the process, rank 1 forked after it, 24 requests each under KV pressure.
+RECORDED = __import__("pathlib").Path(__file__).parent / "data" / "ab-scrape-old-host.prom"
+
+
+def test_report_on_a_recorded_host_scrape(capsys):
+    arms = parse_exposition(RECORDED.read_text())
+    assert sorted(arms) == ["baseline", "recommended"]
+    assert arms["baseline"].dp_ranks == {"0"} and arms["recommended"].dp_ranks == {"1"}
+    figures = {title: values for title, _, values in arm_figures(arms)}
+    assert figures["requests finished"] == {"baseline": (24, 24), "recommended": (24, 24)}
+    assert figures["  prefill-phase victims / 1k requests"]["recommended"][0] == 0
+    assert figures["  prefill-phase victims / 1k requests"]["baseline"][0] == pytest.approx(2 / 24 * 1000)
+    # baseline on the old host runs the host's own reservation: its refusals are not counted (n/a, not 0)
+    assert figures["admissions blocked / request"]["baseline"][0] is None
+    assert figures["admissions blocked / request"]["recommended"][0] > 0
+    assert main(["ab", "report", str(RECORDED), "--reference", "baseline"]) == 0
+    printed = capsys.readouterr().out
+    assert "arms: baseline: dp_rank 0; recommended: dp_rank 1" in printed
+    assert "recommended/baseline" in printed and "TPOT p90 (ms)" in printed
+
+
+def test_several_scrapes_are_added_up(tmp_path, capsys):
+    """multi_api_server: one /metrics per rank's api_server; the report takes them all."""
+    one = exposition({"baseline": ("0", [0.2] * 10, [0.02] * 10, {"decode": 1}, 5)})
+    two = exposition({"recommended": ("1", [0.2] * 20, [0.02] * 20, {}, 0),
+                      "baseline": ("2", [0.2] * 5, [0.02] * 5, {"prefill": 1}, 3)})
+    a, b = tmp_path / "a.prom", tmp_path / "b.prom"
+    a.write_text(one)
+    b.write_text(two)
+    assert main(["ab", "report", str(a), str(b)]) == 0
+    printed = capsys.readouterr().out
+    assert "baseline: dp_rank 0, 2; recommended: dp_rank 1" in printed
+    assert "15 (15)" in printed and "20 (20)" in printed
+    empty = tmp_path / "empty.prom"
+    empty.write_text("# nothing yet\n")
+    assert main(["ab", "report", str(a), "--since", str(empty)]) == 0  # an earlier scrape may have no arm yet

@@ -67,3 +67,15 @@ def test_host_free_modules_import_no_fastdeploy():
     env = {k: v for k, v in os.environ.items() if k != HOST_SOURCE_ENV}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_cli_replay_dp_arms_errors(capsys):
+    """Bad --dp-arms values fail before anything needs the host."""
+    from fdsched.cli import main
+
+    assert main(["replay", "--dp-arms", "0=baseline,0=recommended", "--no-progress"]) == 1
+    assert "--dp-arms: bad value '0=recommended' (rank 0 is given twice" in capsys.readouterr().err
+    assert main(["replay", "--dp-arms", "0=baseline", "--profile", "baseline", "--no-progress"]) == 1
+    assert "allowed: one of --dp-arms or --profile" in capsys.readouterr().err
+    assert main(["replay", "--dp-arms", "0=baseline,1=nosuch", "--no-progress"]) == 1
+    assert "--dp-arms, rank 1: bad value 'nosuch' (unknown profile)" in capsys.readouterr().err

@@ -233,3 +233,25 @@ def test_time_based_errors_name_line_and_field(second, field_name, words):
     with pytest.raises(TraceError) as info:
         parse_trace([first, second], source="t.jsonl")
     assert f"line 2, field {field_name!r}" in str(info.value) and words in str(info.value)
+
+
+def test_split_across_ranks_is_uniform_seeded_and_keeps_every_request():
+    import collections
+    import random
+
+    from fdsched.replay.trace import Trace, split_across_ranks
+
+    requests = tuple(
+        TraceRequest(id=f"r{i}", arrival=i, prompt_len=8, output_len=4) for i in range(400)
+    )
+    trace = Trace(requests=requests, name="t")
+    shares = split_across_ranks(trace, [1, 0], seed=7)
+    assert sorted(shares) == [0, 1] and shares[1].name == "t@dp1"
+    assert sorted(r.id for s in shares.values() for r in s.requests) == sorted(r.id for r in requests)
+    rng = random.Random(7)  # one draw per request, in trace order, over the sorted ranks
+    assert [r.id for r in shares[0].requests] == [r.id for r in requests if rng.randrange(2) == 0]
+    assert 150 < len(shares[0].requests) < 250  # uniform
+    assert split_across_ranks(trace, [0, 1], seed=7) == shares  # deterministic
+    assert collections.Counter(len(s.requests) for s in split_across_ranks(trace, [0, 1, 2]).values())
+    with pytest.raises(TraceError):
+        split_across_ranks(trace, [])
