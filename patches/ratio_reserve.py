@@ -370,9 +370,10 @@ class RatioReserveMixin(PluginBase):
                 bound, budget, generated, ratio, clip, block_size, 0 if fixed.relaxed else fixed.current
             )
         if self._fdsched_margin_open:
-            return self._fdsched_margin.add(estimate.mean, estimate.variance, adaptive.k, block_size)
+            return self._fdsched_margin.add(estimate.mean, estimate.variance, adaptive.k, block_size, estimate.left)
         # Asked alone (not within an admission decision): the request with a margin of its own.
-        return ceil_div(int(math.ceil(estimate.mean + adaptive.k * math.sqrt(estimate.variance))), block_size)
+        alone = min(estimate.mean + adaptive.k * math.sqrt(estimate.variance), estimate.left)
+        return ceil_div(int(math.ceil(alone)), block_size)
 
     # ---- the adaptive estimator's samples -------------------------------------------------------
     def finish_requests(self, request_ids):

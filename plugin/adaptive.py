@@ -92,15 +92,19 @@ def warmup_reserve_blocks(
       over that bound (:func:`fdsched.policies.reserve_blocks_for_request`): the bound is informative
       and that formula does well on such traffic.
     * No bound: the legacy fixed-block reservation's current per-request amount (``fixed_blocks``: 16
-      blocks after a preemption, decaying to 0; :class:`fdsched.policies.FixedBlockReserve`). Upstream's
+      blocks after a preemption, decaying to 0; :class:`fdsched.policies.FixedBlockReserve`), never
+      more than upstream's formula would reserve for it. Upstream's
       ratio over the rest of the context (min(context left, 4096) x 0.7 tokens per request at first) is
       mostly air and throttles a cold engine for hundreds of steps; the legacy policy is what the
       operator ran before and beats it on real traffic, and decode-only preemption keeps its
       under-reservation cheap (no prefill is thrown away).
     """
+    by_ratio = reserve_blocks_for_request(budget, generated, ratio, clip_max_new_tokens, block_size)
     if max_tokens is None:
-        return max(int(fixed_blocks), 0)
-    return reserve_blocks_for_request(budget, generated, ratio, clip_max_new_tokens, block_size)
+        # Never more than upstream would reserve: the legacy amount ignores what the request can still use,
+        # and a lone request in a small pool could otherwise refuse its own next chunk for good.
+        return min(max(int(fixed_blocks), 0), by_ratio)
+    return by_ratio
 
 
 class _Fenwick:
@@ -208,6 +212,7 @@ class RemainderEstimate:
 
     mean: float
     variance: float
+    left: Optional[float] = None  # what its budget still allows (the most it can use); None: unbounded
 
 
 @dataclass(frozen=True)
@@ -222,9 +227,11 @@ class RunningRequest:
 class SetMargin:
     """Telescoping block counts for a running set seen one request at a time.
 
-    ``add(mean, variance)`` returns how many blocks to add for this request so that, after the
-    last request of the set, the answers sum to ``ceil((sum of means + k sqrt(sum of variances)) /
-    block_size)``; ``reset()`` starts a new set.
+    ``add(mean, variance, k, block_size, left)`` returns how many blocks to add for this request so
+    that, after the last request of the set, the answers sum to ``ceil(min(sum of means + k sqrt(sum of
+    variances), sum of lefts) / block_size)``; ``reset()`` starts a new set. The cap: the set never
+    reserves more than its budgets still allow (a margin above that is air, and for a lone request in a
+    small pool it could refuse its own next chunk for good, since nothing would then change the state).
     """
 
     def __init__(self) -> None:
@@ -233,12 +240,15 @@ class SetMargin:
     def reset(self) -> None:
         self.mean = 0.0
         self.variance = 0.0
+        self.left = 0.0
         self.blocks = 0
 
-    def add(self, mean: float, variance: float, k: float, block_size: int) -> int:
+    def add(self, mean: float, variance: float, k: float, block_size: int, left: Optional[float] = None) -> int:
         self.mean += mean
         self.variance += variance
-        total = ceil_div(int(math.ceil(self.mean + k * math.sqrt(max(self.variance, 0.0)))), block_size)
+        self.left += math.inf if left is None else left
+        tokens = min(self.mean + k * math.sqrt(max(self.variance, 0.0)), self.left)
+        total = ceil_div(int(math.ceil(tokens)), block_size)
         delta = max(total - self.blocks, 0)
         self.blocks += delta
         return delta
@@ -319,7 +329,7 @@ class AdaptiveReserve:
         mean = mean_value * scale - generated
         left = max(budget - generated, 0)
         mean = min(max(mean, 1.0), left)
-        return RemainderEstimate(mean, min(variance, float(left) * left))
+        return RemainderEstimate(mean, min(variance, float(left) * left), float(left))
 
     def reserve_blocks(
         self,
@@ -332,7 +342,7 @@ class AdaptiveReserve:
         """Blocks to keep free for the running set: learned requests share one margin; the others
         use the warm-up fallback (:func:`warmup_reserve_blocks` with ``fixed_blocks``; None: upstream's
         ratio formula for every request, as the replay prototype does)."""
-        means = variances = 0.0
+        means = variances = lefts = 0.0
         fallback_blocks = 0
         for r in running:
             estimate = self.remainder(r.max_tokens, r.budget, r.generated)
@@ -349,7 +359,8 @@ class AdaptiveReserve:
             else:
                 means += estimate.mean
                 variances += estimate.variance
-        learned = int(math.ceil(means + self.k * math.sqrt(variances))) if means or variances else 0
+                lefts += estimate.left
+        learned = int(math.ceil(min(means + self.k * math.sqrt(variances), lefts))) if means or variances else 0
         return fallback_blocks + ceil_div(learned, block_size)
 
     def state(self) -> dict:

@@ -204,3 +204,18 @@ def test_same_events_same_answers():
         return answers, est.state()
 
     assert run() == run()
+
+
+def test_the_set_never_reserves_more_than_its_budgets_allow():
+    margin = SetMargin()
+    # A lone request with 20 tokens left and a huge spread: k x std would be 6 x 20 tokens of air.
+    assert margin.add(10, 400, 6.0, 4, left=20) == 5  # capped at 20 tokens = 5 blocks
+    est = AdaptiveReserve(min_samples=2, k=6.0)
+    for length in (1, 200, 3, 150):
+        est.observe_finished(None, length)
+    assert est.reserve_blocks([RunningRequest(None, 24, 4)], 4, 0.7, 4096) <= 5  # 20 tokens left
+
+
+def test_warm_up_unbounded_never_reserves_more_than_upstream():
+    # 16 legacy blocks, but upstream's formula reserves ceil(int(min(63 - 0, 4096) x 0.7) / 4) = 11 blocks.
+    assert warmup_reserve_blocks(None, 63, 0, 0.7, 4096, 4, fixed_blocks=16) == 11
