@@ -75,9 +75,14 @@ def test_warm_up_unbounded_requests_use_the_legacy_fixed_blocks(adaptive_rm):
     assert METRICS.adaptive["fallback_requests"] == 2
     _drain_pool(rm)
     rm._trigger_preempt(rm.running[0], 1, [], [])
-    # After the preemption the fallback reserves the legacy per-request blocks for what still runs.
+    # After the preemption the fallback reserves the legacy per-request blocks for what still runs, never
+    # more than upstream's formula would (a: budget 64 - 8 = 56, 2 generated, at the re-estimated ratio).
+    from fdsched.policies import reserve_blocks_for_request
+
     fixed = rm._fdsched_fixed.current
-    assert fixed > 0 and rm._fdsched_total_reserve() == fixed * len(rm.running)
+    by_ratio = reserve_blocks_for_request(56, 2, rm._fdsched_ratio.value, 4096, 4)
+    assert fixed == 16 and [r.request_id for r in rm.running] == ["a"]
+    assert rm._fdsched_total_reserve() == min(fixed, by_ratio) > 0
 
 
 def test_a_bounded_client_is_learned_relative_to_its_max_tokens(adaptive_rm):
