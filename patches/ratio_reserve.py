@@ -8,6 +8,7 @@ Replaces:  ResourceManagerV1.__init__ (state), ResourceManagerV1.schedule (wrapp
            ResourceManagerV1._reset_reserve_on_preemption (new host's seam: re-estimate after a preemption),
            ResourceManagerV1._trigger_preempt (wrapper: old host's reservation resets, the guard's decline),
            ResourceManagerV1._log_console_scheduler_metrics (the end of the pass, under the lock),
+           ResourceManagerV1.finish_requests (adaptive estimator: a finished request is a sample),
            PrefixCacheManager.can_allocate_gpu_blocks (the host's block check: keyed refusal, refusal count).
 Why:       the host reserves a fixed 16 blocks per running request after a preemption, decaying to
            nothing, whatever each request still has to generate; admission is either too greedy
@@ -18,6 +19,9 @@ Switch:    FDSCHED_RATIO_RESERVE / changes.ratio_reserve = auto | on | off, with
            FD_USE_NEW_TOKEN_RATIO_RESERVE, FD_INIT/MIN_NEW_TOKEN_RATIO, FD_NEW_TOKEN_RATIO_DECAY,
            FD_CLIP_MAX_NEW_TOKENS and the fixed-block FD_RESERVE_*_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL;
            plugin tunables FDSCHED_RATIO_REESTIMATE_EXTRA_BLOCKS (16) and _CAP (init).
+           FDSCHED_RESERVE_ESTIMATOR = ratio (upstream's formula) | adaptive (beyond upstream, below), with
+           FDSCHED_ADAPTIVE_MIN_SAMPLES / _WINDOW / _MARGIN_K. ``adaptive`` makes ``auto`` apply the
+           plugin's version on the new host too (the host has only the ratio formula).
            ``off`` on a host that has the change restores the fixed-block policy, including the
            old host's raw block check for a running chunked prefill.
 Delete:    when every supported host carries 7783 and exposes the re-estimate term and cap.
@@ -31,6 +35,9 @@ Relies on: (each probed at install: ``on``, or ``off`` on the new host, fails na
     ``self.waiting`` and nothing before it in the pass does.
   * threshold-check: every caller of ``_get_can_schedule_prefill_threshold_block`` checks its result with
     ``cache_manager.can_allocate_gpu_blocks`` next (the refusal count).
+  * finish-seam: (adaptive estimator) every request the engine finishes goes through ``finish_requests``
+    (``finish_requests_async`` submits it to a pool), which finds it in ``self.requests``, still with its
+    running status, and takes it out of ``running``; a preempted request is not running.
 
 How: a prefill (new, or the next chunk of a running one) is admitted only when free blocks cover
 its chunk plus, for every running request, ``ceil(min(max_tokens - generated, clip) * ratio /
@@ -58,6 +65,19 @@ One-shot signals (the refusal, the refusal count, the guard's decline, the runni
 for) are keyed to the check they are for and dropped at the end of every pass; one still pending then is
 logged and counted in ``fastdeploy:fdsched_unconsumed_signals_total{signal}``.
 
+Beyond upstream: the adaptive estimator (``FDSCHED_RESERVE_ESTIMATOR=adaptive``, profile ``adaptive``;
+pure code in :mod:`fdsched.adaptive`). Through the same seam, each running request reserves its expected
+remaining output ``E[L - g | L > g]`` learned from the engine's own finished requests (samples taken in
+the host's ``finish_requests`` seam, before the host forgets the request: its output length and, where
+the client bounded it, its ``max_tokens``); one margin, ``k x sqrt(sum of variances)``, covers the running
+set: the per-request answers telescope to ``ceil((sum of means + margin) / block_size)`` within one
+admission decision (:class:`fdsched.adaptive.SetMargin`). A preemption raises ``k`` (and resets the
+warm-up fallback); a preempted or still-running request is never a sample. Until a kind (bounded /
+unbounded) has enough samples it answers with :func:`fdsched.adaptive.warmup_reserve_blocks`. A third-party
+``fdsched_estimate_reserve_blocks`` hook still answers first, per request. Cost per running request and
+decision: O(1) amortised (a bucket's tail sums are cached until the next finished request), O(log buckets)
+at worst.
+
 Beyond upstream: on a prefill node (``splitwise_role == "prefill"``) running requests reserve nothing:
 such a node never decodes, and upstream's reservation there stalls it for good (a chunk that needs no
 new block is refused while preallocated requests hold the pool, and the ratio only decays after a pass
@@ -67,7 +87,11 @@ that scheduled something). The new host's own code (``auto`` there) still has th
 from __future__ import annotations
 
 import inspect
+import math
+import weakref
 
+from fdsched.adaptive import AdaptiveReserve, SetMargin, client_bound, warmup_reserve_blocks
+from fdsched.common import ceil_div
 from fdsched.metrics import METRICS
 from fdsched.policies import FixedBlockReserve, NewTokenRatio, max_new_tokens_of
 
@@ -93,6 +117,10 @@ _HOST_ATTRS = {
     "decay_output_block_num": "host_tunables.FD_RESERVE_DECAY_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL",
     "min_reserve_output_block_num": "host_tunables.FD_RESERVE_MIN_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL",
 }
+
+
+# Schedulers of this process that run the adaptive estimator (``fdsched doctor`` shows their state).
+LIVE_ADAPTIVE: "weakref.WeakSet" = weakref.WeakSet()
 
 
 class _SchedulePass:
@@ -125,6 +153,19 @@ class RatioReserveMixin(PluginBase):
             s["host_tunables.FD_RESERVE_MIN_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL"],
         )
         self._fdsched_pass = None
+        self._fdsched_adaptive = None
+        if self._fdsched_impl["ratio_reserve"] == "plugin" and s["tunables.reserve_estimator"] == "adaptive":
+            self._fdsched_adaptive = AdaptiveReserve(
+                window=s["tunables.adaptive_window"],
+                min_samples=s["tunables.adaptive_min_samples"],
+                k=s["tunables.adaptive_margin_k"],
+                k_max=max(6.0, s["tunables.adaptive_margin_k"]),
+            )
+            self._fdsched_margin = SetMargin()  # the running set's one margin, one admission decision at a time
+            self._fdsched_margin_open = False
+            self._fdsched_set_fallbacks = 0
+            LIVE_ADAPTIVE.add(self)
+            METRICS.adaptive_samples(self._fdsched_adaptive.state(), of=self)
         if self._fdsched_impl["ratio_reserve"] == "host":
             # The host's own code runs: feed it the effective values (a profile may set them).
             for attr, key in _HOST_ATTRS.items():
@@ -157,7 +198,8 @@ class RatioReserveMixin(PluginBase):
             if impl == "plugin":
                 self._fdsched_ratio.after_schedule(scheduled_anything)
                 METRICS.ratio(self._fdsched_ratio.value, of=self)
-            else:
+            if impl != "plugin" or self._fdsched_adaptive is not None:
+                # off: the fixed-block policy itself; adaptive: its warm-up fallback for unbounded requests
                 self._fdsched_fixed.after_schedule(scheduled_anything)
         return result
 
@@ -276,7 +318,23 @@ class RatioReserveMixin(PluginBase):
         return threshold
 
     def _fdsched_total_reserve(self) -> int:
-        return sum(self._get_running_request_reserve_blocks(r) for r in self.running)
+        adaptive = self._fdsched_adaptive
+        if adaptive is None:
+            return sum(self._get_running_request_reserve_blocks(r) for r in self.running)
+        # One admission decision: the per-request answers of the seam telescope to the running set's
+        # expected remainder plus one margin (SetMargin), opened here and closed after the last request.
+        margin = self._fdsched_margin
+        margin.reset()
+        self._fdsched_set_fallbacks = 0
+        self._fdsched_margin_open = True
+        try:
+            total = sum(self._get_running_request_reserve_blocks(r) for r in self.running)
+        finally:
+            self._fdsched_margin_open = False
+        METRICS.adaptive_decision(
+            margin.mean, adaptive.k * math.sqrt(max(margin.variance, 0.0)), adaptive.k, self._fdsched_set_fallbacks, of=self
+        )
+        return total
 
     def _get_running_request_reserve_blocks(self, request) -> int:
         if self._fdsched_impl["ratio_reserve"] != "plugin":
@@ -287,14 +345,68 @@ class RatioReserveMixin(PluginBase):
             # while the preallocated requests hold the pool, and the ratio decays only after a pass that
             # scheduled something.
             return 0
-        return self._fdsched_policies.reserve_blocks(
-            request.request_id,
-            _output_budget(request, self.config.model_config.max_model_len),
-            len(request.output_token_ids),
-            self._fdsched_ratio.value,
-            self._fdsched_settings["host_tunables.FD_CLIP_MAX_NEW_TOKENS"],
-            self.config.cache_config.block_size,
+        max_model_len = self.config.model_config.max_model_len
+        budget = _output_budget(request, max_model_len)
+        generated = len(request.output_token_ids)
+        ratio, clip = self._fdsched_ratio.value, self._fdsched_settings["host_tunables.FD_CLIP_MAX_NEW_TOKENS"]
+        block_size = self.config.cache_config.block_size
+        adaptive = self._fdsched_adaptive
+        if adaptive is None:
+            return self._fdsched_policies.reserve_blocks(request.request_id, budget, generated, ratio, clip, block_size)
+        override = self._fdsched_policies.reserve_blocks_override(
+            request.request_id, budget, generated, ratio, clip, block_size
         )
+        if override is not None:
+            return override  # a third-party hook answers for this request (outside the set's margin)
+        bound = client_bound(
+            getattr(request.sampling_params, "max_tokens", None), max_model_len, request.prompt_token_ids_len
+        )
+        estimate = adaptive.remainder(bound, budget, generated)
+        if estimate is None:
+            adaptive.fallbacks += 1
+            self._fdsched_set_fallbacks += 1
+            fixed = self._fdsched_fixed
+            return warmup_reserve_blocks(
+                bound, budget, generated, ratio, clip, block_size, 0 if fixed.relaxed else fixed.current
+            )
+        if self._fdsched_margin_open:
+            return self._fdsched_margin.add(estimate.mean, estimate.variance, adaptive.k, block_size, estimate.left)
+        # Asked alone (not within an admission decision): the request with a margin of its own.
+        alone = min(estimate.mean + adaptive.k * math.sqrt(estimate.variance), estimate.left)
+        return ceil_div(int(math.ceil(alone)), block_size)
+
+    # ---- the adaptive estimator's samples -------------------------------------------------------
+    def finish_requests(self, request_ids):
+        adaptive = self._fdsched_adaptive
+        if adaptive is None or self.config.scheduler_config.splitwise_role == "prefill":
+            # A prefill node's requests leave after their first token: not a sample of the output length.
+            return super().finish_requests(request_ids)
+        if not isinstance(request_ids, str):
+            request_ids = list(request_ids)  # read here and by the host
+        ids = (request_ids,) if isinstance(request_ids, str) else request_ids
+        running = self._fdsched_running_statuses()
+        max_model_len = self.config.model_config.max_model_len
+        with self.lock:
+            for request_id in ids:
+                request = self.requests.get(request_id)
+                # Only a request that finishes while running is a sample; a preempted one (waiting to be
+                # rescheduled) or an unknown id is not: its length is not known to be complete (censoring).
+                if request is None or request.status not in running:
+                    continue
+                adaptive.observe_finished(
+                    client_bound(
+                        getattr(request.sampling_params, "max_tokens", None), max_model_len, request.prompt_token_ids_len
+                    ),
+                    len(request.output_token_ids),
+                )
+            METRICS.adaptive_samples(adaptive.state(), of=self)
+        return super().finish_requests(request_ids)
+
+    def _fdsched_running_statuses(self) -> tuple:
+        statuses = self._fdsched_host.request_status
+        if self._fdsched_host.split_status:
+            return (statuses.RUNNING_PREFILL, statuses.RUNNING_DECODE)
+        return (statuses.RUNNING,)
 
     def _fdsched_is_running_prefill(self, request) -> bool:
         statuses = self._fdsched_host.request_status
@@ -316,7 +428,7 @@ class RatioReserveMixin(PluginBase):
         if not host_defines(self, "_reset_reserve_on_preemption"):
             # Old host: no per-preemption seam; its loop reset the fixed reservation at the end of every call.
             if impl == "plugin" and len(preempted_reqs) > already:
-                self._fdsched_reestimate()
+                self._fdsched_reestimate(len(preempted_reqs) - already)
             elif impl == "host":
                 self._fdsched_reset_host_fixed_reserve()  # also when change 2 replaced that loop
         if impl == "off":
@@ -338,7 +450,13 @@ class RatioReserveMixin(PluginBase):
             self.current_reserve_output_block_num_float = self.init_reserve_output_block_num
             self.can_relax_prefill_strategy = False
 
-    def _fdsched_reestimate(self) -> None:
+    def _fdsched_reestimate(self, preemptions: int = 1) -> None:
+        adaptive = self._fdsched_adaptive
+        if adaptive is not None:
+            # The reservation was too small: widen the margin; the warm-up fallback resets like the legacy policy.
+            adaptive.observe_preemption(preemptions)
+            self._fdsched_fixed.on_preemption()
+            METRICS.adaptive_samples(adaptive.state(), of=self)
         max_model_len = self.config.model_config.max_model_len
         generated, budgets, decoding = [], [], 0
         for r in self.running:
@@ -416,6 +534,20 @@ def _threshold_check(info):
     return _uses(info.rm_class.schedule, {"_get_can_schedule_prefill_threshold_block", "can_allocate_gpu_blocks"})
 
 
+def _finish_seam(info):
+    async_finish = getattr(info.rm_class, "finish_requests_async", None)
+    if async_finish is not None:
+        problem = _uses(async_finish, {"finish_requests"})
+        if problem:
+            return problem
+    return _uses(info.rm_class.finish_requests, {"requests", "running", "remove"})
+
+
+def _as_selected(settings, host_has_ratio: bool) -> bool:
+    # The new host has upstream's ratio formula, never the adaptive estimator.
+    return host_has_ratio and settings["tunables.reserve_estimator"] == "ratio"
+
+
 SPEC = PatchSpec(
     change_id="ratio_reserve",
     title="new_token_ratio KV reservation and chunked-prefill guard",
@@ -430,6 +562,7 @@ SPEC = PatchSpec(
         "ResourceManagerV1._reset_reserve_on_preemption",
         "ResourceManagerV1._trigger_preempt",
         "ResourceManagerV1._log_console_scheduler_metrics",
+        "ResourceManagerV1.finish_requests",
         "PrefixCacheManager.can_allocate_gpu_blocks",
     ),
     requires={
@@ -438,6 +571,7 @@ SPEC = PatchSpec(
         "ResourceManagerV1._get_can_schedule_prefill_threshold_block": ("num_chunk_new_block",),
         "ResourceManagerV1._trigger_preempt": ("request", "num_new_blocks", "preempted_reqs", "scheduled_reqs"),
         "ResourceManagerV1._log_console_scheduler_metrics": ("scheduled_reqs",),
+        "ResourceManagerV1.finish_requests": ("request_ids",),
         "ResourceManagerV1.schedule": (),
     },
     why="Fixed 16 blocks per running request ignore how much each request still has to generate.",
@@ -457,5 +591,9 @@ SPEC = PatchSpec(
                  _pass_end, when=("off",)),
         Reliance("threshold-check", "every threshold is checked with can_allocate_gpu_blocks next",
                  _threshold_check),
+        Reliance("finish-seam", "every finished request goes through finish_requests (finish_requests_async "
+                 "submits it), found in self.requests with its running status and taken out of running",
+                 _finish_seam, when=("plugin",)),
     ),
+    host_has_as_selected=_as_selected,
 )

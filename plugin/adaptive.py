@@ -52,10 +52,59 @@ __all__ = [
     "SetMargin",
     "RELATIVE_SCALE",
     "expected_remainders",
+    "client_bound",
+    "warmup_reserve_blocks",
 ]
 
 # Relative samples (L / max_tokens, in (0, 1]) are stored as L / max_tokens * RELATIVE_SCALE.
 RELATIVE_SCALE = 4096.0
+
+
+def client_bound(max_tokens: Optional[int], max_model_len: int, prompt_len: int) -> Optional[int]:
+    """The request's ``max_tokens`` when it says something about its length, else None.
+
+    A client that leaves ``max_tokens`` unset gets the rest of the context from the engine's data
+    processor (FastDeploy's ``base_processor`` fills ``max_model_len - prompt length`` in, and clamps a
+    larger value to it), so a running request's ``max_tokens`` is never None in a real engine. A bound
+    that equals (or exceeds) what the context leaves is not the client's choice and says nothing about
+    the length: such a request is learned and answered in absolute tokens, like an unset one.
+    """
+    if max_tokens is None or max_tokens < 1:
+        return None
+    if max_tokens >= max_model_len - prompt_len:
+        return None
+    return int(max_tokens)
+
+
+def warmup_reserve_blocks(
+    max_tokens: Optional[int],
+    budget: int,
+    generated: int,
+    ratio: float,
+    clip_max_new_tokens: int,
+    block_size: int,
+    fixed_blocks: int,
+) -> int:
+    """Blocks a running request reserves while the estimator cannot answer for it (warm-up, or it has
+    generated more than any sample of its kind).
+
+    * The client bounded its length (``max_tokens`` from :func:`client_bound`): upstream's ratio formula
+      over that bound (:func:`fdsched.policies.reserve_blocks_for_request`): the bound is informative
+      and that formula does well on such traffic.
+    * No bound: the legacy fixed-block reservation's current per-request amount (``fixed_blocks``: 16
+      blocks after a preemption, decaying to 0; :class:`fdsched.policies.FixedBlockReserve`), never
+      more than upstream's formula would reserve for it. Upstream's
+      ratio over the rest of the context (min(context left, 4096) x 0.7 tokens per request at first) is
+      mostly air and throttles a cold engine for hundreds of steps; the legacy policy is what the
+      operator ran before and beats it on real traffic, and decode-only preemption keeps its
+      under-reservation cheap (no prefill is thrown away).
+    """
+    by_ratio = reserve_blocks_for_request(budget, generated, ratio, clip_max_new_tokens, block_size)
+    if max_tokens is None:
+        # Never more than upstream would reserve: the legacy amount ignores what the request can still use,
+        # and a lone request in a small pool could otherwise refuse its own next chunk for good.
+        return min(max(int(fixed_blocks), 0), by_ratio)
+    return by_ratio
 
 
 class _Fenwick:
@@ -101,6 +150,9 @@ class LengthHistogram:
         self._sum = _Fenwick(self.buckets)
         self._sumsq = _Fenwick(self.buckets)
         self.n = 0.0  # total weight
+        # bucket -> its tail aggregates, valid until the next add: queries between two finished requests
+        # (every running request at every admission decision) mostly hit a few buckets, O(1) each then.
+        self._tails: dict = {}
 
     def bucket(self, value: float) -> int:
         if value < self.lo:
@@ -119,6 +171,7 @@ class LengthHistogram:
         self._sum.add(index, weight * value)
         self._sumsq.add(index, weight * value * value)
         self.n += weight
+        self._tails.clear()
 
     def _slot(self, index: int) -> tuple:
         return (
@@ -130,19 +183,27 @@ class LengthHistogram:
     def tail(self, threshold: float) -> tuple:
         """(weight, sum, sum of squares) of the samples above ``threshold``."""
         index = self.bucket(threshold)
-        count = self.n - self._count.prefix(index + 1)
-        total = self._sum.prefix(self.buckets) - self._sum.prefix(index + 1)
-        squares = self._sumsq.prefix(self.buckets) - self._sumsq.prefix(index + 1)
-        c, s, q = self._slot(index)
+        cached = self._tails.get(index)
+        if cached is None:
+            cached = self._tails[index] = self._bucket_tail(index)
+        count, total, squares, c, low, high = cached
         if c > 1e-12:
             # The part of this bucket above the threshold, its samples taken as spread evenly over it.
-            low, high = self.edges(index)
             part = min(max((high - threshold) / max(high - low, 1e-12), 0.0), 1.0) * c
             a, b = max(threshold, low), high
             count += part
             total += part * (a + b) / 2.0
             squares += part * (a * a + a * b + b * b) / 3.0
         return max(count, 0.0), total, squares
+
+    def _bucket_tail(self, index: int) -> tuple:
+        """(weight, sum, sum of squares) above bucket ``index``, the bucket's own weight and its edges."""
+        count = self.n - self._count.prefix(index + 1)
+        total = self._sum.prefix(self.buckets) - self._sum.prefix(index + 1)
+        squares = self._sumsq.prefix(self.buckets) - self._sumsq.prefix(index + 1)
+        c = self._slot(index)[0]
+        low, high = self.edges(index)
+        return count, total, squares, c, low, high
 
 
 @dataclass(frozen=True)
@@ -151,6 +212,7 @@ class RemainderEstimate:
 
     mean: float
     variance: float
+    left: Optional[float] = None  # what its budget still allows (the most it can use); None: unbounded
 
 
 @dataclass(frozen=True)
@@ -165,9 +227,11 @@ class RunningRequest:
 class SetMargin:
     """Telescoping block counts for a running set seen one request at a time.
 
-    ``add(mean, variance)`` returns how many blocks to add for this request so that, after the
-    last request of the set, the answers sum to ``ceil((sum of means + k sqrt(sum of variances)) /
-    block_size)``; ``reset()`` starts a new set.
+    ``add(mean, variance, k, block_size, left)`` returns how many blocks to add for this request so
+    that, after the last request of the set, the answers sum to ``ceil(min(sum of means + k sqrt(sum of
+    variances), sum of lefts) / block_size)``; ``reset()`` starts a new set. The cap: the set never
+    reserves more than its budgets still allow (a margin above that is air, and for a lone request in a
+    small pool it could refuse its own next chunk for good, since nothing would then change the state).
     """
 
     def __init__(self) -> None:
@@ -176,12 +240,15 @@ class SetMargin:
     def reset(self) -> None:
         self.mean = 0.0
         self.variance = 0.0
+        self.left = 0.0
         self.blocks = 0
 
-    def add(self, mean: float, variance: float, k: float, block_size: int) -> int:
+    def add(self, mean: float, variance: float, k: float, block_size: int, left: Optional[float] = None) -> int:
         self.mean += mean
         self.variance += variance
-        total = ceil_div(int(math.ceil(self.mean + k * math.sqrt(max(self.variance, 0.0)))), block_size)
+        self.left += math.inf if left is None else left
+        tokens = min(self.mean + k * math.sqrt(max(self.variance, 0.0)), self.left)
+        total = ceil_div(int(math.ceil(tokens)), block_size)
         delta = max(total - self.blocks, 0)
         self.blocks += delta
         return delta
@@ -195,7 +262,7 @@ class AdaptiveReserve:
     def __init__(
         self,
         window: int = 2000,
-        min_samples: int = 50,
+        min_samples: int = 16,
         k: float = 2.0,
         k_step: float = 0.5,
         k_max: float = 6.0,
@@ -262,24 +329,38 @@ class AdaptiveReserve:
         mean = mean_value * scale - generated
         left = max(budget - generated, 0)
         mean = min(max(mean, 1.0), left)
-        return RemainderEstimate(mean, min(variance, float(left) * left))
+        return RemainderEstimate(mean, min(variance, float(left) * left), float(left))
 
     def reserve_blocks(
-        self, running: Iterable[RunningRequest], block_size: int, ratio: float, clip_max_new_tokens: int
+        self,
+        running: Iterable[RunningRequest],
+        block_size: int,
+        ratio: float,
+        clip_max_new_tokens: int,
+        fixed_blocks: Optional[int] = None,
     ) -> int:
         """Blocks to keep free for the running set: learned requests share one margin; the others
-        use upstream's ratio formula."""
-        means = variances = 0.0
+        use the warm-up fallback (:func:`warmup_reserve_blocks` with ``fixed_blocks``; None: upstream's
+        ratio formula for every request, as the replay prototype does)."""
+        means = variances = lefts = 0.0
         fallback_blocks = 0
         for r in running:
             estimate = self.remainder(r.max_tokens, r.budget, r.generated)
             if estimate is None:
                 self.fallbacks += 1
-                fallback_blocks += reserve_blocks_for_request(r.budget, r.generated, ratio, clip_max_new_tokens, block_size)
+                if fixed_blocks is None:
+                    fallback_blocks += reserve_blocks_for_request(
+                        r.budget, r.generated, ratio, clip_max_new_tokens, block_size
+                    )
+                else:
+                    fallback_blocks += warmup_reserve_blocks(
+                        r.max_tokens, r.budget, r.generated, ratio, clip_max_new_tokens, block_size, fixed_blocks
+                    )
             else:
                 means += estimate.mean
                 variances += estimate.variance
-        learned = int(math.ceil(means + self.k * math.sqrt(variances))) if means or variances else 0
+                lefts += estimate.left
+        learned = int(math.ceil(min(means + self.k * math.sqrt(variances), lefts))) if means or variances else 0
         return fallback_blocks + ceil_div(learned, block_size)
 
     def state(self) -> dict:

@@ -69,6 +69,7 @@ def cmd_doctor(args) -> int:
     installed = current()
     if installed is not None:
         print("\ninstalled in this process: " + installed.summary())
+    print("\n" + _adaptive_report(settings, decisions.get("ratio_reserve")))
     try:
         from .hooks import Policies, make_plugin_manager
 
@@ -80,6 +81,46 @@ def cmd_doctor(args) -> int:
     print("\neffective settings:")
     print(_table([(k, env, _show(v), src) for k, env, v, src in settings.describe()], ("key", "variable", "value", "source")))
     return status
+
+
+def _adaptive_report(settings, ratio_decision) -> str:
+    """The reservation estimator: the live state of every scheduler in this process that runs the adaptive
+    one, else what the settings would use."""
+    estimator = settings["tunables.reserve_estimator"]
+    live = []
+    try:
+        from fdsched.patches.ratio_reserve import LIVE_ADAPTIVE
+
+        live = [rm._fdsched_adaptive.state() for rm in list(LIVE_ADAPTIVE)]
+    except ImportError:
+        pass
+    if live:
+        lines = [f"reservation estimator: adaptive, {len(live)} scheduler(s) in this process"]
+        for i, state in enumerate(live):
+            lines.append(f"  scheduler {i}: " + _adaptive_state_line(state))
+        return "\n".join(lines)
+    if estimator == "ratio":
+        return "reservation estimator: ratio (upstream's new_token_ratio formula)"
+    applied = ratio_decision is None or ratio_decision.impl == "plugin"
+    where = "" if applied else f" (but ratio_reserve is {ratio_decision.detail}: the estimator would not run)"
+    return (
+        f"reservation estimator: adaptive{where}; no scheduler in this process (it runs in the engine's). It would "
+        f"learn from the last {settings['tunables.adaptive_window']} finished requests, answer for a kind (bounded / "
+        f"unbounded max_tokens) after {settings['tunables.adaptive_min_samples']} of them, with a margin of "
+        f"k={settings['tunables.adaptive_margin_k']} standard deviations; until then bounded requests use upstream's "
+        "ratio formula and unbounded ones the legacy fixed-block reservation. Live state: the "
+        "fastdeploy:fdsched_adaptive_* metrics."
+    )
+
+
+def _adaptive_state_line(state: dict) -> str:
+    parts = []
+    for label, key in (("unbounded", "absolute_tokens"), ("bounded", "relative_to_max_tokens")):
+        kind = state[key]
+        mean = "-" if kind["mean"] is None else f"{kind['mean']:g}"
+        phase = "learned" if kind["learned"] else "warm-up (fallback)"
+        parts.append(f"{label}: {kind['samples']} samples, mean {mean}, {phase}")
+    return "; ".join(parts) + f"; k={state['k']:g}; preemptions seen {state['preemptions_seen']}"
 
 
 def _show(value) -> str:

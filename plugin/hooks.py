@@ -95,6 +95,7 @@ class Policies:
         self._direct_victim = len(hook.fdsched_select_preemption_victim.get_hookimpls()) == 1
         self._direct_reserve = len(hook.fdsched_estimate_reserve_blocks.get_hookimpls()) == 1
         self._direct_decoding = len(hook.fdsched_is_decoding.get_hookimpls()) == 1
+        self._reserve_overrides = None  # built on first use, after every (un)registration
 
     def external_plugins(self) -> list[str]:
         # Blocked names stay in pluggy's registry as None placeholders: they are not loaded plugins.
@@ -120,6 +121,26 @@ class Policies:
                 return policies.select_preemption_victim(candidates)
             return policies.select_any_phase_victim(candidates)
         return self.pm.hook.fdsched_select_preemption_victim(candidates=candidates, decode_only=decode_only)
+
+    def reserve_blocks_override(self, request_id, max_new_tokens, generated_tokens, ratio, clip, block_size):
+        """A third-party ``fdsched_estimate_reserve_blocks`` answer for one request, or None when no third
+        party answers (the adaptive estimator then answers; the plugin's default is not consulted)."""
+        if self._direct_reserve:
+            return None
+        caller = self._reserve_overrides
+        if caller is None:
+            caller = self._reserve_overrides = self.pm.subset_hook_caller(
+                "fdsched_estimate_reserve_blocks", remove_plugins=[self.pm.get_plugin("fdsched-defaults")]
+            )
+        answer = caller(
+            request_id=request_id,
+            max_new_tokens=max_new_tokens,
+            generated_tokens=generated_tokens,
+            ratio=ratio,
+            clip_max_new_tokens=clip,
+            block_size=block_size,
+        )
+        return None if answer is None else int(answer)
 
     def reserve_blocks(self, request_id, max_new_tokens, generated_tokens, ratio, clip, block_size) -> int:
         if self._direct_reserve:

@@ -59,7 +59,9 @@ def fdsched_estimate_reserve_blocks(
 
     Called for every running request each time the ratio-based reservation decides whether a
     prefill (new, or the next chunk of a running one) may be admitted. Stops at the first non-None
-    result.
+    result. With the adaptive estimator (``FDSCHED_RESERVE_ESTIMATOR=adaptive``) a third-party
+    answer replaces the estimator's for that request (it then stands outside the running set's one
+    margin); None lets the estimator answer (the plugin's ratio default is not consulted then).
 
     :param request_id: the request's id.
     :param max_new_tokens: its output budget (``max_tokens``, else ``max_model_len`` - prompt length).

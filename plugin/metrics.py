@@ -40,6 +40,22 @@ fastdeploy:fdsched_ttft_seconds                              histogram  time to 
                                                                         (engine_recv_first_token_time -
                                                                         arrival_time, the request's own stamps)
 fastdeploy:fdsched_tpot_seconds                              histogram  time per output token after the first
+fastdeploy:fdsched_adaptive_samples{kind}                    gauge      adaptive estimator: finished requests
+                                                                        it learns from (kind: absolute =
+                                                                        unbounded clients, relative = clients
+                                                                        that set max_tokens)
+fastdeploy:fdsched_adaptive_learned{kind}                    gauge      1 once a kind has enough samples, 0
+                                                                        while it is in warm-up (fallback)
+fastdeploy:fdsched_adaptive_mean_output{kind}                gauge      learned mean output (tokens; relative:
+                                                                        fraction of max_tokens)
+fastdeploy:fdsched_adaptive_expected_tokens                  gauge      expected remaining output of the
+                                                                        running set at the last decision
+fastdeploy:fdsched_adaptive_margin_tokens                    gauge      the set's margin at that decision
+                                                                        (k x sqrt of the summed variances)
+fastdeploy:fdsched_adaptive_margin_k                         gauge      the margin factor k (raised by
+                                                                        preemptions)
+fastdeploy:fdsched_adaptive_fallback_requests                gauge      running requests answered by the
+                                                                        warm-up fallback at that decision
 ===========================================================  =========  =====================================
 """
 
@@ -155,6 +171,35 @@ def _prometheus():
         return _PROM
 
 
+_ADAPTIVE_PROM = None
+
+
+def _adaptive_prometheus():
+    """The adaptive estimator's gauges (created once per process, beside :func:`_prometheus`'s)."""
+    global _ADAPTIVE_PROM
+    if _prometheus() is None:
+        return None
+    with _PROM_LOCK:
+        if _ADAPTIVE_PROM is None:
+            from prometheus_client import Gauge
+
+            def gauge(name, text, labels=()):
+                return Gauge(
+                    f"fastdeploy:fdsched_adaptive_{name}", text, list(labels) + list(LABELS), multiprocess_mode="max"
+                )
+
+            _ADAPTIVE_PROM = {
+                "samples": gauge("samples", "Finished requests the adaptive estimator learns from", ["kind"]),
+                "learned": gauge("learned", "1 once a kind has enough samples, 0 in warm-up", ["kind"]),
+                "mean": gauge("mean_output", "Learned mean output (tokens; relative: fraction of max_tokens)", ["kind"]),
+                "expected": gauge("expected_tokens", "Expected remaining output of the running set, last decision"),
+                "margin": gauge("margin_tokens", "The running set's margin at the last decision"),
+                "k": gauge("margin_k", "The margin factor k"),
+                "fallbacks": gauge("fallback_requests", "Running requests answered by the warm-up fallback"),
+            }
+        return _ADAPTIVE_PROM
+
+
 class PluginMetrics:
     """Plain counters (totals over every arm, as before arms existed) plus ``by_arm``: ``(arm, dp_rank)`` ->
     a tally of the per-arm figures (``preemptions_decode``, ``preemptions_prefill``, ``recomputed_tokens``,
@@ -180,6 +225,7 @@ class PluginMetrics:
         self.output_tokens = 0
         self.by_arm = {}
         self.latencies = {}
+        self.adaptive = {}  # the adaptive estimator's last state and decision (plain values)
 
     def _arm(self, labels: dict) -> _Tally:
         key = (labels["arm"], labels["dp_rank"])
@@ -237,6 +283,38 @@ class PluginMetrics:
         prom = _prometheus()
         if prom:
             prom["unconsumed"].labels(signal=signal, **labels_of(of)).inc()
+
+    def adaptive_samples(self, state: dict, of=None) -> None:
+        """The adaptive estimator's samples and learned means (``AdaptiveReserve.state()``)."""
+        kinds = {"absolute": state["absolute_tokens"], "relative": state["relative_to_max_tokens"]}
+        self.adaptive.update(
+            {f"{kind}_{key}": part[key] for kind, part in kinds.items() for key in ("samples", "learned", "mean")}
+        )
+        self.adaptive["margin_k"] = state["k"]
+        prom = _adaptive_prometheus()
+        if prom:
+            labels = labels_of(of)
+            for kind, part in kinds.items():
+                prom["samples"].labels(kind=kind, **labels).set(part["samples"])
+                prom["learned"].labels(kind=kind, **labels).set(1 if part["learned"] else 0)
+                if part["mean"] is not None:
+                    prom["mean"].labels(kind=kind, **labels).set(part["mean"])
+            prom["k"].labels(**labels).set(state["k"])
+
+    def adaptive_decision(
+        self, expected_tokens: float, margin_tokens: float, k: float, fallbacks: int, of=None
+    ) -> None:
+        """One admission decision of the adaptive estimator."""
+        self.adaptive.update(
+            expected_tokens=expected_tokens, margin_tokens=margin_tokens, margin_k=k, fallback_requests=fallbacks
+        )
+        prom = _adaptive_prometheus()
+        if prom:
+            labels = labels_of(of)
+            prom["expected"].labels(**labels).set(expected_tokens)
+            prom["margin"].labels(**labels).set(margin_tokens)
+            prom["k"].labels(**labels).set(k)
+            prom["fallbacks"].labels(**labels).set(fallbacks)
 
     def recycled(self, num_blocks: int, seconds: float, of=None) -> None:
         self.evicted_blocks += num_blocks

@@ -261,6 +261,42 @@ SCHEMA: tuple[Setting, ...] = (
         "Cap of the re-estimated ratio: 'init' caps at FD_INIT_NEW_TOKEN_RATIO (upstream), SGLang uses 1.0.",
     ),
     Setting(
+        "tunables.reserve_estimator",
+        "FDSCHED_RESERVE_ESTIMATOR",
+        _choice("ratio", "adaptive"),
+        "ratio",
+        "ratio | adaptive",
+        "What running requests reserve when the plugin's ratio reservation runs (changes.ratio_reserve applied): "
+        "ratio = upstream's new_token_ratio formula (PR 7444/7783); adaptive = the expected remaining output "
+        "learned from the engine's finished requests plus one margin for the running set (fdsched.adaptive).",
+    ),
+    Setting(
+        "tunables.adaptive_min_samples",
+        "FDSCHED_ADAPTIVE_MIN_SAMPLES",
+        _int(1),
+        16,
+        "an integer >= 1",
+        "Adaptive estimator: finished requests of a kind (client max_tokens set / unset) needed before it "
+        "answers for that kind; before that, the warm-up fallback (see README).",
+    ),
+    Setting(
+        "tunables.adaptive_window",
+        "FDSCHED_ADAPTIVE_WINDOW",
+        _int(1),
+        2000,
+        "an integer >= 1",
+        "Adaptive estimator: how many of the most recent finished requests it learns from (drift).",
+    ),
+    Setting(
+        "tunables.adaptive_margin_k",
+        "FDSCHED_ADAPTIVE_MARGIN_K",
+        _float(0.0, 6.0),
+        2.0,
+        "a number in [0, 6]",
+        "Adaptive estimator: the running set's margin is k standard deviations of its total remaining output; "
+        "each preemption raises k by 0.5 (up to 6), each finished request lets that extra decay.",
+    ),
+    Setting(
         "tunables.recycle_heapify_min_batch",
         "FDSCHED_RECYCLE_HEAPIFY_MIN_BATCH",
         _int(1),
@@ -564,6 +600,22 @@ def _check_together(values: dict, sources: dict, profile_path: Optional[str] = N
         "an integer",
         profile_path,
     )
+    # The adaptive estimator answers only inside the plugin's ratio reservation.
+    est_k = "tunables.reserve_estimator"
+    if values[est_k] == "adaptive":
+        ratio_k, host_k0 = "changes.ratio_reserve", "host_tunables.FD_USE_NEW_TOKEN_RATIO_RESERVE"
+        if values[ratio_k] == "off":
+            raise SettingsError(
+                f"{_where(est_k, sources, profile_path)}: bad value 'adaptive'; it contradicts "
+                f"{_where(ratio_k, sources, profile_path)}='off'; allowed: ratio with ratio_reserve=off, or "
+                "adaptive with ratio_reserve=auto/on"
+            )
+        if sources[host_k0] != "default" and not values[host_k0]:
+            raise SettingsError(
+                f"{_where(est_k, sources, profile_path)}: bad value 'adaptive'; it contradicts "
+                f"{_where(host_k0, sources, profile_path)}=0 (the fixed-block policy); allowed: ratio, or leave "
+                "FD_USE_NEW_TOKEN_RATIO_RESERVE unset / 1"
+            )
     # The host's own switch for the ratio policy must not contradict ours when both are explicit.
     host_k, ours_k = "host_tunables.FD_USE_NEW_TOKEN_RATIO_RESERVE", "changes.ratio_reserve"
     if sources[host_k] != "default":

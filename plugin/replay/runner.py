@@ -264,6 +264,8 @@ def run_profile(
     run.wall_seconds = time.perf_counter() - started
     if reservation is not None and hasattr(reservation, "state"):
         run.estimator = reservation.state()
+    elif getattr(manager, "_fdsched_adaptive", None) is not None:
+        run.estimator = manager._fdsched_adaptive.state()  # the engine path's estimator (profile adaptive)
     ratio_impl = report.decisions["ratio_reserve"].impl
     run.admissions_blocked = None if ratio_impl == "host" else METRICS.admissions_blocked
     return run

@@ -260,7 +260,7 @@ def test_relies_on_probes_notice_a_host_whose_control_flow_changed(host_info):
 
     changed = dataclasses.replace(host_info, host_classes={**host_info.host_classes, "ResourceManagerV1": Changed})
     failed = {cid: spec_for(cid).check_reliances(changed) for cid in host_info.has}
-    assert {"running-chunk-check", "threshold-check"} <= set(failed["ratio_reserve"])
+    assert {"running-chunk-check", "threshold-check", "finish-seam"} <= set(failed["ratio_reserve"])
     assert ("pass-end" in failed["ratio_reserve"]) == host_info.has["ratio_reserve"]  # only the new host uses it
     assert ("preempt-loop-seams" in failed["decode_only_preempt"]) == host_info.has["decode_only_preempt"]
     assert "record-moments" in failed["pd_prefill_cache"]

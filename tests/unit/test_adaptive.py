@@ -139,3 +139,83 @@ def test_censoring_only_finished_requests_are_samples():
 def test_bad_parameters_are_refused(kw):
     with pytest.raises(ValueError):
         AdaptiveReserve(**kw)
+
+
+# ---- the engine path's pieces: which max_tokens bound a length, the warm-up fallback ---------------------
+from fdsched.adaptive import client_bound, warmup_reserve_blocks  # noqa: E402
+
+
+@pytest.mark.parametrize(
+    "max_tokens, max_model_len, prompt_len, expected",
+    [
+        (None, 4096, 1000, None),  # unset (the replay, a host that keeps None)
+        (3096, 4096, 1000, None),  # the engine filled in what the context leaves: not the client's bound
+        (5000, 4096, 1000, None),  # larger than the context (the engine clamps it): no bound either
+        (3095, 4096, 1000, 3095),  # a real bound, one token short of the context
+        (256, 4096, 1000, 256),
+        (0, 4096, 1000, None),
+    ],
+)
+def test_client_bound_only_when_max_tokens_bounds_the_length(max_tokens, max_model_len, prompt_len, expected):
+    assert client_bound(max_tokens, max_model_len, prompt_len) == expected
+
+
+def test_warmup_fallback_unbounded_uses_the_fixed_blocks_bounded_the_ratio_formula():
+    assert warmup_reserve_blocks(None, 3000, 10, 0.7, 4096, 16, fixed_blocks=16) == 16
+    assert warmup_reserve_blocks(None, 3000, 10, 0.7, 4096, 16, fixed_blocks=0) == 0  # legacy relaxed: nothing
+    assert warmup_reserve_blocks(512, 512, 12, 0.7, 4096, 16, fixed_blocks=16) == reserve_blocks_for_request(
+        512, 12, 0.7, 4096, 16
+    )
+
+
+def test_set_reservation_in_warm_up_uses_the_fallback_then_the_learned_estimate():
+    est = AdaptiveReserve(min_samples=4, k=0.0)
+    running = [RunningRequest(None, 3000, 0), RunningRequest(256, 256, 0)]
+    # Nothing learned: unbounded -> fixed blocks (5), bounded -> ratio formula over its bound.
+    assert est.reserve_blocks(running, 16, 0.5, 4096, fixed_blocks=5) == 5 + reserve_blocks_for_request(256, 0, 0.5, 4096, 16)
+    for _ in range(4):
+        est.observe_finished(None, 160)
+    # Unbounded learned (every sample 160 tokens, k=0): 160 tokens = 10 blocks; bounded still in warm-up.
+    assert est.reserve_blocks(running, 16, 0.5, 4096, fixed_blocks=5) == 10 + reserve_blocks_for_request(256, 0, 0.5, 4096, 16)
+    assert est.state()["absolute_tokens"]["learned"] and not est.state()["relative_to_max_tokens"]["learned"]
+
+
+def test_tail_cache_is_dropped_when_a_sample_arrives():
+    hist = LengthHistogram()
+    for v in (100, 200):
+        hist.add(v)
+    first = hist.tail(50.5)
+    assert hist.tail(50.5) == first  # served from the cache
+    hist.add(400)
+    count, total, _ = hist.tail(50.5)
+    assert count == pytest.approx(3) and total == pytest.approx(700)
+
+
+def test_same_events_same_answers():
+    def run():
+        rnd = random.Random(7)
+        est = AdaptiveReserve(min_samples=5)
+        answers = []
+        for i in range(300):
+            est.observe_finished(None if i % 3 else 400, rnd.randint(1, 400))
+            if i % 50 == 0:
+                est.observe_preemption()
+            answers.append(est.reserve_blocks([RunningRequest(None, 3000, i % 40), RunningRequest(400, 400, 7)], 16, 0.3, 4096, 2))
+        return answers, est.state()
+
+    assert run() == run()
+
+
+def test_the_set_never_reserves_more_than_its_budgets_allow():
+    margin = SetMargin()
+    # A lone request with 20 tokens left and a huge spread: k x std would be 6 x 20 tokens of air.
+    assert margin.add(10, 400, 6.0, 4, left=20) == 5  # capped at 20 tokens = 5 blocks
+    est = AdaptiveReserve(min_samples=2, k=6.0)
+    for length in (1, 200, 3, 150):
+        est.observe_finished(None, length)
+    assert est.reserve_blocks([RunningRequest(None, 24, 4)], 4, 0.7, 4096) <= 5  # 20 tokens left
+
+
+def test_warm_up_unbounded_never_reserves_more_than_upstream():
+    # 16 legacy blocks, but upstream's formula reserves ceil(int(min(63 - 0, 4096) x 0.7) / 4) = 11 blocks.
+    assert warmup_reserve_blocks(None, 63, 0, 0.7, 4096, 4, fixed_blocks=16) == 11

@@ -337,3 +337,20 @@ def test_hookimpl_is_reachable_as_documented_in_hookspecs():
 # Keep last in the file for readability; it does not depend on test order (TESTED_HOOKS is filled at import).
 def test_every_hook_is_exercised_in_this_file():
     assert TESTED_HOOKS == set(HOOK_NAMES)
+
+
+def test_reserve_override_is_none_without_a_third_party_and_its_answer_with_one(pol):
+    args = ("r1", 3000, 10, 0.7, 4096, 16)
+    assert pol.reserve_blocks_override(*args) is None  # only the defaults: the adaptive estimator answers
+
+    class Fixed:
+        @hookimpl
+        def fdsched_estimate_reserve_blocks(self, request_id, max_new_tokens, generated_tokens, ratio,
+                                            clip_max_new_tokens, block_size):
+            return 3 if request_id == "r1" else None
+
+    pol.register(Fixed(), name="fixed")
+    assert pol.reserve_blocks_override(*args) == 3
+    # A third party that passes on a request leaves it to the estimator: the plugin's ratio default is not asked.
+    assert pol.reserve_blocks_override("r2", 3000, 10, 0.7, 4096, 16) is None
+    assert pol.reserve_blocks("r2", 3000, 10, 0.7, 4096, 16) == policies.reserve_blocks_for_request(3000, 10, 0.7, 4096, 16)

@@ -17,7 +17,7 @@ def switches(name: str) -> dict:
 
 
 def test_the_shipped_set():
-    assert set(PROFILES) == {"baseline", "recommended", "oracle", "adaptive-replay", *CHANGE_IDS}
+    assert set(PROFILES) == {"baseline", "recommended", "oracle", "adaptive", "adaptive-replay", *CHANGE_IDS}
     assert sorted(SINGLE_CHANGE_PROFILES) == sorted(CHANGE_IDS)
 
 
@@ -75,3 +75,11 @@ def test_oracle_reserves_true_remaining_output():
 @pytest.mark.parametrize("name", [n for n in PROFILES if n != "oracle"])
 def test_only_oracle_uses_the_oracle_reserve(name):
     assert load_settings(environ={}, profile=name)["replay.oracle_reserve"] is False
+
+
+def test_adaptive_is_recommended_with_the_adaptive_estimator():
+    adaptive = load_settings(environ={}, profile="adaptive")
+    recommended = load_settings(environ={}, profile="recommended")
+    differ = {k for k in adaptive.values if adaptive[k] != recommended[k]}
+    assert differ == {"tunables.reserve_estimator"}
+    assert adaptive["tunables.reserve_estimator"] == "adaptive" and recommended["tunables.reserve_estimator"] == "ratio"

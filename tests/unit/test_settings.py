@@ -464,3 +464,20 @@ def test_auto_with_host_switch_zero_means_off():
     assert effective_ratio_mode(s) == "off"
     # the host switch alone (ours left at its default auto) does the same
     assert effective_ratio_mode(load_settings(environ={"FD_USE_NEW_TOKEN_RATIO_RESERVE": "0"})) == "off"
+
+
+def test_reserve_estimator_choices_and_adaptive_tunables():
+    s = load_settings(environ={"FDSCHED_RESERVE_ESTIMATOR": "Adaptive", "FDSCHED_ADAPTIVE_MIN_SAMPLES": "8"})
+    assert s["tunables.reserve_estimator"] == "adaptive" and s["tunables.adaptive_min_samples"] == 8
+    with pytest.raises(SettingsError, match=r"FDSCHED_RESERVE_ESTIMATOR: bad value 'sglang'.*ratio, adaptive"):
+        load_settings(environ={"FDSCHED_RESERVE_ESTIMATOR": "sglang"})
+    with pytest.raises(SettingsError, match=r"FDSCHED_ADAPTIVE_MARGIN_K: bad value '7'.*\[0.0, 6.0\]"):
+        load_settings(environ={"FDSCHED_ADAPTIVE_MARGIN_K": "7"})
+
+
+def test_adaptive_estimator_contradicts_ratio_reserve_off():
+    with pytest.raises(SettingsError, match=r"FDSCHED_RESERVE_ESTIMATOR: bad value 'adaptive'.*ratio_reserve.*'off'"):
+        load_settings(environ={"FDSCHED_RESERVE_ESTIMATOR": "adaptive"}, profile="baseline")
+    with pytest.raises(SettingsError, match=r"FD_USE_NEW_TOKEN_RATIO_RESERVE=0"):
+        load_settings(environ={"FDSCHED_RESERVE_ESTIMATOR": "adaptive", "FD_USE_NEW_TOKEN_RATIO_RESERVE": "0"})
+    assert load_settings(environ={}, profile="adaptive")["tunables.reserve_estimator"] == "adaptive"

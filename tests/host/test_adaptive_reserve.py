@@ -1,0 +1,114 @@
+"""The adaptive reservation estimator in the engine path (profile ``adaptive``), on the real ResourceManagerV1.
+
+Samples come from the host's own ``finish_requests`` (running requests only), preemptions widen the
+margin, the running set shares one margin, a third-party hook still answers first, and the estimator's
+state reaches the plugin's metrics. Runs on whichever host is configured (both hosts in CI).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from fdsched.hookspecs import hookimpl
+from fdsched.metrics import METRICS
+
+from .test_scheduler_changes import SHAPE, _drain_pool, _place
+
+
+@pytest.fixture
+def adaptive_rm(install_profile, make_manager):
+    def _build(**env):
+        env.setdefault("FDSCHED_ADAPTIVE_MIN_SAMPLES", "4")
+        install_profile("adaptive", **env)
+        return make_manager(**SHAPE)
+
+    return _build
+
+
+def _finish(rm, rid, prompt_len, generated, max_tokens=None):
+    _place(rm, rid, prompt_len, generated=generated, max_tokens=max_tokens)
+    rm.finish_requests(iter([rid]))  # an iterator: the plugin must not consume what the host reads
+    assert rid not in rm.requests  # the host still finished it
+
+
+def test_finished_running_requests_are_samples_and_the_set_shares_one_margin(adaptive_rm):
+    rm = adaptive_rm(FDSCHED_ADAPTIVE_MARGIN_K="1")
+    assert rm._fdsched_adaptive is not None
+    for i in range(4):
+        _finish(rm, f"f{i}", 8, generated=[1, 2, 30, 40][i])
+    state = rm._fdsched_adaptive.state()
+    assert state["absolute_tokens"]["samples"] == 4 and state["absolute_tokens"]["learned"]
+    assert METRICS.adaptive["absolute_samples"] == 4 and METRICS.adaptive["absolute_learned"] is True
+    # Three running requests with nothing generated: each expects E[L] (about 18), standard deviation about 17.
+    for rid in "abc":
+        _place(rm, rid, 8, generated=0, computed=8, max_tokens=None)
+    total = rm._fdsched_total_reserve()
+    est = [rm._fdsched_adaptive.remainder(None, 56, 0)] * 3
+    mean, var = sum(e.mean for e in est), sum(e.variance for e in est)
+    assert total == math.ceil(math.ceil(mean + 1.0 * math.sqrt(var)) / 4)  # one margin for the set
+    per_request_margins = 3 * math.ceil(math.ceil(est[0].mean + math.sqrt(est[0].variance)) / 4)
+    assert total < per_request_margins  # a margin per request would reserve more
+    assert METRICS.adaptive["expected_tokens"] == pytest.approx(mean)
+    assert METRICS.adaptive["fallback_requests"] == 0
+
+
+def test_a_preempted_request_is_not_a_sample_and_a_preemption_widens_the_margin(adaptive_rm):
+    rm = adaptive_rm()
+    a = _place(rm, "a", 8, generated=5, max_tokens=None)
+    _place(rm, "b", 8, generated=3, max_tokens=None)
+    _drain_pool(rm)
+    k_before = rm._fdsched_adaptive.k
+    rm._trigger_preempt(a, 1, [], [])  # b, the last decoder, is preempted
+    assert rm._fdsched_adaptive.preemptions == 1 and rm._fdsched_adaptive.k > k_before
+    assert "b" in rm.to_be_rescheduled_request_id_set
+    rm.finish_requests(["b"])  # finished while preempted: its length is not known to be complete
+    assert rm._fdsched_adaptive.finished == 0
+
+
+def test_warm_up_unbounded_requests_use_the_legacy_fixed_blocks(adaptive_rm):
+    rm = adaptive_rm()
+    _place(rm, "a", 8, generated=2, max_tokens=None)
+    _place(rm, "b", 8, generated=2, max_tokens=None)
+    assert rm._fdsched_total_reserve() == 0  # the legacy reservation is relaxed until a preemption
+    assert METRICS.adaptive["fallback_requests"] == 2
+    _drain_pool(rm)
+    rm._trigger_preempt(rm.running[0], 1, [], [])
+    # After the preemption the fallback reserves the legacy per-request blocks for what still runs, never
+    # more than upstream's formula would (a: budget 64 - 8 = 56, 2 generated, at the re-estimated ratio).
+    from fdsched.policies import reserve_blocks_for_request
+
+    fixed = rm._fdsched_fixed.current
+    by_ratio = reserve_blocks_for_request(56, 2, rm._fdsched_ratio.value, 4096, 4)
+    assert fixed == 16 and [r.request_id for r in rm.running] == ["a"]
+    assert rm._fdsched_total_reserve() == min(fixed, by_ratio) > 0
+
+
+def test_a_bounded_client_is_learned_relative_to_its_max_tokens(adaptive_rm):
+    rm = adaptive_rm()
+    for i in range(4):
+        _finish(rm, f"f{i}", 8, generated=10, max_tokens=20)  # half of max_tokens, every time
+    state = rm._fdsched_adaptive.state()
+    assert state["relative_to_max_tokens"]["samples"] == 4 and state["absolute_tokens"]["samples"] == 0
+    assert state["relative_to_max_tokens"]["mean"] == pytest.approx(0.5, abs=0.03)
+
+
+def test_a_third_party_hook_still_answers_first(adaptive_rm):
+    rm = adaptive_rm()
+
+    class Three:
+        @hookimpl
+        def fdsched_estimate_reserve_blocks(self, request_id, max_new_tokens, generated_tokens, ratio,
+                                            clip_max_new_tokens, block_size):
+            return 3 if request_id == "mine" else None
+
+    policies = rm._fdsched_policies
+    policies.register(Three(), name="three")
+    try:
+        _place(rm, "mine", 8, generated=2, max_tokens=None)
+        _place(rm, "other", 8, generated=2, max_tokens=None)
+        assert rm._fdsched_total_reserve() == 3 + 0  # "other": warm-up fallback, legacy relaxed
+    finally:
+        policies.pm.unregister(name="three")
+        policies.refresh()
