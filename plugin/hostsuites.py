@@ -280,6 +280,12 @@ def host_tree_and_key() -> tuple:
 def cmd_test(args) -> int:
     from .cli import _table
 
+    import importlib.util
+
+    if importlib.util.find_spec("pytest") is None:
+        print("fdsched host test: error: pytest is not installed here; allowed: pip install 'fastdeploy-sched-plugin[test]'",
+              file=sys.stderr)
+        return 1
     expectations = load_expectations()
     tree, key, label = host_tree_and_key()
     runs = args.run or run_names()
