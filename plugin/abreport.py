@@ -30,6 +30,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Optional
 
+from .common import EXIT_ERROR, EXIT_OK, text_table
+
 __all__ = ["ArmSeries", "parse_exposition", "merge_scrapes", "arm_figures", "format_report", "ABReportError"]
 
 PREFIX = "fastdeploy:fdsched_"
@@ -234,8 +236,6 @@ def _fmt(value) -> str:
 
 
 def format_report(arms: dict, reference: Optional[str] = None) -> str:
-    from .cli import _table
-
     names = sorted(arms)
     reference = reference or names[0]
     if reference not in arms:
@@ -255,7 +255,7 @@ def format_report(arms: dict, reference: Optional[str] = None) -> str:
             row.append("-" if value is None or not ref_value else f"{value / ref_value:.2f}")
         rows.append(row)
     ranks = "; ".join(f"{arm}: dp_rank {', '.join(sorted(arms[arm].dp_ranks)) or '?'}" for arm in ordered)
-    return f"arms: {ranks}\n(n) = requests (or observations) behind each figure\n" + _table(rows, headers)
+    return f"arms: {ranks}\n(n) = requests (or observations) behind each figure\n" + text_table(rows, headers)
 
 
 def _parse_or_empty(text: str, source: str) -> dict:
@@ -296,5 +296,5 @@ def cmd_report(args) -> int:
         print(format_report(arms, args.reference))
     except ABReportError as exc:
         print(f"fdsched ab report: error: {exc}", file=sys.stderr)
-        return 1
-    return 0
+        return EXIT_ERROR
+    return EXIT_OK

@@ -106,13 +106,13 @@ class HostInfo:
     @property
     def name(self) -> str:
         """Version when known, commit, and which supported host it is (no location)."""
-        from .hostsetup import KNOWN_HOSTS, host_key
+        from .hostsetup import known_host
 
         version = "" if self.version.lower() == "unknown" else f" {self.version}"
         commit = ""
         if self.commit:
-            key = host_key(self.commit)
-            what = f" = {key} host: {KNOWN_HOSTS[next(c for c in KNOWN_HOSTS if c.startswith(self.commit))].what}" if key else ""
+            known = known_host(self.commit)
+            what = f" = {known.key} host: {known.what}" if known else ""
             commit = f", commit {self.commit[:9]}{what}"
         return f"FastDeploy{version}{commit}"
 

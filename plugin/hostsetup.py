@@ -40,6 +40,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
+from .common import EXIT_ERROR, EXIT_OK, text_table
+
 __all__ = [
     "KNOWN_HOSTS",
     "DEFAULT_COMMIT",
@@ -50,6 +52,7 @@ __all__ = [
     "recorded_host_path",
     "use_host",
     "host_key",
+    "known_host",
 ]
 
 HOME_ENV = "FDSCHED_HOME"
@@ -85,14 +88,20 @@ class HostSetupError(RuntimeError):
     """A step of ``fdsched host setup`` failed; the message names it and the next step."""
 
 
-def host_key(commit: Optional[str]) -> Optional[str]:
-    """``old`` / ``new`` for a supported commit (a full hash or a prefix of at least 7), else None."""
+def known_host(commit: Optional[str]) -> Optional[KnownHost]:
+    """The supported host of ``commit`` (a full hash or a prefix of at least 7), else None."""
     if not commit or len(commit) < 7:
         return None
     for full, host in KNOWN_HOSTS.items():
         if full.startswith(commit.lower()):
-            return host.key
+            return host
     return None
+
+
+def host_key(commit: Optional[str]) -> Optional[str]:
+    """``old`` / ``new`` for a supported commit (a full hash or a prefix of at least 7), else None."""
+    host = known_host(commit)
+    return host.key if host else None
 
 
 def cache_dir(environ: Optional[Mapping[str, str]] = None) -> Path:
@@ -149,7 +158,7 @@ def use_host(commit: str, environ: Optional[Mapping[str, str]] = None) -> str:
     root = cache_dir(environ)
     data = _read_registry(root)
     wanted = commit.lower()
-    matches = [c for c in data["hosts"] if c.startswith(wanted) or KNOWN_HOSTS.get(c, KnownHost("", "", "")).key == wanted]
+    matches = [c for c in data["hosts"] if c.startswith(wanted) or host_key(c) == wanted]
     if len(matches) != 1:
         have = ", ".join(f"{c[:9]} ({host_key(c) or 'unsupported'})" for c in data["hosts"]) or "none"
         raise HostSetupError(
@@ -364,27 +373,25 @@ def cmd_setup(args) -> int:
         record = setup_host(args.archive, args.commit, install_deps=not args.no_deps)
     except HostSetupError as exc:
         print(f"fdsched host setup: error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_ERROR
     print(f"active host: {record['commit']} ({record['key'] or 'unsupported'}) at {record['path']}")
-    return 0
+    return EXIT_OK
 
 
 def cmd_list(args) -> int:
-    from .cli import _table
-
     try:
         active, hosts = recorded_hosts()
     except HostSetupError as exc:
         print(f"fdsched host list: error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_ERROR
     print(f"cache: {cache_dir()}")
     if not hosts:
         print("no host set up; run: fdsched host setup   (or --archive /path/to/FastDeploy-<commit>.tar.gz offline)")
-        return 0
+        return EXIT_OK
     rows = []
     for commit, record in sorted(hosts.items(), key=lambda kv: kv[1].get("set_up", "")):
         present = os.path.isdir(record.get("path", ""))
-        known = KNOWN_HOSTS.get(commit)
+        known = known_host(commit)
         rows.append(
             (
                 "*" if commit == active else "",
@@ -395,8 +402,8 @@ def cmd_list(args) -> int:
                 record.get("set_up", ""),
             )
         )
-    print(_table(rows, ("", "commit", "host", "what", "path", "set up")))
-    return 0
+    print(text_table(rows, ("", "commit", "host", "what", "path", "set up")))
+    return EXIT_OK
 
 
 def cmd_use(args) -> int:
@@ -404,6 +411,6 @@ def cmd_use(args) -> int:
         commit = use_host(args.commit)
     except HostSetupError as exc:
         print(f"fdsched host use: error: {exc}", file=sys.stderr)
-        return 1
+        return EXIT_ERROR
     print(f"active host: {commit}")
-    return 0
+    return EXIT_OK

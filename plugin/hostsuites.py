@@ -26,6 +26,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from .common import EXIT_ERROR, EXIT_OK, text_table
+
 import yaml
 
 __all__ = [
@@ -100,6 +102,8 @@ def load_expectations(path: Path = EXPECTATIONS) -> Expectations:
         if not files or not all(isinstance(f, str) and f.startswith("tests/") for f in files):
             raise HostSuiteError(f"{where}: suites.{host}: {files!r}; allowed: a list of tests/... files")
         suites[host] = tuple(files)
+    from .settings import CHANGE_IDS
+
     names = set(run_names()) | {"all"}
     failures = []
     for i, entry in enumerate(data["expected_failures"]):
@@ -119,8 +123,6 @@ def load_expectations(path: Path = EXPECTATIONS) -> Expectations:
             raise HostSuiteError(f"{at}.cause: {entry['cause']!r}; allowed: plugin, host")
         if (entry["cause"] == "plugin") != isinstance(entry.get("upstream_pr"), int):
             raise HostSuiteError(f"{at}.upstream_pr: {entry.get('upstream_pr')!r}; allowed: a PR number iff cause is plugin")
-        from .settings import CHANGE_IDS
-
         if (entry["cause"] == "plugin") != (entry.get("change") in CHANGE_IDS):
             raise HostSuiteError(f"{at}.change: {entry.get('change')!r}; allowed: one of {', '.join(CHANGE_IDS)} iff cause is plugin")
         if entry["cause"] == "plugin" and NO_PLUGIN in runs + (("all",) if "all" in runs else ()):
@@ -278,21 +280,19 @@ def host_tree_and_key() -> tuple:
 
 
 def cmd_test(args) -> int:
-    from .cli import _table
-
     import importlib.util
 
     if importlib.util.find_spec("pytest") is None:
         print("fdsched host test: error: pytest is not installed here; allowed: pip install 'fastdeploy-sched-plugin[test]'",
               file=sys.stderr)
-        return 1
+        return EXIT_ERROR
     expectations = load_expectations()
     tree, key, label = host_tree_and_key()
     runs = args.run or run_names()
     unknown = [r for r in runs if r not in run_names()]
     if unknown:
         print(f"fdsched host test: error: --run {unknown}; allowed: {', '.join(run_names())}", file=sys.stderr)
-        return 1
+        return EXIT_ERROR
     print(f"host suites on {label} ({key} host): {len(expectations.suites[key])} files, {len(runs)} runs")
     rows, failed = [], False
     for run in runs:
@@ -307,6 +307,6 @@ def cmd_test(args) -> int:
         if problems:
             failed = True
             print(result.output_tail)
-    print(_table(rows, ("run", "passed", "failed", "expected failures", "skipped", "problems", "seconds")))
+    print(text_table(rows, ("run", "passed", "failed", "expected failures", "skipped", "problems", "seconds")))
     print("host suites: " + ("FAILED" if failed else "all outcomes as expected"))
-    return 1 if failed else 0
+    return EXIT_ERROR if failed else 0
