@@ -42,6 +42,12 @@ def _pos_int(text: str) -> int:
     return value
 
 
+def _add_engine_shape_args(group) -> None:
+    """The engine-shape options (replay: override the trace header; import: write it)."""
+    for flag in ("--block-size", "--num-gpu-blocks", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len"):
+        group.add_argument(flag, type=_pos_int)
+
+
 def add_commands(sub) -> None:
     replay = sub.add_parser(
         "replay",
@@ -65,12 +71,7 @@ def add_commands(sub) -> None:
     cost.add_argument("--cost-fixed-ms", type=_nonneg_float, help="fixed cost of one engine step, ms")
     cost.add_argument("--cost-prefill-token-ms", type=_nonneg_float, help="cost per prefill token, ms")
     cost.add_argument("--cost-decode-request-ms", type=_nonneg_float, help="cost per decoding request, ms")
-    shape = replay.add_argument_group("engine shape (default: the trace header's engine)")
-    shape.add_argument("--block-size", type=_pos_int)
-    shape.add_argument("--num-gpu-blocks", type=_pos_int)
-    shape.add_argument("--max-num-seqs", type=_pos_int)
-    shape.add_argument("--max-num-batched-tokens", type=_pos_int)
-    shape.add_argument("--max-model-len", type=_pos_int)
+    _add_engine_shape_args(replay.add_argument_group("engine shape (default: the trace header's engine)"))
     replay.add_argument("--no-plot", action="store_true", help="do not write replay.png")
     replay.add_argument("--max-steps", type=_pos_int, default=None,
                         help="stop each profile after N steps (reported as not drained)")
@@ -119,12 +120,7 @@ def add_commands(sub) -> None:
                      help="the clients' max_tokens: unset (null, the engine default), true (each request's true "
                      "output length) or one integer for all (default unset)")
     imp.add_argument("--description", default="")
-    shape_i = imp.add_argument_group("engine shape for the trace header (default: the replay defaults)")
-    shape_i.add_argument("--block-size", type=_pos_int)
-    shape_i.add_argument("--num-gpu-blocks", type=_pos_int)
-    shape_i.add_argument("--max-num-seqs", type=_pos_int)
-    shape_i.add_argument("--max-num-batched-tokens", type=_pos_int)
-    shape_i.add_argument("--max-model-len", type=_pos_int)
+    _add_engine_shape_args(imp.add_argument_group("engine shape for the trace header (default: the replay defaults)"))
     imp.set_defaults(func=cmd_trace_import)
 
 

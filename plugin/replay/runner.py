@@ -430,27 +430,35 @@ def run_replay(
 ) -> list:
     """One :class:`ProfileRun` per profile, in order. ``progress_factory(profile, total)`` may return
     an object with ``update_to(done)`` and ``close()`` (a progress bar)."""
-    runs = []
-    for profile in profiles:
-        bar = progress_factory(profile, len(trace.requests)) if progress_factory else None
-        try:
-            runs.append(
-                run_profile(
-                    trace,
-                    profile,
-                    engine,
-                    cost_overrides,
-                    max_steps,
-                    stall_steps,
-                    progress=bar.update_to if bar is not None else None,
-                    inherit_env=inherit_env,
-                    check_every=check_every,
-                )
-            )
-        finally:
-            if bar is not None:
-                bar.close()
-    return runs
+    return [
+        _run_with_progress(
+            progress_factory, profile, trace, profile, engine, cost_overrides, max_steps, stall_steps, inherit_env,
+            check_every,
+        )
+        for profile in profiles
+    ]
+
+
+def _run_with_progress(
+    progress_factory, label, trace, profile, engine, cost_overrides, max_steps, stall_steps, inherit_env, check_every
+):
+    """:func:`run_profile` with a progress bar named ``label`` (closed however the run ends)."""
+    bar = progress_factory(label, len(trace.requests)) if progress_factory else None
+    try:
+        return run_profile(
+            trace,
+            profile,
+            engine,
+            cost_overrides,
+            max_steps,
+            stall_steps,
+            progress=bar.update_to if bar is not None else None,
+            inherit_env=inherit_env,
+            check_every=check_every,
+        )
+    finally:
+        if bar is not None:
+            bar.close()
 
 
 def dp_arm_name(rank: int, profile: str) -> str:
@@ -486,23 +494,10 @@ def run_dp_arms(
     runs = []
     for rank in sorted(arms):
         name = dp_arm_name(rank, arms[rank])
-        share = shares[rank]
-        bar = progress_factory(name, len(share.requests)) if progress_factory else None
-        try:
-            run = run_profile(
-                share,
-                arms[rank],
-                engine,
-                cost_overrides,
-                max_steps,
-                stall_steps,
-                progress=bar.update_to if bar is not None else None,
-                inherit_env=inherit_env,
-                check_every=check_every,
-            )
-        finally:
-            if bar is not None:
-                bar.close()
+        run = _run_with_progress(
+            progress_factory, name, shares[rank], arms[rank], engine, cost_overrides, max_steps, stall_steps,
+            inherit_env, check_every,
+        )
         run.profile = name
         runs.append(run)
     return runs
