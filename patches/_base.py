@@ -35,9 +35,12 @@ from fdsched.metrics import METRICS
 __all__ = [
     "PluginBase",
     "InitGuard",
+    "ARM_ATTRS",
     "ArmStamp",
+    "InstanceAttribute",
     "RequestOutcomesMixin",
     "BlockCheckSignals",
+    "finished_ids",
     "host_global",
     "host_defines",
     "init_signature",
@@ -161,20 +164,33 @@ def dp_rank_of(signature, args, kwargs) -> int:
         return 0
 
 
+def finished_ids(request_ids) -> tuple:
+    """``finish_requests``' argument (one id, or an iterable of ids) as (what to pass on to the host, the ids):
+    an iterator is read into a list once, so both the override and the host see every id."""
+    if isinstance(request_ids, str):
+        return request_ids, (request_ids,)
+    request_ids = list(request_ids)
+    return request_ids, request_ids
+
+
+# The instance attributes that make an object run its rank's arm (set by _bind_arm, copied by ArmStamp).
+ARM_ATTRS = ("_fdsched_impl", "_fdsched_settings", "_fdsched_arm", "_fdsched_dp_rank")
+
+
 def _bind_arm(obj, rank, arm) -> None:
-    d = obj.__dict__
-    d["_fdsched_impl"] = arm.impl
-    d["_fdsched_settings"] = arm.settings
-    d["_fdsched_arm"] = arm.label
-    d["_fdsched_dp_rank"] = rank
+    obj.__dict__.update(zip(ARM_ATTRS, (arm.impl, arm.settings, arm.label, rank)))
 
 
-class ArmStamp:
-    """Data descriptor on a plugin class for an attribute holding another plugin object the instance builds
-    (the cache manager's ``cache_task_queue`` client): the stored object takes the instance's arm."""
+class InstanceAttribute:
+    """Data descriptor for a host attribute the plugin must see being assigned: the value lives in the
+    instance's ``__dict__`` as before; subclasses extend :meth:`__set__`."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str = None) -> None:
         self.name = name
+
+    def __set_name__(self, owner, name):
+        if self.name is None:
+            self.name = name
 
     def __get__(self, obj, owner=None):
         if obj is None:
@@ -186,15 +202,23 @@ class ArmStamp:
 
     def __set__(self, obj, value):
         obj.__dict__[self.name] = value
-        if getattr(type(value), "_fdsched_default_arm", None) is not None and "_fdsched_arm" in obj.__dict__:
-            for key in ("_fdsched_impl", "_fdsched_settings", "_fdsched_arm", "_fdsched_dp_rank"):
-                value.__dict__[key] = obj.__dict__[key]
 
     def __delete__(self, obj):
         try:
             del obj.__dict__[self.name]
         except KeyError:
             raise AttributeError(self.name) from None
+
+
+class ArmStamp(InstanceAttribute):
+    """Data descriptor on a plugin class for an attribute holding another plugin object the instance builds
+    (the cache manager's ``cache_task_queue`` client): the stored object takes the instance's arm."""
+
+    def __set__(self, obj, value):
+        obj.__dict__[self.name] = value
+        if getattr(type(value), "_fdsched_default_arm", None) is not None and "_fdsched_arm" in obj.__dict__:
+            for key in ARM_ATTRS:
+                value.__dict__[key] = obj.__dict__[key]
 
 
 class RequestOutcomesMixin:
@@ -210,9 +234,7 @@ class RequestOutcomesMixin:
     """
 
     def finish_requests(self, request_ids):
-        if not isinstance(request_ids, str):
-            request_ids = list(request_ids)  # an iterator would be used up here before the host sees it
-        ids = (request_ids,) if isinstance(request_ids, str) else request_ids
+        request_ids, ids = finished_ids(request_ids)
         requests = getattr(self, "requests", None)
         before = [(rid, requests.get(rid)) for rid in ids] if isinstance(requests, dict) else []
         result = super().finish_requests(request_ids)

@@ -49,7 +49,7 @@ from __future__ import annotations
 import threading
 
 from . import PatchSpec, Reliance
-from ._base import PluginBase, host_global
+from ._base import InstanceAttribute, PluginBase, host_global
 
 ECQ = "fastdeploy.inter_communicator.engine_cache_queue"
 
@@ -101,19 +101,8 @@ class WaitableDoneList(list):
             return super().pop(index)
 
 
-class _WaitableDoneLists:
+class _WaitableDoneLists(InstanceAttribute):
     """Data descriptor for the host's server-side done lists: wrap them when the host assigns them."""
-
-    def __set_name__(self, owner, name):
-        self.name = name
-
-    def __get__(self, obj, owner=None):
-        if obj is None:
-            return self
-        try:
-            return obj.__dict__[self.name]
-        except KeyError:
-            raise AttributeError(self.name) from None
 
     def __set__(self, obj, value):
         if obj._fdsched_impl["nonpolling_transfer"] == "plugin":

@@ -96,7 +96,7 @@ from fdsched.metrics import METRICS
 from fdsched.policies import FixedBlockReserve, NewTokenRatio, max_new_tokens_of
 
 from . import PatchSpec, Reliance
-from ._base import PluginBase, block_checks, host_defines, host_global
+from ._base import PluginBase, block_checks, finished_ids, host_defines, host_global
 
 RM = "fastdeploy.engine.sched.resource_manager_v1"
 
@@ -381,9 +381,7 @@ class RatioReserveMixin(PluginBase):
         if adaptive is None or self.config.scheduler_config.splitwise_role == "prefill":
             # A prefill node's requests leave after their first token: not a sample of the output length.
             return super().finish_requests(request_ids)
-        if not isinstance(request_ids, str):
-            request_ids = list(request_ids)  # read here and by the host
-        ids = (request_ids,) if isinstance(request_ids, str) else request_ids
+        request_ids, ids = finished_ids(request_ids)  # read here and by the host
         running = self._fdsched_running_statuses()
         max_model_len = self.config.model_config.max_model_len
         with self.lock:

@@ -132,14 +132,7 @@ class Policies:
             caller = self._reserve_overrides = self.pm.subset_hook_caller(
                 "fdsched_estimate_reserve_blocks", remove_plugins=[self.pm.get_plugin("fdsched-defaults")]
             )
-        answer = caller(
-            request_id=request_id,
-            max_new_tokens=max_new_tokens,
-            generated_tokens=generated_tokens,
-            ratio=ratio,
-            clip_max_new_tokens=clip,
-            block_size=block_size,
-        )
+        answer = caller(**_reserve_args(request_id, max_new_tokens, generated_tokens, ratio, clip, block_size))
         return None if answer is None else int(answer)
 
     def reserve_blocks(self, request_id, max_new_tokens, generated_tokens, ratio, clip, block_size) -> int:
@@ -147,11 +140,18 @@ class Policies:
             return policies.reserve_blocks_for_request(max_new_tokens, generated_tokens, ratio, clip, block_size)
         return int(
             self.pm.hook.fdsched_estimate_reserve_blocks(
-                request_id=request_id,
-                max_new_tokens=max_new_tokens,
-                generated_tokens=generated_tokens,
-                ratio=ratio,
-                clip_max_new_tokens=clip,
-                block_size=block_size,
+                **_reserve_args(request_id, max_new_tokens, generated_tokens, ratio, clip, block_size)
             )
         )
+
+
+def _reserve_args(request_id, max_new_tokens, generated_tokens, ratio, clip, block_size) -> dict:
+    """The keyword arguments of ``fdsched_estimate_reserve_blocks`` (one spelling for every caller)."""
+    return dict(
+        request_id=request_id,
+        max_new_tokens=max_new_tokens,
+        generated_tokens=generated_tokens,
+        ratio=ratio,
+        clip_max_new_tokens=clip,
+        block_size=block_size,
+    )
