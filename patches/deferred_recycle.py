@@ -50,6 +50,7 @@ host would swap to the CPU tier.
 
 from __future__ import annotations
 
+import contextlib
 import heapq
 import logging
 import math
@@ -61,6 +62,9 @@ from . import PatchSpec
 from ._base import PluginBase, host_global
 
 PCM = "fastdeploy.cache_manager.prefix_cache_manager"
+# An eviction of at least len(heap) / KEYED_HEAP_MIN_SHARE blocks works on keyed tuples (one pass to
+# build, one to write back) rather than calling BlockNode.__lt__ some 2*log2(len(heap)) times per pop.
+KEYED_HEAP_MIN_SHARE = 4
 
 
 def merge_into_heap(heap: list, ids: list, heapify_min_batch: int) -> str:
@@ -135,42 +139,70 @@ class DeferredRecycleMixin(PluginBase):
         """The LRU loop: pop leaves oldest first, detach them, collect their ids. The hot path.
 
         Same decisions as the host's loop, with its per-node work reduced to attribute tests: for a node
-        without children ``is_gpu_leaf_node`` is just ``cache_status == GPU``.
+        without children ``is_gpu_leaf_node`` is just ``cache_status == GPU``. For a large eviction the
+        heap is worked on as keyed tuples (see ``_fdsched_lru_heap``): same pops, same pushes, same
+        final heap as the host's, without a Python ``BlockNode.__lt__`` call per comparison.
         """
         cache_status = host_global(PCM, "CacheStatus")
         gpu, cpu = cache_status.GPU, cache_status.CPU
-        heap, in_heap, root = self.gpu_lru_leaf_heap, self.gpu_lru_leaf_set, self.radix_tree_root
-        pop, push = heapq.heappop, heapq.heappush
+        in_heap, root = self.gpu_lru_leaf_set, self.radix_tree_root
         pool_append, node_map_pop, collect = self.node_id_pool.append, self.node_map.pop, freed.append
+        pop, push = heapq.heappop, heapq.heappush
         evicted = 0
-        while heap and evicted < need_block_num:
-            node = pop(heap)
-            in_heap.remove(node)
-            if node.shared_count != 0 or node.cache_status != gpu or (node.children and not node.is_gpu_leaf_node):
-                continue  # as the host: a node that is in use again leaves the heap
-            node.cache_status = cpu  # see the module docstring
-            pool_append(node.node_id)
-            node_map_pop(node.node_id, None)
-            if node.reverved_dec_block_ids:
-                freed.extend(node.reverved_dec_block_ids)
-                node.reverved_dec_block_ids = []
-            collect(node.block_id)
-            evicted += 1
-            parent = node.parent
-            siblings = parent.children
-            if siblings.get(node.hash_value) is node:
-                del siblings[node.hash_value]
-            if (
-                not siblings
-                and parent is not root
-                and parent.shared_count == 0
-                and parent.cache_status == gpu
-                and parent.is_persistent is False
-                and parent not in in_heap
-            ):
-                push(heap, parent)
-                in_heap.add(parent)
+        with self._fdsched_lru_heap(need_block_num) as (heap, keyed):
+            while heap and evicted < need_block_num:
+                node = pop(heap)
+                if keyed:
+                    node = node[2]
+                in_heap.remove(node)
+                if node.shared_count != 0 or node.cache_status != gpu or (node.children and not node.is_gpu_leaf_node):
+                    continue  # as the host: a node that is in use again leaves the heap
+                node.cache_status = cpu  # see the module docstring
+                pool_append(node.node_id)
+                node_map_pop(node.node_id, None)
+                if node.reverved_dec_block_ids:
+                    freed.extend(node.reverved_dec_block_ids)
+                    node.reverved_dec_block_ids = []
+                collect(node.block_id)
+                evicted += 1
+                parent = node.parent
+                siblings = parent.children
+                if siblings.get(node.hash_value) is node:
+                    del siblings[node.hash_value]
+                if (
+                    not siblings
+                    and parent is not root
+                    and parent.shared_count == 0
+                    and parent.cache_status == gpu
+                    and parent.is_persistent is False
+                    and parent not in in_heap
+                ):
+                    push(heap, (parent.last_used_time, -parent.depth, parent) if keyed else parent)
+                    in_heap.add(parent)
         return evicted
+
+    @contextlib.contextmanager
+    def _fdsched_lru_heap(self, need_block_num: int):
+        """Yield ``(heap, keyed)`` for one eviction: the host's ``gpu_lru_leaf_heap`` or its keyed mirror.
+
+        ``BlockNode.__lt__`` orders by ``(last_used_time, -depth)``; a Python call per comparison is
+        most of an eviction's cost. When the eviction is large next to the heap
+        (``need * KEYED_HEAP_MIN_SHARE >= len(heap)``) the heap is mirrored, position for position,
+        as ``(last_used_time, -depth, node)`` tuples, which ``heapq`` compares in C. A tuple compares
+        exactly as its node does (on a tie in both keys it falls through to ``node < node``, which is
+        the host's own answer), so every sift makes the host's choice and the nodes are written back
+        in the order the host's loop would leave them. A small eviction on a large heap pops nodes
+        directly: building the mirror would cost more than the comparisons it saves.
+        """
+        heap = self.gpu_lru_leaf_heap
+        if need_block_num * KEYED_HEAP_MIN_SHARE < len(heap):
+            yield heap, False
+            return
+        keyed = [(node.last_used_time, -node.depth, node) for node in heap]
+        try:
+            yield keyed, True
+        finally:
+            heap[:] = [entry[2] for entry in keyed]
 
     def _fdsched_deferred_path(self, need_block_num) -> bool:
         if self._fdsched_impl["deferred_recycle"] != "plugin":

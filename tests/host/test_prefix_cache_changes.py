@@ -183,21 +183,43 @@ def test_plugin_recycle_keeps_the_host_contract_for_every_caller(filled):
     assert len(cm.gpu_free_block_list) == len(set(cm.gpu_free_block_list))
 
 
-def test_eviction_matches_the_host_loop(install_profile, make_manager, clock):
-    """Same tree, same request: the plugin evicts the same nodes and frees the same ids as the host."""
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct-times", "all-tied"])
+@pytest.mark.parametrize("need", [2, 7, 40], ids=["small-direct-pops", "keyed-heap", "everything"])
+def test_eviction_matches_the_host_loop(install_profile, make_manager, clock, need, ties):
+    """Same tree, same request: the plugin evicts the same nodes in the same order, frees the same ids and
+    leaves the LRU heap in the same layout as the host's loop, with distinct or fully tied LRU keys, for a
+    small eviction (direct heap pops) and a large one (the keyed mirror of the heap)."""
+    from fdsched.patches import deferred_recycle
+
     outcomes = {}
     for profile in ("baseline", "deferred_recycle"):
         install_profile(profile)
         rm = make_manager(**SHAPE)
         _fill_tree(rm, _prompts(seed=4))
         cm = rm.cache_manager
-        cm.can_allocate_gpu_blocks(len(cm.gpu_free_block_list) + 7)
+        if ties:
+            for node in _tree_nodes(cm):
+                node.last_used_time = 1.0  # every comparison between equal depths is a tie
+        leaves = len(cm.gpu_lru_leaf_heap)
+        order = []
+        host_recycle = cm.recycle_gpu_blocks
+
+        def observe(ids, req_id=None, _recycle=host_recycle):
+            order.extend(ids if isinstance(ids, list) else [ids])
+            return _recycle(ids, req_id)
+
+        cm.recycle_gpu_blocks = observe
+        cm.free_block_ids_async(need)
         outcomes[profile] = (
+            order,
             sorted(cm.gpu_free_block_list),
             sorted(n.block_id for n in _tree_nodes(cm)),
-            sorted(id(n) and n.block_id for n in cm.gpu_lru_leaf_heap),
+            [n.block_id for n in cm.gpu_lru_leaf_heap],  # the heap's layout, not just its contents
         )
+    assert outcomes["baseline"][0], "the host freed nothing: the scenario does not evict"
     assert outcomes["baseline"] == outcomes["deferred_recycle"]
+    keyed = need * deferred_recycle.KEYED_HEAP_MIN_SHARE >= leaves
+    assert keyed == (need != 2), f"scenario drifted: {leaves} leaves, need {need}"
 
 
 def test_no_node_enters_the_lru_heap_twice(filled):
