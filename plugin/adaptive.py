@@ -270,8 +270,8 @@ class AdaptiveReserve:
         buckets_per_octave: int = 8,
         max_length: int = 1 << 20,
     ) -> None:
-        if window < 1 or min_samples < 1 or k < 0 or k_step < 0 or k_max < k or not 0 <= k_decay <= 1:
-            raise ValueError("AdaptiveReserve: window, min_samples >= 1; 0 <= k <= k_max; k_step >= 0; k_decay in [0, 1]")
+        if window < 1 or min_samples < 1 or not -k_max <= k <= k_max or k_step < 0 or not 0 <= k_decay <= 1:
+            raise ValueError("AdaptiveReserve: window, min_samples >= 1; -k_max <= k <= k_max; k_step >= 0; k_decay in [0, 1]")
         self.window, self.min_samples = window, min_samples
         self.k0, self.k_step, self.k_max, self.k_decay = k, k_step, k_max, k_decay
         self.k_extra = 0.0

@@ -290,11 +290,13 @@ SCHEMA: tuple[Setting, ...] = (
     Setting(
         "tunables.adaptive_margin_k",
         "FDSCHED_ADAPTIVE_MARGIN_K",
-        _float(0.0, 6.0),
+        _float(-6.0, 6.0),
         2.0,
-        "a number in [0, 6]",
+        "a number in [-6, 6]",
         "Adaptive estimator: the running set's margin is k standard deviations of its total remaining output; "
-        "each preemption raises k by 0.5 (up to 6), each finished request lets that extra decay.",
+        "a negative k keeps less than the expected remainder free (requests that finish give their blocks back "
+        "while the others grow); each preemption raises k by 0.5 (up to 6), each finished request lets that "
+        "extra decay.",
     ),
     Setting(
         "tunables.recycle_heapify_min_batch",

@@ -135,7 +135,7 @@ def test_censoring_only_finished_requests_are_samples():
     assert est.state()["absolute_tokens"]["samples"] == 0
 
 
-@pytest.mark.parametrize("kw", [{"window": 0}, {"min_samples": 0}, {"k": -1}, {"k": 3, "k_max": 2}, {"k_decay": 2}])
+@pytest.mark.parametrize("kw", [{"window": 0}, {"min_samples": 0}, {"k": -7}, {"k": 3, "k_max": 2}, {"k_decay": 2}])
 def test_bad_parameters_are_refused(kw):
     with pytest.raises(ValueError):
         AdaptiveReserve(**kw)
@@ -219,3 +219,4 @@ def test_the_set_never_reserves_more_than_its_budgets_allow():
 def test_warm_up_unbounded_never_reserves_more_than_upstream():
     # 16 legacy blocks, but upstream's formula reserves ceil(int(min(63 - 0, 4096) x 0.7) / 4) = 11 blocks.
     assert warmup_reserve_blocks(None, 63, 0, 0.7, 4096, 4, fixed_blocks=16) == 11
+

@@ -158,3 +158,28 @@ def test_the_command(tmp_path, capsys):
     assert load_trace(out).engine["max_model_len"] == 2048
     assert main(["trace", "import", str(tmp_path), "--format", "azure", "--out", str(out)]) == 1
     assert "is a directory" in capsys.readouterr().err
+
+
+REAL_BURSTGPT = __import__("pathlib").Path(__file__).resolve().parents[1] / "data" / "BurstGPT_1-first400.csv"
+
+
+def test_real_burstgpt_rows_import_to_the_shipped_trace(tmp_path):
+    """The first 400 real rows of BurstGPT_1.csv (tests/unit/data, CC-BY-4.0) go through the importer as
+    any operator's file would, and give exactly the requests of the shipped ``burstgpt`` trace."""
+    from fdsched.replay.trace import resolve_trace
+
+    shipped = load_trace(resolve_trace("burstgpt"))
+    out = tmp_path / "bg.jsonl"
+    result = import_trace(
+        REAL_BURSTGPT, out, ImportOptions(fmt="burstgpt", rate_scale=600.0, engine=dict(shipped.engine)),
+    )
+    assert (result.rows_read, result.requests, result.skipped_failed) == (400, 383, 17)  # 17 rows logged 0 response tokens
+    mine = load_trace(out)
+    assert [(r.arrival_s, r.prompt_len, r.output_len, r.max_tokens) for r in mine.requests] == [
+        (r.arrival_s, r.prompt_len, r.output_len, r.max_tokens) for r in shipped.requests
+    ]
+    # what the real slice looks like (BurstGPT's README shows these first rows)
+    first = mine.requests[:3]
+    assert [(r.prompt_len, r.output_len) for r in first] == [(472, 18), (1087, 230), (417, 276)]
+    assert mine.requests[-1].arrival_s == pytest.approx((37274 - 5) / 600, abs=1e-3)
+    assert shipped.generator["rate_scale"] == 600.0 and "CC-BY-4.0" in shipped.generator["source"]
