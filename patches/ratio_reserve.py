@@ -93,7 +93,7 @@ import weakref
 from fdsched.adaptive import AdaptiveReserve, SetMargin, client_bound, warmup_reserve_blocks
 from fdsched.common import ceil_div
 from fdsched.metrics import METRICS
-from fdsched.policies import FixedBlockReserve, NewTokenRatio, max_new_tokens_of
+from fdsched.policies import FixedBlockReserve, NewTokenRatio, max_new_tokens_of, reserve_blocks_for_request
 
 from . import PatchSpec, Reliance
 from ._base import PluginBase, block_checks, finished_ids, host_defines, host_global
@@ -369,11 +369,14 @@ class RatioReserveMixin(PluginBase):
             return warmup_reserve_blocks(
                 bound, budget, generated, ratio, clip, block_size, 0 if fixed.relaxed else fixed.current
             )
+        by_ratio = reserve_blocks_for_request(budget, generated, ratio, clip, block_size)  # upstream's answer
         if self._fdsched_margin_open:
-            return self._fdsched_margin.add(estimate.mean, estimate.variance, adaptive.k, block_size, estimate.left)
+            return self._fdsched_margin.add(
+                estimate.mean, estimate.variance, adaptive.k, block_size, estimate.left, cap_blocks=by_ratio
+            )
         # Asked alone (not within an admission decision): the request with a margin of its own.
         alone = min(estimate.mean + adaptive.k * math.sqrt(estimate.variance), estimate.left)
-        return ceil_div(int(math.ceil(alone)), block_size)
+        return max(min(ceil_div(int(math.ceil(alone)), block_size), by_ratio), 0)
 
     # ---- the adaptive estimator's samples -------------------------------------------------------
     def finish_requests(self, request_ids):

@@ -227,11 +227,15 @@ class RunningRequest:
 class SetMargin:
     """Telescoping block counts for a running set seen one request at a time.
 
-    ``add(mean, variance, k, block_size, left)`` returns how many blocks to add for this request so
-    that, after the last request of the set, the answers sum to ``ceil(min(sum of means + k sqrt(sum of
-    variances), sum of lefts) / block_size)``; ``reset()`` starts a new set. The cap: the set never
-    reserves more than its budgets still allow (a margin above that is air, and for a lone request in a
-    small pool it could refuse its own next chunk for good, since nothing would then change the state).
+    ``add(mean, variance, k, block_size, left, cap_blocks)`` returns how many blocks to add for this
+    request so that, after the last request of the set, the answers sum to ``min(ceil(min(sum of means +
+    k sqrt(sum of variances), sum of lefts) / block_size), sum of cap_blocks)``; ``reset()`` starts a new
+    set. The caps: the set never reserves more than its budgets still allow (a margin above that is air,
+    and for a lone request in a small pool it could refuse its own next chunk for good, since nothing
+    would then change the state), nor more than upstream's ratio formula would for the same requests
+    (``cap_blocks``: where clients bound their lengths closely, upstream's ratio already counts on
+    finishing requests giving blocks back; a learned remainder without that discount would hold back
+    admissions upstream makes).
     """
 
     def __init__(self) -> None:
@@ -241,14 +245,24 @@ class SetMargin:
         self.mean = 0.0
         self.variance = 0.0
         self.left = 0.0
+        self.cap = 0.0
         self.blocks = 0
 
-    def add(self, mean: float, variance: float, k: float, block_size: int, left: Optional[float] = None) -> int:
+    def add(
+        self,
+        mean: float,
+        variance: float,
+        k: float,
+        block_size: int,
+        left: Optional[float] = None,
+        cap_blocks: Optional[int] = None,
+    ) -> int:
         self.mean += mean
         self.variance += variance
         self.left += math.inf if left is None else left
+        self.cap += math.inf if cap_blocks is None else cap_blocks
         tokens = min(self.mean + k * math.sqrt(max(self.variance, 0.0)), self.left)
-        total = ceil_div(int(math.ceil(tokens)), block_size)
+        total = min(ceil_div(int(math.ceil(tokens)), block_size), self.cap)
         delta = max(total - self.blocks, 0)
         self.blocks += delta
         return delta
@@ -263,7 +277,7 @@ class AdaptiveReserve:
         self,
         window: int = 2000,
         min_samples: int = 16,
-        k: float = 2.0,
+        k: float = -2.0,
         k_step: float = 0.5,
         k_max: float = 6.0,
         k_decay: float = 0.98,

@@ -291,7 +291,7 @@ SCHEMA: tuple[Setting, ...] = (
         "tunables.adaptive_margin_k",
         "FDSCHED_ADAPTIVE_MARGIN_K",
         _float(-6.0, 6.0),
-        2.0,
+        -2.0,
         "a number in [-6, 6]",
         "Adaptive estimator: the running set's margin is k standard deviations of its total remaining output; "
         "a negative k keeps less than the expected remainder free (requests that finish give their blocks back "

@@ -220,3 +220,28 @@ def test_warm_up_unbounded_never_reserves_more_than_upstream():
     # 16 legacy blocks, but upstream's formula reserves ceil(int(min(63 - 0, 4096) x 0.7) / 4) = 11 blocks.
     assert warmup_reserve_blocks(None, 63, 0, 0.7, 4096, 4, fixed_blocks=16) == 11
 
+
+
+def test_set_margin_never_reserves_more_than_upstreams_ratio_would():
+    # Clients that bound their lengths exactly: the learned remainder is the whole remainder (no spread),
+    # upstream's ratio keeps 0.5 of it; the set keeps the smaller, summed over the set.
+    margin, total = SetMargin(), 0
+    for remaining in (300, 200, 100):
+        by_ratio = reserve_blocks_for_request(remaining, 0, 0.5, 8192, 16)
+        total += margin.add(float(remaining), 0.0, 2.0, 16, float(remaining), cap_blocks=by_ratio)
+    assert total == sum(reserve_blocks_for_request(r, 0, 0.5, 8192, 16) for r in (300, 200, 100)) == 10 + 7 + 4
+    # ... and without a cap (or a loose one) the learned amount stands
+    margin, loose = SetMargin(), 0
+    for remaining in (300, 200, 100):
+        loose += margin.add(float(remaining), 0.0, 2.0, 16, float(remaining), cap_blocks=1000)
+    assert loose == math.ceil(600 / 16)
+
+
+def test_a_negative_margin_keeps_less_than_the_expected_remainder_and_never_goes_below_zero():
+    margin, total = SetMargin(), 0
+    for _ in range(10):
+        total += margin.add(100.0, 50.0 ** 2, -2.0, 16, 4000.0)
+    assert total == math.ceil((1000 - 2 * 50 * math.sqrt(10)) / 16)
+    margin, total = SetMargin(), 0
+    total += margin.add(10.0, 100.0 ** 2, -6.0, 16, 4000.0)
+    assert total == 0

@@ -144,7 +144,7 @@ def test_doctor_reports_the_reservation_estimator_live_or_what_it_would_use():
 
     assert "ratio (upstream" in _adaptive_report(load_settings(environ={}, profile="recommended"), None)
     would = _adaptive_report(load_settings(environ={}, profile="adaptive"), None)
-    assert "no scheduler in this process" in would and "after 16 of them" in would and "k=2.0" in would
+    assert "no scheduler in this process" in would and "after 16 of them" in would and "k=-2.0" in would
 
     class Scheduler:  # what doctor reads from a live plugin scheduler
         def __init__(self):
