@@ -71,7 +71,8 @@ remaining output ``E[L - g | L > g]`` learned from the engine's own finished req
 the host's ``finish_requests`` seam, before the host forgets the request: its output length and, where
 the client bounded it, its ``max_tokens``); one margin, ``k x sqrt(sum of variances)``, covers the running
 set: the per-request answers telescope to ``ceil((sum of means + margin) / block_size)`` within one
-admission decision (:class:`fdsched.adaptive.SetMargin`). A preemption raises ``k`` (and resets the
+admission decision (:class:`fdsched.adaptive.SetMargin`), never more than upstream's ratio formula gives
+the same requests (``k`` defaults to -2: see fdsched.adaptive). A preemption raises ``k`` (and resets the
 warm-up fallback); a preempted or still-running request is never a sample. Until a kind (bounded /
 unbounded) has enough samples it answers with :func:`fdsched.adaptive.warmup_reserve_blocks`. A third-party
 ``fdsched_estimate_reserve_blocks`` hook still answers first, per request. Cost per running request and

@@ -13,7 +13,10 @@ distributions, because a request's budget says a lot about its length when the c
 nothing when the engine filled it in. A running request that has generated ``g`` tokens is
 expected to generate ``E[L - g | L > g]`` more, with variance ``Var[L - g | L > g]``. The running set
 reserves the sum of those means plus ``k x sqrt(sum of the variances)``: one margin for the whole set
-(the remainders of many requests add up far more tightly than their per-request worst cases do).
+(the remainders of many requests add up far more tightly than their per-request worst cases do). The
+default ``k`` is negative (-2): the set never needs all of its remainder at once, because a request that
+finishes gives its blocks back while the others still grow. The set never keeps more free than its
+budgets allow, nor more than upstream's ratio formula would for the same requests (:class:`SetMargin`).
 
 * **Warm-up**: until a distribution holds ``min_samples`` samples, requests of that kind fall back to
   upstream's ratio formula (:func:`fdsched.policies.reserve_blocks_for_request`). So does a request
