@@ -30,7 +30,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .common import EXIT_ERROR, EXIT_OK, text_table
+from .common import EXIT_ERROR, EXIT_OK, read_utf8, text_table
 
 __all__ = ["ArmSeries", "parse_exposition", "merge_scrapes", "arm_figures", "format_report", "ABReportError"]
 
@@ -119,11 +119,20 @@ def _read(source: str) -> str:
                 return response.read().decode("utf-8")
         except Exception as exc:
             raise ABReportError(f"cannot read {source}: {exc}; allowed: a saved scrape file, - (stdin) or a /metrics URL") from exc
-    try:
-        with open(source, encoding="utf-8") as fh:
-            return fh.read()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ABReportError(f"cannot read {source}: {exc}; allowed: a saved scrape file (UTF-8 text), - or a URL") from exc
+    return read_utf8(source, "scrape", "a saved /metrics scrape, - (stdin) or a /metrics URL", ABReportError)
+
+
+def _bad_line(text: str, parse) -> tuple:
+    """(line number, line) of the first line the parser refuses on its own, else (None, ""): the parser's error
+    names the bad token but not where it is."""
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            list(parse(line + "\n"))
+        except Exception:
+            return number, line
+    return None, ""
 
 
 def parse_exposition(text: str, source: str = "<text>") -> dict:
@@ -136,7 +145,10 @@ def parse_exposition(text: str, source: str = "<text>") -> dict:
     try:
         families = list(text_string_to_metric_families(text))
     except Exception as exc:
-        raise ABReportError(f"{source}: not a Prometheus text exposition ({exc})") from exc
+        line, content = _bad_line(text, text_string_to_metric_families)
+        where = f", line {line}: {content[:80]!r}" if line else ""
+        raise ABReportError(f"{source}: not a Prometheus text exposition{where} ({exc}); allowed: the text a "
+                            "/metrics endpoint serves (curl -s http://HOST:PORT/metrics > scrape.txt)") from None
     for family in families:
         if not family.name.startswith(PREFIX):
             continue

@@ -1,4 +1,4 @@
-"""``fdsched``: doctor, patches, profiles, and the replay and benchmark commands."""
+"""fdsched: doctor, patches, profiles, host setup, and the replay, benchmark and A/B report commands."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Optional
 from . import __version__
 from .settings import CHANGE_IDS, PROFILE_ENV, SettingsError, load_settings, profile_description, shipped_profiles
 
-from .common import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK
+from .common import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK, read_utf8
 from .common import text_table as _table
 
 
@@ -166,22 +166,49 @@ def cmd_patches(args) -> int:
     return EXIT_OK
 
 
+def _changes_text(settings) -> str:
+    modes = {cid: settings.change_mode(cid) for cid in CHANGE_IDS}
+    if len(set(modes.values())) == 1:
+        return f"all {next(iter(modes.values()))}"
+    common = max(set(modes.values()), key=list(modes.values()).count)
+    odd = [f"{cid}={mode}" for cid, mode in modes.items() if mode != common]
+    return ", ".join(odd) + f", rest {common}"
+
+
+def _differs_from(settings, reference) -> str:
+    """The non-switch settings whose value differs from the reference profile's, as key=value."""
+    diffs = [
+        f"{key}={_show(value)}"
+        for key, value in settings.values.items()
+        if not key.startswith("changes.") and value != reference.values.get(key)
+    ]
+    return ", ".join(diffs) or "-"
+
+
 def cmd_profiles(args) -> int:
+    """List the shipped profiles with what each sets differently from baseline; show one (a name or a YAML path,
+    which is checked as the engine would load it)."""
     profiles = shipped_profiles()
+    reference = load_settings(environ={}, profile="baseline") if "baseline" in profiles else None
     if args.name:
-        if args.name not in profiles:
-            print(f"unknown profile {args.name!r}; shipped: {', '.join(profiles)}", file=sys.stderr)
-            return EXIT_ERROR
-        print(f"# {profiles[args.name]}")
-        print(profiles[args.name].read_text(encoding="utf-8"), end="")
+        from .settings import _resolve_profile
+
+        name, path = _resolve_profile(args.name, "argument NAME")  # SettingsError: one line, from main()
+        settings = load_settings(environ={}, profile=args.name)
+        print(f"# {path}")
+        print(read_utf8(path, "profile", "a YAML mapping", SettingsError), end="")
+        if reference is not None:
+            print(f"\n# checked: ok; changes: {_changes_text(settings)}; other settings unlike baseline's: "
+                  f"{_differs_from(settings, reference)}")
         return EXIT_OK
     rows = []
     for name, path in profiles.items():
         settings = load_settings(environ={}, profile=name)
-        switches = " ".join(f"{cid}={settings.change_mode(cid)}" for cid in CHANGE_IDS)
-        rows.append((name, switches))
-    print(_table(rows, ("profile", "changes")))
-    print(f"\nselect one with {PROFILE_ENV}=<name or path>; show one with: fdsched profiles <name>")
+        beyond = "(the reference)" if name == "baseline" or reference is None else _differs_from(settings, reference)
+        rows.append((name, _changes_text(settings), beyond))
+    print(_table(rows, ("profile", "changes", "other settings unlike baseline's")))
+    print(f"\nselect one with {PROFILE_ENV}=<name or path>; show one with: fdsched profiles <name>; "
+          "check your own: fdsched profiles /path/to/profile.yaml")
     for name, path in profiles.items():
         print(f"\n{name}: {profile_description(path)}")
     return EXIT_OK
@@ -200,8 +227,9 @@ def build_parser() -> argparse.ArgumentParser:
     patches.add_argument("change", nargs="?", help="one change id (default: all)")
     patches.set_defaults(func=cmd_patches)
 
-    profiles = sub.add_parser("profiles", help="list the shipped profiles, or show one")
-    profiles.add_argument("name", nargs="?")
+    profiles = sub.add_parser("profiles", help="list the shipped profiles and what each sets unlike baseline, or "
+                              "show one (a name) or check your own (a YAML path)")
+    profiles.add_argument("name", nargs="?", help="a shipped profile name, or the path of a YAML profile to check")
     profiles.set_defaults(func=cmd_profiles)
 
     _add_optional_commands(sub)
@@ -239,6 +267,11 @@ def main(argv: Optional[list] = None) -> int:
     except HostSuiteError as exc:
         print(f"fdsched: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    except BrokenPipeError:  # `fdsched ... | head`: the reader left; no traceback for that
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -6,13 +6,52 @@ patches, replay, benchmarks, CLI) may use it.
 
 from __future__ import annotations
 
+import codecs
 import math
+import os
 from typing import Iterable, Optional, Sequence
 
-__all__ = ["EXIT_OK", "EXIT_ERROR", "EXIT_NO_HOST", "ceil_div", "blocks_for_tokens", "percentile", "mean", "text_table"]
+__all__ = ["EXIT_OK", "EXIT_ERROR", "EXIT_NO_HOST", "read_utf8", "ceil_div", "blocks_for_tokens", "percentile", "mean", "text_table"]
 
 # Exit codes of every ``fdsched`` command: done / a bad input, setting or check / no FastDeploy host.
 EXIT_OK, EXIT_ERROR, EXIT_NO_HOST = 0, 1, 2
+
+
+def read_utf8(path, what: str, allowed: str, error: type = ValueError) -> str:
+    """The text of a UTF-8 file, or ``error`` with one line naming the file, what is wrong and the fix.
+
+    ``what`` names the input (``"trace"``, ``"profile"``); ``allowed`` says what the input may be. A directory,
+    a missing or unreadable file, UTF-16/UTF-32 text (a Windows editor's "Unicode") and binary data each get
+    their own message instead of an ``OSError`` / ``UnicodeDecodeError`` traceback.
+    """
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise error(f"{what} {path}: is a directory; allowed: {allowed}")
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read()
+    except OSError as exc:
+        raise error(f"{what} {path}: cannot be read ({exc.strerror}); allowed: {allowed}") from None
+    name = os.path.basename(path)
+    if data.startswith((codecs.BOM_UTF32_LE, codecs.BOM_UTF32_BE, codecs.BOM_UTF16_LE, codecs.BOM_UTF16_BE)) or (
+        len(data) >= 4 and ((data[0] and not data[1] and data[2] and not data[3]) or (not data[0] and data[1] and not data[2] and data[3]))
+    ):  # a BOM, or ASCII text every other byte (UTF-16 without a BOM)
+        raise error(
+            f"{what} {path}: looks like UTF-16/UTF-32 text; allowed: UTF-8 text "
+            f"(convert it: iconv -f UTF-16 -t UTF-8 {name} > {name}.utf8)"
+        )
+    if b"\x00" in data:
+        line = data.count(b"\n", 0, data.index(b"\x00")) + 1
+        raise error(f"{what} {path}: binary data (a NUL byte on line {line}), not text; allowed: {allowed} as UTF-8 text")
+    try:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise error(
+            f"{what} {path}: not UTF-8 (byte 0x{data[exc.start]:02x} on line {line}); allowed: {allowed} as UTF-8 text "
+            f"(convert it: iconv -f LATIN1 -t UTF-8 {name} > {name}.utf8)"
+        ) from None
+    return text
 
 
 def ceil_div(numerator: int, denominator: int) -> int:

@@ -24,8 +24,10 @@ recorded then, and a tree unpacked by this call is removed. :func:`recorded_host
 
 from __future__ import annotations
 
+import gzip
 import hashlib
 import json
+import lzma
 import os
 import re
 import shutil
@@ -36,6 +38,7 @@ import tempfile
 import time
 import urllib.error
 import urllib.request
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
@@ -223,11 +226,48 @@ def _check_checksum(path: Path, original: str) -> Optional[str]:
     return digest
 
 
+def _check_member(member: tarfile.TarInfo, original: str) -> None:
+    """Refuse a member that would land outside the unpack folder, naming it and why (not a re-download hint)."""
+    name = member.name
+    if name.startswith("/") or re.match(r"^[A-Za-z]:[\\/]", name):
+        raise HostSetupError(f"{original}: member {name!r} has an absolute path; allowed: a source archive whose "
+                             "members are relative (FastDeploy-<commit>/...); this archive is not one, do not unpack it")
+    if ".." in re.split(r"[\\/]", name):
+        raise HostSetupError(f"{original}: member {name!r} escapes the archive's folder (a '..' in its path); allowed: "
+                             "a source archive whose members stay inside FastDeploy-<commit>/; do not unpack this one")
+    if member.issym() or member.islnk():
+        target = member.linkname
+        base = os.path.dirname(name) if member.issym() else ""
+        resolved = os.path.normpath(os.path.join(base, target))
+        if target.startswith("/") or resolved == ".." or resolved.startswith("../"):
+            raise HostSetupError(f"{original}: link {name!r} -> {target!r} points outside the archive's folder; "
+                                 "allowed: a source archive whose links stay inside FastDeploy-<commit>/")
+
+
 def _unpack(path: Path, original: str, into: Path) -> tuple:
     """Unpack into ``into``; return (tree root, commit named by the top folder or None)."""
     try:
-        with tarfile.open(path, "r:*") as tar:
+        tar = tarfile.open(path, "r:*")
+    except (tarfile.ReadError, tarfile.CompressionError, EOFError) as exc:
+        # tarfile's own message lists every compression it tried, one per line: say it once
+        with open(path, "rb") as fh:
+            head = fh.read(6)
+        if head.startswith((b"\x1f\x8b", b"BZh", b"\xfd7zXZ\x00")):
+            raise HostSetupError(
+                f"{original}: a compressed file that does not unpack as a tar archive (truncated or corrupt); "
+                "fetch it again"
+            ) from None
+        raise HostSetupError(
+            f"{original}: not a tar archive (no gzip, bzip2, xz or plain tar could read it); allowed: a FastDeploy "
+            "source .tar.gz, e.g. https://github.com/gongshaotian/FastDeploy/archive/<commit>.tar.gz"
+        ) from None
+    except OSError as exc:
+        raise HostSetupError(f"{original}: cannot be read ({exc.strerror or exc}); allowed: a readable .tar.gz file") from None
+    try:
+        with tar:
             members = tar.getmembers()
+            for member in members:
+                _check_member(member, original)
             tops = {m.name.split("/", 1)[0] for m in members if m.name not in ("", ".")}
             if len(tops) != 1:
                 raise HostSetupError(
@@ -243,8 +283,15 @@ def _unpack(path: Path, original: str, into: Path) -> tuple:
                     "(with its fastdeploy/ package)"
                 )
             tar.extractall(into, filter="data")
-    except (tarfile.TarError, EOFError, OSError, ValueError) as exc:
-        raise HostSetupError(f"{original}: not a readable tar.gz archive ({type(exc).__name__}: {exc}); fetch it again") from exc
+    except tarfile.FilterError as exc:  # what the "data" filter refuses that _check_member did not name
+        raise HostSetupError(f"{original}: unsafe member ({exc}); allowed: a FastDeploy source archive") from None
+    except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile, lzma.LZMAError) as exc:
+        raise HostSetupError(
+            f"{original}: the archive is truncated or corrupt ({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else '?'}); "
+            "fetch it again"
+        ) from None
+    except OSError as exc:
+        raise HostSetupError(f"{original}: cannot unpack ({exc.strerror or exc}); check the free space in {into.parent}") from None
     match = re.fullmatch(r"FastDeploy-([0-9a-f]{40})", top)
     return into / top, (match.group(1) if match else None)
 
@@ -375,6 +422,16 @@ def cmd_setup(args) -> int:
         print(f"fdsched host setup: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
     print(f"active host: {record['commit']} ({record['key'] or 'unsupported'}) at {record['path']}")
+    try:
+        _, hosts = recorded_hosts()
+    except HostSetupError:
+        hosts = {}
+    others = [f"{host_key(c) or c[:9]}" for c in sorted(hosts) if c != record["commit"]]
+    if others:
+        print(f"(it is now the active one; also set up: {', '.join(others)}; switch with: fdsched host use "
+              f"{others[0]}, list with: fdsched host list)")
+    else:
+        print("(the active one; set up another with --archive and switch with: fdsched host use old|new|<commit>)")
     return EXIT_OK
 
 

@@ -20,6 +20,8 @@ from typing import Any, Callable, Mapping, Optional
 
 import yaml
 
+from .common import read_utf8
+
 __all__ = [
     "CHANGE_IDS",
     "SWITCH_VALUES",
@@ -408,6 +410,9 @@ def _resolve_profile(value: str, origin: str = PROFILE_ENV) -> tuple[str, Path]:
     looks_like_path = os.sep in value or value.endswith((".yaml", ".yml"))
     if looks_like_path:
         path = Path(value).expanduser()
+        if path.is_dir():
+            raise SettingsError(f"{origin}: bad value {value!r} (a directory, not a profile file); allowed: a shipped "
+                                f"profile name ({', '.join(shipped_profiles())}) or the path of a YAML file")
         if not path.is_file():
             raise SettingsError(f"{origin}: bad value {value!r} (no such profile file); allowed: a shipped profile "
                                 f"name ({', '.join(shipped_profiles())}) or the path of a YAML file")
@@ -463,10 +468,7 @@ def _parent_path(text: str, line: int) -> str:
 
 def read_profile(path: Path) -> dict[str, Any]:
     """Parse one profile file into ``{key path: raw value}``; unknown and duplicate keys are errors."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except OSError as exc:
-        raise SettingsError(f"profile {path}: cannot be read ({exc.strerror}); allowed: a readable YAML file") from None
+    text = read_utf8(path, "profile", "a YAML mapping (see fdsched profiles baseline)", SettingsError)
     try:
         document = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
     except _DuplicateKey as dup:
@@ -482,7 +484,10 @@ def read_profile(path: Path) -> dict[str, Any]:
         problem = getattr(exc, "problem", None) or str(exc)
         raise SettingsError(f"profile {path}: not valid YAML{where}: {problem}; allowed: a YAML mapping") from None
     if document is None:
-        return {}
+        raise SettingsError(
+            f"profile {path}: empty (no settings); allowed: a YAML mapping with keys {', '.join(_PROFILE_TOP_KEYS)} "
+            "(a profile that changes nothing is the built-in defaults: leave FDSCHED_PROFILE unset instead)"
+        )
     if not isinstance(document, dict):
         raise SettingsError(
             f"profile {path}: bad value at the top level (a {type(document).__name__}); allowed: a mapping with keys "
@@ -510,8 +515,8 @@ def read_profile(path: Path) -> dict[str, Any]:
 
 
 def profile_description(path: Path) -> str:
-    document = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-    return str(document.get("description", "")).strip()
+    document = yaml.safe_load(read_utf8(path, "profile", "a YAML mapping", SettingsError)) or {}
+    return str(document.get("description", "")).strip() if isinstance(document, dict) else ""
 
 
 # --------------------------------------------------------------------------------------------

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import os
 import sys
 from pathlib import Path
 
@@ -231,6 +232,22 @@ class _Bar:
         self._bar.close()
 
 
+def _check_out_dir(value: str) -> Path:
+    """The output directory, made now: a bad --out must fail before the arms run, not after (minutes later)."""
+    out = Path(value).expanduser()
+    if out.exists() and not out.is_dir():
+        raise TraceError(f"--out {value!r}: bad value (an existing file, not a directory); allowed: a directory "
+                         "(it is made if missing; report.json and replay.png go in it)")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise TraceError(f"--out {value!r}: cannot make the directory ({exc.strerror}); allowed: a writable "
+                         "directory path") from None
+    if not os.access(out, os.W_OK):
+        raise TraceError(f"--out {value!r}: the directory is not writable; allowed: a writable directory")
+    return out
+
+
 def cmd_replay(args) -> int:
     from fdsched.host import HOW_TO_POINT, HostNotFound
     from fdsched.installer import InstallError
@@ -272,6 +289,7 @@ def cmd_replay(args) -> int:
                 load_settings(environ=None if args.inherit_env else {}, profile=profile)
             except SettingsError as exc:
                 raise SettingsError(f"--dp-arms, rank {rank} (profile {profile}): {exc}") from None
+        out = _check_out_dir(args.out)
     except (TraceError, SettingsError) as exc:
         print(f"fdsched: {exc}", file=sys.stderr)
         return EXIT_ERROR
@@ -328,8 +346,6 @@ def cmd_replay(args) -> int:
             "requests_per_rank": {run.profile: len(run.requests) for run in runs},
         }
     report = build_report(trace_info, engine, runs)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(report_json(report), encoding="utf-8")
     print(format_header(report))
     print(format_table(report))

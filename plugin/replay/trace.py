@@ -63,7 +63,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-from ..common import ceil_div
+from ..common import ceil_div, read_utf8
 
 __all__ = [
     "TraceError",
@@ -384,10 +384,7 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>", name: Optional[st
 
 def load_trace(path) -> Trace:
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise TraceError(f"trace {path}: cannot be read ({exc.strerror})") from None
+    text = read_utf8(path, "trace", "a JSONL trace file (fdsched trace validate checks one)", TraceError)
     return parse_trace(text.splitlines(), source=str(path), name=path.name[: -len(".jsonl")] if path.name.endswith(".jsonl") else path.stem)
 
 
@@ -410,6 +407,8 @@ def resolve_trace(value: str) -> Path:
         return shipped[value]
     if os.sep in value or value.endswith(".jsonl") or os.path.exists(value):
         path = Path(value).expanduser()
+        if path.is_dir():
+            raise TraceError(f"trace {value!r}: is a directory; allowed: a shipped trace ({', '.join(shipped)}) or the path of a JSONL file")
         if not path.is_file():
             raise TraceError(f"trace {value!r}: no such file; allowed: a shipped trace ({', '.join(shipped)}) or a path")
         return path

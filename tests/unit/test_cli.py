@@ -28,8 +28,14 @@ def test_profiles_lists_every_shipped_profile(capsys):
     for name in shipped_profiles():
         assert any(line.startswith(name + " ") for line in lines), name
         assert f"\n{name}: " in out  # its description
-    assert "baseline  " in out
-    assert "deferred_recycle=off decode_only_preempt=off ratio_reserve=off pd_prefill_cache=off" in out
+    rows = {line.split()[0]: line for line in lines if line and line.split()[0] in shipped_profiles()}
+    assert "all off" in rows["baseline"] and "(the reference)" in rows["baseline"]
+    # what each profile sets unlike baseline: the four "all on" profiles are told apart
+    assert rows["recommended"].split()[1:] == ["all", "on", "-"]
+    assert "tunables.reserve_estimator=adaptive" in rows["adaptive"]
+    assert "replay.oracle_reserve=1" in rows["oracle"]
+    assert "replay.adaptive_reserve=1" in rows["adaptive-replay"]
+    assert "ratio_reserve=on, rest off" in rows["ratio_reserve"]
     assert PROFILE_ENV in out
 
 
@@ -45,6 +51,21 @@ def test_profiles_shows_one(capsys):
     assert out.startswith("# ")
     assert str(shipped_profiles()["oracle"]) in out
     assert "oracle_reserve: true" in out
+
+
+def test_profiles_checks_a_yaml_path(capsys, tmp_path):
+    good = tmp_path / "mine.yaml"
+    good.write_text('changes: {ratio_reserve: "on"}\ntunables: {reserve_estimator: adaptive}\n', encoding="utf-8")
+    assert main(["profiles", str(good)]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "checked: ok" in out and "ratio_reserve=on, rest auto" in out and "reserve_estimator=adaptive" in out
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("changes: {ratio_reserve: maybe}\n", encoding="utf-8")
+    assert main(["profiles", str(bad)]) == EXIT_ERROR
+    err = capsys.readouterr().err
+    assert "changes.ratio_reserve" in err and "'maybe'" in err and len(err.strip().splitlines()) == 1
+    assert main(["profiles", str(tmp_path)]) == EXIT_ERROR
+    assert "a directory" in capsys.readouterr().err
 
 
 def test_profiles_unknown_name(capsys):

@@ -157,10 +157,11 @@ def test_profile_argument_overrides_profile_env():
     assert s.profile == "baseline"
 
 
-def test_an_empty_profile_file_changes_nothing(write_profile):
-    s = load_settings(environ={}, profile=write_profile("", name="empty.yaml"))
-    assert s.profile == "empty"
-    assert set(s.sources.values()) == {"default"}
+@pytest.mark.parametrize("text", ["", "# only a comment\n", "---\n"])
+def test_an_empty_profile_file_is_an_error(write_profile, text):
+    # it used to run silently as all defaults: an operator who points at the wrong (empty) file must hear of it
+    message = settings_error(profile=write_profile(text, name="empty.yaml"))
+    assert "empty.yaml: empty" in message and "allowed: a YAML mapping" in message
 
 
 def test_profile_description_key_is_accepted(write_profile):
