@@ -111,7 +111,7 @@ def test_bad_inputs_are_one_error(tmp_path, capsys):
     assert main(["ab", "report", str(empty)]) == 1
     assert "no fdsched series with an arm label" in capsys.readouterr().err
     assert main(["ab", "report", str(tmp_path / "missing.prom")]) == 1
-    assert "cannot read" in capsys.readouterr().err
+    assert "cannot be read" in capsys.readouterr().err
     good = tmp_path / "good.prom"
     good.write_text(TEXT)
     assert main(["ab", "report", str(good), "--reference", "nosuch"]) == 1
