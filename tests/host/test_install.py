@@ -270,3 +270,29 @@ def test_relies_on_probes_notice_a_host_whose_control_flow_changed(host_info):
     if not host_info.has["ratio_reserve"]:
         decision = decide(load_settings(environ={}), changed)["ratio_reserve"]
         assert decision.state == "skipped" and "relies on running-chunk-check" in decision.detail
+
+
+@pytest.mark.parametrize("variable, value", [("FDSCHED_RATIO_RESERVE", "maybe"), ("FDSCHED_PROFILE", "nosuch")])
+def test_a_bad_variable_in_an_engine_ends_it_with_one_line(tmp_path, variable, value):
+    # FastDeploy's loader calls the entry point without a try: the process must end with our line, not a traceback
+    import os
+    import subprocess
+
+    code = (
+        "from fdsched.replay.engine import prepare_host_environment; prepare_host_environment()\n"
+        "from fdsched.host import find_host; find_host()\n"
+        "from fastdeploy.plugins.model_register import load_model_register_plugins\n"
+        "load_model_register_plugins()\n"
+        "print('engine would start')\n"
+    )
+    env = dict(os.environ, FD_PLUGINS="fdsched", FD_LOG_DIR=str(tmp_path), **{variable: value})
+    result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, cwd=tmp_path,
+                            timeout=600)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert "engine would start" not in result.stdout
+    assert "Traceback" not in result.stderr, result.stderr[-2000:]
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("[fdsched] the engine does not start: ") and variable in last and repr(value) in last
+    # the engine's own log has the line too
+    logged = "".join(p.read_text(errors="replace") for p in tmp_path.glob("fastdeploy*.log*"))
+    assert "[fdsched] the engine does not start" in logged
