@@ -31,14 +31,26 @@ def cmd_doctor(args) -> int:
     print(f"profile: {settings.profile or 'none'}" + (f" ({settings.profile_path})" if settings.profile_path else ""))
 
     info = None
-    try:
-        from .host import probe
+    from .hostsetup import cache_dir
+    from .quiet import host_output_to, log_note
 
-        info = probe()
+    log_path = cache_dir() / "logs" / "doctor-host.log"
+    if log_path.is_file():
+        log_path.unlink()
+    not_found = None
+    with host_output_to(log_path, verbose=args.verbose) as host_log:  # the host's import chatter: into the log
+        try:
+            from .host import probe
+
+            info = probe()
+        except HostNotFound as exc:
+            not_found = exc
+    note = log_note(host_log)
+    if not_found is None:
         print(f"host: {info.label}")
         print(f"host status enum: {'RUNNING_PREFILL/RUNNING_DECODE' if info.split_status else 'single RUNNING'}")
-    except HostNotFound as exc:
-        print(f"host: NOT FOUND: {exc}", file=sys.stderr)
+    else:
+        print(f"host: NOT FOUND: {not_found}", file=sys.stderr)
         status = EXIT_NO_HOST
 
     decisions = {}
@@ -80,6 +92,8 @@ def cmd_doctor(args) -> int:
         status = EXIT_ERROR
     print("\neffective settings:")
     print(_table([(k, env, _show(v), src) for k, env, v, src in settings.describe()], ("key", "variable", "value", "source")))
+    if note:
+        print("\n" + note)
     return status
 
 
@@ -220,6 +234,8 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     doctor = sub.add_parser("doctor", help="host, what it already has, what the settings would apply")
+    doctor.add_argument("-v", "--verbose", action="store_true",
+                        help="show the host's own import messages here instead of in a log file")
     doctor.set_defaults(func=cmd_doctor)
 
     patches = sub.add_parser("patches", help="the catalogue: what each change replaces, why, when to delete it, "

@@ -77,6 +77,8 @@ def add_commands(sub) -> None:
     replay.add_argument("--max-steps", type=_pos_int, default=None,
                         help="stop each profile after N steps (reported as not drained)")
     replay.add_argument("--no-progress", action="store_true", help="no progress bar")
+    replay.add_argument("-v", "--verbose", action="store_true",
+                        help="show the host's own messages (import warnings, logs) here instead of in OUT/host.log")
     replay.add_argument("--inherit-env", action="store_true",
                         help="let FDSCHED_*/FD_* variables of this environment override each profile, as in "
                         "production (default: each arm is exactly its profile; the report lists what was applied)")
@@ -219,8 +221,8 @@ def cmd_trace_list(args) -> int:
 # replay
 # --------------------------------------------------------------------------------------------
 class _Bar:
-    def __init__(self, tqdm_cls, profile: str, total: int) -> None:
-        self._bar = tqdm_cls(total=total, desc=f"replay {profile}", unit="req", file=sys.stderr, leave=False, disable=None)
+    def __init__(self, tqdm_cls, label: str, total: int, stream=None) -> None:
+        self._bar = tqdm_cls(total=total, desc=label, unit="req", file=stream or sys.stderr, leave=False, disable=None)
         self._done = 0
 
     def update_to(self, done: int) -> None:
@@ -230,6 +232,23 @@ class _Bar:
 
     def close(self) -> None:
         self._bar.close()
+
+
+def _import_host() -> None:
+    """Find the host and import the modules every arm uses (raises HostNotFound)."""
+    from fdsched.host import HostNotFound, find_host
+
+    from .engine import prepare_host_environment
+
+    prepare_host_environment()
+    find_host()
+    try:
+        import fastdeploy.cache_manager.prefix_cache_manager  # noqa: F401
+        import fastdeploy.config  # noqa: F401
+        import fastdeploy.engine.args_utils  # noqa: F401
+        import fastdeploy.engine.sched.resource_manager_v1  # noqa: F401
+    except Exception as exc:  # the host's own import failing is a host problem; say what it was
+        raise HostNotFound(f"importing the host's scheduler modules failed: {type(exc).__name__}: {exc}") from None
 
 
 def _check_out_dir(value: str) -> Path:
@@ -294,39 +313,54 @@ def cmd_replay(args) -> int:
         print(f"fdsched: {exc}", file=sys.stderr)
         return EXIT_ERROR
 
-    progress_factory = None
+    tqdm = None
     if not args.no_progress:
         try:
             from tqdm import tqdm
         except ImportError:
             print(f"fdsched: tqdm is not installed: no progress bar (install with {INSTALL_HINT})", file=sys.stderr)
-        else:
-            progress_factory = lambda profile, total: _Bar(tqdm, profile, total)  # noqa: E731
 
     cost_overrides = {
         "step_fixed_ms": args.cost_fixed_ms,
         "per_prefill_token_ms": args.cost_prefill_token_ms,
         "per_decode_request_ms": args.cost_decode_request_ms,
     }
-    try:
-        if dp_arms is not None:
-            runs = run_dp_arms(
-                trace, dp_arms, engine, args.dp_seed, cost_overrides, args.max_steps or DEFAULT_MAX_STEPS,
-                progress_factory=progress_factory, inherit_env=args.inherit_env, check_every=args.check_every,
-            )
-        else:
-            runs = run_replay(
-                trace, profiles, engine, cost_overrides, args.max_steps or DEFAULT_MAX_STEPS,
-                progress_factory=progress_factory, inherit_env=args.inherit_env, check_every=args.check_every,
-            )
-    except HostNotFound as exc:
-        message = str(exc)
+    from fdsched.quiet import host_output_to, log_note
+
+    log_path = out / "host.log"
+    if log_path.is_file():
+        log_path.unlink()
+    error = None
+    # the host's import-time and run-time messages go to host.log, not between the bar and the table (-v: here)
+    with host_output_to(log_path, verbose=args.verbose) as host_log:
+        try:
+            _import_host()  # before the first bar: its time estimate is the replay's, not the host import's
+            progress_factory = None
+            if tqdm is not None:
+                arms = iter(range(1, len(profiles) + 1))
+                progress_factory = lambda profile, total: _Bar(  # noqa: E731
+                    tqdm, f"arm {next(arms)}/{len(profiles)} {profile}", total, host_log.terminal)
+            if dp_arms is not None:
+                runs = run_dp_arms(
+                    trace, dp_arms, engine, args.dp_seed, cost_overrides, args.max_steps or DEFAULT_MAX_STEPS,
+                    progress_factory=progress_factory, inherit_env=args.inherit_env, check_every=args.check_every,
+                )
+            else:
+                runs = run_replay(
+                    trace, profiles, engine, cost_overrides, args.max_steps or DEFAULT_MAX_STEPS,
+                    progress_factory=progress_factory, inherit_env=args.inherit_env, check_every=args.check_every,
+                )
+        except (HostNotFound, SettingsError, InstallError, TraceError) as exc:
+            error = exc
+    note = log_note(host_log)
+    if isinstance(error, HostNotFound):
+        message = str(error)
         if HOW_TO_POINT not in message:
             message += f"; {HOW_TO_POINT}"
         print(f"fdsched replay: needs the FastDeploy host: {message}", file=sys.stderr)
         return EXIT_NO_HOST
-    except (SettingsError, InstallError, TraceError) as exc:
-        print(f"fdsched: {exc}", file=sys.stderr)
+    if error is not None:
+        print(f"fdsched: {error}", file=sys.stderr)
         return EXIT_ERROR
 
     text = path.read_bytes()
@@ -350,6 +384,8 @@ def cmd_replay(args) -> int:
     print(format_header(report))
     print(format_table(report))
     print(f"\nreport: {out / 'report.json'}")
+    if note:
+        print(note)
     if not args.no_plot:
         try:
             write_plot(report, str(out / "replay.png"), title=f"trace {trace.name}")
