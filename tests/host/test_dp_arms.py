@@ -266,5 +266,3 @@ def test_done_when_one_deployment_through_fastdeploys_loader(tmp_path, capsys, h
     printed = capsys.readouterr().out
     assert "arms: baseline: dp_rank 0; recommended: dp_rank 1" in printed
     assert "recommended/baseline" in printed
-    with capsys.disabled():
-        print(f"\n[done-when, {host_info.label}]\nvictims: {result}\n{printed}")
