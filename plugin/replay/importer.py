@@ -237,7 +237,7 @@ def import_trace(source, out, options: ImportOptions) -> ImportResult:
                 if name not in header:
                     raise ImportError_(
                         f"{source}:{line}, column {name!r}: missing from the header ({', '.join(header)}); "
-                        f"allowed: a {options.fmt} CSV with columns {', '.join(columns.values())}"
+                        f"allowed: a CSV in the {options.fmt} format, with columns {', '.join(columns.values())}"
                     )
             index_of = {role: header.index(name) for role, name in columns.items()}
             continue
