@@ -45,8 +45,11 @@ def _pos_int(text: str) -> int:
 
 def _add_engine_shape_args(group) -> None:
     """The engine-shape options (replay: override the trace header; import: write it)."""
-    for flag in ("--block-size", "--num-gpu-blocks", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len"):
-        group.add_argument(flag, type=_pos_int)
+    for flag, what in (("--block-size", "tokens per KV block"), ("--num-gpu-blocks", "KV blocks in the pool"),
+                       ("--max-num-seqs", "running requests at most"),
+                       ("--max-num-batched-tokens", "tokens one step may prefill/decode at most"),
+                       ("--max-model-len", "prompt + output tokens of one request at most")):
+        group.add_argument(flag, type=_pos_int, help=what)
 
 
 def add_commands(sub) -> None:
@@ -92,11 +95,11 @@ def add_commands(sub) -> None:
     gen = trace_sub.add_parser("generate", help="write a synthetic trace")
     from .generate import DEFAULT_REQUESTS, KINDS
 
-    gen.add_argument("--kind", required=True, choices=sorted(KINDS))
+    gen.add_argument("--kind", required=True, choices=sorted(KINDS), help="the workload shape")
     gen.add_argument("--requests", type=_pos_int, default=None,
                      help="number of requests (default per kind: "
                      + ", ".join(f"{k} {v}" for k, v in DEFAULT_REQUESTS.items()) + ")")
-    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--seed", type=int, default=0, help="random seed (default 0): same seed, same trace")
     gen.add_argument("--out", default="-", help="output file (default: standard output)")
     gen.set_defaults(func=cmd_trace_generate)
     val = trace_sub.add_parser("validate", help="check a trace (and that its requests fit its engine)")
@@ -109,7 +112,8 @@ def add_commands(sub) -> None:
         description="Stream a CSV request log into a JSONL trace with arrivals in seconds (see examples/replay.md).",
     )
     imp.add_argument("csv", help="the CSV file")
-    imp.add_argument("--format", dest="fmt", required=True, choices=("azure", "burstgpt", "generic"))
+    imp.add_argument("--format", dest="fmt", required=True, choices=("azure", "burstgpt", "generic"),
+                     help="the CSV's layout: Azure LLM inference trace, BurstGPT, or generic (with --columns)")
     imp.add_argument("--columns", help="generic: time=COL,prompt=COL,output=COL")
     imp.add_argument("--out", required=True, help="the trace to write (JSONL)")
     imp.add_argument("--start", type=_nonneg_float, default=0.0, help="window start, seconds after the first row")
@@ -118,11 +122,11 @@ def add_commands(sub) -> None:
     imp.add_argument("--rate-scale", type=_nonneg_float, default=1.0,
                      help="divide arrival times by this (2 = twice the request rate; default 1)")
     imp.add_argument("--sample", type=_nonneg_float, default=1.0, help="keep each row with this probability (seeded)")
-    imp.add_argument("--seed", type=int, default=0)
+    imp.add_argument("--seed", type=int, default=0, help="seed of --sample (default 0)")
     imp.add_argument("--max-tokens", default="unset", metavar="unset|true|N",
                      help="the clients' max_tokens: unset (null, the engine default), true (each request's true "
                      "output length) or one integer for all (default unset)")
-    imp.add_argument("--description", default="")
+    imp.add_argument("--description", default="", help="text for the trace header's description")
     _add_engine_shape_args(imp.add_argument_group("engine shape for the trace header (default: the replay defaults)"))
     imp.set_defaults(func=cmd_trace_import)
 
