@@ -140,7 +140,7 @@ def parse_exposition(text: str, source: str = "<text>") -> dict:
     try:
         from prometheus_client.parser import text_string_to_metric_families
     except ImportError as exc:  # pragma: no cover - the report extra installs it
-        raise ABReportError("the A/B report needs prometheus_client: pip install 'fastdeploy-sched-plugin[report]'") from exc
+        raise ABReportError("the A/B report needs prometheus_client: pip install prometheus-client (or, in a checkout of this project: pip install '.[report]')") from exc
     arms: dict = {}
     try:
         families = list(text_string_to_metric_families(text))

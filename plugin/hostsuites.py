@@ -283,7 +283,7 @@ def cmd_test(args) -> int:
     import importlib.util
 
     if importlib.util.find_spec("pytest") is None:
-        print("fdsched host test: error: pytest is not installed here; allowed: pip install 'fastdeploy-sched-plugin[test]'",
+        print("fdsched host test: error: pytest is not installed here; allowed: pip install pytest (or, in a checkout of this project: pip install '.[test]')",
               file=sys.stderr)
         return EXIT_ERROR
     expectations = load_expectations()

@@ -19,6 +19,8 @@ from .trace import ENGINE_KEYS, TraceError, check_engine, load_trace, resolve_tr
 from ..common import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK
 DEFAULT_TRACE = "pressure"
 DEFAULT_PROFILES = ("baseline", "recommended")
+# the package is on no index yet: name what pip can install (the [report] extra's packages, or the extra from a checkout)
+INSTALL_HINT = "pip install matplotlib tqdm, or in a checkout of this project: pip install '.[report]'"
 
 __all__ = ["add_commands", "cmd_replay", "cmd_trace_generate", "cmd_trace_validate", "cmd_trace_list"]
 
@@ -276,7 +278,7 @@ def cmd_replay(args) -> int:
     from fdsched.installer import InstallError
     from fdsched.settings import SettingsError, load_settings
 
-    from .report import INSTALL_HINT, build_report, format_header, format_table, report_json, write_plot
+    from .report import build_report, format_header, format_table, report_json, write_plot
     from .runner import DEFAULT_MAX_STEPS, run_dp_arms, run_replay
 
     profiles = args.profiles or list(DEFAULT_PROFILES)
