@@ -10,14 +10,48 @@ import pytest
 import fdsched.metrics
 from fdsched.settings import CHANGE_IDS, SCHEMA
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+ROOT = Path(__file__).resolve().parents[2]
+README = ROOT / "README.md"
+DOCS = sorted((ROOT / "docs").glob("*.md"))
 
 
 @pytest.fixture(scope="module")
 def readme():
+    """The operator's documents: README.md and the docs/ pages it links (the reference moved there)."""
     if not README.is_file():
         pytest.skip("README.md is not in this installation (an sdist/wheel without it)")
-    return README.read_text(encoding="utf-8")
+    return "\n".join(p.read_text(encoding="utf-8") for p in [README, *DOCS])
+
+
+def test_the_readme_links_every_docs_page():
+    if not README.is_file():
+        pytest.skip("README.md is not in this installation (an sdist/wheel without it)")
+    text = README.read_text(encoding="utf-8")
+    assert DOCS
+    for page in DOCS:
+        assert f"](docs/{page.name})" in text, page.name
+
+
+def test_the_readme_says_what_the_project_is_before_any_command():
+    if not README.is_file():
+        pytest.skip("README.md is not in this installation (an sdist/wheel without it)")
+    text = README.read_text(encoding="utf-8")
+    first_paragraph = text.split("\n\n")[1]
+    assert "plugin for [FastDeploy]" in first_paragraph and "```" not in first_paragraph
+    assert text.index("plugin for [FastDeploy]") < text.index("```")
+    # the quick start's replay shows the point: a shipped real trace, baseline / recommended / adaptive
+    assert "fdsched replay --trace azure-conv --profile baseline recommended adaptive" in text
+    assert "12-15 min" in text
+
+
+def test_every_relative_link_in_the_docs_resolves():
+    for page in [README, *DOCS, *sorted((ROOT / "examples").glob("*.md"))]:
+        if not page.is_file():
+            continue
+        for target in re.findall(r"\]\(([^)#\s]+)", page.read_text(encoding="utf-8")):
+            if re.match(r"^[a-z]+://", target):
+                continue
+            assert (page.parent / target).exists(), f"{page.name}: link {target} does not resolve"
 
 
 @pytest.mark.parametrize("env", sorted(s.env for s in SCHEMA if s.env))
