@@ -282,7 +282,10 @@ def _unpack(path: Path, original: str, into: Path) -> tuple:
                     f"{original}: the tree has no {', '.join(missing)}; allowed: a FastDeploy 2.x source archive "
                     "(with its fastdeploy/ package)"
                 )
-            tar.extractall(into, filter="data")
+            try:
+                tar.extractall(into, filter="data")
+            except TypeError:  # a Python before the extraction filters (3.10.11 and older): _check_member checked
+                tar.extractall(into)  # noqa: S202 - every member was checked above
     except tarfile.FilterError as exc:  # what the "data" filter refuses that _check_member did not name
         raise HostSetupError(f"{original}: unsafe member ({exc}); allowed: a FastDeploy source archive") from None
     except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile, lzma.LZMAError) as exc:

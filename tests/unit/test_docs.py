@@ -69,3 +69,16 @@ def test_every_metric_is_in_the_readme(readme):
     assert names
     for name in sorted(names):
         assert f"`{name}" in readme, name
+
+
+def test_setup_cfg_classifiers_match_the_readme_python_versions():
+    import configparser
+
+    cfg = configparser.ConfigParser()
+    cfg.read(ROOT / "setup.cfg")
+    listed = set(re.findall(r"Python :: (3\.\d+)", cfg["metadata"]["classifiers"]))
+    text = README.read_text(encoding="utf-8")
+    low, high = re.search(r"Python (3\.\d+)-(3\.\d+)", text).groups()
+    wanted = {f"3.{m}" for m in range(int(low.split(".")[1]), int(high.split(".")[1]) + 1)}
+    assert listed == wanted
+    assert cfg["options"]["python_requires"].strip() == f">={low}"
