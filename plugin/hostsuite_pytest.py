@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 
 RESULTS_ENV = "FDSCHED_HOSTSUITE_RESULTS"
+LAST_ENV = "FDSCHED_HOSTSUITE_LAST"  # newline-separated node ids to run last (tests that leave threads running)
 
 _outcomes: dict = {}
 _install: dict = {}
+_leaked: dict = {}
+_threads_before: set = set()
 
 
 def pytest_configure(config):
@@ -38,6 +42,27 @@ def pytest_configure(config):
         )
 
 
+def pytest_collection_modifyitems(session, config, items):
+    """Move the tests named in FDSCHED_HOSTSUITE_LAST to the end (in that order): no other test runs after them."""
+    last = [n for n in os.environ.get(LAST_ENV, "").splitlines() if n]
+    if not last:
+        return
+    order = {node: i for i, node in enumerate(last)}
+    moved = sorted((item for item in items if item.nodeid in order), key=lambda item: order[item.nodeid])
+    items[:] = [item for item in items if item.nodeid not in order] + moved
+
+
+def pytest_runtest_setup(item):
+    _threads_before.clear()
+    _threads_before.update(threading.enumerate())
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    left = sorted(t.name for t in threading.enumerate() if t not in _threads_before and t.is_alive())
+    if left:
+        _leaked[nodeid] = left
+
+
 def pytest_runtest_logreport(report):
     # A test fails if any phase fails; it is skipped if its setup skipped it; else it passed.
     previous = _outcomes.get(report.nodeid)
@@ -54,4 +79,5 @@ def pytest_sessionfinish(session, exitstatus):
     if not path:
         return
     with open(path, "w", encoding="utf-8") as fh:
-        json.dump({"install": _install, "outcomes": _outcomes, "exitstatus": int(exitstatus)}, fh, indent=1, sort_keys=True)
+        json.dump({"install": _install, "outcomes": _outcomes, "exitstatus": int(exitstatus), "leaked_threads": _leaked},
+                  fh, indent=1, sort_keys=True)

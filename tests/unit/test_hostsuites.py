@@ -118,3 +118,47 @@ def test_bad_table_entries_are_named(tmp_path):
     path.write_text(text.replace("runs: [default, adaptive,", "runs: [default, nosuch,", 1))
     with pytest.raises(HostSuiteError, match=r"expected_failures\[0\]\.runs: \['nosuch'\]"):
         load_expectations(path)
+
+
+def test_thread_leaking_files_run_in_their_own_process_leaking_tests_last():
+    from fdsched.hostsuites import _groups, load_expectations
+
+    table = load_expectations()
+    assert "tests/engine/test_common_engine.py" in table.own_process
+    for host in ("old", "new"):
+        groups = _groups(list(table.suites[host]), table)
+        shared, _ = groups[0]
+        assert "tests/engine/test_common_engine.py" not in shared
+        assert (["tests/engine/test_common_engine.py"], table.own_process["tests/engine/test_common_engine.py"][1]) in groups
+        assert sorted(f for files, _ in groups for f in files) == sorted(table.suites[host])  # every file, once
+
+
+def test_no_retry_hides_a_failure():
+    # the harness used to run an unexpected failure again alone and call it flaky when it passed: gone
+    import fdsched.hostsuites as hs
+
+    assert not hasattr(hs, "UNEXPECTED")
+    assert "flaky" not in (hs.run_and_compare.__doc__ or "").replace("No retry", "")
+
+
+def test_the_pytest_plugin_moves_leaking_tests_last(monkeypatch):
+    from types import SimpleNamespace
+
+    from fdsched import hostsuite_pytest
+
+    items = [SimpleNamespace(nodeid=n) for n in ("f::a", "f::b", "f::c", "f::d")]
+    monkeypatch.setenv(hostsuite_pytest.LAST_ENV, "f::b\nf::a")
+    hostsuite_pytest.pytest_collection_modifyitems(None, None, items)
+    assert [i.nodeid for i in items] == ["f::c", "f::d", "f::b", "f::a"]
+
+
+def test_own_process_entries_are_checked(tmp_path):
+    from fdsched.hostsuites import EXPECTATIONS, HostSuiteError, load_expectations
+
+    text = EXPECTATIONS.read_text(encoding="utf-8").replace(
+        "      - tests/engine/test_common_engine.py::TestCommonEngineAdditionalCoverage::test_launch_components_dp_mode",
+        "      - tests/other.py::test_x", 1)
+    bad = tmp_path / "t.yaml"
+    bad.write_text(text, encoding="utf-8")
+    with pytest.raises(HostSuiteError, match="leaking_tests"):
+        load_expectations(bad)
