@@ -32,6 +32,12 @@ def _nonneg_float(text: str) -> float:
     return value
 
 
+def _preset_list() -> str:
+    from .costmodel import preset_names
+
+    return ", ".join(preset_names()) or "none shipped"
+
+
 def _pos_int(text: str) -> int:
     try:
         value = int(text)
@@ -67,7 +73,11 @@ def add_commands(sub) -> None:
                         "to ranks uniformly at random, as FastDeploy's Router does (not with --profile)")
     replay.add_argument("--dp-seed", type=int, default=0, help="seed of the --dp-arms split (default 0)")
     replay.add_argument("--out", default="replay-out", help="output directory (default ./replay-out)")
-    cost = replay.add_argument_group("step-cost model (default: the profile's replay.* settings)")
+    cost = replay.add_argument_group("step-cost model (default: the profile's replay.cost_model and replay.* settings)")
+    cost.add_argument("--cost-model", metavar="NAME|FILE",
+                      help="the step-cost model of every arm: linear (the profile's replay.* coefficients), a shipped "
+                      "preset calibrated from public profiling data (" + _preset_list() + "), or a preset YAML file "
+                      "(docs/costmodel.md); the three options below replace its coefficients")
     cost.add_argument("--cost-fixed-ms", type=_nonneg_float, help="fixed cost of one engine step, ms")
     cost.add_argument("--cost-prefill-token-ms", type=_nonneg_float, help="cost per prefill token, ms")
     cost.add_argument("--cost-decode-request-ms", type=_nonneg_float, help="cost per decoding request, ms")
@@ -234,6 +244,7 @@ class _Bar:
 def cmd_replay(args) -> int:
     from fdsched.host import HOW_TO_POINT, HostNotFound
     from fdsched.installer import InstallError
+    from fdsched.replay.costmodel import CostModelError, resolve_cost_model
     from fdsched.settings import SettingsError, load_settings
 
     from .report import INSTALL_HINT, build_report, format_header, format_table, report_json, write_plot
@@ -262,6 +273,8 @@ def cmd_replay(args) -> int:
         }
         engine = trace.engine_with(overrides)
         check_engine(trace, engine)
+        if args.cost_model is not None:
+            resolve_cost_model(args.cost_model, "--cost-model")
         for profile in profiles if dp_arms is None else ():  # every profile must load before anything runs
             load_settings(environ=None if args.inherit_env else {}, profile=profile)
         for rank, profile in (dp_arms or {}).items():  # every arm too, and an error names its rank
@@ -272,7 +285,7 @@ def cmd_replay(args) -> int:
                 load_settings(environ=None if args.inherit_env else {}, profile=profile)
             except SettingsError as exc:
                 raise SettingsError(f"--dp-arms, rank {rank} (profile {profile}): {exc}") from None
-    except (TraceError, SettingsError) as exc:
+    except (TraceError, SettingsError, CostModelError) as exc:
         print(f"fdsched: {exc}", file=sys.stderr)
         return EXIT_ERROR
 
@@ -286,6 +299,7 @@ def cmd_replay(args) -> int:
             progress_factory = lambda profile, total: _Bar(tqdm, profile, total)  # noqa: E731
 
     cost_overrides = {
+        "model": args.cost_model,
         "step_fixed_ms": args.cost_fixed_ms,
         "per_prefill_token_ms": args.cost_prefill_token_ms,
         "per_decode_request_ms": args.cost_decode_request_ms,
@@ -307,7 +321,7 @@ def cmd_replay(args) -> int:
             message += f"; {HOW_TO_POINT}"
         print(f"fdsched replay: needs the FastDeploy host: {message}", file=sys.stderr)
         return EXIT_NO_HOST
-    except (SettingsError, InstallError, TraceError) as exc:
+    except (SettingsError, InstallError, TraceError, CostModelError) as exc:
         print(f"fdsched: {exc}", file=sys.stderr)
         return EXIT_ERROR
 
