@@ -65,7 +65,7 @@ __all__ = [
     "preset_names",
     "load_preset",
     "resolve_cost_model",
-    "describe_cost",
+    "allowed_text",
 ]
 
 LINEAR = "linear"
@@ -351,9 +351,3 @@ def step_times(
         now += cost.step_ms(prefill, decode, decode_context_tokens=dc, prefill_context_tokens=pc)
         ends.append(now)
     return starts, ends
-
-
-def describe_cost(cost: StepCost) -> str:
-    """One line for a report header: the model's name and its non-zero coefficients."""
-    parts = [f"{key} {value:g}" for key, value in cost.coefficients().items() if value]
-    return f"{cost.name}: " + (", ".join(parts) if parts else "all coefficients 0")
