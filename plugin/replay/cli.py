@@ -244,7 +244,7 @@ class _Bar:
 def cmd_replay(args) -> int:
     from fdsched.host import HOW_TO_POINT, HostNotFound
     from fdsched.installer import InstallError
-    from fdsched.replay.costmodel import CostModelError, resolve_cost_model
+    from fdsched.replay.costmodel import resolve_cost_model
     from fdsched.settings import SettingsError, load_settings
 
     from .report import INSTALL_HINT, build_report, format_header, format_table, report_json, write_plot
@@ -285,7 +285,7 @@ def cmd_replay(args) -> int:
                 load_settings(environ=None if args.inherit_env else {}, profile=profile)
             except SettingsError as exc:
                 raise SettingsError(f"--dp-arms, rank {rank} (profile {profile}): {exc}") from None
-    except (TraceError, SettingsError, CostModelError) as exc:
+    except (TraceError, SettingsError) as exc:
         print(f"fdsched: {exc}", file=sys.stderr)
         return EXIT_ERROR
 
@@ -321,7 +321,7 @@ def cmd_replay(args) -> int:
             message += f"; {HOW_TO_POINT}"
         print(f"fdsched replay: needs the FastDeploy host: {message}", file=sys.stderr)
         return EXIT_NO_HOST
-    except (SettingsError, InstallError, TraceError, CostModelError) as exc:
+    except (SettingsError, InstallError, TraceError) as exc:
         print(f"fdsched: {exc}", file=sys.stderr)
         return EXIT_ERROR
 

@@ -51,6 +51,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence
 
+from ..settings import SettingsError
+
 __all__ = [
     "StepCost",
     "CostModelError",
@@ -91,8 +93,10 @@ COEFFICIENTS = {
 }
 
 
-class CostModelError(ValueError):
-    """A cost model name or preset file is unknown or malformed (the message says what is allowed)."""
+class CostModelError(SettingsError):
+    """A cost model name or preset file is unknown or malformed (the message says what is allowed).
+    A :class:`fdsched.settings.SettingsError` (so a ValueError): every command that reports bad
+    settings reports it the same way."""
 
 
 @dataclass(frozen=True)
