@@ -132,6 +132,24 @@ def _cap(raw: Any) -> Optional[float]:
         raise ValueError("'init' or a number in [0, 1]") from None
 
 
+def _cost_model(raw: Any) -> str:
+    """``linear``, a shipped cost-model preset's name or a preset file that loads."""
+    from fdsched.replay.costmodel import LINEAR, CostModelError, allowed_text, load_preset, preset_names
+
+    if not isinstance(raw, str) or not raw.strip():
+        raise ValueError(allowed_text())
+    text = raw.strip()
+    if text == LINEAR or text in preset_names():
+        return text
+    if not Path(text).expanduser().is_file():
+        raise ValueError(allowed_text())
+    try:
+        load_preset(Path(text).expanduser())
+    except CostModelError as exc:
+        raise ValueError(f"{allowed_text()}; this file: {exc}") from None
+    return text
+
+
 def _range_text(what: str, lo: Any, hi: Any) -> str:
     if lo is not None and hi is not None:
         return f"{what} in [{lo}, {hi}]"
@@ -327,6 +345,15 @@ SCHEMA: tuple[Setting, ...] = (
         "loop goes round again (the idle RPC rate is about 1 / this).",
     ),
     # ---- replay step-cost model (profile or command line only) ------------------------------
+    Setting(
+        "replay.cost_model",
+        None,
+        _cost_model,
+        "linear",
+        "linear, a shipped preset name (fdsched replay --help) or a preset YAML file",
+        "Step-cost model of the replay (docs/costmodel.md): linear (the replay.* coefficients below) or a "
+        "calibrated preset whose step cost grows with the context held and attended to.",
+    ),
     Setting("replay.step_fixed_ms", None, _float(0.0), 5.0, "a number >= 0", "Modelled fixed cost of one engine step."),
     Setting(
         "replay.per_prefill_token_ms",

@@ -35,6 +35,12 @@ def _nonneg_float(text: str) -> float:
     return value
 
 
+def _preset_list() -> str:
+    from .costmodel import preset_names
+
+    return ", ".join(preset_names()) or "none shipped"
+
+
 def _pos_int(text: str) -> int:
     try:
         value = int(text)
@@ -73,7 +79,11 @@ def add_commands(sub) -> None:
                         "to ranks uniformly at random, as FastDeploy's Router does (not with --profile)")
     replay.add_argument("--dp-seed", type=int, default=0, help="seed of the --dp-arms split (default 0)")
     replay.add_argument("--out", default="replay-out", help="output directory (default ./replay-out)")
-    cost = replay.add_argument_group("step-cost model (default: the profile's replay.* settings)")
+    cost = replay.add_argument_group("step-cost model (default: the profile's replay.cost_model and replay.* settings)")
+    cost.add_argument("--cost-model", metavar="NAME|FILE",
+                      help="the step-cost model of every arm: linear (the profile's replay.* coefficients), a shipped "
+                      "preset calibrated from public profiling data (" + _preset_list() + "), or a preset YAML file "
+                      "(docs/costmodel.md); the three options below replace its coefficients")
     cost.add_argument("--cost-fixed-ms", type=_nonneg_float, help="fixed cost of one engine step, ms")
     cost.add_argument("--cost-prefill-token-ms", type=_nonneg_float, help="cost per prefill token, ms")
     cost.add_argument("--cost-decode-request-ms", type=_nonneg_float, help="cost per decoding request, ms")
@@ -276,6 +286,7 @@ def _check_out_dir(value: str) -> Path:
 def cmd_replay(args) -> int:
     from fdsched.host import HOW_TO_POINT, HostNotFound
     from fdsched.installer import InstallError
+    from fdsched.replay.costmodel import resolve_cost_model
     from fdsched.settings import SettingsError, load_settings
 
     from .report import build_report, format_header, format_table, report_json, write_plot
@@ -304,6 +315,8 @@ def cmd_replay(args) -> int:
         }
         engine = trace.engine_with(overrides)
         check_engine(trace, engine)
+        if args.cost_model is not None:
+            resolve_cost_model(args.cost_model, "--cost-model")
         for profile in profiles if dp_arms is None else ():  # every profile must load before anything runs
             load_settings(environ=None if args.inherit_env else {}, profile=profile)
         for rank, profile in (dp_arms or {}).items():  # every arm too, and an error names its rank
@@ -327,6 +340,7 @@ def cmd_replay(args) -> int:
             print(f"fdsched: tqdm is not installed: no progress bar (install with {INSTALL_HINT})", file=sys.stderr)
 
     cost_overrides = {
+        "model": args.cost_model,
         "step_fixed_ms": args.cost_fixed_ms,
         "per_prefill_token_ms": args.cost_prefill_token_ms,
         "per_decode_request_ms": args.cost_decode_request_ms,

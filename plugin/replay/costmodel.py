@@ -2,27 +2,101 @@
 
 The replay runs the real scheduler but no model, so time is modelled. One engine step costs::
 
-    step_ms = fixed_ms + per_prefill_token_ms * (prefill tokens scheduled in the step)
-                       + per_decode_request_ms * (decoding requests that produced a token in the step)
+    step_ms = fixed_ms
+            + max(token_floor_ms, per_prefill_token_ms * P + per_decode_request_ms * D)   (when P + D > 0)
+            + per_prefill_context_token_ms * prefill_context_tokens
+            + per_decode_context_token_ms * decode_context_tokens
 
-A step in which nothing runs (waiting for arrivals) costs ``fixed_ms``. Modelled time starts at 0
-at the beginning of step 0; a request arriving at step ``s`` arrives at the modelled time at which
-step ``s`` begins, and a token produced in step ``s`` exists when step ``s`` ends. In a time-based
-trace (arrivals in seconds) a step may be preceded by a gap: idle time skipped until the next
-arrival while nothing runs; a request arrives at its own time.
+with the facts of the step:
 
-Defaults come from the profile (``replay.step_fixed_ms``, ``replay.per_prefill_token_ms``,
-``replay.per_decode_request_ms``); the command line overrides them. The model is a coarse linear
-stand-in for a GPU (a fixed launch/sync overhead, prefill cost linear in tokens, decode cost per
-sequence); use it to compare profiles on the same trace, not as a latency prediction.
+* ``P`` (``prefill_tokens``): prefill tokens scheduled in the step (every chunk's length, summed);
+* ``D`` (``decode_requests``): decoding requests that produced a token in the step;
+* ``decode_context_tokens``: the sum, over those decoding requests, of the tokens each holds when it
+  decodes (prompt + tokens generated so far: the keys and values its new token attends to, read
+  from the KV cache); see :func:`decode_context_tokens`;
+* ``prefill_context_tokens``: the sum, over the prefill tokens scheduled, of the tokens each one
+  attends to (causal attention: the token at position ``i`` of its request attends to ``i + 1``
+  tokens, the cached or earlier-computed prefix included). A chunk ``[start, end)`` of ``n = end -
+  start`` tokens contributes ``n * start + n * (n + 1) / 2``; see :func:`prefill_context_tokens`.
+
+``token_floor_ms``: the token-proportional part never costs less than this in a step that runs
+anything (at small batches the matrix multiplies are bound by reading the weights, not by the
+tokens). A step in which nothing runs (waiting for arrivals) costs ``fixed_ms``.
+
+Models (``--cost-model NAME|FILE``, profile key ``replay.cost_model``):
+
+* ``linear`` (the default): ``fixed_ms``, ``per_prefill_token_ms`` and ``per_decode_request_ms`` from
+  the profile (``replay.step_fixed_ms``, ``replay.per_prefill_token_ms``,
+  ``replay.per_decode_request_ms``), every other coefficient 0: a coarse stand-in for a GPU whose
+  step cost does not see context; its numbers are exactly those of the replay before the context
+  terms existed.
+* a shipped preset (``fdsched/replay/costmodels/<name>.yaml``, listed by :func:`preset_names`),
+  calibrated from public profiling data; the file says where each number comes from.
+* a preset file of the same form (:func:`load_preset`).
+
+The command line's ``--cost-fixed-ms`` / ``--cost-prefill-token-ms`` / ``--cost-decode-request-ms``
+replace the chosen model's coefficient. Use the model to compare profiles on the same trace, not as
+a latency prediction. Modelled time starts at 0 at the beginning of step 0; a request arriving at
+step ``s`` arrives at the modelled time at which step ``s`` begins, and a token produced in step
+``s`` exists when step ``s`` ends. In a time-based trace (arrivals in seconds) a step may be preceded
+by a gap: idle time skipped until the next arrival while nothing runs; a request arrives at its own
+time.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Mapping, Optional, Sequence
+import math
+from dataclasses import dataclass, fields, replace
+from importlib import resources
+from pathlib import Path
+from typing import Iterable, Mapping, Optional, Sequence
 
-__all__ = ["StepCost", "cost_from_settings", "step_times"]
+from ..settings import SettingsError
+
+__all__ = [
+    "StepCost",
+    "CostModelError",
+    "COEFFICIENTS",
+    "LINEAR",
+    "cost_from_settings",
+    "step_times",
+    "row_step_ms",
+    "decode_context_tokens",
+    "prefill_context_tokens",
+    "chunk_context_tokens",
+    "preset_names",
+    "load_preset",
+    "resolve_cost_model",
+    "allowed_text",
+]
+
+LINEAR = "linear"
+PRESET_DIR = "costmodels"  # inside the fdsched.replay package
+
+# Coefficient keys (as in report.json and preset files) -> (StepCost attribute, meaning with unit).
+COEFFICIENTS = {
+    "step_fixed_ms": ("fixed_ms", "ms per engine step"),
+    "per_prefill_token_ms": ("per_prefill_token_ms", "ms per prefill token scheduled"),
+    "per_decode_request_ms": ("per_decode_request_ms", "ms per decoding request"),
+    "token_floor_ms": (
+        "token_floor_ms",
+        "ms: the least the token-proportional part costs in a step that runs anything",
+    ),
+    "per_prefill_context_token_ms": (
+        "per_prefill_context_token_ms",
+        "ms per (prefill token x token it attends to)",
+    ),
+    "per_decode_context_token_ms": (
+        "per_decode_context_token_ms",
+        "ms per token held by a decoding request (its KV read)",
+    ),
+}
+
+
+class CostModelError(SettingsError):
+    """A cost model name or preset file is unknown or malformed (the message says what is allowed).
+    A :class:`fdsched.settings.SettingsError` (so a ValueError): every command that reports bad
+    settings reports it the same way."""
 
 
 @dataclass(frozen=True)
@@ -30,48 +104,254 @@ class StepCost:
     fixed_ms: float = 5.0
     per_prefill_token_ms: float = 0.02
     per_decode_request_ms: float = 0.1
+    token_floor_ms: float = 0.0
+    per_prefill_context_token_ms: float = 0.0
+    per_decode_context_token_ms: float = 0.0
+    name: str = LINEAR  # the model's name: "linear", a preset's name, or a preset file's path
+    source: str = ""  # where the coefficients come from (a preset's source line; "" for linear)
 
     def __post_init__(self) -> None:
-        for name, value in asdict(self).items():
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value != value or value < 0:
-                raise ValueError(f"cost model {name}={value!r}; allowed: a number >= 0")
+        for f in fields(self):
+            if f.name in ("name", "source"):
+                continue
+            value = getattr(self, f.name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not math.isfinite(value) or value < 0:
+                raise ValueError(f"cost model {f.name}={value!r}; allowed: a number >= 0")
 
-    def step_ms(self, prefill_tokens: int, decode_requests: int) -> float:
-        return self.fixed_ms + self.per_prefill_token_ms * prefill_tokens + self.per_decode_request_ms * decode_requests
+    @property
+    def context_aware(self) -> bool:
+        """True when a context term is not 0 (the step's context facts change its cost)."""
+        return bool(self.per_prefill_context_token_ms or self.per_decode_context_token_ms)
+
+    def step_ms(
+        self,
+        prefill_tokens: int,
+        decode_requests: int,
+        *,
+        decode_context_tokens: float = 0,
+        prefill_context_tokens: float = 0,
+    ) -> float:
+        """The modelled duration of one step (see the module docstring for each argument)."""
+        # The linear part first, in the order the replay has always added it (same float result).
+        ms = self.fixed_ms + self.per_prefill_token_ms * prefill_tokens + self.per_decode_request_ms * decode_requests
+        if self.token_floor_ms and (prefill_tokens or decode_requests):
+            tokens_ms = self.per_prefill_token_ms * prefill_tokens + self.per_decode_request_ms * decode_requests
+            if tokens_ms < self.token_floor_ms:
+                ms = self.fixed_ms + self.token_floor_ms
+        if self.per_prefill_context_token_ms and prefill_context_tokens:
+            ms += self.per_prefill_context_token_ms * prefill_context_tokens
+        if self.per_decode_context_token_ms and decode_context_tokens:
+            ms += self.per_decode_context_token_ms * decode_context_tokens
+        return ms
+
+    def coefficients(self) -> dict:
+        """Coefficient key -> value (keys of :data:`COEFFICIENTS`)."""
+        return {key: getattr(self, attr) for key, (attr, _) in COEFFICIENTS.items()}
 
     def to_json(self) -> dict:
-        return {
-            "step_fixed_ms": self.fixed_ms,
-            "per_prefill_token_ms": self.per_prefill_token_ms,
-            "per_decode_request_ms": self.per_decode_request_ms,
-        }
+        """The model's name and source, then every coefficient (report.json's ``cost_model``)."""
+        out = {"model": self.name}
+        if self.source:
+            out["source"] = self.source
+        out.update(self.coefficients())
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# Step facts
+# --------------------------------------------------------------------------------------------
+def chunk_context_tokens(start: int, end: int) -> int:
+    """Tokens attended to by the prefill tokens ``[start, end)`` of one request, summed (causal: the
+    token at position ``i`` attends to ``i + 1`` tokens): ``n * start + n * (n + 1) / 2``, ``n = end - start``."""
+    n = end - start
+    if n <= 0:
+        return 0
+    return n * start + n * (n + 1) // 2
+
+
+def prefill_context_tokens(chunks: Iterable) -> int:
+    """The step's ``prefill_context_tokens`` from its prefill chunks: ``(start, end)`` pairs or
+    ``(request id, start, end)`` triples (the replay driver's ``prefill_chunks``)."""
+    total = 0
+    for chunk in chunks:
+        start, end = chunk[-2], chunk[-1]
+        total += chunk_context_tokens(start, end)
+    return total
+
+
+def decode_context_tokens(held_tokens: Iterable[int]) -> int:
+    """The step's ``decode_context_tokens``: the tokens each decoding request holds when it decodes
+    (prompt + tokens generated so far), summed."""
+    return sum(held_tokens)
+
+
+# --------------------------------------------------------------------------------------------
+# Presets
+# --------------------------------------------------------------------------------------------
+def _preset_root():
+    return resources.files("fdsched.replay").joinpath(PRESET_DIR)
+
+
+def preset_names() -> list:
+    """The shipped presets' names (file stems), sorted."""
+    root = _preset_root()
+    try:
+        entries = list(root.iterdir())
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    return sorted(e.name[: -len(".yaml")] for e in entries if e.name.endswith(".yaml"))
+
+
+def allowed_text() -> str:
+    return f"{LINEAR}, {', '.join(preset_names())} or the path of a preset YAML file"
+
+
+def load_preset(path, name: Optional[str] = None, shown: Optional[str] = None) -> StepCost:
+    """A :class:`StepCost` from a preset YAML file: a mapping with ``coefficients`` (every key of
+    :data:`COEFFICIENTS`, numbers >= 0), optional ``name`` and ``description``, and ``source``
+    (a mapping or string saying where the numbers come from). Raises :class:`CostModelError`."""
+    import yaml
+
+    shown = shown or str(path)  # how messages and the report name the file
+    where = f"cost model file {shown}"
+    try:
+        text = Path(path).read_text(encoding="utf-8") if not hasattr(path, "read_text") else path.read_text(
+            encoding="utf-8"
+        )
+    except OSError as exc:
+        raise CostModelError(f"{where}: cannot be read ({exc.strerror or exc}); allowed: {allowed_text()}") from None
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise CostModelError(f"{where}: not valid YAML: {problem}; allowed: a YAML mapping") from None
+    top_keys = ("name", "description", "units", "source", "derivation", "coefficients", "fit")
+    if not isinstance(doc, dict):
+        raise CostModelError(f"{where}: bad value at the top level (a {type(doc).__name__}); allowed: a mapping "
+                             f"with keys {', '.join(top_keys)}")
+    for key in doc:
+        if key not in top_keys:
+            raise CostModelError(f"{where}, key {key}: unknown key; allowed: {', '.join(top_keys)}")
+    coeffs = doc.get("coefficients")
+    if not isinstance(coeffs, dict):
+        raise CostModelError(f"{where}, key coefficients: bad value {coeffs!r}; allowed: a mapping of "
+                             f"{', '.join(COEFFICIENTS)}")
+    for key in coeffs:
+        if key not in COEFFICIENTS:
+            raise CostModelError(f"{where}, key coefficients.{key}: unknown key; allowed: {', '.join(COEFFICIENTS)}")
+    values = {}
+    for key, (attr, meaning) in COEFFICIENTS.items():
+        if key not in coeffs:
+            raise CostModelError(f"{where}, key coefficients.{key}: missing; allowed: a number >= 0 ({meaning})")
+        value = coeffs[key]
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+            raise CostModelError(f"{where}, key coefficients.{key}: bad value {value!r}; allowed: a number >= 0 "
+                                 f"({meaning})")
+        values[attr] = float(value)
+    label = doc.get("name", name if name is not None else shown)
+    if not isinstance(label, str) or not label.strip():
+        raise CostModelError(f"{where}, key name: bad value {label!r}; allowed: a non-empty string")
+    source = doc.get("source", "")
+    if isinstance(source, dict):  # the short form: repository @ commit (the file has the rest)
+        repo, commit = source.get("repository"), source.get("commit")
+        short = f"{repo} @ {str(commit)[:12]}" if repo and commit else str(repo or source.get("data") or "")
+        source = f"{short}; details in {shown}" if short else f"see {shown}"
+    elif not isinstance(source, str):
+        raise CostModelError(f"{where}, key source: bad value {source!r}; allowed: a string or a mapping")
+    return StepCost(name=label, source=source, **values)
+
+
+def resolve_cost_model(value: str, origin: str = "--cost-model") -> Optional[StepCost]:
+    """``linear`` -> None (the profile's linear coefficients apply); a shipped preset's name or a
+    preset file's path -> its :class:`StepCost`. Raises :class:`CostModelError` naming ``origin``."""
+    if not isinstance(value, str) or not value.strip():
+        raise CostModelError(f"{origin}: bad value {value!r}; allowed: {allowed_text()}")
+    text = value.strip()
+    if text == LINEAR:
+        return None
+    if text in preset_names():
+        try:
+            return load_preset(_preset_root().joinpath(f"{text}.yaml"), name=text,
+                               shown=f"fdsched/replay/{PRESET_DIR}/{text}.yaml")
+        except CostModelError as exc:  # a broken shipped preset: say so
+            raise CostModelError(f"{origin}: shipped preset {text!r} is broken: {exc}") from None
+    path = Path(text).expanduser()
+    if path.suffix in (".yaml", ".yml") or path.exists():
+        if not path.is_file():
+            raise CostModelError(f"{origin}: bad value {value!r} (no such file); allowed: {allowed_text()}")
+        try:
+            return load_preset(path)
+        except CostModelError as exc:
+            raise CostModelError(f"{origin}: {exc}") from None
+    raise CostModelError(f"{origin}: bad value {value!r} (unknown cost model); allowed: {allowed_text()}")
+
+
+# --------------------------------------------------------------------------------------------
+# From settings, and over a run
+# --------------------------------------------------------------------------------------------
+def _setting(settings: Mapping, key: str, default):
+    try:
+        return settings[key]
+    except KeyError:
+        return default
 
 
 def cost_from_settings(settings: Mapping, overrides: Optional[Mapping] = None) -> StepCost:
-    """The profile's ``replay.*`` costs, each replaced by a non-None override (keys as in to_json)."""
-    values = {
-        "step_fixed_ms": settings["replay.step_fixed_ms"],
-        "per_prefill_token_ms": settings["replay.per_prefill_token_ms"],
-        "per_decode_request_ms": settings["replay.per_decode_request_ms"],
-    }
-    for key, value in (overrides or {}).items():
-        if key not in values:
-            raise KeyError(f"unknown cost key {key!r}; allowed: {', '.join(values)}")
+    """The arm's cost model: ``replay.cost_model`` (``linear``: the profile's ``replay.*`` linear
+    coefficients; else a preset), replaced by ``overrides["model"]`` when given, then each coefficient
+    replaced by a non-None override (keys as in :data:`COEFFICIENTS`; the linear three on the command
+    line). Raises :class:`CostModelError` (a ValueError) for an unknown model, KeyError for an unknown key."""
+    overrides = dict(overrides or {})
+    model = overrides.pop("model", None)
+    origin = "--cost-model"
+    if model is None:
+        model, origin = _setting(settings, "replay.cost_model", LINEAR), "replay.cost_model"
+    preset = resolve_cost_model(model, origin)
+    if preset is None:
+        cost = StepCost(
+            settings["replay.step_fixed_ms"], settings["replay.per_prefill_token_ms"], settings["replay.per_decode_request_ms"]
+        )
+    else:
+        cost = preset
+    changes = {}
+    for key, value in overrides.items():
+        if key not in COEFFICIENTS:
+            raise KeyError(f"unknown cost key {key!r}; allowed: model, {', '.join(COEFFICIENTS)}")
         if value is not None:
-            values[key] = value
-    return StepCost(values["step_fixed_ms"], values["per_prefill_token_ms"], values["per_decode_request_ms"])
+            changes[COEFFICIENTS[key][0]] = value
+    return replace(cost, **changes) if changes else cost
+
+
+def row_step_ms(cost: StepCost, row) -> float:
+    """One replay step row's modelled duration (its context facts: 0 when the row has none)."""
+    return cost.step_ms(
+        row.prefill_tokens,
+        row.decode_tokens,
+        decode_context_tokens=getattr(row, "decode_context_tokens", 0),
+        prefill_context_tokens=getattr(row, "prefill_context_tokens", 0),
+    )
 
 
 def step_times(
-    cost: StepCost, prefill_tokens: Sequence[int], decode_requests: Sequence[int], gaps_ms: Optional[Sequence[float]] = None
+    cost: StepCost,
+    prefill_tokens: Sequence[int],
+    decode_requests: Sequence[int],
+    gaps_ms: Optional[Sequence[float]] = None,
+    decode_context: Optional[Sequence[float]] = None,
+    prefill_context: Optional[Sequence[float]] = None,
 ) -> tuple:
-    """(start_ms, end_ms) lists, one entry per step; ``gaps_ms``: idle time skipped before each step."""
+    """(start_ms, end_ms) lists, one entry per step; ``gaps_ms``: idle time skipped before each step;
+    ``decode_context`` / ``prefill_context``: each step's ``decode_context_tokens`` /
+    ``prefill_context_tokens`` (None: 0 in every step)."""
     starts, ends = [], []
     now = 0.0
-    gaps = gaps_ms if gaps_ms is not None else [0.0] * len(prefill_tokens)
-    for prefill, decode, gap in zip(prefill_tokens, decode_requests, gaps):
+    n = len(prefill_tokens)
+    gaps = gaps_ms if gaps_ms is not None else [0.0] * n
+    dctx = decode_context if decode_context is not None else [0] * n
+    pctx = prefill_context if prefill_context is not None else [0] * n
+    for prefill, decode, gap, dc, pc in zip(prefill_tokens, decode_requests, gaps, dctx, pctx):
         now += gap
         starts.append(now)
-        now += cost.step_ms(prefill, decode)
+        now += cost.step_ms(prefill, decode, decode_context_tokens=dc, prefill_context_tokens=pc)
         ends.append(now)
     return starts, ends

@@ -202,6 +202,7 @@ class StepRecord:
     step: int
     scheduled_prefill_tokens: int = 0
     decode_tokens: int = 0
+    decode_context_tokens: int = 0  # tokens the decoding requests held when they decoded, summed (cost model)
     first_tokens: list = field(default_factory=list)  # request ids that got their first token
     finished: list = field(default_factory=list)
     preempted: list = field(default_factory=list)  # (request id, phase at preemption)
@@ -340,6 +341,7 @@ class Driver:
             elif phase_before.get(rid) == "decode" and rm.allocated_slots(request) >= request.num_total_tokens:
                 producers.append(request)
                 record.decode_tokens += 1
+                record.decode_context_tokens += request.num_total_tokens
 
         finished = []
         now = self.clock() if self.clock is not None else None

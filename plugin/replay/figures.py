@@ -63,6 +63,8 @@ class StepRow:
     schedule_wall_s: float = 0.0  # measured
     gap_ms: float = 0.0  # time-based traces: idle modelled time skipped before this step
     replay_cpu_s: float = 0.0  # measured: the replay's own CPU time in this step (all but schedule())
+    decode_context_tokens: int = 0  # cost model facts (fdsched.replay.costmodel): tokens held by decoding requests
+    prefill_context_tokens: int = 0  # and tokens attended to by the scheduled prefill tokens, summed
 
 
 @dataclass
@@ -122,7 +124,8 @@ def latency_samples(run: ProfileRun) -> dict:
     and the finish time of every finished request; plus the run's total modelled time."""
     steps, cost = run.steps, run.cost
     starts, ends = step_times(
-        cost, [s.prefill_tokens for s in steps], [s.decode_tokens for s in steps], [s.gap_ms for s in steps]
+        cost, [s.prefill_tokens for s in steps], [s.decode_tokens for s in steps], [s.gap_ms for s in steps],
+        [s.decode_context_tokens for s in steps], [s.prefill_context_tokens for s in steps],
     )
     total_ms = ends[-1] if ends else 0.0
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from typing import Optional, Sequence
 
+from .costmodel import row_step_ms
 from ..common import text_table
 from .figures import ProfileRun, compute_figures, latency_samples, measured_figures
 
@@ -86,7 +87,7 @@ def _series(run: ProfileRun) -> dict:
     lat = latency_samples(run)
     ends, now = [], 0.0
     for s in run.steps:
-        now += s.gap_ms + run.cost.step_ms(s.prefill_tokens, s.decode_tokens)
+        now += s.gap_ms + row_step_ms(run.cost, s)
         ends.append(round(now, 3))
     return {
         "step_end_ms": ends,
@@ -243,6 +244,7 @@ def format_header(report: dict) -> str:
         lines.append("host: DIFFERS BETWEEN ARMS: " + "; ".join(f"{h.get('version')} {h.get('commit')}" for h in host["arms_differ"]))
     else:
         lines.append("host: " + (host.get("label") or f"FastDeploy {host.get('version') or '?'}, commit {host.get('commit') or '?'}"))
+    lines.extend(_cost_lines(report["profiles"]))
     for p in report["profiles"]:
         decisions = ", ".join(f"{cid}={detail}" for cid, detail in p["decisions"].items())
         lines.append(f"arm {p['profile']}: {decisions}")
@@ -259,6 +261,22 @@ def format_header(report: dict) -> str:
         if env.get("hook_plugins"):
             lines.append("    third-party hook plugins loaded: " + ", ".join(env["hook_plugins"]))
     return "\n".join(lines)
+
+
+def _cost_lines(profiles) -> list:
+    """The header's cost-model line(s): one when every arm has the same model, else one per arm."""
+    models = [p.get("cost_model") or {} for p in profiles]
+    if not models:
+        return []
+
+    def text(model: dict) -> str:
+        coeffs = ", ".join(f"{k} {v:g}" for k, v in model.items() if k not in ("model", "source") and v)
+        line = f"{model.get('model', '?')}: {coeffs or 'all coefficients 0'}"
+        return line + (f" (source: {model['source']})" if model.get("source") else "")
+
+    if all(m == models[0] for m in models):
+        return ["cost model " + text(models[0])]
+    return [f"cost model of arm {p['profile']}: " + text(m) for p, m in zip(profiles, models)]
 
 
 # --------------------------------------------------------------------------------------------

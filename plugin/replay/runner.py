@@ -29,7 +29,7 @@ from collections import Counter, deque
 from contextlib import contextmanager
 from typing import Callable, Mapping, Optional, Sequence
 
-from .costmodel import cost_from_settings
+from .costmodel import cost_from_settings, prefill_context_tokens, row_step_ms
 from .figures import ProfileRun, RequestRow, StepRow
 from .invariants import check_blocks, check_requests
 from .oracle import ADAPTIVE_PLUGIN_NAME, ORACLE_PLUGIN_NAME, AdaptiveReserveHook, OracleReserve
@@ -330,7 +330,8 @@ def _drive(run, trace, manager, outputs, role, max_steps, stall_steps, check_eve
             schedule_wall_s=record.schedule_seconds,
             gap_ms=gap,
         )
-        now_ms += cost.step_ms(record.scheduled_prefill_tokens, record.decode_tokens)
+        _set_step_context(row, record)
+        now_ms += row_step_ms(cost, row)
         for rid, start, end in record.prefill_chunks:
             r = rows[rid]
             r.prefill_tokens += end - start
@@ -399,6 +400,13 @@ def _drive(run, trace, manager, outputs, role, max_steps, stall_steps, check_eve
     run.request_violations = check_requests([r.id for r in trace.requests], finish_counts, run.drained)
     if run.drained and manager.requests:
         run.request_violations.append(f"the scheduler still tracks finished requests: {sorted(manager.requests)[:8]}")
+
+
+def _set_step_context(row: StepRow, record) -> None:
+    """The step's context facts for the cost model (:mod:`fdsched.replay.costmodel`): the tokens its
+    decoding requests held, and the tokens its prefill chunks attended to (prefix included)."""
+    row.decode_context_tokens = record.decode_context_tokens
+    row.prefill_context_tokens = prefill_context_tokens(record.prefill_chunks)
 
 
 def _stall_detail(manager, p_queue, remaining: int) -> dict:

@@ -18,7 +18,10 @@ def test_step_cost_formula_and_validation():
         StepCost(fixed_ms=-1)
     with pytest.raises(ValueError, match="per_prefill_token_ms"):
         StepCost(per_prefill_token_ms=float("nan"))
-    assert cost.to_json() == {"step_fixed_ms": 2.0, "per_prefill_token_ms": 0.5, "per_decode_request_ms": 3.0}
+    assert cost.to_json() == {
+        "model": "linear", "step_fixed_ms": 2.0, "per_prefill_token_ms": 0.5, "per_decode_request_ms": 3.0,
+        "token_floor_ms": 0.0, "per_prefill_context_token_ms": 0.0, "per_decode_context_token_ms": 0.0,
+    }
 
 
 def test_cost_from_settings_with_overrides():
