@@ -218,6 +218,7 @@ def _add_optional_commands(sub) -> None:
     from .serve import load_cli  # fdsched load: a trace against running servers
 
     load_cli.add_command(sub)
+    load_cli.add_compare_command(sub)
     try:
         from .replay import cli as replay_cli
     except ImportError:

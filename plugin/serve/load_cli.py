@@ -101,3 +101,44 @@ def cmd_load(args) -> int:
             print(f"wrote {path}")
     failed = sum(p["figures"]["errors"] for p in report["profiles"])
     return EXIT_ERROR if failed else EXIT_OK
+
+
+def add_compare_command(sub) -> None:
+    cmp = sub.add_parser(
+        "load-vs-replay",
+        help="the same trace and cost model through fdsched replay and through the served engine: how far apart",
+        description="Per profile: run the trace through the offline replay and through the served engine (fdsched "
+        "serve's stack, the simulated worker sleeping the same cost model) and print replay vs served figures. "
+        "Every request is sent with max_tokens = its true output length, on both sides (see docs/load.md).",
+    )
+    cmp.add_argument("--trace", required=True, help="a shipped trace name or a JSONL file")
+    cmp.add_argument("--profile", action="append", required=True, help="a profile to compare; repeat for several")
+    cmp.add_argument("--time-scale", type=float, default=1.0, help="multiply every arrival time by this (both sides)")
+    cmp.add_argument("--out", help="write comparison.json into this directory")
+    cmp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cmp.set_defaults(func=cmd_compare)
+
+
+def cmd_compare(args) -> int:
+    from ..replay.trace import TraceError, load_trace, resolve_trace
+    from .compare import compare, format_comparison
+    from .load import LoadError
+
+    if not (args.time_scale > 0):
+        print(f"fdsched load-vs-replay: error: --time-scale {args.time_scale}; allowed: a number > 0", file=sys.stderr)
+        return EXIT_ERROR
+    try:
+        trace = load_trace(resolve_trace(args.trace))
+        result = compare(trace, args.profile, args.time_scale, progress=not args.no_progress,
+                         log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    except (LoadError, TraceError) as exc:
+        print(f"fdsched load-vs-replay: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    print(format_comparison(result))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, "comparison.json")
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(result, fh, indent=1)
+        print(f"wrote {path}")
+    return EXIT_OK
