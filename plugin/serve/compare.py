@@ -56,12 +56,12 @@ def scaled_trace(trace: Trace, time_scale: float) -> Trace:
 
 def _served_engine():
     try:
-        from .launcher import EngineConfig, ServedEngine
+        from .launcher import EngineConfig, ServedEngine, ServeError
     except ImportError as exc:
         from .load import LoadError
 
         raise LoadError(f"needs FastDeploy engine: the served engine (fdsched.serve.launcher) is not available ({exc})") from None
-    return EngineConfig, ServedEngine
+    return EngineConfig, ServedEngine, ServeError
 
 
 def compare_profile(trace: Trace, profile: str, engine: dict, progress: bool = True, log: Optional[Callable] = None) -> dict:
@@ -75,17 +75,23 @@ def compare_profile(trace: Trace, profile: str, engine: dict, progress: bool = T
     log(f"{profile}: replay")
     run = run_replay(trace, [profile], engine)[0]
     replay_figures = compute_figures(run)
-    EngineConfig, ServedEngine = _served_engine()
+    from .load import LoadError
+
+    EngineConfig, ServedEngine, ServeError = _served_engine()
     config = EngineConfig(
         profile=profile, num_gpu_blocks=engine["num_gpu_blocks"], block_size=engine["block_size"],
         max_num_seqs=engine["max_num_seqs"], max_model_len=engine["max_model_len"],
         max_num_batched_tokens=engine["max_num_batched_tokens"], enable_prefix_caching=engine["enable_prefix_caching"],
     )
     log(f"{profile}: served engine")
-    with ServedEngine(config) as served:
-        target = Target(profile, served.urls[0], served.metrics_urls[0])
-        load = run_trace_load(trace, [target], progress=progress)
-        log_dir = served.log_dir
+    try:
+        with ServedEngine(config) as served:
+            target = Target(profile, served.urls[0], served.metrics_urls[0])
+            load = run_trace_load(trace, [target], progress=progress)
+            log_dir = served.log_dir
+    except ServeError as exc:
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise LoadError(f"profile {profile}: the served engine failed: {first}") from None
     report = build_served_report(trace, load, [target])
     return {"replay": replay_figures, "served": report["profiles"][0]["figures"], "log_dir": log_dir,
             "cost_model": run.cost.to_json()}
