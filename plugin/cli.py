@@ -259,6 +259,10 @@ def _add_optional_commands(sub) -> None:
     bench.add_commands(sub)
     hostsetup.add_commands(sub)
     abreport.add_command(sub)
+    from .serve import load_cli  # fdsched load: a trace against running servers
+
+    load_cli.add_command(sub)
+    load_cli.add_compare_command(sub)
     try:
         from .replay import cli as replay_cli
     except ImportError:

@@ -1,0 +1,1 @@
+"""The served engine and load over HTTP (see docs/load.md)."""

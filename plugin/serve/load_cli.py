@@ -1,0 +1,144 @@
+"""``fdsched load``: send a trace to running FastDeploy servers and print the per-arm served report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from ..common import EXIT_ERROR, EXIT_OK
+
+__all__ = ["add_command", "cmd_load", "targets_from_args", "write_outputs"]
+
+
+def add_command(sub) -> None:
+    load = sub.add_parser(
+        "load",
+        help="send a trace to running FastDeploy servers (OpenAI /v1/completions, streaming); per-arm report",
+        description="Replay a trace's requests over HTTP at their arrival times and report, per arm, what a client "
+        "measures (TTFT, TPOT, end-to-end latency, stalls, errors) and the plugin's counters from each server's "
+        "/metrics. With several --url, requests are split over them as FastDeploy's Router would (uniform, seeded).",
+    )
+    load.add_argument("--url", action="append", required=True,
+                      help="an api_server's base URL, e.g. http://127.0.0.1:8000; repeat for one arm per server "
+                      "(one rank's api_server each)")
+    load.add_argument("--arm", action="append", help="the name of each --url's arm, in the same order (default: arm0, arm1, ...)")
+    load.add_argument("--metrics-url", action="append",
+                      help="each --url's Prometheus endpoint, in the same order (default: URL/metrics; FastDeploy's "
+                      "api_server serves it on --metrics-port)")
+    load.add_argument("--trace", required=True, help="a shipped trace name or a JSONL file (fdsched trace import output)")
+    load.add_argument("--time-scale", type=float, default=1.0,
+                      help="multiply every arrival time by this (0.5: twice as fast); default 1")
+    load.add_argument("--step-ms", type=float, default=None,
+                      help="step-based traces only: ms per trace step (default 5, the replay's fixed step cost)")
+    load.add_argument("--seed", type=int, default=0, help="the seeded split over several --url (default 0, as the replay's --dp-seed)")
+    load.add_argument("--model", help="the model name sent in each request (default: the server's /v1/models id)")
+    load.add_argument("--request-timeout", type=float, default=600.0, help="seconds without a streamed byte before a request fails (default 600)")
+    load.add_argument("--out", help="write report.json, report.png and requests.jsonl into this directory")
+    load.add_argument("--no-progress", action="store_true", help="no progress bar")
+    load.set_defaults(func=cmd_load)
+
+
+def targets_from_args(urls, arms, metrics_urls) -> list:
+    from .load import LoadError, Target
+
+    arms = arms or [f"arm{i}" for i in range(len(urls))]
+    if len(arms) != len(urls):
+        raise LoadError(f"--arm given {len(arms)} times for {len(urls)} --url; allowed: one --arm per --url, in order")
+    if metrics_urls and len(metrics_urls) != len(urls):
+        raise LoadError(f"--metrics-url given {len(metrics_urls)} times for {len(urls)} --url; allowed: one per --url, in order")
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise LoadError(f"--url {url!r}; allowed: an http(s) URL such as http://127.0.0.1:8000")
+    return [Target(arm, url, (metrics_urls or [None] * len(urls))[i]) for i, (arm, url) in enumerate(zip(arms, urls))]
+
+
+def write_outputs(report: dict, results: list, out: str) -> list:
+    """report.json, requests.jsonl and (with matplotlib) report.png in ``out``; the paths written."""
+    from .served_report import served_report_json, write_served_plot
+
+    os.makedirs(out, exist_ok=True)
+    written = [os.path.join(out, "report.json"), os.path.join(out, "requests.jsonl")]
+    with open(written[0], "w", encoding="utf-8") as fh:
+        fh.write(served_report_json(report))
+    with open(written[1], "w", encoding="utf-8") as fh:
+        for r in results:
+            fh.write(json.dumps(r.to_json()) + "\n")
+    try:
+        write_served_plot(report, os.path.join(out, "report.png"))
+        written.append(os.path.join(out, "report.png"))
+    except ImportError:
+        print("fdsched load: no PNG: matplotlib is missing: pip install 'fastdeploy-sched-plugin[serve]'", file=sys.stderr)
+    return written
+
+
+def cmd_load(args) -> int:
+    from ..replay.trace import TraceError, load_trace, resolve_trace
+    from .load import DEFAULT_STEP_MS, LoadError, run_trace_load
+    from .served_report import build_served_report, format_served_table
+
+    try:
+        import aiohttp  # noqa: F401
+    except ImportError:
+        print("fdsched load: error: needs aiohttp: pip install 'fastdeploy-sched-plugin[serve]'", file=sys.stderr)
+        return EXIT_ERROR
+    try:
+        targets = targets_from_args(args.url, args.arm, args.metrics_url)
+        trace = load_trace(resolve_trace(args.trace))
+        if args.step_ms is not None and trace.time_based:
+            raise LoadError(f"--step-ms {args.step_ms}: trace {trace.name} has arrival times in seconds; allowed: only "
+                            "with a step-based trace")
+        load = run_trace_load(trace, targets, args.time_scale, args.step_ms or DEFAULT_STEP_MS, args.seed, args.model,
+                              args.request_timeout, progress=not args.no_progress)
+    except (LoadError, TraceError) as exc:
+        print(f"fdsched load: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    report = build_served_report(trace, load, targets)
+    print(format_served_table(report))
+    if args.out:
+        for path in write_outputs(report, load["results"], args.out):
+            print(f"wrote {path}")
+    failed = sum(p["figures"]["errors"] for p in report["profiles"])
+    return EXIT_ERROR if failed else EXIT_OK
+
+
+def add_compare_command(sub) -> None:
+    cmp = sub.add_parser(
+        "load-vs-replay",
+        help="the same trace and cost model through fdsched replay and through the served engine: how far apart",
+        description="Per profile: run the trace through the offline replay and through the served engine (fdsched "
+        "serve's stack, the simulated worker sleeping the same cost model) and print replay vs served figures. "
+        "Every request is sent with max_tokens = its true output length, on both sides (see docs/load.md).",
+    )
+    cmp.add_argument("--trace", required=True, help="a shipped trace name or a JSONL file")
+    cmp.add_argument("--profile", action="append", required=True, help="a profile to compare; repeat for several")
+    cmp.add_argument("--time-scale", type=float, default=1.0, help="multiply every arrival time by this (both sides)")
+    cmp.add_argument("--out", help="write comparison.json into this directory")
+    cmp.add_argument("--no-progress", action="store_true", help="no progress bar")
+    cmp.set_defaults(func=cmd_compare)
+
+
+def cmd_compare(args) -> int:
+    from ..replay.trace import TraceError, load_trace, resolve_trace
+    from .compare import compare, format_comparison
+    from .load import LoadError
+
+    if not (args.time_scale > 0):
+        print(f"fdsched load-vs-replay: error: --time-scale {args.time_scale}; allowed: a number > 0", file=sys.stderr)
+        return EXIT_ERROR
+    try:
+        trace = load_trace(resolve_trace(args.trace))
+        result = compare(trace, args.profile, args.time_scale, progress=not args.no_progress,
+                         log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    except (LoadError, TraceError) as exc:
+        print(f"fdsched load-vs-replay: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    print(format_comparison(result))
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        path = os.path.join(args.out, "comparison.json")
+        with open(path, "w", encoding="utf-8") as fh:
+            json.dump(result, fh, indent=1)
+        print(f"wrote {path}")
+    return EXIT_OK

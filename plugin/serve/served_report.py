@@ -1,0 +1,248 @@
+"""The served report: per arm, the client-side figures of a load run and the server's own counters.
+
+Imports nothing from FastDeploy. The figure keys are the replay report's (``fdsched.replay.figures``) where
+the figure is the same (``ttft_ms_p50``, ``tpot_ms_p99``, ``e2e_ms_p99``, ``stall_ms_max``, ...), so one
+tool reads both; here every time is wall-clock, measured by the client (see :mod:`fdsched.serve.load`), and
+throughput is output tokens per wall second from the first request sent to the last token received.
+
+Server-side figures come from the window between the two scrapes of each arm's ``/metrics`` (the plugin's
+``fastdeploy:fdsched_*`` series, read by :mod:`fdsched.abreport`): preemptions (all, by victim phase),
+recomputed tokens, requests finished. ``None`` where the server exposes no plugin series.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Optional
+
+from ..common import percentile, text_table
+from ..replay.report import format_value, ratio
+
+__all__ = ["SERVED_REPORT_VERSION", "TABLE_ROWS", "BETTER", "client_figures", "server_figures", "build_served_report",
+           "format_served_table", "write_served_plot", "served_report_json"]
+
+SERVED_REPORT_VERSION = 1
+
+TABLE_ROWS = (
+    ("requests", "requests sent"),
+    ("requests_finished", "requests finished"),
+    ("errors", "errors"),
+    ("output_tokens", "output tokens"),
+    ("wall_seconds", "wall time (s)"),
+    ("throughput_tokens_per_s", "throughput (out tok / s)"),
+    ("ttft_ms_p50", "TTFT p50 (ms)"),
+    ("ttft_ms_p99", "TTFT p99 (ms)"),
+    ("tpot_ms_p50", "TPOT p50 (ms)"),
+    ("tpot_ms_p99", "TPOT p99 (ms)"),
+    ("e2e_ms_p50", "E2E p50 (ms)"),
+    ("e2e_ms_p90", "E2E p90 (ms)"),
+    ("e2e_ms_p99", "E2E p99 (ms)"),
+    ("stall_ms_p99", "stall p99 (ms)"),
+    ("stall_ms_max", "stall max (ms)"),
+    ("prompt_tokens_mismatch", "prompts not of the trace's length"),
+    ("preemptions", "preemptions (server)"),
+    ("preemptions_decode_victims", "  decode-phase victims"),
+    ("preemptions_prefill_victims", "  prefill-phase victims"),
+    ("recomputed_tokens", "recomputed tokens (server)"),
+    ("server_requests_finished", "requests finished (server)"),
+)
+BETTER = {
+    "requests_finished": "higher",
+    "errors": "lower",
+    "wall_seconds": "lower",
+    "throughput_tokens_per_s": "higher",
+    "ttft_ms_p50": "lower",
+    "ttft_ms_p99": "lower",
+    "tpot_ms_p50": "lower",
+    "tpot_ms_p99": "lower",
+    "e2e_ms_p50": "lower",
+    "e2e_ms_p90": "lower",
+    "e2e_ms_p99": "lower",
+    "stall_ms_p99": "lower",
+    "stall_ms_max": "lower",
+    "prompt_tokens_mismatch": "lower",
+    "preemptions": "lower",
+    "preemptions_decode_victims": "lower",
+    "preemptions_prefill_victims": "lower",
+    "recomputed_tokens": "lower",
+}
+
+
+def _round(value, digits: int = 3):
+    return None if value is None else round(float(value), digits)
+
+
+def client_figures(results: list) -> dict:
+    """Figures of one arm's requests (:class:`fdsched.serve.load.RequestResult`)."""
+    from .load import request_metrics
+
+    per = [request_metrics(r) for r in results]
+    pick = lambda key: [p[key] for p, r in zip(per, results) if r.ok and p[key] is not None]  # noqa: E731
+    ttft, tpot, e2e, stall = pick("ttft_ms"), pick("tpot_ms"), pick("e2e_ms"), pick("stall_ms")
+    sent = [r.sent_s for r in results if r.sent_s is not None]
+    ends = [r.token_s[-1] if r.token_s else r.end_s for r in results if r.end_s is not None]
+    wall = (max(ends) - min(sent)) if sent and ends else None
+    output = sum(r.output_tokens for r in results if r.ok)
+    return {
+        "requests": len(results),
+        "requests_finished": sum(1 for r in results if r.ok),
+        "errors": sum(1 for r in results if not r.ok),
+        "output_tokens": output,
+        "wall_seconds": _round(wall),
+        "throughput_tokens_per_s": _round(output / wall if wall else None),
+        "ttft_ms_p50": _round(percentile(ttft, 50)),
+        "ttft_ms_p99": _round(percentile(ttft, 99)),
+        "tpot_ms_p50": _round(percentile(tpot, 50)),
+        "tpot_ms_p99": _round(percentile(tpot, 99)),
+        "e2e_ms_p50": _round(percentile(e2e, 50)),
+        "e2e_ms_p90": _round(percentile(e2e, 90)),
+        "e2e_ms_p99": _round(percentile(e2e, 99)),
+        "stall_ms_p99": _round(percentile(stall, 99)),
+        "stall_ms_max": _round(max(stall) if stall else None),
+        "prompt_tokens_mismatch": sum(1 for r in results if r.prompt_tokens is not None and r.prompt_tokens != r.prompt_len),
+    }
+
+
+def server_figures(before: Optional[str], after: Optional[str], source: str = "/metrics") -> dict:
+    """The plugin's counters in the window between two scrapes (all arm labels of the scrape added up)."""
+    from ..abreport import PREFIX, ABReportError, ArmSeries, merge_scrapes, parse_exposition
+
+    empty = {"preemptions": None, "preemptions_decode_victims": None, "preemptions_prefill_victims": None,
+             "recomputed_tokens": None, "server_requests_finished": None, "server_arms": []}
+
+    def parse(text):
+        if not text:
+            return {}
+        try:
+            return parse_exposition(text, source)
+        except ABReportError:
+            return {}
+
+    now, earlier = parse(after), parse(before)
+    if not now:
+        return empty
+    total = ArmSeries()
+    for arm, series in now.items():
+        total = total.plus(series.minus(earlier.get(arm, ArmSeries())))
+    count = lambda name, **labels: int(round(total.counter(PREFIX + name, **labels)))  # noqa: E731
+    return {
+        "preemptions": count("preemptions"),
+        "preemptions_decode_victims": count("preemptions", victim_phase="decode"),
+        "preemptions_prefill_victims": count("preemptions", victim_phase="prefill"),
+        "recomputed_tokens": count("recomputed_tokens"),
+        "server_requests_finished": count("requests_finished"),
+        "server_arms": sorted(merge_scrapes([now])),
+    }
+
+
+def build_served_report(trace, load: dict, targets: list) -> dict:
+    """The report document of one :func:`fdsched.serve.load.run_trace_load` run."""
+    arms = []
+    for target in targets:
+        mine = [r for r in load["results"] if r.arm == target.arm]
+        server = load["servers"][target.arm]
+        figures = client_figures(mine)
+        srv = server_figures(server.get("scrape_before"), server.get("scrape_after"), target.metrics)
+        server_arms = srv.pop("server_arms")
+        figures.update(srv)
+        errors = sorted({r.error for r in mine if r.error})
+        arms.append({
+            "profile": target.arm,
+            "url": target.url,
+            "metrics_url": target.metrics,
+            "server": {"model": server.get("model"), "max_model_len": server.get("max_model_len"),
+                       "plugin_arms_on_metrics": server_arms, "scrape_error": server.get("scrape_error")},
+            "figures": figures,
+            "errors": errors[:10],
+            "series": {
+                "ttft_ms": sorted(v for r in mine if r.ok for v in [_metric(r, "ttft_ms")] if v is not None),
+                "e2e_ms": sorted(v for r in mine if r.ok for v in [_metric(r, "e2e_ms")] if v is not None),
+                "stall_ms": sorted(v for r in mine if r.ok for v in [_metric(r, "stall_ms")] if v is not None),
+                "finish_s": sorted(r.token_s[-1] for r in mine if r.ok and r.token_s),
+            },
+        })
+    return {
+        "fdsched_served_report": SERVED_REPORT_VERSION,
+        "trace": {"name": trace.name, "requests": len(trace.requests), "source": str(trace.source),
+                  "time_based": trace.time_based},
+        "load": {"time_scale": load["time_scale"], "step_ms": load["step_ms"], "split_seed": load["assignment_seed"],
+                 "wall_seconds": _round(load["wall_seconds"])},
+        "better": dict(BETTER),
+        "profiles": arms,
+    }
+
+
+def _metric(result, key):
+    from .load import request_metrics
+
+    return request_metrics(result)[key]
+
+
+def served_report_json(report: dict) -> str:
+    return json.dumps(report, indent=1, allow_nan=False) + "\n"
+
+
+def format_served_table(report: dict) -> str:
+    """Rows = figures, one column per arm, then each arm over the first (the replay table's layout)."""
+    profiles = report["profiles"]
+    names = [p["profile"] for p in profiles]
+    headers = ["figure", "better"] + names + [f"{n}/{names[0]}" for n in names[1:]]
+    rows = []
+    for key, label in TABLE_ROWS:
+        values = [p["figures"].get(key) for p in profiles]
+        cells = [label, report["better"].get(key, "")] + [format_value(v) for v in values]
+        for v in values[1:]:
+            r = ratio(v, values[0])
+            cells.append("-" if r is None else f"{r:.2f}")
+        rows.append(cells)
+    notes = [f"{p['profile']}: {p['url']}" + (f"; plugin arm(s) on its /metrics: {', '.join(p['server']['plugin_arms_on_metrics'])}"
+                                              if p["server"]["plugin_arms_on_metrics"] else "; no plugin series on its /metrics")
+             for p in profiles]
+    for p in profiles:
+        if p["server"].get("scrape_error"):
+            notes.append(f"{p['profile']}: /metrics not read: {p['server']['scrape_error']}")
+        if p["errors"]:
+            notes.append(f"{p['profile']}: {p['figures']['errors']} failed requests, e.g. {p['errors'][0]}")
+    load = report["load"]
+    head = (f"trace {report['trace']['name']}: {report['trace']['requests']} requests, time scale {load['time_scale']}"
+            + (f", {load['step_ms']} ms per trace step" if load.get("step_ms") else "")
+            + (f", split over the arms as the Router does (seed {load['split_seed']})" if len(profiles) > 1 else "")
+            + "; times are wall-clock, measured by the client")
+    return head + "\n" + text_table(rows, headers, align_right_from=2) + "\n" + "\n".join(notes)
+
+
+def write_served_plot(report: dict, path: str, title: str = "") -> None:
+    """Arms overlaid: completed requests over time, TTFT CDF, E2E CDF, stall CDF. Needs matplotlib."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 4, figsize=(16, 3.8))
+    done_ax, ttft_ax, e2e_ax, stall_ax = axes
+    for i, entry in enumerate(report["profiles"]):
+        series, color = entry["series"], f"C{i % 10}"
+        f = entry["figures"]
+        label = f"{entry['profile']} ({f['preemptions'] if f['preemptions'] is not None else '?'} preemptions)"
+        done_ax.step(series["finish_s"], range(1, len(series["finish_s"]) + 1), where="post", color=color, label=label)
+        for ax, key in ((ttft_ax, "ttft_ms"), (e2e_ax, "e2e_ms"), (stall_ax, "stall_ms")):
+            values = series[key]
+            if values:
+                ax.step(values, [(k + 1) / len(values) for k in range(len(values))], where="post", color=color)
+    done_ax.set_xlabel("wall time (s)")
+    done_ax.set_ylabel("requests completed")
+    done_ax.legend(fontsize=8, frameon=False, loc="upper left")
+    for ax, label in ((ttft_ax, "TTFT ms (log)"), (e2e_ax, "end-to-end latency ms (log)"), (stall_ax, "longest token gap ms (log)")):
+        ax.set_xlabel(label + "; left is better")
+        ax.set_ylabel("fraction of requests")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    for ax, key in ((ttft_ax, "ttft_ms"), (e2e_ax, "e2e_ms"), (stall_ax, "stall_ms")):
+        values = [v for p in report["profiles"] for v in p["series"][key]]
+        if values and min(values) > 0:
+            ax.set_xscale("log")
+    done_ax.grid(alpha=0.3)
+    fig.suptitle((title + " - " if title else "") + f"served, trace {report['trace']['name']} (client-side wall-clock)", fontsize=11)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
