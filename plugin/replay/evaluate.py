@@ -14,6 +14,7 @@ Only the replay needs the host; reading the windows does not (:func:`load_window
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
@@ -201,7 +202,11 @@ def run_plan(plan: EvalPlan, csv_dir: Path, out_dir: Path, arms: Sequence[str], 
         trace = load_trace(path)
         engine = trace.engine_with()
         log(f"eval: {name}: {len(trace.requests)} requests, arms {', '.join(arms)}")
-        runs = run_replay(trace, list(arms), engine, progress_factory=progress_factory)
+        runs = []
+        for arm in arms:
+            started = time.perf_counter()
+            runs += run_replay(trace, [arm], engine, progress_factory=progress_factory)
+            log(f"eval: {name}: {arm} done in {time.perf_counter() - started:.0f} s")
         report = build_report(_trace_info(trace, path), engine, runs, include_series=False)
         (out_dir / f"{name}.report.json").write_text(report_json(report), encoding="utf-8")
         results.append((name, [{"profile": p["profile"], "figures": p["figures"]} for p in report["profiles"]]))

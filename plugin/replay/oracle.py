@@ -79,8 +79,10 @@ class PeakOracle:
     the others, so the sum is the reserve and admission means: the peak fits the pool.
     """
 
-    def __init__(self, snapshot: Callable[[], tuple], block_size: int, ahead: int = 1) -> None:
+    def __init__(self, snapshot: Callable[[], tuple], block_size: int, ahead: int = 1,
+                 first_running: Optional[Callable[[], Optional[str]]] = None) -> None:
         self.snapshot = snapshot
+        self.first_running = first_running  # the first running request's id, cheaper than a snapshot
         self.block_size = block_size
         self.ahead = ahead
         self.calls = 0
@@ -97,6 +99,8 @@ class PeakOracle:
         self, request_id, max_new_tokens, generated_tokens, ratio, clip_max_new_tokens, block_size
     ) -> Optional[int]:
         self.calls += 1
+        if self.first_running is not None and self.first_running() != request_id:
+            return 0
         running, candidate = self.snapshot()
         if not running or running[0].request_id != request_id:
             return 0

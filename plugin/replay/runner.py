@@ -103,7 +103,11 @@ def _peak_oracle(manager_ref: dict, outputs: dict, block_size: int) -> PeakOracl
             candidate = _holding(request, outputs[request.request_id], block_size, blocks_after=after)
         return running, candidate
 
-    return PeakOracle(snapshot, block_size)
+    def first_running():
+        running = manager_ref["manager"].running
+        return running[0].request_id if running else None
+
+    return PeakOracle(snapshot, block_size, first_running=first_running)
 
 
 def _watch_candidate(manager, manager_ref: dict) -> None:
@@ -315,6 +319,8 @@ def run_profile(
     METRICS.reset()
     started = time.perf_counter()
     every = 0 if not check_every_step else max(1, check_every or auto_check_every(len(trace.requests)))
+    if unbounded and check_every is None and every:
+        every = max(every, AUTO_CHECK_EVERY)  # the block check is O(pool), and this pool holds the whole trace
     run.check_every = every
     try:
         with host_environment(settings), logical_clock():
