@@ -98,6 +98,8 @@ def add_commands(sub) -> None:
     ev.add_argument("--no-shipped", action="store_true", help="only the evaluation windows, not the shipped real traces")
     ev.add_argument("--list", action="store_true", help="print the split and exit (no host needed)")
     ev.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ev.add_argument("--check-every", type=_pos_int, default=32, metavar="N",
+                    help="check the block invariants every N steps and at the end (default 32; 1: every step)")
     ev.set_defaults(func=cmd_eval)
 
     trace = sub.add_parser("trace", help="generate, validate or list replay traces (no host needed)")
@@ -255,7 +257,8 @@ def cmd_eval(args) -> int:
             progress_factory = lambda profile, total: _Bar(tqdm, profile, total)  # noqa: E731
     try:
         results = run_plan(plan, Path(args.csv_dir), Path(args.out), arms, include_shipped=not args.no_shipped,
-                           progress_factory=progress_factory, log=lambda m: print(m, file=sys.stderr))
+                           progress_factory=progress_factory, log=lambda m: print(m, file=sys.stderr),
+                           check_every=args.check_every)
     except HostNotFound as exc:
         message = str(exc)
         if HOW_TO_POINT not in message:
