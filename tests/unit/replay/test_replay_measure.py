@@ -241,3 +241,27 @@ def test_eval_table_has_one_row_per_arm_and_bound_ratios():
     base = next(line for line in lines if " baseline " in line)
     assert "0.50" in base and "0.25" in base and " ref" in base
     assert len(EVAL_COLUMNS) == 8
+
+
+def test_eval_list_prints_the_split_without_a_host(capsys):
+    from fdsched.cli import main
+
+    assert main(["eval", "--list"]) == 0
+    out = capsys.readouterr().out
+    assert "evaluation: eval-conv:" in out and "eval-code-unset, eval-code-true" in out
+    assert "arms: baseline, recommended, adaptive, optimism, upstream-clip, sglang-retract, oracle, unbounded" in out
+
+
+def test_eval_rejects_a_bad_arm_and_a_missing_csv_says_where_to_get_it(tmp_path, capsys):
+    from fdsched.cli import main
+
+    assert main(["eval", "--arms", "no-such-profile", "--out", str(tmp_path)]) == 1
+    assert "unknown profile" in capsys.readouterr().err
+    from fdsched.replay.evaluate import import_window
+
+    window = load_windows().windows[0]
+    with pytest.raises(TraceError, match="not found; get it with: git clone https://github.com/Azure/AzurePublicDataset"):
+        import_window(window, "unset", tmp_path, tmp_path)
+    (tmp_path / window.file).write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n")
+    with pytest.raises(TraceError, match="has sha256 .*allowed: the file the split names"):
+        import_window(window, "unset", tmp_path, tmp_path)
