@@ -42,7 +42,7 @@ def register() -> None:
         if report.settings["replay.oracle_reserve"]:
             llm_logger.warning(
                 f"[fdsched] profile {report.settings.profile or '?'} sets replay.oracle_reserve: true, which only the "
-                "replay uses (it reserves each request's true remaining output, known only from a trace); an engine "
+                "replay uses (it admits by each request's true output length, known only from a trace); an engine "
                 "runs it as its other settings say, and it is not meant for production: use recommended instead"
             )
         method = start_method()

@@ -377,8 +377,27 @@ SCHEMA: tuple[Setting, ...] = (
         _bool01,
         False,
         "true | false",
-        "Replay only: reserve each request's true remaining output instead of the ratio estimate (the reference "
-        "limit for the reservation policy).",
+        "Replay only: the clairvoyant admission bound: admit a prefill only when the running set's peak future "
+        "KV demand, with the candidate and each request's true output length, fits the pool (finishing requests "
+        "give their blocks back).",
+    ),
+    Setting(
+        "replay.unbounded_memory",
+        None,
+        _bool01,
+        False,
+        "true | false",
+        "Replay only: a KV pool large enough for every request of the trace at once (memory is never the limit; "
+        "the reference ceiling under the same cost model).",
+    ),
+    Setting(
+        "replay.retract_order",
+        None,
+        _choice("default", "sglang"),
+        "default",
+        "default | sglang",
+        "Replay only: which decoding request a preemption picks; sglang: fewest generated tokens, then longest "
+        "prompt (SGLang's retract order), through the victim hook.",
     ),
     Setting(
         "replay.adaptive_reserve",

@@ -19,10 +19,8 @@ from .trace import ENGINE_KEYS, TraceError, check_engine, load_trace, resolve_tr
 from ..common import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK
 DEFAULT_TRACE = "pressure"
 DEFAULT_PROFILES = ("baseline", "recommended")
-# the package is on no index yet: name what pip can install (the [report] extra's packages, or the extra from a checkout)
-INSTALL_HINT = "pip install matplotlib tqdm, or in a checkout of this project: pip install '.[report]'"
 
-__all__ = ["add_commands", "cmd_replay", "cmd_trace_generate", "cmd_trace_validate", "cmd_trace_list"]
+__all__ = ["add_commands", "cmd_eval", "cmd_replay", "cmd_trace_generate", "cmd_trace_validate", "cmd_trace_list"]
 
 
 def _nonneg_float(text: str) -> float:
@@ -101,6 +99,24 @@ def add_commands(sub) -> None:
                         help="check the block invariants every N steps and at the end (default: every step for "
                         "traces up to 2000 requests, else every 32)")
     replay.set_defaults(func=cmd_replay)
+
+    ev = sub.add_parser(
+        "eval",
+        help="run every reference arm on the held-out evaluation windows and print one table",
+        description="Held-out evaluation (docs/evaluation.md): import each evaluation window of the split "
+        "(fdsched/replay/windows.yaml) from its CSV, clients' max_tokens unset and true, plus the shipped real "
+        "traces, replay every reference arm on each and print one table.",
+    )
+    ev.add_argument("--csv-dir", default=".", help="folder holding the source CSVs the split names (default .)")
+    ev.add_argument("--out", default="eval-out", help="output directory: imported traces, one report.json per trace")
+    ev.add_argument("--arms", nargs="+", metavar="P", help="profiles to run (default: the split's reference arms)")
+    ev.add_argument("--windows", default=None, help="a windows YAML file (default: the shipped split)")
+    ev.add_argument("--no-shipped", action="store_true", help="only the evaluation windows, not the shipped real traces")
+    ev.add_argument("--list", action="store_true", help="print the split and exit (no host needed)")
+    ev.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ev.add_argument("--check-every", type=_pos_int, default=32, metavar="N",
+                    help="check the block invariants every N steps and at the end (default 32; 1: every step)")
+    ev.set_defaults(func=cmd_eval)
 
     trace = sub.add_parser("trace", help="generate, validate or list replay traces (no host needed)")
     trace_sub = trace.add_subparsers(dest="trace_command", required=True)
@@ -223,6 +239,58 @@ def cmd_trace_import(args) -> int:
     return EXIT_OK
 
 
+def cmd_eval(args) -> int:
+    from fdsched.host import HOW_TO_POINT, HostNotFound
+    from fdsched.installer import InstallError
+    from fdsched.settings import SettingsError, load_settings
+
+    from .evaluate import format_eval_table, load_windows, run_plan, window_trace_name
+
+    try:
+        plan = load_windows(args.windows)
+        arms = tuple(args.arms or plan.arms)
+        for profile in arms:
+            load_settings(environ={}, profile=profile)
+    except (TraceError, SettingsError) as exc:
+        print(f"fdsched: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    if args.list:
+        for t in plan.tuning:
+            print(f"tuning: {t}")
+        for w in plan.windows:
+            names = ", ".join(window_trace_name(w, m) for m in w.max_tokens)
+            print(f"evaluation: {w.name}: {w.file} from {w.start:g} s for {w.duration:g} s, rate x{w.rate_scale:g}, "
+                  f"engine {w.engine} -> {names}")
+        print(f"shipped (tuned on, reported alongside): {', '.join(plan.shipped)}")
+        print(f"arms: {', '.join(arms)}")
+        return EXIT_OK
+    progress_factory = None
+    if not args.no_progress:
+        try:
+            from tqdm import tqdm
+        except ImportError:
+            pass
+        else:
+            progress_factory = lambda profile, total: _Bar(tqdm, profile, total)  # noqa: E731
+    try:
+        results = run_plan(plan, Path(args.csv_dir), Path(args.out), arms, include_shipped=not args.no_shipped,
+                           progress_factory=progress_factory, log=lambda m: print(m, file=sys.stderr),
+                           check_every=args.check_every)
+    except HostNotFound as exc:
+        message = str(exc)
+        if HOW_TO_POINT not in message:
+            message += f"; {HOW_TO_POINT}"
+        print(f"fdsched eval: needs the FastDeploy host: {message}", file=sys.stderr)
+        return EXIT_NO_HOST
+    except (SettingsError, InstallError, TraceError) as exc:
+        print(f"fdsched: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    print(format_eval_table(results))
+    print(f"\nreports: {Path(args.out)}/<trace>.report.json")
+    violations = sum(p["figures"]["invariant_violations"] for _, profiles in results for p in profiles)
+    return EXIT_ERROR if violations else EXIT_OK
+
+
 def cmd_trace_list(args) -> int:
     for name, path in shipped_traces().items():
         try:
@@ -283,13 +351,25 @@ def _check_out_dir(value: str) -> Path:
     return out
 
 
+def _trace_info(trace, path) -> dict:
+    """The report's ``trace`` section."""
+    return {
+        "name": trace.name,
+        "description": trace.description,
+        "requests": len(trace.requests),
+        "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest(),
+    }
+
+
 def cmd_replay(args) -> int:
     from fdsched.host import HOW_TO_POINT, HostNotFound
     from fdsched.installer import InstallError
     from fdsched.replay.costmodel import resolve_cost_model
     from fdsched.settings import SettingsError, load_settings
 
-    from .report import build_report, format_header, format_table, report_json, write_plot
+    from .report import (
+        INSTALL_HINT, build_report, format_bounds, format_header, format_table, format_verdicts, report_json, write_plot,
+    )
     from .runner import DEFAULT_MAX_STEPS, run_dp_arms, run_replay
 
     profiles = args.profiles or list(DEFAULT_PROFILES)
@@ -383,13 +463,7 @@ def cmd_replay(args) -> int:
         print(f"fdsched: {error}", file=sys.stderr)
         return EXIT_ERROR
 
-    text = path.read_bytes()
-    trace_info = {
-        "name": trace.name,
-        "description": trace.description,
-        "requests": len(trace.requests),
-        "sha256": hashlib.sha256(text).hexdigest(),
-    }
+    trace_info = _trace_info(trace, path)
     if dp_arms is not None:
         from .trace import DP_SPLIT_RULE
 
@@ -403,6 +477,9 @@ def cmd_replay(args) -> int:
     (out / "report.json").write_text(report_json(report), encoding="utf-8")
     print(format_header(report))
     print(format_table(report))
+    for extra in (format_verdicts(report), format_bounds(report)):
+        if extra:
+            print("\n" + extra)
     print(f"\nreport: {out / 'report.json'}")
     if note:
         print(note)

@@ -212,6 +212,7 @@ class StepRecord:
     schedule_seconds: float = 0.0  # wall clock
     schedule_cpu_seconds: float = 0.0  # this thread's CPU time
     prefill_chunks: list = field(default_factory=list)  # (request id, prefill_start_index, prefill_end_index)
+    produced: list = field(default_factory=list)  # request ids that got a token in this step (first or decode)
 
 
 class Driver:
@@ -343,6 +344,7 @@ class Driver:
                 record.decode_tokens += 1
                 record.decode_context_tokens += request.num_total_tokens
 
+        record.produced = [request.request_id for request in producers]
         finished = []
         now = self.clock() if self.clock is not None else None
         for request in producers:

@@ -28,6 +28,12 @@ modelled time                   see :mod:`fdsched.replay.costmodel`; throughput 
                                 modelled seconds; TTFT = end of the step of the first token - arrival
                                 (the arrival step's start, or a time-based request's own time);
                                 TPOT = (finish - first token) / (output tokens - 1), requests with >= 2
+what users feel                 :func:`request_latency_figures`, from each request's token times:
+                                E2E = last token - arrival (finished requests); stall = the longest
+                                gap between two consecutive tokens of one request (a preemption's
+                                wait and recompute shows here); recomputed tokens = prefill tokens
+                                scheduled beyond each request's first full prefill (prompt and
+                                already generated tokens prefilled again after a preemption)
 invariant violations            see :mod:`fdsched.replay.invariants`; must be 0
 ==============================  =================================================================
 """
@@ -42,6 +48,7 @@ from .costmodel import StepCost, step_times
 
 __all__ = [
     "StepRow", "RequestRow", "ProfileRun", "percentile", "mean", "latency_samples", "compute_figures", "measured_figures",
+    "RequestTimes", "request_latency_figures", "LATENCY_KEYS",
 ]
 
 
@@ -82,6 +89,7 @@ class RequestRow:
     finish_count: int = 0
     preemptions: int = 0
     arrival_ms: Optional[float] = None  # time-based traces: the modelled arrival time (else: start of its step)
+    token_steps: list = field(default_factory=list)  # the step of each output token, in order (recompute included)
 
 
 @dataclass
@@ -119,9 +127,94 @@ def _round(value, digits: int = 6):
 # --------------------------------------------------------------------------------------------
 # Figures
 # --------------------------------------------------------------------------------------------
-def latency_samples(run: ProfileRun) -> dict:
-    """Per-request modelled latencies (ms), in trace order: TTFT, TPOT (requests with >= 2 tokens),
-    and the finish time of every finished request; plus the run's total modelled time."""
+@dataclass(frozen=True)
+class RequestTimes:
+    """One request as a user sees it: when it arrived and when each of its output tokens came (ms, on
+    one clock; a client-side report passes wall-clock times, the replay modelled times)."""
+
+    arrival_ms: float
+    token_ms: Sequence[float]  # the time of each output token, in order
+    finished: bool = True  # False: the request was cut off (counted in TTFT only)
+    recomputed_tokens: int = 0  # tokens prefilled again after a preemption (0 where unknown)
+
+
+# The figures :func:`request_latency_figures` returns, in table order.
+LATENCY_KEYS = (
+    "ttft_ms_p50", "ttft_ms_p99", "e2e_ms_p50", "e2e_ms_p90", "e2e_ms_p99", "tpot_ms_p50", "tpot_ms_p99",
+    "stall_ms_p99", "stall_ms_max", "recomputed_tokens",
+)
+
+
+def _per_request(samples) -> dict:
+    ttft, e2e, tpot, stall, recomputed = [], [], [], [], 0
+    for sample in samples:
+        if isinstance(sample, dict):
+            sample = RequestTimes(**sample)
+        tokens = sample.token_ms
+        recomputed += sample.recomputed_tokens
+        if not tokens:
+            continue
+        ttft.append(tokens[0] - sample.arrival_ms)
+        if not sample.finished:
+            continue
+        e2e.append(tokens[-1] - sample.arrival_ms)
+        if len(tokens) >= 2:
+            tpot.append((tokens[-1] - tokens[0]) / (len(tokens) - 1))
+            stall.append(max(b - a for a, b in zip(tokens, tokens[1:])))
+    return {"ttft_ms": ttft, "e2e_ms": e2e, "tpot_ms": tpot, "stall_ms": stall, "recomputed_tokens": recomputed}
+
+
+def request_latency_figures(samples) -> dict:
+    """What users feel, from per-request token times: ``samples`` is an iterable of :class:`RequestTimes`
+    (or dicts with its fields). Returns the keys :data:`LATENCY_KEYS` (ms; None when no request qualifies):
+
+    * ``ttft_ms_p50/p99``: first token - arrival, every request that got a token;
+    * ``e2e_ms_p50/p90/p99``: last token - arrival, finished requests;
+    * ``tpot_ms_p50/p99``: (last token - first token) / (tokens - 1), finished requests with >= 2 tokens;
+    * ``stall_ms_p99/max``: per finished request with >= 2 tokens, the longest gap between two consecutive
+      tokens (a preemption's wait for re-admission plus its recompute shows here); p99 and max over requests;
+    * ``recomputed_tokens``: the sum of the samples' ``recomputed_tokens``.
+
+    Percentiles: linear interpolation between closest ranks (:func:`fdsched.common.percentile`). Not rounded.
+    """
+    per = _per_request(samples)
+    stall = per["stall_ms"]
+    return {
+        "ttft_ms_p50": percentile(per["ttft_ms"], 50),
+        "ttft_ms_p99": percentile(per["ttft_ms"], 99),
+        "e2e_ms_p50": percentile(per["e2e_ms"], 50),
+        "e2e_ms_p90": percentile(per["e2e_ms"], 90),
+        "e2e_ms_p99": percentile(per["e2e_ms"], 99),
+        "tpot_ms_p50": percentile(per["tpot_ms"], 50),
+        "tpot_ms_p99": percentile(per["tpot_ms"], 99),
+        "stall_ms_p99": percentile(stall, 99),
+        "stall_ms_max": float(max(stall)) if stall else None,
+        "recomputed_tokens": per["recomputed_tokens"],
+    }
+
+
+def _token_steps(r: RequestRow) -> list:
+    """The steps of a request's tokens; a row filled by hand without them: its first token, then the rest
+    evenly up to its finish (enough for TTFT, TPOT and E2E)."""
+    if r.token_steps:
+        return list(r.token_steps)
+    if r.first_token_step is None:
+        return []
+    n = max(1, r.output_tokens)
+    last = r.finish_step if r.finish_step is not None else r.first_token_step
+    if n == 1:
+        return [r.first_token_step]
+    return [r.first_token_step + (last - r.first_token_step) * k / (n - 1) for k in range(n)]
+
+
+def _recomputed(r: RequestRow) -> int:
+    if r.cache_hit_tokens is None:
+        return 0
+    return max(0, r.prefill_tokens - (r.prompt_len - r.cache_hit_tokens))
+
+
+def request_times(run: ProfileRun) -> tuple:
+    """(list of :class:`RequestTimes` in trace order, total modelled ms) of a run."""
     steps, cost = run.steps, run.cost
     starts, ends = step_times(
         cost, [s.prefill_tokens for s in steps], [s.decode_tokens for s in steps], [s.gap_ms for s in steps],
@@ -134,23 +227,36 @@ def latency_samples(run: ProfileRun) -> dict:
             return starts[step]
         return total_ms + (step - len(starts)) * cost.fixed_ms  # never reached: idle steps
 
-    ttft, tpot, finish = [], [], []
+    def end_of(step) -> float:
+        if isinstance(step, int):
+            return ends[step]
+        low = int(step)  # a hand-made row's interpolated step
+        return ends[low] + (ends[min(low + 1, len(ends) - 1)] - ends[low]) * (step - low)
+
+    samples = []
     for r in run.requests:
-        if r.first_token_step is not None:
-            arrived = start_of(r.arrival) if r.arrival_ms is None else r.arrival_ms
-            ttft.append(ends[r.first_token_step] - arrived)
-        if r.finish_step is not None:
-            finish.append(ends[r.finish_step])
-            if r.first_token_step is not None and r.output_tokens >= 2:
-                tpot.append((ends[r.finish_step] - ends[r.first_token_step]) / (r.output_tokens - 1))
-    return {"total_ms": total_ms, "ttft_ms": ttft, "tpot_ms": tpot, "finish_ms": finish}
+        arrived = start_of(r.arrival) if r.arrival_ms is None else r.arrival_ms
+        tokens = [end_of(s) for s in _token_steps(r)]
+        samples.append(RequestTimes(arrived, tokens, r.finish_step is not None, _recomputed(r)))
+    return samples, total_ms
+
+
+def latency_samples(run: ProfileRun) -> dict:
+    """Per-request modelled latencies (ms), in trace order: TTFT, TPOT (requests with >= 2 tokens),
+    E2E and stall (finished requests), the finish time of every finished request; plus the run's total
+    modelled time."""
+    samples, total_ms = request_times(run)
+    per = _per_request(samples)
+    finish = [s.token_ms[-1] for s in samples if s.finished and s.token_ms]
+    return {"total_ms": total_ms, "ttft_ms": per["ttft_ms"], "tpot_ms": per["tpot_ms"], "finish_ms": finish,
+            "e2e_ms": per["e2e_ms"], "stall_ms": per["stall_ms"]}
 
 
 def compute_figures(run: ProfileRun) -> dict:
     """The logical figures of one run, as a JSON-ready dict (floats rounded to 6 digits)."""
     steps, requests = run.steps, run.requests
-    lat = latency_samples(run)
-    total_ms, ttft, tpot = lat["total_ms"], lat["ttft_ms"], lat["tpot_ms"]
+    samples, total_ms = request_times(run)
+    felt = request_latency_figures(samples)
 
     preempt_decode = sum(1 for s in steps for _, phase in s.preempted if phase == "decode")
     preempt_prefill = sum(1 for s in steps for _, phase in s.preempted if phase != "decode")
@@ -193,12 +299,10 @@ def compute_figures(run: ProfileRun) -> dict:
         "admissions_blocked": run.admissions_blocked,
         "modelled_seconds": _round(total_ms / 1000.0),
         "throughput_tokens_per_s": _round(output_tokens / (total_ms / 1000.0) if total_ms > 0 else None),
-        "ttft_ms_p50": _round(percentile(ttft, 50)),
-        "ttft_ms_p99": _round(percentile(ttft, 99)),
-        "tpot_ms_p50": _round(percentile(tpot, 50)),
-        "tpot_ms_p99": _round(percentile(tpot, 99)),
-        "invariant_violations": violations,
     }
+    for key in LATENCY_KEYS:
+        figures[key] = _round(felt[key])
+    figures["invariant_violations"] = violations
     return figures
 
 

@@ -27,10 +27,18 @@ __all__ = [
     "differing_settings",
     "BETTER",
     "write_plot",
+    "VERDICT_KEYS",
+    "VERDICT_TOLERANCE",
+    "verdict",
+    "format_verdicts",
+    "BOUND_KEYS",
+    "bound_ratios",
+    "format_bounds",
 ]
 
 REPORT_VERSION = 2
-INSTALL_HINT = "pip install 'fastdeploy-sched-plugin[report]'"
+# the package is on no index yet: name what pip can install (the [report] extra's packages, or the extra from a checkout)
+INSTALL_HINT = "pip install matplotlib tqdm, or in a checkout of this project: pip install '.[report]'"
 
 # (figure key, label) in table order.
 TABLE_ROWS = (
@@ -49,8 +57,14 @@ TABLE_ROWS = (
     ("throughput_tokens_per_s", "throughput (out tok / modelled s)"),
     ("ttft_ms_p50", "TTFT p50 (modelled ms)"),
     ("ttft_ms_p99", "TTFT p99 (modelled ms)"),
+    ("e2e_ms_p50", "E2E p50 (modelled ms)"),
+    ("e2e_ms_p90", "E2E p90 (modelled ms)"),
+    ("e2e_ms_p99", "E2E p99 (modelled ms)"),
     ("tpot_ms_p50", "TPOT p50 (modelled ms)"),
     ("tpot_ms_p99", "TPOT p99 (modelled ms)"),
+    ("stall_ms_p99", "stall p99 (longest token gap, ms)"),
+    ("stall_ms_max", "stall max (longest token gap, ms)"),
+    ("recomputed_tokens", "recomputed tokens"),
     ("requests_finished", "requests finished"),
     ("invariant_violations", "invariant violations"),
 )
@@ -77,10 +91,117 @@ BETTER = {
     "ttft_ms_p99": "lower",
     "tpot_ms_p50": "lower",
     "tpot_ms_p99": "lower",
+    "e2e_ms_p50": "lower",
+    "e2e_ms_p90": "lower",
+    "e2e_ms_p99": "lower",
+    "stall_ms_p99": "lower",
+    "stall_ms_max": "lower",
+    "recomputed_tokens": "lower",
     "requests_finished": "higher",
     "invariant_violations": "lower",
 }
 MEASURED_BETTER = {key: "lower" for key, _ in MEASURED_ROWS}
+
+# The verdict reads what users feel together: the first token, the whole answer, the worst pause.
+VERDICT_KEYS = ("ttft_ms_p50", "e2e_ms_p99", "stall_ms_p99")
+# A difference within this fraction of the reference's value is noise (the replay is deterministic, but a
+# window of real traffic moves these figures by a few percent when requests shift by one step).
+VERDICT_TOLERANCE = 0.05
+
+
+def verdict(figures: dict, reference: dict, tolerance: float = VERDICT_TOLERANCE) -> tuple:
+    """``(word, detail)`` comparing one arm's figures with a reference arm's on :data:`VERDICT_KEYS`
+    (lower is better for each):
+
+    * ``better``: not worse beyond ``tolerance`` on any of them and better beyond it on at least one;
+    * ``worse``: not better beyond ``tolerance`` on any and worse beyond it on at least one;
+    * ``mixed``: better on one, worse on another (no ranking: the trade-off is the user's call);
+    * ``same``: within ``tolerance`` on all; ``n/a`` when a figure is missing.
+
+    ``detail`` lists each figure's ratio (arm / reference)."""
+    better, worse, parts = [], [], []
+    for key in VERDICT_KEYS:
+        a, b = reference.get(key), figures.get(key)
+        if a is None or b is None:
+            return "n/a", f"{key} missing"
+        r = ratio(b, a)
+        if r is None:  # reference 0
+            r = 1.0 if b == 0 else float("inf")
+        parts.append(f"{key} {r:.2f}x")
+        if r > 1 + tolerance:
+            worse.append(key)
+        elif r < 1 - tolerance:
+            better.append(key)
+    word = "mixed" if better and worse else "better" if better else "worse" if worse else "same"
+    return word, ", ".join(parts)
+
+
+def format_verdicts(report: dict) -> str:
+    """One line per arm after the first: its verdict against the first arm (see :func:`verdict`)."""
+    profiles = report["profiles"]
+    if len(profiles) < 2:
+        return ""
+    ref = profiles[0]
+    lines = [
+        f"verdict vs {ref['profile']} (TTFT p50, E2E p99 and stall p99 read together; better = not worse beyond "
+        f"{VERDICT_TOLERANCE:.0%} on any and better beyond it on one):"
+    ]
+    for p in profiles[1:]:
+        word, detail = verdict(p["figures"], ref["figures"])
+        lines.append(f"  {p['profile']}: {word} ({detail})")
+    return "\n".join(lines)
+
+
+# Figures reported as ratios to the reference arms (oracle, unbounded), with the direction that is better.
+BOUND_KEYS = ("throughput_tokens_per_s", "ttft_ms_p50", "e2e_ms_p99", "stall_ms_p99")
+
+
+def _bound_arms(runs_or_profiles) -> dict:
+    found = {}
+    for p in runs_or_profiles:
+        settings = p.get("settings_that_differ", {}) if isinstance(p, dict) else p.settings
+        name = p["profile"] if isinstance(p, dict) else p.profile
+        if settings.get("replay.oracle_reserve") in (True, "True") and "oracle" not in found:
+            found["oracle"] = name
+        if settings.get("replay.unbounded_memory") in (True, "True") and "unbounded" not in found:
+            found["unbounded"] = name
+    return found
+
+
+def bound_ratios(profiles: Sequence[dict], bounds: dict) -> dict:
+    """Each arm's :data:`BOUND_KEYS` over the same figure of each reference arm (``bounds``: kind -> arm name)."""
+    by_name = {p["profile"]: p["figures"] for p in profiles}
+    out = {}
+    for p in profiles:
+        entry = {}
+        for kind, name in bounds.items():
+            entry[f"vs_{kind}"] = {
+                key: (None if (r := ratio(p["figures"].get(key), by_name[name].get(key))) is None else round(r, 6))
+                for key in BOUND_KEYS
+            }
+        out[p["profile"]] = entry
+    return out
+
+
+def format_bounds(report: dict) -> str:
+    bounds = report.get("bounds")
+    if not bounds or not bounds.get("arms"):
+        return ""
+    rows = []
+    names = [p["profile"] for p in report["profiles"]]
+    kinds = list(bounds["arms"])
+    headers = ["arm"] + [f"{k.split('_ms')[0].split('_tokens')[0]} / {kind}" for kind in kinds for k in BOUND_KEYS]
+    for name in names:
+        cells = [name]
+        for kind in kinds:
+            for key in BOUND_KEYS:
+                v = bounds["ratios"][name][f"vs_{kind}"][key]
+                cells.append("-" if v is None else f"{v:.2f}")
+        rows.append(cells)
+    arms = ", ".join(f"{kind} = {name}" for kind, name in bounds["arms"].items())
+    return f"ratios to the reference arms ({arms}; throughput: higher is better, the rest lower):\n" + text_table(
+        rows, headers, align_right_from=1
+    )
 
 
 def _series(run: ProfileRun) -> dict:
@@ -94,6 +215,8 @@ def _series(run: ProfileRun) -> dict:
         "ttft_ms": sorted(round(v, 3) for v in lat["ttft_ms"]),
         "tpot_ms": sorted(round(v, 3) for v in lat["tpot_ms"]),
         "finish_ms": sorted(round(v, 3) for v in lat["finish_ms"]),
+        "e2e_ms": sorted(round(v, 3) for v in lat["e2e_ms"]),
+        "stall_ms": sorted(round(v, 3) for v in lat["stall_ms"]),
         "blocks_in_use": [s.blocks_used for s in run.steps],
         "blocks_held_by_requests": [s.blocks_held for s in run.steps],
         "running": [s.running for s in run.steps],
@@ -139,6 +262,7 @@ def build_report(trace: dict, engine: dict, runs: Sequence[ProfileRun], include_
         if include_series:
             entry["series"] = _series(run)
         profiles.append(entry)
+    bounds = _bound_arms(runs)
     hosts = {(r.host.get("version"), r.host.get("commit")) for r in runs}
     host = dict(runs[0].host) if len(hosts) == 1 and runs else {"arms_differ": [dict(r.host) for r in runs]}
     return {
@@ -148,6 +272,7 @@ def build_report(trace: dict, engine: dict, runs: Sequence[ProfileRun], include_
         "host": host,
         "better": dict(BETTER),
         "profiles": profiles,
+        "bounds": {"arms": bounds, "ratios": bound_ratios(profiles, bounds)} if bounds else {},
         "measured": {
             "note": "wall-clock measurements on this machine; they differ from run to run",
             "better": dict(MEASURED_BETTER),
@@ -288,7 +413,7 @@ def write_plot(report: dict, path: str, title: str = "") -> None:
     * one panel per arm over modelled time: KV blocks in use and held by requests (left axis, 0 to
       the pool size in every panel), running and waiting requests (right axis, one scale for all
       arms), preemptions marked by the victim's phase;
-    * arms overlaid: completed requests over modelled time, TTFT CDF, TPOT CDF.
+    * arms overlaid: completed requests over modelled time, TTFT, E2E, TPOT and stall CDFs.
 
     Needs matplotlib (raises ImportError otherwise; the caller says how to install it).
     """
@@ -309,8 +434,8 @@ def write_plot(report: dict, path: str, title: str = "") -> None:
     blocks_max = total or max((max(p["series"]["blocks_in_use"] or [1]) for p in profiles), default=1)
 
     height = 2.3 * n + 3.6
-    fig = plt.figure(figsize=(12, height))
-    grid = fig.add_gridspec(n + 1, 3, height_ratios=[1.0] * n + [1.35])
+    fig = plt.figure(figsize=(16, height))
+    grid = fig.add_gridspec(n + 1, 5, height_ratios=[1.0] * n + [1.35])
     first = None
     for i, entry in enumerate(profiles):
         ax = fig.add_subplot(grid[i, :], sharex=first)
@@ -348,13 +473,15 @@ def write_plot(report: dict, path: str, title: str = "") -> None:
 
     done_ax = fig.add_subplot(grid[n, 0])
     ttft_ax = fig.add_subplot(grid[n, 1])
-    tpot_ax = fig.add_subplot(grid[n, 2])
+    e2e_ax = fig.add_subplot(grid[n, 2])
+    tpot_ax = fig.add_subplot(grid[n, 3])
+    stall_ax = fig.add_subplot(grid[n, 4])
     for i, entry in enumerate(profiles):
         series, color = entry["series"], colors[i % len(colors)]
         finish = seconds(series["finish_ms"])
         done_ax.step(finish, range(1, len(finish) + 1), where="post", color=color, lw=1.1, label=entry["profile"])
-        for ax, key in ((ttft_ax, "ttft_ms"), (tpot_ax, "tpot_ms")):
-            values = series[key]
+        for ax, key in ((ttft_ax, "ttft_ms"), (e2e_ax, "e2e_ms"), (tpot_ax, "tpot_ms"), (stall_ax, "stall_ms")):
+            values = series.get(key) or []
             if values:
                 ax.step(values, [(k + 1) / len(values) for k in range(len(values))], where="post", color=color, lw=1.1)
     done_ax.set_xlim(0, t_max * 1.01)
@@ -363,7 +490,13 @@ def write_plot(report: dict, path: str, title: str = "") -> None:
     done_ax.legend(fontsize=8, frameon=False, loc="upper left")
     ttft_ax.set_xlabel("TTFT, modelled ms (log; left is better)")
     tpot_ax.set_xlabel("TPOT, modelled ms (left is better)")
-    for ax in (ttft_ax, tpot_ax):
+    e2e_ax.set_xlabel("E2E latency, modelled ms (log; left is better)")
+    stall_ax.set_xlabel("stall (longest token gap), ms (log)")
+    for ax, key in ((e2e_ax, "e2e_ms"), (stall_ax, "stall_ms")):
+        values = [v for p in profiles for v in p["series"].get(key) or []]
+        if values and min(values) > 0:
+            ax.set_xscale("log")
+    for ax in (ttft_ax, e2e_ax, tpot_ax, stall_ax):
         ax.set_ylim(0, 1.02)
         ax.set_ylabel("fraction of requests")
         ax.grid(alpha=0.3)

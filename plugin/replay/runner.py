@@ -32,10 +32,13 @@ from typing import Callable, Mapping, Optional, Sequence
 from .costmodel import cost_from_settings, prefill_context_tokens, row_step_ms
 from .figures import ProfileRun, RequestRow, StepRow
 from .invariants import check_blocks, check_requests
-from .oracle import ADAPTIVE_PLUGIN_NAME, ORACLE_PLUGIN_NAME, AdaptiveReserveHook, OracleReserve
+from .oracle import (
+    ADAPTIVE_PLUGIN_NAME, ORACLE_PLUGIN_NAME, RETRACT_PLUGIN_NAME, AdaptiveReserveHook, Holding, OracleReserve,
+    PeakOracle, RetractOrder,
+)
 from .trace import Trace, TraceError, check_engine
 
-__all__ = ["run_profile", "run_replay", "run_dp_arms", "dp_arm_name", "arm_settings", "host_environment", "other_host_env", "node_output_lengths", "cache_held_blocks", "request_held_blocks"]
+__all__ = ["unbounded_blocks", "run_profile", "run_replay", "run_dp_arms", "dp_arm_name", "arm_settings", "host_environment", "other_host_env", "node_output_lengths", "cache_held_blocks", "request_held_blocks"]
 
 DEFAULT_MAX_STEPS = 200_000
 DEFAULT_STALL_STEPS = 200
@@ -64,6 +67,59 @@ class _CountingPool(list):
     def append(self, value):  # noqa: D401 - list API
         self.returned += 1
         super().append(value)
+
+
+def unbounded_blocks(trace: Trace, engine: dict) -> int:
+    """A KV pool that is never the limit: what every request of the trace holds at its largest, all at
+    once (prompt, output, the host's decode preallocation and one spare block each), plus the host's minimum; the
+    prefix cache may keep every finished request's blocks and still never fill it."""
+    from .trace import min_gpu_blocks
+
+    block_size, ahead = engine["block_size"], engine.get("enc_dec_block_num", 2)
+    every = sum(-(-(r.prompt_len + r.effective_output_len) // block_size) + ahead + 1 for r in trace.requests)
+    return every + min_gpu_blocks(engine["max_model_len"], block_size)
+
+
+def _holding(request, true_output: int, block_size: int, blocks_after=None) -> Holding:
+    held = len(request.block_tables or []) + len(getattr(request, "extend_block_tables", None) or [])
+    generated = len(request.output_token_ids)
+    tokens = max(request.need_prefill_tokens, request.prompt_token_ids_len + generated)
+    return Holding(request.request_id, held if blocks_after is None else max(held, blocks_after), tokens,
+                   max(true_output - generated, 0))
+
+
+def _peak_oracle(manager_ref: dict, outputs: dict, block_size: int) -> PeakOracle:
+    """The clairvoyant bound on a manager built later (``manager_ref["manager"]``): the candidate is the
+    request whose new blocks the scheduler counted last (``get_new_block_nums``, called just before the
+    admission threshold, for a running chunk and for a waiting request alike)."""
+
+    def snapshot():
+        manager = manager_ref["manager"]
+        running = [_holding(r, outputs[r.request_id], block_size) for r in manager.running]
+        candidate = manager_ref.get("candidate")
+        if candidate is not None:
+            request, new_tokens = candidate
+            after = -(-(request.num_computed_tokens + new_tokens) // block_size)
+            candidate = _holding(request, outputs[request.request_id], block_size, blocks_after=after)
+        return running, candidate
+
+    def first_running():
+        running = manager_ref["manager"].running
+        return running[0].request_id if running else None
+
+    return PeakOracle(snapshot, block_size, first_running=first_running)
+
+
+def _watch_candidate(manager, manager_ref: dict) -> None:
+    """Remember the last request ``get_new_block_nums`` was asked about (an instance attribute over the
+    class's method; the scheduler's decisions are unchanged)."""
+    counted = manager.get_new_block_nums
+
+    def get_new_block_nums(request, num_new_tokens):
+        manager_ref["candidate"] = (request, num_new_tokens)
+        return counted(request, num_new_tokens)
+
+    manager.get_new_block_nums = get_new_block_nums
 
 
 def cache_held_blocks(cache_manager) -> list:
@@ -214,6 +270,9 @@ def run_profile(
     settings, env_applied, env_ignored = arm_settings(profile, inherit_env)
     report = install(settings)
     cost = cost_from_settings(settings, cost_overrides)
+    unbounded = settings["replay.unbounded_memory"]
+    if unbounded:
+        engine = dict(engine, num_gpu_blocks=max(engine["num_gpu_blocks"], unbounded_blocks(trace, engine)))
     shape = EngineShape(**engine)
     role = shape.splitwise_role
     outputs = node_output_lengths(trace, role)
@@ -236,8 +295,10 @@ def run_profile(
     ]
 
     reservation = None
+    hooks = []
+    manager_ref: dict = {}
     if settings["replay.oracle_reserve"]:
-        reservation = OracleReserve(outputs)
+        reservation = _peak_oracle(manager_ref, outputs, shape.block_size)
         report.policies.register(reservation, name=ORACLE_PLUGIN_NAME)
     elif settings["replay.adaptive_reserve"]:
         reservation = AdaptiveReserveHook(
@@ -246,13 +307,27 @@ def run_profile(
         )
         reservation.client_max_tokens = {r.id: r.max_tokens for r in trace.requests}
         report.policies.register(reservation, name=ADAPTIVE_PLUGIN_NAME)
+    if settings["replay.retract_order"] == "sglang":
+
+        def lengths(request_id):
+            request = manager_ref["manager"].requests.get(request_id)
+            return None if request is None else (len(request.output_token_ids), request.prompt_token_ids_len)
+
+        retract = RetractOrder(lengths)
+        report.policies.register(retract, name=RETRACT_PLUGIN_NAME)
+        hooks.append(retract)
     METRICS.reset()
     started = time.perf_counter()
     every = 0 if not check_every_step else max(1, check_every or auto_check_every(len(trace.requests)))
+    if unbounded and check_every is None and every:
+        every = max(every, AUTO_CHECK_EVERY)  # the block check is O(pool), and this pool holds the whole trace
     run.check_every = every
     try:
         with host_environment(settings), logical_clock():
             manager = build_manager(shape)
+            manager_ref["manager"] = manager
+            if isinstance(reservation, PeakOracle):
+                _watch_candidate(manager, manager_ref)
             try:
                 _drive(run, trace, manager, outputs, role, max_steps, stall_steps, every, progress, cost,
                        reservation, report.policies)
@@ -261,6 +336,11 @@ def run_profile(
     finally:
         if reservation is not None:
             report.policies.unregister(reservation)
+        for hook in hooks:
+            report.policies.unregister(hook)
+        manager_ref.clear()
+    if unbounded:
+        _check_unbounded(run)
     run.wall_seconds = time.perf_counter() - started
     if reservation is not None and hasattr(reservation, "state"):
         run.estimator = reservation.state()
@@ -269,6 +349,17 @@ def run_profile(
     ratio_impl = report.decisions["ratio_reserve"].impl
     run.admissions_blocked = None if ratio_impl == "host" else METRICS.admissions_blocked
     return run
+
+
+def _check_unbounded(run: ProfileRun) -> None:
+    """An ``unbounded`` arm whose memory was a limit after all is flagged (an invariant violation)."""
+    preempted = sum(len(s.preempted) for s in run.steps)
+    peak = max((s.blocks_used for s in run.steps), default=0)
+    if preempted or peak >= run.num_gpu_blocks:
+        run.request_violations.append(
+            f"replay.unbounded_memory: the pool of {run.num_gpu_blocks} blocks was a limit ({preempted} preemptions, "
+            f"peak {peak} blocks in use; allowed: no preemption and a pool never full)"
+        )
 
 
 def _drive(run, trace, manager, outputs, role, max_steps, stall_steps, check_every, progress, cost, reservation,
@@ -338,6 +429,8 @@ def _drive(run, trace, manager, outputs, role, max_steps, stall_steps, check_eve
             if r.first_chunk_start is None:
                 r.first_chunk_start = start
                 r.cache_hit_tokens = _host_hit(objects[rid])
+        for rid in record.produced:
+            rows[rid].token_steps.append(step)
         for rid in record.first_tokens:
             if rows[rid].first_token_step is None:
                 rows[rid].first_token_step = step

@@ -147,17 +147,19 @@ def test_two_runs_give_the_same_report_except_measured(replay_host):
     assert reports[0]["profiles"][0]["series"]["blocks_in_use"]  # the comparison covered the per-step series
 
 
-def test_oracle_reserves_true_output_and_unregisters(replay_host, monkeypatch):
+def test_oracle_admits_by_peak_demand_and_unregisters(replay_host, monkeypatch):
+    """The clairvoyant bound answers for the running set through the reservation hook: its answers sum,
+    per admission decision, to max(0, peak demand - blocks held), computed from the host's own requests."""
     from fdsched import installer
     from fdsched.hookspecs import hookimpl
     from fdsched.replay import runner
     from fdsched.replay.figures import compute_figures
-    from fdsched.replay.oracle import ORACLE_PLUGIN_NAME, OracleReserve
+    from fdsched.replay.oracle import ORACLE_PLUGIN_NAME, PeakOracle, peak_demand_blocks
     from fdsched.replay.trace import load_trace, resolve_trace
 
-    answers = []
+    seen = []
 
-    class Recording(OracleReserve):
+    class Recording(PeakOracle):
         @hookimpl
         def fdsched_estimate_reserve_blocks(
             self, request_id, max_new_tokens, generated_tokens, ratio, clip_max_new_tokens, block_size
@@ -165,18 +167,91 @@ def test_oracle_reserves_true_output_and_unregisters(replay_host, monkeypatch):
             answer = super().fdsched_estimate_reserve_blocks(
                 request_id, max_new_tokens, generated_tokens, ratio, clip_max_new_tokens, block_size
             )
-            true_output = self.true_output_lengths[request_id]
-            answers.append((answer, -(-max(true_output - generated_tokens, 0) // block_size)))
+            running, candidate = self.snapshot()
+            if running and running[0].request_id == request_id:
+                together = [h for h in running if candidate is None or h.request_id != candidate.request_id]
+                together += [candidate] if candidate is not None else []
+                peak = peak_demand_blocks(together, block_size)
+                seen.append((answer, max(0, peak - sum(h.held_blocks for h in together)), candidate is not None))
+            else:
+                assert answer == 0
             return answer
 
-    monkeypatch.setattr(runner, "OracleReserve", Recording)
+    monkeypatch.setattr(runner, "PeakOracle", Recording)
     trace = load_trace(resolve_trace("pressure"))
     run = runner.run_profile(trace, "oracle", trace.engine_with())
     figures = compute_figures(run)
-    assert answers and all(answer == expected for answer, expected in answers)
-    assert figures["preemptions"] == 0
+    assert seen and all(answer == expected for answer, expected, _ in seen)
+    assert all(has_candidate for _, _, has_candidate in seen)  # every decision knew the prefill it decided on
     assert figures["invariant_violations"] == 0 and run.drained
     assert ORACLE_PLUGIN_NAME not in installer.current().policies.external_plugins()
+
+
+def test_unbounded_arm_is_never_limited_by_memory(replays):
+    from fdsched.replay.figures import compute_figures
+    from fdsched.replay.runner import unbounded_blocks
+
+    trace, run = replays("pressure", "unbounded")
+    figures = compute_figures(run)
+    assert run.num_gpu_blocks == unbounded_blocks(trace, trace.engine_with()) > trace.engine["num_gpu_blocks"]
+    assert figures["preemptions"] == 0 and figures["invariant_violations"] == 0 and run.drained
+    assert figures["blocks_in_use_peak"] < run.num_gpu_blocks
+    assert figures["evicted_blocks"] == 0
+    # The ceiling: no arm on the real pool finishes the trace sooner.
+    for profile in ("baseline", "recommended", "oracle"):
+        other = compute_figures(replays("pressure", profile)[1])
+        assert figures["throughput_tokens_per_s"] >= other["throughput_tokens_per_s"], profile
+
+
+def test_sglang_retract_order_picks_the_fewest_outputs(replay_host, monkeypatch, tmp_path):
+    """optimism's pressure (no reservation) with SGLang's retract order: every victim is a decoding request
+    with the fewest generated tokens among those that may be preempted, the longest prompt among ties."""
+    from fdsched.hookspecs import hookimpl
+    from fdsched.replay import runner
+    from fdsched.replay.figures import compute_figures
+    from fdsched.replay.oracle import RetractOrder
+    from fdsched.replay.trace import load_trace, resolve_trace
+
+    chosen = []
+
+    class Recording(RetractOrder):
+        @hookimpl
+        def fdsched_select_preemption_victim(self, candidates, decode_only):
+            index = super().fdsched_select_preemption_victim(candidates, decode_only)
+            eligible = [(self.lengths(c.request_id), c) for c in candidates if c.decoding and not c.uses_extend_tables]
+            chosen.append((index, [c.request_id for c in candidates], eligible))
+            return index
+
+    monkeypatch.setattr(runner, "RetractOrder", Recording)
+    profile = tmp_path / "optimism-sglang.yaml"
+    profile.write_text(
+        "changes: {deferred_recycle: 'on', decode_only_preempt: 'on', ratio_reserve: 'on', pd_prefill_cache: 'on', "
+        "nonpolling_transfer: 'on'}\nhost_tunables: {FD_INIT_NEW_TOKEN_RATIO: 0, FD_MIN_NEW_TOKEN_RATIO: 0}\n"
+        "replay: {retract_order: sglang}\n"
+    )
+    trace = load_trace(resolve_trace("pressure"))
+    run = runner.run_profile(trace, str(profile), trace.engine_with())
+    figures = compute_figures(run)
+    assert figures["invariant_violations"] == 0 and run.drained
+    assert figures["preemptions"] > 0 and figures["preemptions_prefill_victims"] == 0
+    assert chosen
+    for index, ids, eligible in chosen:
+        assert index is not None
+        victim = ids[index]
+        fewest = min(generated for (generated, _), _ in eligible)
+        victim_lengths = next(lengths for lengths, c in eligible if c.request_id == victim)
+        assert victim_lengths[0] == fewest
+        assert victim_lengths[1] == max(prompt for (generated, prompt), _ in eligible if generated == fewest)
+
+
+def test_token_times_match_the_output_and_first_token(replays):
+    _, run = replays("pressure", "baseline")
+    for r in run.requests:
+        assert len(r.token_steps) == r.output_tokens
+        assert r.token_steps[0] == r.first_token_step and r.token_steps[-1] == r.finish_step
+        assert r.token_steps == sorted(set(r.token_steps))
+    preempted = [r for r in run.requests if r.preemptions]
+    assert preempted  # baseline preempts on this trace
 
 
 def test_max_steps_stops_and_reports_not_drained(replay_host):

@@ -17,7 +17,10 @@ def switches(name: str) -> dict:
 
 
 def test_the_shipped_set():
-    assert set(PROFILES) == {"baseline", "recommended", "oracle", "adaptive", "adaptive-replay", *CHANGE_IDS}
+    assert set(PROFILES) == {
+        "baseline", "recommended", "oracle", "adaptive", "adaptive-replay", "unbounded", "optimism", "upstream-clip",
+        "sglang-retract", *CHANGE_IDS,
+    }
     assert sorted(SINGLE_CHANGE_PROFILES) == sorted(CHANGE_IDS)
 
 

@@ -1,0 +1,216 @@
+"""``fdsched eval``: every reference arm on the held-out evaluation windows, one table.
+
+The split of the imported real traces into tuning and evaluation windows is data
+(``fdsched/replay/windows.yaml``), fixed before any arm ran on the evaluation windows; the reasoning
+is in docs/evaluation.md. For each evaluation window and each clients' ``max_tokens`` mode
+(``unset``: null; ``true``: the request's true output length) the window is imported from its CSV
+(:mod:`fdsched.replay.importer`) unless the same window ships as a trace (``eval-<name>-<mode>``), then
+every arm of ``arms`` runs on it (:func:`fdsched.replay.runner.run_replay`); the shipped real traces of
+``shipped`` run too (they were tuned on: reported, not held out).
+
+Only the replay needs the host; reading the windows does not (:func:`load_windows`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+from ..common import text_table
+from .figures import compute_figures
+from .report import VERDICT_KEYS, format_value, ratio, verdict
+from .trace import TraceError
+
+__all__ = [
+    "WINDOWS_FILE", "EvalWindow", "EvalPlan", "load_windows", "window_trace_name", "EVAL_COLUMNS", "eval_rows",
+    "format_eval_table", "missing_csv_message",
+]
+
+WINDOWS_FILE = Path(__file__).with_name("windows.yaml")
+MAX_TOKENS_MODES = ("unset", "true")
+
+# (figure key, column header) of the one table.
+EVAL_COLUMNS = (
+    ("ttft_ms_p50", "TTFT p50"),
+    ("e2e_ms_p99", "E2E p99"),
+    ("tpot_ms_p99", "TPOT p99"),
+    ("stall_ms_p99", "stall p99"),
+    ("stall_ms_max", "stall max"),
+    ("throughput_tokens_per_s", "thr"),
+    ("preemptions", "preempt"),
+    ("preemptions_prefill_victims", "prefill vict"),
+)
+
+
+@dataclass(frozen=True)
+class EvalWindow:
+    name: str
+    source: str
+    file: str
+    fmt: str
+    sha256: Optional[str]
+    get: str
+    start: float
+    duration: Optional[float]
+    rate_scale: float
+    engine: dict
+    max_tokens: tuple
+
+
+@dataclass(frozen=True)
+class EvalPlan:
+    windows: tuple  # EvalWindow
+    arms: tuple
+    shipped: tuple
+    tuning: tuple  # plain dicts
+
+
+def _need(mapping, key, where):
+    if not isinstance(mapping, dict) or key not in mapping:
+        raise TraceError(f"{where}: missing key {key!r}")
+    return mapping[key]
+
+
+def load_windows(path: Optional[Path] = None) -> EvalPlan:
+    """The split (raises TraceError naming the key on a bad file)."""
+    import yaml
+
+    path = Path(path) if path is not None else WINDOWS_FILE
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, yaml.YAMLError) as exc:
+        raise TraceError(f"{path}: cannot be read as YAML ({exc}); allowed: a windows file like {WINDOWS_FILE.name}") from None
+    sources = _need(data, "sources", str(path))
+    windows = []
+    for i, w in enumerate(_need(data, "evaluation", str(path)) or []):
+        where = f"{path}: evaluation[{i}]"
+        source = _need(w, "source", where)
+        if source not in sources:
+            raise TraceError(f"{where}: source {source!r} is not under sources; allowed: {', '.join(sources)}")
+        src = sources[source]
+        modes = tuple(str(m).lower() for m in w.get("max_tokens", ["unset"]))
+        bad = [m for m in modes if m not in MAX_TOKENS_MODES]
+        if bad:
+            raise TraceError(f"{where}: max_tokens {bad[0]!r}; allowed: {', '.join(MAX_TOKENS_MODES)}")
+        windows.append(EvalWindow(
+            name=str(_need(w, "name", where)), source=source, file=str(_need(src, "file", f"{path}: sources.{source}")),
+            fmt=str(_need(src, "format", f"{path}: sources.{source}")), sha256=src.get("sha256"), get=str(src.get("get", "")),
+            start=float(w.get("start", 0.0)), duration=None if w.get("duration") is None else float(w["duration"]),
+            rate_scale=float(w.get("rate_scale", 1.0)), engine=dict(_need(w, "engine", where)), max_tokens=modes,
+        ))
+    return EvalPlan(tuple(windows), tuple(data.get("arms") or ()), tuple(data.get("shipped") or ()),
+                    tuple(data.get("tuning") or ()))
+
+
+def window_trace_name(window: EvalWindow, mode: str) -> str:
+    return f"{window.name}-{mode}"
+
+
+def missing_csv_message(window: EvalWindow, csv_dir: Path) -> str:
+    return (
+        f"evaluation window {window.name}: {csv_dir / window.file} not found; get it with: {window.get}, then pass "
+        f"--csv-dir with the folder that holds {window.file} (the plugin ships no large data file)"
+    )
+
+
+def import_window(window: EvalWindow, mode: str, csv_dir: Path, out_dir: Path) -> Path:
+    """Import one evaluation window (raises TraceError: the CSV is missing or is not the one the split names)."""
+    from .importer import ImportOptions, import_trace
+
+    csv = Path(csv_dir) / window.file
+    if not csv.is_file():
+        raise TraceError(missing_csv_message(window, Path(csv_dir)))
+    if window.sha256:
+        digest = hashlib.sha256(csv.read_bytes()).hexdigest()
+        if digest != window.sha256:
+            raise TraceError(
+                f"evaluation window {window.name}: {csv} has sha256 {digest}; allowed: the file the split names "
+                f"({window.sha256}; {window.get})"
+            )
+    out = Path(out_dir) / f"{window_trace_name(window, mode)}.jsonl"
+    description = (
+        f"Held-out evaluation window {window.name} (docs/evaluation.md): {window.file} from {window.start:g} s for "
+        f"{window.duration:g} s, time compressed {window.rate_scale:g}x, clients' max_tokens {mode}. Source: "
+        f"github.com/Azure/AzurePublicDataset, licensed CC-BY-4.0; cite Patel et al., Splitwise, ISCA 2024. Re-create: "
+        f"fdsched trace import {window.file} --format {window.fmt} --start {window.start:g} --duration "
+        f"{window.duration:g} --rate-scale {window.rate_scale:g} --max-tokens {mode} "
+        + " ".join(f"--{k.replace('_', '-')} {v}" for k, v in window.engine.items())
+    )
+    options = ImportOptions(
+        fmt=window.fmt, start_s=window.start, duration_s=window.duration, rate_scale=window.rate_scale,
+        max_tokens=mode, engine=dict(window.engine), description=description,
+    )
+    import_trace(csv, out, options)
+    return out
+
+
+def eval_rows(results: Sequence[tuple]) -> list:
+    """``results``: (trace name, [report profile entries]) -> table rows, one per arm; the first arm of each
+    trace is the verdict's reference; throughput also as a ratio to the oracle and unbounded arms."""
+    rows = []
+    for trace_name, profiles in results:
+        by_name = {p["profile"]: p["figures"] for p in profiles}
+        ref = profiles[0]["figures"]
+        for p in profiles:
+            f = p["figures"]
+            cells = [trace_name, p["profile"]] + [format_value(f.get(k)) for k, _ in EVAL_COLUMNS]
+            for bound in ("oracle", "unbounded"):
+                r = ratio(f.get("throughput_tokens_per_s"), by_name.get(bound, {}).get("throughput_tokens_per_s"))
+                cells.append("-" if r is None else f"{r:.2f}")
+            word = "ref" if p is profiles[0] else verdict(f, ref)[0]
+            cells.append(word)
+            cells.append("" if f.get("invariant_violations", 0) == 0 else f"{f['invariant_violations']} VIOLATIONS")
+            rows.append(cells)
+    return rows
+
+
+def format_eval_table(results: Sequence[tuple]) -> str:
+    headers = ["trace", "arm"] + [h for _, h in EVAL_COLUMNS] + ["thr/oracle", "thr/unbounded", "verdict", ""]
+    note = (
+        "modelled ms; thr = output tokens per modelled s; stall = a request's longest gap between two tokens; "
+        f"verdict vs the trace's first arm on {', '.join(VERDICT_KEYS)} read together (docs/evaluation.md)"
+    )
+    return text_table(eval_rows(results), headers, align_right_from=2) + "\n" + note
+
+
+DEFAULT_CHECK_EVERY = 32  # block invariants every 32 steps and at the end (the tests check every step)
+
+
+def run_plan(plan: EvalPlan, csv_dir: Path, out_dir: Path, arms: Sequence[str], include_shipped: bool = True,
+             progress_factory=None, log=print, check_every: int = DEFAULT_CHECK_EVERY) -> list:
+    """Import and replay; returns [(trace name, report profile entries)] and writes one report.json per trace."""
+    from .cli import _trace_info
+    from .report import build_report, report_json
+    from .runner import run_replay
+    from .trace import load_trace, resolve_trace, shipped_traces
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    traces = []
+    shipped = shipped_traces()
+    for window in plan.windows:
+        for mode in window.max_tokens:
+            name = window_trace_name(window, mode)
+            if name in shipped:
+                traces.append((name, shipped[name]))
+            else:
+                traces.append((name, import_window(window, mode, csv_dir, out_dir)))
+    if include_shipped:
+        traces += [(name, resolve_trace(name)) for name in plan.shipped]
+    results = []
+    for name, path in traces:
+        trace = load_trace(path)
+        engine = trace.engine_with()
+        log(f"eval: {name}: {len(trace.requests)} requests, arms {', '.join(arms)}")
+        runs = []
+        for arm in arms:
+            started = time.perf_counter()
+            runs += run_replay(trace, [arm], engine, progress_factory=progress_factory, check_every=check_every)
+            log(f"eval: {name}: {arm} done in {time.perf_counter() - started:.0f} s")
+        report = build_report(_trace_info(trace, path), engine, runs, include_series=False)
+        (out_dir / f"{name}.report.json").write_text(report_json(report), encoding="utf-8")
+        results.append((name, [{"profile": p["profile"], "figures": p["figures"]} for p in report["profiles"]]))
+    return results
