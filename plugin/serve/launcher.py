@@ -254,8 +254,10 @@ class ServedEngine:
                          f"logs in {self.log_dir}")
 
     def _stage_of(self, rank: int) -> str:
-        worker_log = os.path.join(self.rank_log_dir(rank), f"simworker_rank{rank}.log")
-        if not os.path.exists(worker_log):
+        found = [os.path.join(root, f"simworker_rank{rank}.log") for root, _d, files in os.walk(self.log_dir)
+                 if f"simworker_rank{rank}.log" in files]
+        worker_log = found[0] if found else None
+        if worker_log is None:
             return f"api_server rank {rank} (the engine did not launch its worker)"
         with open(worker_log, errors="replace") as fh:
             if "ready:" not in fh.read():

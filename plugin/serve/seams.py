@@ -138,8 +138,9 @@ SEAMS = (
     Seam(
         "H1 state probe (harness only)",
         "fastdeploy.engine.engine",
-        "a daemon thread in the engine process answering state requests through files in FDSCHED_SERVE_STATE_DIR",
-        {NEW: "none (added)", OLD: "none (added)"},
+        "a daemon thread in each rank's engine process (LLMEngine on rank 0, ExpertService.start on ranks > 0 "
+        "under multi_api_server) answering state requests through files in FDSCHED_SERVE_STATE_DIR",
+        {NEW: "added; wraps engine/expert_service.py ExpertService.start (~101)", OLD: "added; expert_service.py start"},
         "tests read the engine's own cache-manager block accounting and the plugin's pending one-shot "
         "block-check signals from the live process",
         "no",
@@ -242,35 +243,53 @@ def _s8(module):
 # S2 + H1 ----------------------------------------------------------------------------------------
 
 def _start_simulated_worker(self):
-    """Stands for LLMEngine._start_worker_service: one simulated worker for this engine's rank."""
+    """Stands for LLMEngine._start_worker_service: one simulated worker per data-parallel rank.
+
+    As ``paddle.distributed.launch --devices 0,1`` does, the LLMEngine (rank 0's, also under
+    multi_api_server, where ranks > 0 run an ExpertService that launches no worker) starts the workers of
+    every rank; they share one process group, whose leader's stdout the engine reads.
+    """
     cfg = self.cfg
     pc = cfg.parallel_config
     log_dir = os.getenv("FD_LOG_DIR", "log")
     os.makedirs(log_dir, exist_ok=True)
-    dp_rank = int(getattr(pc, "local_data_parallel_id", 0) or 0)
-    port = getattr(pc, "local_engine_worker_queue_port", None) or pc.engine_worker_queue_port[dp_rank if len(
-        pc.engine_worker_queue_port) > dp_rank else 0]
     eos = list(self.engine.data_processor.eos_token_ids)
-    cmd = [
-        sys.executable, "-u", os.environ[WORKER_ENV],
-        "--engine-pid", str(pc.engine_worker_queue_port[0]),
-        "--queue-port", str(port),
-        "--dp-rank", str(dp_rank),
-        "--dp-size", str(pc.data_parallel_size),
-        "--ready-slots", str(cfg.worker_num_per_node),
-        "--eos", ",".join(map(str, eos)),
-        "--do-profile", str(int(bool(self.do_profile))),
-        "--profile-blocks", str(cfg.cache_config.num_gpu_blocks_override or 0),
-        "--multi-api-server", str(int(os.getenv("FD_ENABLE_MULTI_API_SERVER", "0") == "1")),
-    ]
-    err = open(os.path.join(log_dir, f"simworker_rank{dp_rank}.log"), "ab")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, start_new_session=True)
-    _start_state_probe(self, dp_rank)
-    return proc
+    first = None
+    for rank in range(int(pc.data_parallel_size)):
+        cmd = [
+            sys.executable, "-u", os.environ[WORKER_ENV],
+            "--engine-pid", str(pc.engine_worker_queue_port[0]),
+            "--queue-port", str(pc.engine_worker_queue_port[rank]),
+            "--dp-rank", str(rank),
+            "--dp-size", str(pc.data_parallel_size),
+            "--ready-slots", str(cfg.worker_num_per_node),
+            "--eos", ",".join(map(str, eos)),
+            "--do-profile", str(int(bool(self.do_profile))),
+            "--profile-blocks", str(cfg.cache_config.num_gpu_blocks_override or 0),
+            "--multi-api-server", str(int(os.getenv("FD_ENABLE_MULTI_API_SERVER", "0") == "1")),
+        ]
+        err = open(os.path.join(log_dir, f"simworker_rank{rank}.log"), "ab")
+        if first is None:
+            first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, process_group=0)
+        else:
+            subprocess.Popen(cmd, stdout=err, stderr=err, process_group=first.pid)
+    _start_state_probe(self, int(getattr(pc, "local_data_parallel_id", 0) or 0))
+    return first
 
 
 def _s2(module):
     module.LLMEngine._start_worker_service = _start_simulated_worker
+
+
+def _h1_expert_service(module):
+    original = module.ExpertService.start
+
+    def start(self, *args, **kwargs):
+        ok = original(self, *args, **kwargs)
+        _start_state_probe(self, int(self.cfg.parallel_config.local_data_parallel_id or 0))
+        return ok
+
+    module.ExpertService.start = start
 
 
 def engine_state(llm_engine) -> dict:
@@ -329,6 +348,7 @@ def _start_state_probe(llm_engine, dp_rank: int) -> None:
 _AFTER_LOAD = {
     "fastdeploy.engine.args_utils": [_s1],
     "fastdeploy.engine.engine": [_s2],
+    "fastdeploy.engine.expert_service": [_h1_expert_service],
     "fastdeploy.cache_manager.prefix_cache_manager": [_s3_s6],
     "fastdeploy.config": [_s4],
     "fastdeploy.platforms": [_s7],

@@ -5,9 +5,8 @@ one per engine (data-parallel rank). What it does, as the GPU worker would (host
 init_health_status / event loop, ``gpu_model_runner.py`` task handling):
 
 - readiness: prints the checkpoint-loading line ``check_worker_initialize_status`` parses, sets
-  ``get_profile_block_num`` when the engine profiles, ``cache_ready_signal``, ``worker_ready_signal``
-  (every slot of this engine: the simulated worker stands for all of them), ``loaded_model_signal``, and
-  keeps ``worker_healthy_live_signal`` fresh;
+  ``get_profile_block_num`` when the engine profiles, ``cache_ready_signal``, its own slot of
+  ``worker_ready_signal``, ``loaded_model_signal`` (rank 0), and keeps ``worker_healthy_live_signal`` fresh;
 - takes ``(tasks, bsz)`` from the engine's real ``EngineWorkerQueue`` as a client;
 - per task: a PREFILL chunk that does not finish the prompt emits no token (a ``-1`` placeholder, as the
   runner does), a finished prefill emits the first token, a decoding slot one token per step, the
@@ -94,17 +93,28 @@ def main(argv=None) -> int:
     if a.do_profile:
         profiled = signal("get_profile_block_num", 1, a.engine_pid)
         profiled.value[0] = a.profile_blocks
-    cache_ready = signal("cache_ready_signal", 1, a.queue_port)
+    # this rank's engine (an ExpertService under multi_api_server for ranks > 0) may come up after us
+    deadline = time.monotonic() + 300
+    while True:
+        try:
+            cache_ready = signal("cache_ready_signal", 1, a.queue_port)
+            live = signal("worker_healthy_live_signal", 1, a.queue_port)
+            exist = signal("exist_task_signal", 1, a.queue_port)
+            queue = EngineWorkerQueue(address=f"/dev/shm/fd_task_queue_{a.queue_port}.sock", is_server=False,
+                                      num_client=1, client_id=0, local_data_parallel_id=a.dp_rank)
+            break
+        except (FileNotFoundError, ConnectionError, OSError) as exc:
+            if time.monotonic() > deadline:
+                log(f"rank {a.dp_rank}'s engine did not come up: {exc!r}")
+                return 3
+            time.sleep(0.5)
     cache_ready.value[0] = 1
     ready = signal("worker_ready_signal", max(1, a.ready_slots), a.engine_pid)
-    ready.value[:] = 1
-    live = signal("worker_healthy_live_signal", 1, a.queue_port)
-    exist = signal("exist_task_signal", 1, a.queue_port)
-    loaded = signal("loaded_model_signal", 1, a.engine_pid)
-    loaded.value[0] = 1
+    ready.value[a.dp_rank % max(1, a.ready_slots)] = 1
+    if a.dp_rank == 0:
+        loaded = signal("loaded_model_signal", 1, a.engine_pid)
+        loaded.value[0] = 1
 
-    queue = EngineWorkerQueue(address=f"/dev/shm/fd_task_queue_{a.queue_port}.sock", is_server=False, num_client=1,
-                              client_id=0, local_data_parallel_id=a.dp_rank)
     out = ZmqIpcClient(name=f"get_save_output_rank{a.dp_rank}_{a.queue_port}", mode=zmq.PUSH)
     out.connect()
     log(f"ready: queue port {a.queue_port}, cost model {cost}")
