@@ -298,7 +298,7 @@ class ServedEngine:
         for proc in self.procs.values():
             try:
                 for child in psutil.Process(proc.pid).children(recursive=True):
-                    self._descendants.add(child.pid)
+                    self._descendants.add((child.pid, child.create_time()))
             except psutil.Error:
                 pass
 
@@ -374,11 +374,26 @@ def _http_ok(url: str) -> bool:
 
 
 def _kill_pids(pids):
-    for pid in pids:
+    for pid in still_running(pids):
         try:
             os.kill(pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass
+
+
+def still_running(descendants) -> list:
+    """The (pid, create_time) pairs that are still the same live, non-zombie process."""
+    import psutil
+
+    alive = []
+    for pid, created in descendants:
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.Error:
+            pass
+    return alive
 
 
 def sweep_shm(ports, shm_dir: str = "/dev/shm") -> list:

@@ -136,6 +136,18 @@ SEAMS = (
         "yes (the output path)",
     ),
     Seam(
+        "S9 decode status on the ZMQ path",
+        "fastdeploy.output.token_processor",
+        "TokenProcessor._process_batch_output_use_zmq: first marks a RUNNING_PREFILL task that received a real "
+        "token RUNNING_DECODE, then runs the host's method (hosts without RUNNING_DECODE: no change)",
+        {NEW: "output/token_processor.py 341-(ZMQ path, no status change) vs 954-955 (get_output path sets it); "
+              "resource_manager_v1.py 361 preempts only RUNNING_DECODE", OLD: "not applied (no split status)"},
+        "on the new host only the compiled get_output path moves a request to RUNNING_DECODE; on the ZMQ path no "
+        "request ever becomes preemptable and the scheduler logs 'no preemptable request can be found'. "
+        "A host divergence between the two output paths, found by this harness",
+        "yes (the output path)",
+    ),
+    Seam(
         "H1 state probe (harness only)",
         "fastdeploy.engine.engine",
         "a daemon thread in each rank's engine process (LLMEngine on rank 0, ExpertService.start on ranks > 0 "
@@ -238,6 +250,26 @@ def _s8(module):
                 print(f"[fdsched-serve] output reader rank>0: {exc!r}", file=sys.stderr, flush=True)
 
     module.TokenProcessor.process_sampling_results_use_zmq = process_sampling_results_use_zmq
+
+    # S9: the decode status on the ZMQ path (hosts that split RUNNING into RUNNING_PREFILL / RUNNING_DECODE)
+    from fastdeploy.engine.request import RequestStatus
+
+    if not hasattr(RequestStatus, "RUNNING_DECODE"):
+        return
+    original_batch = module.TokenProcessor._process_batch_output_use_zmq
+
+    def _process_batch_output_use_zmq(self, receive_datas):
+        rm = self.resource_manager
+        for data in receive_datas:
+            tokens = data.tokens
+            if tokens is None or len(tokens) == 0 or tokens[-1] < 0 or rm.stop_flags[data.batch_id]:
+                continue
+            task = rm.tasks_list[data.batch_id]
+            if task is not None and task.status == RequestStatus.RUNNING_PREFILL:
+                task.status = RequestStatus.RUNNING_DECODE  # what the get_output path does on a real token
+        return original_batch(self, receive_datas)
+
+    module.TokenProcessor._process_batch_output_use_zmq = _process_batch_output_use_zmq
 
 
 # S2 + H1 ----------------------------------------------------------------------------------------
