@@ -299,6 +299,7 @@ def _start_simulated_worker(self):
             "--do-profile", str(int(bool(self.do_profile))),
             "--profile-blocks", str(cfg.cache_config.num_gpu_blocks_override or 0),
             "--multi-api-server", str(int(os.getenv("FD_ENABLE_MULTI_API_SERVER", "0") == "1")),
+            "--pod-ip", str(cfg.master_ip),
         ]
         err = open(os.path.join(log_dir, f"simworker_rank{rank}.log"), "ab")
         if first is None:

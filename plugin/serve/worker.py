@@ -45,6 +45,7 @@ def _parse(argv):
     ap.add_argument("--profile-blocks", type=int, default=0)
     ap.add_argument("--multi-api-server", type=int, default=0)
     ap.add_argument("--vocab", type=int, default=900)
+    ap.add_argument("--pod-ip", default="0.0.0.0")
     return ap.parse_args(argv)
 
 
@@ -95,15 +96,25 @@ def main(argv=None) -> int:
         profiled.value[0] = a.profile_blocks
     # this rank's engine (an ExpertService under multi_api_server for ranks > 0) may come up after us
     deadline = time.monotonic() + 300
+    waited = False
+    # the engine's task queue: a unix socket in /dev/shm or TCP, as FD_ENGINE_TASK_QUEUE_WITH_SHM says
+    # (default 1 on the new host, 0 on the old one)
+    from fastdeploy import envs
+
+    address = (f"/dev/shm/fd_task_queue_{a.queue_port}.sock" if int(envs.FD_ENGINE_TASK_QUEUE_WITH_SHM)
+               else (a.pod_ip, a.queue_port))
     while True:
         try:
             cache_ready = signal("cache_ready_signal", 1, a.queue_port)
             live = signal("worker_healthy_live_signal", 1, a.queue_port)
             exist = signal("exist_task_signal", 1, a.queue_port)
-            queue = EngineWorkerQueue(address=f"/dev/shm/fd_task_queue_{a.queue_port}.sock", is_server=False,
-                                      num_client=1, client_id=0, local_data_parallel_id=a.dp_rank)
+            queue = EngineWorkerQueue(address=address, is_server=False, num_client=1, client_id=0,
+                                      local_data_parallel_id=a.dp_rank)
             break
         except (FileNotFoundError, ConnectionError, OSError) as exc:
+            if not waited:
+                log(f"waiting for rank {a.dp_rank}'s engine ({exc!r})")
+                waited = True
             if time.monotonic() > deadline:
                 log(f"rank {a.dp_rank}'s engine did not come up: {exc!r}")
                 return 3
