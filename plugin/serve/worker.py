@@ -205,7 +205,7 @@ def main(argv=None) -> int:
         steps += 1
         window_steps += 1
         now = time.monotonic()
-        if now - window_start >= 5.0:
+        if now - window_start >= 2.0:
             log(f"steps/s={window_steps / (now - window_start):.1f} steps={steps} tokens_out={tokens_out} "
                 f"active={len(slots)} modelled_ms_per_step={1000 * slept_s / max(1, window_steps):.2f}")
             window_start, window_steps, slept_s = now, 0, 0.0
