@@ -462,10 +462,13 @@ def cmd_serve(args) -> int:
         if args.port is not None and not (1024 <= args.port <= 65535):
             raise ServeError(f"--port {args.port}: allowed: 1024-65535")
 
+        check_host_modules()  # imports the host (paddle may install its own SIGINT handler): ours go after it
+
         def _term(_sig, _frm):
             raise KeyboardInterrupt
 
         signal.signal(signal.SIGTERM, _term)
+        signal.signal(signal.SIGINT, _term)
         engine = ServedEngine(config)
         try:
             with engine:
