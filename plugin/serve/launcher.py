@@ -327,7 +327,8 @@ class ServedEngine:
                 proc.wait(timeout=10)
         _kill_pids(self._descendants)
         deadline = time.monotonic() + 10  # SIGKILL is not instantaneous: wait until they are gone
-        while still_running(self._descendants) and time.monotonic() < deadline:
+        while (still_running(self._descendants) or any(port_in_use(p) for p in self.ports)) \
+                and time.monotonic() < deadline:
             time.sleep(0.1)
         self.procs.clear()
         sweep_shm(self.ports)

@@ -135,6 +135,7 @@ def main(argv=None) -> int:
                                   tokens=np.array([value], dtype=np.int64))
 
     slots: dict = {}  # batch slot -> state of the request in it
+    first_max: dict = {}  # request id -> max_tokens when first scheduled
     rng = random.Random(1234 + a.dp_rank)
     steps = tokens_out = 0
     busy_s = slept_s = 0.0
@@ -158,7 +159,8 @@ def main(argv=None) -> int:
                         outputs_so_far = len(r.output_token_ids or [])
                         slot = slots.get(r.idx)
                         if slot is None or slot["rid"] != r.request_id or r.prefill_start_index == 0:
-                            max_tokens = r.get("max_tokens", None) or 16
+                            # the client's max_tokens as first seen: a rescheduled (preempted) request keeps it
+                            max_tokens = first_max.setdefault(r.request_id, r.get("max_tokens", None) or 16)
                             slot = slots[r.idx] = {"rid": r.request_id, "generated": outputs_so_far,
                                                    "max": int(max_tokens), "decoding": False}
                         slot["chunk"] = (r.prefill_start_index, r.prefill_end_index,
@@ -193,6 +195,7 @@ def main(argv=None) -> int:
                 outs.append(token(idx, value))
                 tokens_out += 1
                 if value in eos:
+                    first_max.pop(slot["rid"], None)
                     del slots[idx]
         ms = step_ms(prefill_tokens, decode_requests, context) if (prefill_tokens or decode_requests) else 0.0
         t0 = time.monotonic()
