@@ -1,0 +1,506 @@
+"""``fdsched serve``: FastDeploy's real OpenAI serving stack on CPU, the plugin loaded by ``FD_PLUGINS=fdsched``.
+
+One rank: ``python -m fastdeploy.entrypoints.openai.api_server``. ``--dp N``: the Router
+(``python -m fastdeploy.router.launch``) and ``python -m fastdeploy.entrypoints.openai.multi_api_server`` with
+``--router``, as in examples/ab_run.md, with ``FDSCHED_PROFILE_BY_DP_RANK`` from ``--arms``. The host's own
+commands, unchanged; the seams (:mod:`fdsched.serve.seams`) reach them through a ``sitecustomize`` on the
+served stack's ``PYTHONPATH``.
+
+:class:`ServedEngine` is the context manager the tests and the load generator use. Every process it starts
+is in its own process group; stopping (also after Ctrl-C, a dead child or a failed start) terminates the
+groups and every descendant, then removes ``/dev/shm`` segments whose names carry the stack's ports.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from typing import Optional
+
+PORT_RANGE = (18000, 18999)
+PORTS_PER_RANK = 6  # api, metrics, engine-worker-queue, cache-queue, pd-comm, rdma
+REQUIRED_MODULES = ("fastdeploy", "fastapi", "uvicorn", "gunicorn", "aiozmq", "jinja2", "ml_dtypes",
+                    "partial_json_parser", "zmq", "tokenizers", "prometheus_client")
+
+
+class ServeError(RuntimeError):
+    """One clear error (the CLI prints it without a traceback)."""
+
+
+def port_in_use(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("0.0.0.0", port))
+        except OSError:
+            return True
+    return False
+
+
+def free_ports(count: int, start: Optional[int] = None, port_range=PORT_RANGE) -> list:
+    """``count`` consecutive free ports in ``port_range`` (from ``start`` if given, else a random offset)."""
+    import random
+
+    lo, hi = port_range
+    first = start if start is not None else lo + random.randrange(0, max(1, hi - lo - count))
+    candidates = list(range(first, hi + 1 - count + 1)) + list(range(lo, first))
+    for base in candidates[::count]:
+        block = list(range(base, base + count))
+        if block[-1] <= hi and not any(port_in_use(p) for p in block):
+            return block
+    raise ServeError(f"no {count} free consecutive ports in {lo}-{hi}")
+
+
+@dataclass
+class EngineConfig:
+    profile: Optional[str] = None
+    dp: int = 1
+    arms: Optional[str] = None  # "0=baseline,1=recommended"
+    port: Optional[int] = None  # first port of the stack; default: free ports picked in PORT_RANGE
+    num_gpu_blocks: int = 200
+    block_size: int = 64
+    max_num_seqs: int = 32
+    max_model_len: int = 4096
+    max_num_batched_tokens: int = 2048
+    enable_prefix_caching: bool = True
+    health_timeout: float = 240.0
+    log_dir: Optional[str] = None
+    env: dict = field(default_factory=dict)  # extra environment for the served stack
+
+
+def check_host_modules() -> str:
+    """The host source directory; ServeError naming what is missing."""
+    import importlib.util
+
+    from fdsched.host import HostNotFound, find_host
+
+    try:
+        source = find_host()
+    except HostNotFound as exc:
+        raise ServeError(f"needs FastDeploy engine: {exc}") from None
+    missing = [m for m in REQUIRED_MODULES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise ServeError(f"needs FastDeploy engine: the serving stack's modules are missing: {', '.join(missing)}; "
+                         "install them with: pip install -r $(python -c 'import fdsched,os;"
+                         "print(os.path.dirname(fdsched.__file__))')/host-requirements-cpu.txt")
+    return source
+
+
+class ServedEngine:
+    """Start the served stack; ``with ServedEngine(EngineConfig(...)) as eng: eng.urls ...``."""
+
+    def __init__(self, config: EngineConfig = None, **kw):
+        self.config = config or EngineConfig(**kw)
+        c = self.config
+        if c.dp < 1:
+            raise ServeError(f"--dp {c.dp}: allowed: an integer >= 1")
+        if c.arms and c.dp < 2:
+            raise ServeError(f"--arms {c.arms!r} needs --dp >= 2 (one arm per data-parallel rank)")
+        self.procs: dict = {}
+        self._tmp = tempfile.mkdtemp(prefix="fdsched-serve-")
+        self.log_dir = c.log_dir or os.path.join(self._tmp, "log")
+        os.makedirs(self.log_dir, exist_ok=True)
+        self.state_dir = os.path.join(self._tmp, "state")
+        os.makedirs(self.state_dir)
+        self.ports: list = []
+        self.urls: list = []
+        self.metrics_urls: list = []
+        self.router_url: Optional[str] = None
+        self._descendants: set = set()
+
+    # ----------------------------------------------------------------------------------- start / stop
+    def __enter__(self):
+        try:
+            self.start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+        return False
+
+    def _allocate_ports(self):
+        c = self.config
+        need = PORTS_PER_RANK * c.dp + (1 if c.dp > 1 else 0)
+        if c.port is not None:
+            block = list(range(c.port, c.port + need))
+            busy = [p for p in block if port_in_use(p)]
+            if busy:
+                raise ServeError(f"--port {c.port}: port {busy[0]} is in use (the stack needs ports "
+                                 f"{block[0]}-{block[-1]}); allowed: a first port whose {need} ports are free")
+        else:
+            block = free_ports(need)
+        self.ports = block
+        per = [block[i * PORTS_PER_RANK:(i + 1) * PORTS_PER_RANK] for i in range(c.dp)]
+        self._rank_ports = per
+        self.urls = [f"http://127.0.0.1:{p[0]}" for p in per]
+        self.metrics_urls = [f"http://127.0.0.1:{p[1]}/metrics" for p in per]
+        self.router_url = f"http://127.0.0.1:{block[-1]}" if c.dp > 1 else None
+
+    def _env(self, source: str) -> dict:
+        from fdsched.serve import seams
+
+        c = self.config
+        site = os.path.join(self._tmp, "site")
+        os.makedirs(site, exist_ok=True)
+        seams.write_sitecustomize(site)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FDSCHED_PROFILE")}
+        env.update({
+            "PYTHONPATH": os.pathsep.join(p for p in (site, source, os.environ.get("PYTHONPATH", "")) if p),
+            seams.ENABLE_ENV: "1",
+            seams.WORKER_ENV: os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py"),
+            seams.STATE_ENV: self.state_dir,
+            "FD_PLUGINS": "fdsched",
+            "FD_LOG_DIR": self.log_dir,
+            "PROMETHEUS_MULTIPROC_DIR": os.path.join(self._tmp, "prom"),
+            "FD_USE_GET_SAVE_OUTPUT_V1": "1",
+            "ENABLE_V1_KVCACHE_SCHEDULER": "1",
+            "PYTHONUNBUFFERED": "1",
+        })
+        os.makedirs(env["PROMETHEUS_MULTIPROC_DIR"], exist_ok=True)
+        if c.profile:
+            env["FDSCHED_PROFILE"] = c.profile
+        if c.arms:
+            env["FDSCHED_PROFILE_BY_DP_RANK"] = c.arms
+        if c.dp > 1:
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(c.dp))  # seam S7
+        env.update({k: str(v) for k, v in c.env.items()})
+        return env
+
+    def _server_args(self, model: str) -> list:
+        c = self.config
+        per = self._rank_ports
+        joined = lambda i: ",".join(str(p[i]) for p in per)  # noqa: E731
+        args = [
+            "--model", model, "--max-model-len", str(c.max_model_len), "--max-num-seqs", str(c.max_num_seqs),
+            "--block-size", str(c.block_size), "--num-gpu-blocks-override", str(c.num_gpu_blocks),
+            "--max-num-batched-tokens", str(c.max_num_batched_tokens),
+            "--engine-worker-queue-port", joined(2), "--cache-queue-port", joined(3),
+            "--pd-comm-port", joined(4), "--rdma-comm-ports", joined(5),
+            "--no-enable-overlap-schedule",
+            "--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching",
+        ]
+        if c.dp > 1:
+            args += ["--data-parallel-size", str(c.dp), "--router", self.router_url]
+        return args
+
+    def _spawn(self, name: str, cmd: list, env: dict):
+        out = open(os.path.join(self.log_dir, f"{name}.out"), "ab")
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                start_new_session=True)
+        self.procs[name] = proc
+        return proc
+
+    def start(self):
+        from fdsched.serve.model import make_model
+
+        source = check_host_modules()
+        self._allocate_ports()
+        model = make_model()
+        env = self._env(source)
+        c = self.config
+        py = sys.executable
+        if c.dp == 1:
+            p = self._rank_ports[0]
+            self._spawn("api_server", [py, "-m", "fastdeploy.entrypoints.openai.api_server", "--port", str(p[0]),
+                                       "--metrics-port", str(p[1])] + self._server_args(model), env)
+        else:
+            router_port = self.ports[-1]
+            self._spawn("router", [py, "-m", "fastdeploy.router.launch", "--host", "127.0.0.1", "--port",
+                                   str(router_port)], env)
+            self._wait_http(self.router_url + "/health", "router", self.procs["router"])
+            per = self._rank_ports
+            self._spawn("multi_api_server", [
+                py, "-m", "fastdeploy.entrypoints.openai.multi_api_server", "--num-servers", str(c.dp),
+                "--ports", ",".join(str(q[0]) for q in per), "--metrics-ports", ",".join(str(q[1]) for q in per),
+                "--args"] + self._server_args(model), env)
+        self._wait_healthy()
+
+    def rank_log_dir(self, rank: int) -> str:
+        return self.log_dir if self.config.dp == 1 else os.path.join(self.log_dir, f"log_{rank}")
+
+    def _alive_check(self):
+        for name, proc in self.procs.items():
+            if proc.poll() is not None:
+                raise ServeError(f"stage {name}: the process exited with code {proc.returncode} during start; "
+                                 f"its output: {self._tail(name)}")
+
+    def _tail(self, name: str, lines: int = 15) -> str:
+        try:
+            with open(os.path.join(self.log_dir, f"{name}.out"), errors="replace") as fh:
+                return "\n" + "".join(fh.readlines()[-lines:])
+        except OSError:
+            return "(no output)"
+
+    def _wait_http(self, url: str, stage: str, proc=None, deadline: Optional[float] = None):
+        deadline = deadline or time.monotonic() + self.config.health_timeout
+        while time.monotonic() < deadline:
+            self._alive_check()
+            if _http_ok(url):
+                return
+            time.sleep(0.5)
+        raise ServeError(f"stage {stage}: not healthy within {self.config.health_timeout:.0f}s ({url}); "
+                         f"logs in {self.log_dir}")
+
+    def _stage_of(self, rank: int) -> str:
+        found = [os.path.join(root, f"simworker_rank{rank}.log") for root, _d, files in os.walk(self.log_dir)
+                 if f"simworker_rank{rank}.log" in files]
+        worker_log = found[0] if found else None
+        if worker_log is None:
+            return f"api_server rank {rank} (the engine did not launch its worker)"
+        with open(worker_log, errors="replace") as fh:
+            if "ready:" not in fh.read():
+                return f"worker ready rank {rank}"
+        return f"engine start rank {rank} (/health)"
+
+    def _wait_healthy(self):
+        deadline = time.monotonic() + self.config.health_timeout
+        pending = set(range(self.config.dp))
+        while pending and time.monotonic() < deadline:
+            self._alive_check()
+            for rank in sorted(pending):
+                if _http_ok(self.urls[rank] + "/health"):
+                    pending.discard(rank)
+            time.sleep(0.5)
+        if pending:
+            stages = "; ".join(self._stage_of(r) for r in sorted(pending))
+            raise ServeError(f"stage {stages}: not healthy within {self.config.health_timeout:.0f}s; "
+                             f"logs in {self.log_dir}")
+        if self.router_url:
+            while time.monotonic() < deadline:
+                try:
+                    with urllib.request.urlopen(self.router_url + "/registered_number", timeout=2) as r:
+                        body = r.read().decode()
+                    if str(self.config.dp) in re.findall(r"\d+", body):
+                        return
+                except OSError:
+                    pass
+                time.sleep(0.5)
+            raise ServeError(f"stage router: the {self.config.dp} api_servers did not register with the Router "
+                             f"within {self.config.health_timeout:.0f}s")
+
+    def _collect_descendants(self):
+        try:
+            import psutil
+        except ImportError:
+            return
+        for proc in self.procs.values():
+            try:
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    self._descendants.add((child.pid, child.create_time()))
+            except psutil.Error:
+                pass
+
+    def stop(self):
+        """Terminate everything this stack started; sweep its /dev/shm segments. Idempotent."""
+        self._collect_descendants()
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        deadline = time.monotonic() + 15
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        self._collect_descendants()
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+                proc.wait(timeout=10)
+        _kill_pids(self._descendants)
+        deadline = time.monotonic() + 10  # SIGKILL is not instantaneous: wait until they are gone
+        while (still_running(self._descendants) or any(port_in_use(p) for p in self.ports)) \
+                and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.procs.clear()
+        sweep_shm(self.ports)
+
+    def cleanup(self):
+        shutil.rmtree(self._tmp, ignore_errors=True)
+
+    # ----------------------------------------------------------------------------------- reading
+    def engine_log_text(self) -> str:
+        parts = []
+        for root, _dirs, files in os.walk(self.log_dir):
+            for name in sorted(files):
+                try:
+                    with open(os.path.join(root, name), errors="replace") as fh:
+                        parts.append(f"==> {os.path.join(root, name)} <==\n{fh.read()}")
+                except OSError:
+                    pass
+        return "\n".join(parts)
+
+    def metrics_text(self, rank: int = 0) -> str:
+        with urllib.request.urlopen(self.metrics_urls[rank], timeout=10) as r:
+            return r.read().decode()
+
+    def engine_state(self, rank: int = 0, timeout: float = 20.0) -> dict:
+        """The rank's cache-manager block accounting and pending plugin signals (harness seam H1)."""
+        import json
+
+        answer = os.path.join(self.state_dir, f"state-rank{rank}.json")
+        if os.path.exists(answer):
+            os.remove(answer)
+        open(os.path.join(self.state_dir, f"ask-rank{rank}"), "w").close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if os.path.exists(answer):
+                with open(answer) as fh:
+                    return json.load(fh)
+            time.sleep(0.05)
+        raise ServeError(f"rank {rank}: the engine's state probe did not answer within {timeout:.0f}s")
+
+
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as r:
+            return r.status == 200
+    except Exception:
+        return False
+
+
+def _kill_pids(pids):
+    for pid in still_running(pids):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def still_running(descendants) -> list:
+    """The (pid, create_time) pairs that are still the same live, non-zombie process."""
+    import psutil
+
+    alive = []
+    for pid, created in descendants:
+        try:
+            p = psutil.Process(pid)
+            if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(pid)
+        except psutil.Error:
+            pass
+    return alive
+
+
+def sweep_shm(ports, shm_dir: str = "/dev/shm") -> list:
+    """Remove /dev/shm entries whose names carry one of ``ports`` as a whole number; returns what was removed."""
+    if not ports or not os.path.isdir(shm_dir):
+        return []
+    pattern = re.compile(r"(?<!\d)(" + "|".join(str(p) for p in ports) + r")(?!\d)")
+    removed = []
+    for name in os.listdir(shm_dir):
+        if pattern.search(name):
+            try:
+                os.remove(os.path.join(shm_dir, name))
+                removed.append(name)
+            except OSError:
+                pass
+    return removed
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+
+def add_command(sub) -> None:
+    p = sub.add_parser("serve", help="FastDeploy's real OpenAI server on CPU with the plugin and a simulated worker")
+    p.add_argument("--profile", help="FDSCHED_PROFILE for every rank")
+    p.add_argument("--dp", type=int, default=1, help="data-parallel ranks (multi_api_server + Router)")
+    p.add_argument("--arms", help="FDSCHED_PROFILE_BY_DP_RANK, e.g. 0=baseline,1=recommended (needs --dp >= 2)")
+    p.add_argument("--port", type=int, help=f"first port of the stack (default: free ports in {PORT_RANGE[0]}-"
+                                            f"{PORT_RANGE[1]})")
+    p.add_argument("--num-gpu-blocks", type=int)
+    p.add_argument("--block-size", type=int)
+    p.add_argument("--max-num-seqs", type=int)
+    p.add_argument("--max-model-len", type=int)
+    p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument("--health-timeout", type=float, default=240.0, help="seconds to wait for each stage")
+    p.add_argument("--trace", help="a trace name or file: send it, report, shut down")
+    p.add_argument("--time-scale", type=float, default=1.0)
+    p.add_argument("--out", help="report directory (with --trace)")
+    p.set_defaults(func=cmd_serve)
+
+
+def _shape_from_args(args) -> dict:
+    shape = {}
+    if args.trace:
+        from fdsched.replay.trace import load_trace  # the trace header's engine shape
+
+        trace = load_trace(args.trace)
+        engine = getattr(trace, "engine", None) or {}
+        for key in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens"):
+            if key in engine:
+                shape[key] = engine[key]
+    for key in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens"):
+        value = getattr(args, key)
+        if value is not None:
+            if value < 1:
+                raise ServeError(f"--{key.replace('_', '-')} {value}: allowed: an integer >= 1")
+            shape[key] = value
+    return shape
+
+
+def cmd_serve(args) -> int:
+    try:
+        config = EngineConfig(profile=args.profile, dp=args.dp, arms=args.arms, port=args.port,
+                              health_timeout=args.health_timeout, **_shape_from_args(args))
+        if args.port is not None and not (1024 <= args.port <= 65535):
+            raise ServeError(f"--port {args.port}: allowed: 1024-65535")
+
+        check_host_modules()  # imports the host (paddle may install its own SIGINT handler): ours go after it
+
+        def _term(_sig, _frm):
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, _term)
+        signal.signal(signal.SIGINT, _term)
+        engine = ServedEngine(config)
+        try:
+            with engine:
+                print(f"fdsched serve: up; logs in {engine.log_dir}")
+                for rank, (url, metrics) in enumerate(zip(engine.urls, engine.metrics_urls)):
+                    print(f"  rank {rank}: {url}/v1/completions  metrics {metrics}")
+                if engine.router_url:
+                    print(f"  router: {engine.router_url}/v1/completions")
+                if args.trace:
+                    return _run_trace(engine, args)
+                print("serving until Ctrl-C", flush=True)
+                while True:
+                    for name, proc in engine.procs.items():
+                        if proc.poll() is not None:
+                            raise ServeError(f"{name} exited with code {proc.returncode}; shutting down; "
+                                             f"logs in {engine.log_dir}")
+                    time.sleep(1)
+        except KeyboardInterrupt:
+            print("fdsched serve: stopped", file=sys.stderr)
+            return 0
+    except ServeError as exc:
+        print(f"fdsched serve: {exc}", file=sys.stderr)
+        return 2
+
+
+def _run_trace(engine, args) -> int:
+    try:
+        from fdsched.serve.load import run_trace_load
+    except ImportError:
+        # TODO(load): item 2 of issue 15 (plugin/serve/load.py) provides run_trace_load; until it is merged
+        # `fdsched serve --trace` starts the engine, says so and stops.
+        raise ServeError("--trace needs fdsched.serve.load.run_trace_load (the load generator), which is not "
+                         "installed in this checkout")
+    return int(run_trace_load(engine, args.trace, time_scale=args.time_scale, out=args.out) or 0)

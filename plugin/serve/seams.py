@@ -1,0 +1,466 @@
+"""Every seam the served engine needs on a CPU machine: as data (:data:`SEAMS`) and as code, in one place.
+
+How the seams reach every process
+---------------------------------
+The served stack is several processes: the Router, ``multi_api_server`` (which starts one
+``python -m fastdeploy.entrypoints.openai.api_server`` per data-parallel rank with ``subprocess``), each
+api_server (gunicorn/uvicorn with the ``LLMEngine`` in its process, plus its queue-manager children), and
+the simulated workers. The launcher (:mod:`fdsched.serve.launcher`) writes a ``sitecustomize.py`` into a
+temporary directory and puts that directory on ``PYTHONPATH`` **only in the environment of the served
+stack** (with ``FDSCHED_SERVE_SEAMS=1``). Python imports ``sitecustomize`` at start-up in every process
+that inherits that environment, spawned ones included. It loads *this file by its path* (under a private
+module name, so the ``fdsched`` package and the plugin are NOT imported) and installs an import hook
+(:class:`_SeamFinder` on ``sys.meta_path``). The hook does nothing until one of the host modules in
+:data:`SEAMS` is imported; right after that module has executed it applies that module's seams. A process
+that never imports those modules (the Router) is not changed at all. Without ``FDSCHED_SERVE_SEAMS=1``
+the ``sitecustomize`` returns at once.
+
+Why an import hook rather than a wrapper entry point: the operator's commands stay exactly the
+production ones (``python -m fastdeploy.entrypoints.openai.api_server``, ``multi_api_server``,
+``fastdeploy.router.launch``), and the processes those commands spawn get the same seams without any of
+them knowing.
+
+The plugin is loaded only by FastDeploy's own loader (``load_model_register_plugins``, which reads
+``FD_PLUGINS``): seam S4 calls that loader where the model-zoo import would have called it. Nothing
+here imports ``fdsched``.
+
+Seams change nothing else of the host. Each entry of :data:`SEAMS` names the host lines it stands for on
+both supported hosts (new d38eeb8, old e7c8dc2) and why it is needed.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import importlib.machinery
+import json
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+
+ENABLE_ENV = "FDSCHED_SERVE_SEAMS"  # "1": install the seams in this process tree
+WORKER_ENV = "FDSCHED_SERVE_WORKER"  # path of the simulated worker script (fdsched/serve/worker.py)
+STATE_ENV = "FDSCHED_SERVE_STATE_DIR"  # where the state probe (H1) answers requests
+MAIN_ENV_MULTI = "fastdeploy.entrypoints.openai.multi_api_server"
+
+
+@dataclass(frozen=True)
+class Seam:
+    id: str
+    module: str  # the host module whose import triggers the seam
+    replaces: str  # what is replaced
+    lines: dict  # host commit prefix -> the host lines it stands for
+    why: str
+    gpu_necessity: str
+
+
+NEW, OLD = "d38eeb8", "e7c8dc2"
+
+SEAMS = (
+    Seam(
+        "S1 platform",
+        "fastdeploy.engine.args_utils",
+        "args_utils.current_platform (a CPU platform that answers is_cuda() True)",
+        {NEW: "engine/args_utils.py 573-625 (EngineArgs.__post_init__)", OLD: "engine/args_utils.py 560-612"},
+        "on a non-CUDA platform __post_init__ turns prefix caching off, the overlap schedule off and forces "
+        "ENABLE_V1_KVCACHE_SCHEDULER=0: config decisions only, so the V1 scheduler and the prefix cache the "
+        "plugin replaces would never run",
+        "no",
+    ),
+    Seam(
+        "S2 worker launch",
+        "fastdeploy.engine.engine",
+        "LLMEngine._start_worker_service: starts fdsched/serve/worker.py instead of paddle.distributed.launch",
+        {NEW: "engine/engine.py 525-694 (_start_worker_service); 864-930 check_worker_initialize_status reads "
+              "its stdout", OLD: "engine/engine.py 514-~680; 846-~910"},
+        "the real worker runs the model on a GPU",
+        "yes",
+    ),
+    Seam(
+        "S3 kv shape",
+        "fastdeploy.cache_manager.prefix_cache_manager",
+        "PrefixCacheManager._get_kv_cache_shape: the shape computed from the model config",
+        {NEW: "cache_manager/prefix_cache_manager.py 140-~165", OLD: "cache_manager/prefix_cache_manager.py 138-~163"},
+        "builds a GPU attention backend only to size the swap process's command line",
+        "yes",
+    ),
+    Seam(
+        "S6 visible devices",
+        "fastdeploy.cache_manager.prefix_cache_manager",
+        "prefix_cache_manager.get_all_visible_devices when it is None",
+        {NEW: "prefix_cache_manager.py 35 (import), 288 and 407 (use)", OLD: "prefix_cache_manager.py 35, 282, 391"},
+        "cache_manager/ops.py binds it to None when the GPU ops do not import; used for the cache processes' "
+        "command line",
+        "no",
+    ),
+    Seam(
+        "S4 model zoo",
+        "fastdeploy.config",
+        "ModelConfig._post_init without the model-zoo registry; keeps read_model_config and the rest; then "
+        "FastDeploy's own plugin loader (load_model_register_plugins)",
+        {NEW: "config.py 302-347 (_post_init), 349-352 (registry); model_executor/models/__init__.py 68 "
+              "(the loader call the zoo import makes)", OLD: "config.py 301-346, 348-351; models/__init__.py 68"},
+        "the registry imports the model zoo (paddleformers extras, GPU layers); that import is also what runs "
+        "FD_PLUGINS' loader, so the loader is called here instead; pooler_config stays None (deep-copyable)",
+        "partly",
+    ),
+    Seam(
+        "S5 eos helper",
+        "paddleformers.cli.utils.llm_utils",
+        "get_eos_token_id (paddleformers.cli.utils.llm_utils or .trl.llm_utils), only when the real module fails "
+        "to import",
+        {NEW: "input/base_processor.py 102-107", OLD: "input/base_processor.py 102-107"},
+        "paddleformers' module imports sklearn, which the CPU venv does not need otherwise",
+        "no",
+    ),
+    Seam(
+        "S7 multi_api_server devices",
+        "fastdeploy.platforms",
+        "the platform of the multi_api_server process only (is_cuda() True, CUDA_VISIBLE_DEVICES from the "
+        "launcher)",
+        {NEW: "entrypoints/openai/multi_api_server.py 164-173 (device_count), 91-97 (rdma ports check)",
+         OLD: "entrypoints/openai/multi_api_server.py 164-173"},
+        "on CPU device_count is 0 and the rdma-ports check can never pass, so multi_api_server cannot start",
+        "no",
+    ),
+    Seam(
+        "S8 output reader on rank > 0",
+        "fastdeploy.output.token_processor",
+        "TokenProcessor.process_sampling_results_use_zmq on data-parallel ranks > 0 only: a loop calling the "
+        "host's own _reschedule_preempt_task_use_zmq, _process_batch_output_use_zmq and postprocess",
+        {NEW: "output/token_processor.py 447-470", OLD: "output/token_processor.py 375-398"},
+        "the ZMQ output path (FD_USE_GET_SAVE_OUTPUT_V1) reads only on rank 0 unless expert parallelism is on; "
+        "production GPUs use the compiled get_output path, which every rank reads",
+        "yes (the output path)",
+    ),
+    Seam(
+        "S9 decode status on the ZMQ path",
+        "fastdeploy.output.token_processor",
+        "TokenProcessor._process_batch_output_use_zmq: first marks a RUNNING_PREFILL task that received a real "
+        "token RUNNING_DECODE, then runs the host's method (hosts without RUNNING_DECODE: no change)",
+        {NEW: "output/token_processor.py 341-(ZMQ path, no status change) vs 954-955 (get_output path sets it); "
+              "resource_manager_v1.py 361 preempts only RUNNING_DECODE", OLD: "not applied (no split status)"},
+        "on the new host only the compiled get_output path moves a request to RUNNING_DECODE; on the ZMQ path no "
+        "request ever becomes preemptable and the scheduler logs 'no preemptable request can be found'. "
+        "A host divergence between the two output paths, found by this harness",
+        "yes (the output path)",
+    ),
+    Seam(
+        "H1 state probe (harness only)",
+        "fastdeploy.engine.engine",
+        "a daemon thread in each rank's engine process (LLMEngine on rank 0, ExpertService.start on ranks > 0 "
+        "under multi_api_server) answering state requests through files in FDSCHED_SERVE_STATE_DIR",
+        {NEW: "added; wraps engine/expert_service.py ExpertService.start (~101)", OLD: "added; expert_service.py start"},
+        "tests read the engine's own cache-manager block accounting and the plugin's pending one-shot "
+        "block-check signals from the live process",
+        "no",
+    ),
+)
+
+
+def seam_table(host_prefix: str = NEW) -> str:
+    rows = [f"| {s.id} | {s.lines.get(host_prefix, '?')} | {s.why} |" for s in SEAMS]
+    return "\n".join(["| seam | host lines | why |", "|---|---|---|"] + rows)
+
+
+# ---------------------------------------------------------------------------------------------- the code
+
+def _sim_platform():
+    from fastdeploy.platforms.cpu import CPUPlatform
+
+    class SimulatedCudaPlatform(CPUPlatform):
+        """A CPU platform that claims CUDA for configuration decisions only."""
+
+        def is_cuda(self):
+            return True
+
+    return SimulatedCudaPlatform()
+
+
+def _s1(module):
+    module.current_platform = _sim_platform()
+
+
+def _s3_s6(module):
+    def _get_kv_cache_shape(self, max_block_num):
+        model = self.config.model_config
+        tp = self.config.parallel_config.tensor_parallel_size
+        heads = max(1, int(model.num_key_value_heads) // tp)
+        shape = [max_block_num, heads, self.config.cache_config.block_size, model.head_dim]
+        return shape, list(shape)
+
+    module.PrefixCacheManager._get_kv_cache_shape = _get_kv_cache_shape
+    if getattr(module, "get_all_visible_devices", None) is None:
+        module.get_all_visible_devices = lambda: "CUDA_VISIBLE_DEVICES=0"
+
+
+def _s4(module):
+    def _post_init(self):
+        self.is_unified_ckpt = False
+        self.runner_type = "generate"
+        self.convert_type = "none"
+        self.supported_tasks = ["generate"]
+        self.is_reasoning_model = False
+        self.enable_mm = False
+        self.kv_cache_quant_scale_path = os.path.join(self.model, "kv_cache_scale.json")
+        self._architecture = self.architectures[0]
+        self.pooler_config = None
+        self.override_name_from_config()
+        self.read_from_env()
+        self.read_model_config()
+        from fastdeploy.plugins.model_register import load_model_register_plugins
+
+        load_model_register_plugins()  # FastDeploy's loader: loads fdsched only when FD_PLUGINS names it
+
+    module.ModelConfig._post_init = _post_init
+
+
+def _s5_fallback(module):
+    def get_eos_token_id(tokenizer, generation_config=None):
+        ids = []
+        if generation_config is not None and getattr(generation_config, "eos_token_id", None) is not None:
+            eos = generation_config.eos_token_id
+            ids = list(eos) if isinstance(eos, (list, tuple)) else [eos]
+        if not ids and tokenizer.eos_token_id is not None:
+            ids = [tokenizer.eos_token_id]
+        return ids
+
+    module.get_eos_token_id = get_eos_token_id
+
+
+def _s7(module):
+    if _main_module() == MAIN_ENV_MULTI:
+        module._current_platform = _sim_platform()
+
+
+def _s8(module):
+    original = module.TokenProcessor.process_sampling_results_use_zmq
+
+    def process_sampling_results_use_zmq(self):
+        if self.cfg.parallel_config.local_data_parallel_id == 0:
+            return original(self)
+        while True:  # rank > 0: the same three steps the host runs on rank 0
+            datas = self.zmq_server.recv_pyobj()
+            try:
+                self._reschedule_preempt_task_use_zmq(datas)
+                self.postprocess(self._process_batch_output_use_zmq(datas))
+            except Exception as exc:  # as the host's loop: log and go on
+                print(f"[fdsched-serve] output reader rank>0: {exc!r}", file=sys.stderr, flush=True)
+
+    module.TokenProcessor.process_sampling_results_use_zmq = process_sampling_results_use_zmq
+
+    # S9: the decode status on the ZMQ path (hosts that split RUNNING into RUNNING_PREFILL / RUNNING_DECODE)
+    from fastdeploy.engine.request import RequestStatus
+
+    if not hasattr(RequestStatus, "RUNNING_DECODE"):
+        return
+    original_batch = module.TokenProcessor._process_batch_output_use_zmq
+
+    def _process_batch_output_use_zmq(self, receive_datas):
+        rm = self.resource_manager
+        for data in receive_datas:
+            tokens = data.tokens
+            if tokens is None or len(tokens) == 0 or tokens[-1] < 0 or rm.stop_flags[data.batch_id]:
+                continue
+            task = rm.tasks_list[data.batch_id]
+            if task is not None and task.status == RequestStatus.RUNNING_PREFILL:
+                task.status = RequestStatus.RUNNING_DECODE  # what the get_output path does on a real token
+        return original_batch(self, receive_datas)
+
+    module.TokenProcessor._process_batch_output_use_zmq = _process_batch_output_use_zmq
+
+
+# S2 + H1 ----------------------------------------------------------------------------------------
+
+def _start_simulated_worker(self):
+    """Stands for LLMEngine._start_worker_service: one simulated worker per data-parallel rank.
+
+    As ``paddle.distributed.launch --devices 0,1`` does, the LLMEngine (rank 0's, also under
+    multi_api_server, where ranks > 0 run an ExpertService that launches no worker) starts the workers of
+    every rank; they share one process group, whose leader's stdout the engine reads.
+    """
+    cfg = self.cfg
+    pc = cfg.parallel_config
+    log_dir = os.getenv("FD_LOG_DIR", "log")
+    os.makedirs(log_dir, exist_ok=True)
+    eos = list(self.engine.data_processor.eos_token_ids)
+    first = None
+    for rank in range(int(pc.data_parallel_size)):
+        cmd = [
+            sys.executable, "-u", os.environ[WORKER_ENV],
+            "--engine-pid", str(pc.engine_worker_queue_port[0]),
+            "--queue-port", str(pc.engine_worker_queue_port[rank]),
+            "--dp-rank", str(rank),
+            "--dp-size", str(pc.data_parallel_size),
+            "--ready-slots", str(cfg.worker_num_per_node),
+            "--eos", ",".join(map(str, eos)),
+            "--do-profile", str(int(bool(self.do_profile))),
+            "--profile-blocks", str(cfg.cache_config.num_gpu_blocks_override or 0),
+            "--multi-api-server", str(int(os.getenv("FD_ENABLE_MULTI_API_SERVER", "0") == "1")),
+            "--pod-ip", str(cfg.master_ip),
+        ]
+        err = open(os.path.join(log_dir, f"simworker_rank{rank}.log"), "ab")
+        if first is None:
+            first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, process_group=0)
+        else:
+            subprocess.Popen(cmd, stdout=err, stderr=err, process_group=first.pid)
+    _start_state_probe(self, int(getattr(pc, "local_data_parallel_id", 0) or 0))
+    return first
+
+
+def _s2(module):
+    module.LLMEngine._start_worker_service = _start_simulated_worker
+
+
+def _h1_expert_service(module):
+    original = module.ExpertService.start
+
+    def start(self, *args, **kwargs):
+        ok = original(self, *args, **kwargs)
+        _start_state_probe(self, int(self.cfg.parallel_config.local_data_parallel_id or 0))
+        return ok
+
+    module.ExpertService.start = start
+
+
+def engine_state(llm_engine) -> dict:
+    """The engine's own block accounting and the plugin's pending block-check signals (H1)."""
+    rm = llm_engine.engine.resource_manager
+    cm = rm.cache_manager
+    free = list(cm.gpu_free_block_list)
+    tree = []
+    stack = [getattr(cm, "radix_tree_root", None)]
+    while stack:
+        node = stack.pop()
+        if node is None:
+            continue
+        if getattr(node, "block_id", None) is not None and node is not cm.radix_tree_root:
+            tree.append(node.block_id)
+        stack.extend(getattr(node, "children", {}).values())
+    held = []
+    for req in list(getattr(rm, "requests", {}).values()):
+        held.extend(getattr(req, "block_tables", []) or [])
+    pending = cm.__dict__.get("_fdsched_block_checks")
+    return {
+        "rm_class": type(rm).__name__, "cm_class": type(cm).__name__,
+        "total": int(cm.num_gpu_blocks), "free": free, "tree_blocks": tree, "request_blocks": held,
+        "running": len(getattr(rm, "running", [])), "waiting": len(getattr(rm, "waiting", [])),
+        "requests": len(getattr(rm, "requests", {})),
+        "pending_signals": [repr(p) for p in (pending.pending() if pending is not None else ())],
+    }
+
+
+def _start_state_probe(llm_engine, dp_rank: int) -> None:
+    state_dir = os.environ.get(STATE_ENV)
+    if not state_dir:
+        return
+
+    def loop():
+        ask = os.path.join(state_dir, f"ask-rank{dp_rank}")
+        answer = os.path.join(state_dir, f"state-rank{dp_rank}.json")
+        while True:
+            if os.path.exists(ask):
+                try:
+                    state = engine_state(llm_engine)
+                except Exception as exc:  # report, never crash the engine
+                    state = {"error": repr(exc)}
+                tmp = answer + ".tmp"
+                with open(tmp, "w") as fh:
+                    json.dump(state, fh)
+                os.replace(tmp, answer)
+                os.remove(ask)
+            time.sleep(0.05)
+
+    threading.Thread(target=loop, name="fdsched-serve-state-probe", daemon=True).start()
+
+
+# ---------------------------------------------------------------------------------------------- the hook
+
+_AFTER_LOAD = {
+    "fastdeploy.engine.args_utils": [_s1],
+    "fastdeploy.engine.engine": [_s2],
+    "fastdeploy.engine.expert_service": [_h1_expert_service],
+    "fastdeploy.cache_manager.prefix_cache_manager": [_s3_s6],
+    "fastdeploy.config": [_s4],
+    "fastdeploy.platforms": [_s7],
+    "fastdeploy.output.token_processor": [_s8],
+}
+_ON_IMPORT_ERROR = {"paddleformers.trl.llm_utils": _s5_fallback, "paddleformers.cli.utils.llm_utils": _s5_fallback}
+
+
+def _main_module() -> str:
+    argv = list(getattr(sys, "orig_argv", []))
+    if "-m" in argv and argv.index("-m") + 1 < len(argv):
+        return argv[argv.index("-m") + 1]
+    return ""
+
+
+class _SeamLoader(importlib.abc.Loader):
+    def __init__(self, real, name):
+        self._real, self._name = real, name
+
+    def create_module(self, spec):
+        return self._real.create_module(spec)
+
+    def exec_module(self, module):
+        if self._name in _ON_IMPORT_ERROR:
+            try:
+                self._real.exec_module(module)
+            except ImportError:
+                _ON_IMPORT_ERROR[self._name](module)
+            return
+        self._real.exec_module(module)
+        for patch in _AFTER_LOAD[self._name]:
+            patch(module)
+
+    def __getattr__(self, item):  # get_code, get_source, is_package ... from the real loader
+        return getattr(self._real, item)
+
+
+class _SeamFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path, target=None):
+        if name not in _AFTER_LOAD and name not in _ON_IMPORT_ERROR:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                if spec.loader is not None:
+                    spec.loader = _SeamLoader(spec.loader, name)
+                return spec
+        return None
+
+
+def install() -> bool:
+    """Install the import hook in this process when ``FDSCHED_SERVE_SEAMS=1``; True when installed."""
+    if os.environ.get(ENABLE_ENV) != "1":
+        return False
+    if not any(isinstance(f, _SeamFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _SeamFinder())
+        os.environ.setdefault("FD_USE_GET_SAVE_OUTPUT_V1", "1")
+        os.environ.setdefault("ENABLE_V1_KVCACHE_SCHEDULER", "1")
+    return True
+
+
+SITECUSTOMIZE = '''\
+# Written by fdsched serve: installs the served engine's seams (see {path}). Only on the served stack's PYTHONPATH.
+import os as _os
+if _os.environ.get("{env}") == "1":
+    import importlib.util as _u
+    _spec = _u.spec_from_file_location("_fdsched_serve_seams", {path!r})
+    _mod = _u.module_from_spec(_spec)
+    import sys as _sys
+    _sys.modules["_fdsched_serve_seams"] = _mod
+    _spec.loader.exec_module(_mod)
+    _mod.install()
+'''
+
+
+def write_sitecustomize(directory: str) -> str:
+    path = os.path.join(directory, "sitecustomize.py")
+    with open(path, "w") as fh:
+        fh.write(SITECUSTOMIZE.format(path=os.path.abspath(__file__), env=ENABLE_ENV))
+    return path

@@ -1,0 +1,232 @@
+"""The simulated GPU worker: a CPU process that speaks the worker side of FastDeploy's IPC.
+
+Started by seam S2 (:mod:`fdsched.serve.seams`) in place of ``paddle.distributed.launch worker_process.py``,
+one per engine (data-parallel rank). What it does, as the GPU worker would (host: ``worker/worker_process.py``
+init_health_status / event loop, ``gpu_model_runner.py`` task handling):
+
+- readiness: prints the checkpoint-loading line ``check_worker_initialize_status`` parses, sets
+  ``get_profile_block_num`` when the engine profiles, ``cache_ready_signal``, its own slot of
+  ``worker_ready_signal``, ``loaded_model_signal`` (rank 0), and keeps ``worker_healthy_live_signal`` fresh;
+- takes ``(tasks, bsz)`` from the engine's real ``EngineWorkerQueue`` as a client;
+- per task: a PREFILL chunk that does not finish the prompt emits no token (a ``-1`` placeholder, as the
+  runner does), a finished prefill emits the first token, a decoding slot one token per step, the
+  ``max_tokens``-th token is EOS; a PREEMPTED or ABORT task frees the slot and emits the preempted-token id
+  (``PREEMPTED_TOKEN_ID``, -9) the engine waits for; DECODE tasks only extend block tables (no output);
+- outputs: ``list[StreamTransferData]`` pushed to ``get_save_output_rank{dp}_{port}``, the
+  ``FD_USE_GET_SAVE_OUTPUT_V1=1`` ZMQ path. **Production GPUs use the compiled ``get_output`` path by
+  default**, not this one; the engine-side code after the receive is the same.
+- step time: the replay's cost model (``fdsched.replay.costmodel.cost_from_settings`` on the settings of
+  this process's environment, i.e. the profile's ``replay.*`` keys); the worker sleeps the modelled time and
+  logs the steps per second it sustains.
+
+Not modelled: the overlap schedule (the launcher turns it off), speculative decoding, logprobs, stop
+sequences (the engine's own stop checks still run on the tokens it receives), the CPU swap tier.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+import random
+import sys
+import time
+
+
+def _parse(argv):
+    ap = argparse.ArgumentParser(prog="fdsched-simworker")
+    ap.add_argument("--engine-pid", type=int, required=True)
+    ap.add_argument("--queue-port", type=int, required=True)
+    ap.add_argument("--dp-rank", type=int, default=0)
+    ap.add_argument("--dp-size", type=int, default=1)
+    ap.add_argument("--ready-slots", type=int, default=1)
+    ap.add_argument("--eos", default="2")
+    ap.add_argument("--do-profile", type=int, default=0)
+    ap.add_argument("--profile-blocks", type=int, default=0)
+    ap.add_argument("--multi-api-server", type=int, default=0)
+    ap.add_argument("--vocab", type=int, default=900)
+    ap.add_argument("--pod-ip", default="0.0.0.0")
+    return ap.parse_args(argv)
+
+
+def _step_cost():
+    from fdsched.replay.costmodel import cost_from_settings
+    from fdsched.settings import load_settings
+
+    cost = cost_from_settings(load_settings())
+    accepts_context = "context_tokens" in inspect.signature(cost.step_ms).parameters
+
+    def step_ms(prefill_tokens, decode_requests, context_tokens):
+        if accepts_context:
+            return cost.step_ms(prefill_tokens=prefill_tokens, decode_requests=decode_requests,
+                                context_tokens=context_tokens)
+        return cost.step_ms(prefill_tokens=prefill_tokens, decode_requests=decode_requests)
+
+    return cost, step_ms
+
+
+def main(argv=None) -> int:
+    a = _parse(sys.argv[1:] if argv is None else argv)
+    import numpy as np
+    import zmq
+    from fastdeploy.config import PREEMPTED_TOKEN_ID
+    from fastdeploy.engine.request import RequestType
+    from fastdeploy.inter_communicator import EngineWorkerQueue, IPCSignal, ZmqIpcClient
+    from fastdeploy.output.stream_transfer_data import DecoderState, StreamTransferData
+
+    def log(msg):
+        print(f"[fdsched simworker rank{a.dp_rank}] {msg}", file=sys.stderr, flush=True)
+
+    def signal(name, size, suffix):
+        return IPCSignal(name=name, array=np.zeros([size], dtype=np.int32), dtype=np.int32, suffix=suffix,
+                         create=False)
+
+    log(f"started (pid {os.getpid()}, engine {os.getppid()})")
+    cost, step_ms = _step_cost()
+    log("cost model ok")
+    eos = [int(x) for x in a.eos.split(",") if x]
+    if a.dp_size > 1 and not a.multi_api_server:
+        launched = signal("launched_expert_service_signal", a.dp_size, a.engine_pid)  # noqa: F841 (kept alive)
+        while launched.value[a.dp_rank] == 0:
+            time.sleep(0.05)
+    print("Loading checkpoint shards: 100", flush=True)  # what check_worker_initialize_status parses
+    # keep every IPCSignal referenced: a collected one unmaps its segment under the numpy view
+    if a.do_profile:
+        profiled = signal("get_profile_block_num", 1, a.engine_pid)
+        profiled.value[0] = a.profile_blocks
+    # this rank's engine (an ExpertService under multi_api_server for ranks > 0) may come up after us
+    deadline = time.monotonic() + 300
+    waited = False
+    # the engine's task queue: a unix socket in /dev/shm or TCP, as FD_ENGINE_TASK_QUEUE_WITH_SHM says
+    # (default 1 on the new host, 0 on the old one)
+    from fastdeploy import envs
+
+    address = (f"/dev/shm/fd_task_queue_{a.queue_port}.sock" if int(envs.FD_ENGINE_TASK_QUEUE_WITH_SHM)
+               else (a.pod_ip, a.queue_port))
+    while True:
+        try:
+            cache_ready = signal("cache_ready_signal", 1, a.queue_port)
+            live = signal("worker_healthy_live_signal", 1, a.queue_port)
+            exist = signal("exist_task_signal", 1, a.queue_port)
+            queue = EngineWorkerQueue(address=address, is_server=False, num_client=1, client_id=0,
+                                      local_data_parallel_id=a.dp_rank)
+            break
+        except (FileNotFoundError, ConnectionError, OSError) as exc:
+            if not waited:
+                log(f"waiting for rank {a.dp_rank}'s engine ({exc!r})")
+                waited = True
+            if time.monotonic() > deadline:
+                log(f"rank {a.dp_rank}'s engine did not come up: {exc!r}")
+                return 3
+            time.sleep(0.5)
+    cache_ready.value[0] = 1
+    ready = signal("worker_ready_signal", max(1, a.ready_slots), a.engine_pid)
+    ready.value[a.dp_rank % max(1, a.ready_slots)] = 1
+    if a.dp_rank == 0:
+        loaded = signal("loaded_model_signal", 1, a.engine_pid)
+        loaded.value[0] = 1
+
+    out = ZmqIpcClient(name=f"get_save_output_rank{a.dp_rank}_{a.queue_port}", mode=zmq.PUSH)
+    out.connect()
+    log(f"ready: queue port {a.queue_port}, cost model {cost}")
+
+    def token(batch_id, value):
+        return StreamTransferData(decoder_state=DecoderState.TEXT, batch_id=batch_id,
+                                  tokens=np.array([value], dtype=np.int64))
+
+    slots: dict = {}  # batch slot -> state of the request in it
+    first_max: dict = {}  # request id -> max_tokens when first scheduled
+    rng = random.Random(1234 + a.dp_rank)
+    steps = tokens_out = 0
+    busy_s = slept_s = 0.0
+    window_start, window_steps = time.monotonic(), 0
+    parent = os.getppid()
+    while True:
+        if os.getppid() != parent:  # the engine is gone: so is its worker
+            log("engine process gone; exiting")
+            return 0
+        live.value[0] = int(time.time())
+        acks = []
+        if queue.exist_tasks():
+            exist.value[0] = 1
+            tasks, read_finish = queue.get_tasks()
+            if read_finish:
+                exist.value[0] = 0
+            for reqs, _bsz in tasks:
+                for r in reqs:
+                    kind = getattr(getattr(r, "task_type", None), "value", None)
+                    if kind == RequestType.PREFILL.value:
+                        outputs_so_far = len(r.output_token_ids or [])
+                        slot = slots.get(r.idx)
+                        if slot is None or slot["rid"] != r.request_id or r.prefill_start_index == 0:
+                            # the client's max_tokens as first seen: a rescheduled (preempted) request keeps it
+                            max_tokens = first_max.setdefault(r.request_id, r.get("max_tokens", None) or 16)
+                            slot = slots[r.idx] = {"rid": r.request_id, "generated": outputs_so_far,
+                                                   "max": int(max_tokens), "decoding": False}
+                        slot["chunk"] = (r.prefill_start_index, r.prefill_end_index,
+                                         len(r.prompt_token_ids) + outputs_so_far)
+                    elif kind in (RequestType.PREEMPTED.value, RequestType.ABORT.value):
+                        slots.pop(r.idx, None)
+                        acks.append(token(r.idx, PREEMPTED_TOKEN_ID))
+                    # DECODE / EXTEND: block-table extension only, no output
+        if not slots and not acks:
+            time.sleep(0.001)
+            continue
+        outs, prefill_tokens, decode_requests, context = list(acks), 0, 0, 0
+        for idx in sorted(slots):
+            slot = slots[idx]
+            produce = False
+            chunk = slot.pop("chunk", None)
+            if chunk is not None:
+                start, end, need = chunk
+                prefill_tokens += end - start
+                context += end
+                if end >= need:
+                    slot["decoding"] = produce = True
+                else:
+                    outs.append(token(idx, -1))
+            elif slot["decoding"]:
+                decode_requests += 1
+                context += slot["generated"]
+                produce = True
+            if produce:
+                slot["generated"] += 1
+                value = eos[0] if slot["generated"] >= slot["max"] else rng.randrange(8, a.vocab)
+                outs.append(token(idx, value))
+                tokens_out += 1
+                if value in eos:
+                    first_max.pop(slot["rid"], None)
+                    del slots[idx]
+        ms = step_ms(prefill_tokens, decode_requests, context) if (prefill_tokens or decode_requests) else 0.0
+        t0 = time.monotonic()
+        if ms:
+            time.sleep(ms / 1000.0)
+        if outs:
+            out.socket.send_pyobj(outs)
+        slept_s += ms / 1000.0
+        busy_s += time.monotonic() - t0
+        steps += 1
+        window_steps += 1
+        now = time.monotonic()
+        if now - window_start >= 2.0:
+            log(f"steps/s={window_steps / (now - window_start):.1f} steps={steps} tokens_out={tokens_out} "
+                f"active={len(slots)} modelled_ms_per_step={1000 * slept_s / max(1, window_steps):.2f}")
+            window_start, window_steps, slept_s = now, 0, 0.0
+
+
+if __name__ == "__main__":
+    import faulthandler
+
+    faulthandler.enable()
+    import signal as _signal
+
+    for _s in (_signal.SIGTERM, _signal.SIGHUP, _signal.SIGINT, _signal.SIGPIPE):
+        faulthandler.register(_s, chain=True)
+    import atexit
+
+    atexit.register(lambda: print("[fdsched simworker] atexit", file=sys.stderr, flush=True))
+    try:
+        sys.exit(main())
+    except BaseException as exc:
+        print(f"[fdsched simworker] exits: {exc!r}", file=sys.stderr, flush=True)
+        raise

@@ -1,0 +1,139 @@
+"""HTTP clients (stdlib only) and the engine-state checks the engine tier uses."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import threading
+import time
+from urllib.parse import urlparse
+
+
+def _conn(url, timeout=300):
+    u = urlparse(url)
+    return http.client.HTTPConnection(u.hostname, u.port, timeout=timeout)
+
+
+def complete(url: str, prompt: str, max_tokens: int, stream: bool = True, timeout: float = 300) -> dict:
+    """One /v1/completions request; returns {"status", "finish_reason", "chunks", "error"}."""
+    conn = _conn(url, timeout)
+    body = json.dumps({"model": "default", "prompt": prompt, "max_tokens": max_tokens, "stream": stream})
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    out = {"status": resp.status, "finish_reason": None, "chunks": 0, "error": None}
+    if not stream or resp.status != 200:
+        data = resp.read().decode(errors="replace")
+        try:
+            doc = json.loads(data)
+        except ValueError:
+            doc = {}
+        if resp.status != 200 or "error" in doc and doc.get("error"):
+            out["error"] = data
+        else:
+            out["finish_reason"] = doc["choices"][0]["finish_reason"]
+        conn.close()
+        return out
+    for raw in resp:
+        line = raw.decode(errors="replace").strip()
+        if not line.startswith("data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == "[DONE]":
+            break
+        doc = json.loads(payload)
+        if doc.get("error"):
+            out["error"] = payload
+            continue
+        out["chunks"] += 1
+        reason = doc["choices"][0].get("finish_reason")
+        if reason:
+            out["finish_reason"] = reason
+    conn.close()
+    return out
+
+
+def stream_then_drop(url: str, prompt: str, max_tokens: int, after_chunks: int) -> int:
+    """Stream and close the connection after ``after_chunks`` data chunks (0: right after sending)."""
+    conn = _conn(url)
+    body = json.dumps({"model": "default", "prompt": prompt, "max_tokens": max_tokens, "stream": True})
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    seen = 0
+    if after_chunks > 0:
+        resp = conn.getresponse()
+        for raw in resp:
+            if raw.startswith(b"data:"):
+                seen += 1
+                if seen >= after_chunks:
+                    break
+    conn.sock.shutdown(2) if conn.sock else None
+    conn.close()
+    return seen
+
+
+def run_concurrently(fn, args_list):
+    results = [None] * len(args_list)
+
+    def one(i, args):
+        try:
+            results[i] = fn(*args)
+        except Exception as exc:  # a failed request is a result too
+            results[i] = {"error": repr(exc), "finish_reason": None}
+
+    threads = [threading.Thread(target=one, args=(i, a)) for i, a in enumerate(args_list)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return results
+
+
+def metric(text: str, name: str, **labels) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    total = 0.0
+    for line in text.splitlines():
+        if not line.startswith(name + "{") and not line.startswith(name + " "):
+            continue
+        m = re.match(r"([^{\s]+)(\{(.*)\})?\s+([0-9.eE+-]+|NaN)", line)
+        if not m or m.group(1) != name:
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', m.group(3) or ""))
+        if all(found.get(k) == str(v) for k, v in labels.items()):
+            total += float(m.group(4))
+    return total
+
+
+def settle(eng, rank: int = 0, timeout: float = 60.0) -> dict:
+    """Wait until the rank has no request left, then return its engine state."""
+    deadline = time.monotonic() + timeout
+    state = eng.engine_state(rank)
+    while time.monotonic() < deadline and (state["requests"] or state["running"] or state["waiting"]
+                                           or state["request_blocks"]):
+        time.sleep(0.5)
+        state = eng.engine_state(rank)
+    return state
+
+
+def assert_blocks_whole(state: dict) -> None:
+    """free + used = total: every block free or cached in the prefix tree, none twice, none lost."""
+    free, tree, held = state["free"], state["tree_blocks"], state["request_blocks"]
+    assert len(free) == len(set(free)), f"a block is free twice: {sorted(free)}"
+    assert not set(free) & set(tree), f"blocks both free and cached: {sorted(set(free) & set(tree))}"
+    assert not held, f"blocks still held by finished requests: {held}"
+    assert set(free) | set(tree) == set(range(state["total"])), (
+        f"blocks lost: {sorted(set(range(state['total'])) - set(free) - set(tree))}")
+    assert state["pending_signals"] == [], f"unconsumed one-shot block-check signals: {state['pending_signals']}"
+
+
+def leftovers(eng) -> list:
+    """Processes, ports and /dev/shm segments of a stopped stack that are still there."""
+    from fdsched.serve.launcher import port_in_use
+
+    left = [f"port {p}" for p in eng.ports if port_in_use(p)]
+    pattern = re.compile(r"(?<!\d)(" + "|".join(str(p) for p in eng.ports) + r")(?!\d)")
+    left += [f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if pattern.search(n)]
+    from fdsched.serve.launcher import still_running
+
+    left += [f"pid {pid}" for pid in still_running(eng._descendants)]
+    return left

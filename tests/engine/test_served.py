@@ -1,0 +1,162 @@
+"""The plugin inside FastDeploy's real serving stack (api_server / multi_api_server + Router) on CPU.
+
+Each test starts its own stack on free ports in 18000-18999 and stops it; the ``served`` fixture fails the test
+if a process, port or /dev/shm segment is left behind. Block accounting and pending one-shot signals are read
+from the live engine process through the harness seam H1 (``ServedEngine.engine_state``); the plugin's
+counters from the live ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from fdsched.serve.model import prompt_of_length
+
+from .helpers import assert_blocks_whole, complete, metric, run_concurrently, settle, stream_then_drop
+
+# A small pool under many concurrent requests: the running set outgrows it while decoding.
+PRESSURE = dict(num_gpu_blocks=48, block_size=16, max_model_len=512, max_num_seqs=16, max_num_batched_tokens=256)
+N_REQUESTS, PROMPT, OUTPUT = 20, 80, 120
+# Optimistic output reservation for every arm (a deployment variable overrides every profile): each arm then
+# over-admits and the engine must preempt, so the preemption path runs inside the engine on every profile.
+# This test is about that path, not about which arm preempts less (the A/B test below keeps the defaults).
+OPTIMISTIC = {"FD_INIT_NEW_TOKEN_RATIO": "0.1", "FD_MIN_NEW_TOKEN_RATIO": "0.05"}
+
+
+def _shipped_profiles():
+    from importlib import resources
+
+    return sorted(p.name[:-5] for p in resources.files("fdsched.configs").iterdir() if p.name.endswith(".yaml"))
+
+
+def _pressure(eng, url, n=N_REQUESTS, seed=0):
+    args = [(url, prompt_of_length(PROMPT, seed=seed + i), OUTPUT) for i in range(n)]
+    return run_concurrently(complete, args)
+
+
+@pytest.mark.parametrize("profile", _shipped_profiles())
+def test_pressure_preempts_and_returns_every_block(served, profile):
+    eng = served(profile=profile, env=OPTIMISTIC, **PRESSURE)
+    results = _pressure(eng, eng.urls[0])
+    assert [r["error"] for r in results if r["error"]] == []
+    assert [r["finish_reason"] for r in results] == ["length"] * N_REQUESTS
+    text = eng.metrics_text(0)
+    preemptions = metric(text, "fastdeploy:fdsched_preemptions_total", arm=profile, dp_rank="0")
+    assert preemptions > 0, f"no preemption under KV pressure with {profile}"
+    assert metric(text, "fastdeploy:fdsched_requests_finished_total", arm=profile, dp_rank="0") == N_REQUESTS
+    assert metric(text, "fastdeploy:fdsched_unconsumed_signals_total") == 0
+    assert_blocks_whole(settle(eng))
+
+
+def test_disconnects_and_aborts_in_every_phase(served):
+    # chunked prefill (max_num_batched_tokens 64) makes a long prompt take several steps
+    eng = served(profile="recommended", **dict(PRESSURE, max_num_batched_tokens=64))
+    url = eng.urls[0]
+    # while prefilling: a 400-token prompt, dropped right after sending
+    # while decoding: dropped after 5 chunks; under pressure some of the dropped ones are preempted then
+    drops = [(url, prompt_of_length(400, seed=100 + i), OUTPUT, 0) for i in range(3)]
+    drops += [(url, prompt_of_length(PROMPT, seed=200 + i), OUTPUT, 5) for i in range(6)]
+    keep = [(url, prompt_of_length(PROMPT, seed=300 + i), OUTPUT) for i in range(12)]
+    import threading
+
+    finished = []
+    t = threading.Thread(target=lambda: finished.extend(run_concurrently(complete, keep)))
+    t.start()
+    run_concurrently(stream_then_drop, drops)
+    t.join()
+    assert [r["finish_reason"] for r in finished] == ["length"] * len(keep)
+    state = settle(eng)
+    log = eng.engine_log_text()
+    aborted = log.count("Aborted request(s)")
+    assert aborted >= len(drops), f"the host logged {aborted} aborts for {len(drops)} dropped clients"
+    assert_blocks_whole(state)
+    assert complete(url, prompt_of_length(50, seed=9), 8)["finish_reason"] == "length"  # still serving
+    text = eng.metrics_text(0)
+    assert metric(text, "fastdeploy:fdsched_unconsumed_signals_total") == 0
+
+
+def test_prompt_longer_than_max_model_len_is_one_clear_error(served):
+    eng = served(profile="recommended", num_gpu_blocks=40, block_size=16, max_model_len=256)
+    r = complete(eng.urls[0], prompt_of_length(300), 8, stream=False)
+    assert r["status"] != 200 or r["error"], r
+    assert "max_model_len" in (r["error"] or "") or "256" in (r["error"] or ""), r["error"]
+    assert complete(eng.urls[0], prompt_of_length(50), 8)["finish_reason"] == "length"
+    assert_blocks_whole(settle(eng))
+
+
+def test_online_ab_two_ranks_through_the_router(served, host_commit):
+    eng = served(dp=2, arms="0=baseline,1=recommended", **dict(PRESSURE, num_gpu_blocks=40))
+    n = 40
+    args = [(eng.router_url, prompt_of_length(PROMPT, seed=500 + i), OUTPUT) for i in range(n)]
+    results = run_concurrently(complete, args)
+    assert [r["finish_reason"] for r in results] == ["length"] * n, [r["error"] for r in results if r["error"]]
+    texts = [eng.metrics_text(r) for r in range(2)]
+    per_rank = [metric(texts[0], "fastdeploy:fdsched_requests_finished_total", arm="baseline", dp_rank="0"),
+                metric(texts[1], "fastdeploy:fdsched_requests_finished_total", arm="recommended", dp_rank="1")]
+    assert sum(per_rank) == n and min(per_rank) > 0, per_rank
+    log = eng.engine_log_text()
+    assert "rank 0 runs arm baseline" in log and "rank 1 runs arm recommended" in log
+    report = subprocess.run([sys.executable, "-m", "fdsched.cli", "ab", "report", *eng.metrics_urls,
+                             "--reference", "baseline"], capture_output=True, text=True, timeout=60)
+    assert report.returncode == 0, report.stderr
+    assert "baseline" in report.stdout and "recommended" in report.stdout
+    victims = [metric(texts[0], "fastdeploy:fdsched_preemptions_total", victim_phase="prefill", arm="baseline"),
+               metric(texts[1], "fastdeploy:fdsched_preemptions_total", victim_phase="prefill", arm="recommended")]
+    preempts = [metric(texts[0], "fastdeploy:fdsched_preemptions_total"),
+                metric(texts[1], "fastdeploy:fdsched_preemptions_total")]
+    print(f"\nA/B {host_commit[:7]}: requests per rank {per_rank}, preemptions {preempts}, prefill victims {victims}")
+    print(report.stdout)
+    if host_commit.startswith("e7c8dc2"):
+        assert victims[0] > 0 and victims[1] == 0, victims
+    for rank in range(2):
+        assert_blocks_whole(settle(eng, rank))
+
+
+# ---------------------------------------------------------------------------------------- bad input
+
+def test_port_in_use_is_one_clear_error():
+    import socket
+
+    from fdsched.serve.launcher import EngineConfig, ServedEngine, ServeError, free_ports
+
+    port = free_ports(1)[0]
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", port))
+        s.listen()
+        with pytest.raises(ServeError, match=f"--port {port}: port {port} is in use"):
+            ServedEngine(EngineConfig(port=port)).__enter__()
+        cli = subprocess.run([sys.executable, "-m", "fdsched.cli", "serve", "--port", str(port)],
+                             capture_output=True, text=True, timeout=120)
+    assert cli.returncode == 2 and f"port {port} is in use" in cli.stderr and "Traceback" not in cli.stderr
+
+
+def test_host_without_serving_modules_is_one_clear_error(monkeypatch):
+    from fdsched.serve import launcher
+
+    monkeypatch.setattr(launcher, "REQUIRED_MODULES", launcher.REQUIRED_MODULES + ("no_such_module_fdsched",))
+    with pytest.raises(launcher.ServeError, match="needs FastDeploy engine: .*no_such_module_fdsched"):
+        launcher.check_host_modules()
+
+
+def test_never_healthy_names_the_stage():
+    from fdsched.serve.launcher import EngineConfig, ServedEngine, ServeError
+
+    eng = ServedEngine(EngineConfig(health_timeout=4))
+    with pytest.raises(ServeError, match=r"stage (api_server rank 0|worker ready rank 0|engine start rank 0)"):
+        with eng:
+            pass
+    from .helpers import leftovers
+
+    assert leftovers(eng) == []
+    eng.cleanup()
+
+
+@pytest.fixture(scope="session")
+def host_commit():
+    from fdsched.host import probe
+
+    return probe().commit or ""
