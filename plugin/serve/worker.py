@@ -26,7 +26,6 @@ sequences (the engine's own stop checks still run on the tokens it receives), th
 from __future__ import annotations
 
 import argparse
-import inspect
 import os
 import random
 import sys
@@ -50,17 +49,20 @@ def _parse(argv):
 
 
 def _step_cost():
-    from fdsched.replay.costmodel import cost_from_settings
+    """The replay's step cost (the profile's ``replay.*`` settings), with its context facts computed as the
+    replay computes them (:mod:`fdsched.replay.costmodel`): tokens held by the decoding requests, and tokens
+    attended to by the scheduled prefill chunks."""
+    from fdsched.replay.costmodel import chunk_context_tokens, cost_from_settings
     from fdsched.settings import load_settings
 
     cost = cost_from_settings(load_settings())
-    accepts_context = "context_tokens" in inspect.signature(cost.step_ms).parameters
 
-    def step_ms(prefill_tokens, decode_requests, context_tokens):
-        if accepts_context:
-            return cost.step_ms(prefill_tokens=prefill_tokens, decode_requests=decode_requests,
-                                context_tokens=context_tokens)
-        return cost.step_ms(prefill_tokens=prefill_tokens, decode_requests=decode_requests)
+    def step_ms(prefill_chunks, decode_held):
+        return cost.step_ms(
+            sum(end - start for start, end in prefill_chunks), len(decode_held),
+            decode_context_tokens=sum(decode_held),
+            prefill_context_tokens=sum(chunk_context_tokens(start, end) for start, end in prefill_chunks),
+        )
 
     return cost, step_ms
 
@@ -162,6 +164,7 @@ def main(argv=None) -> int:
                             # the client's max_tokens as first seen: a rescheduled (preempted) request keeps it
                             max_tokens = first_max.setdefault(r.request_id, r.get("max_tokens", None) or 16)
                             slot = slots[r.idx] = {"rid": r.request_id, "generated": outputs_so_far,
+                                                   "prompt": len(r.prompt_token_ids),
                                                    "max": int(max_tokens), "decoding": False}
                         slot["chunk"] = (r.prefill_start_index, r.prefill_end_index,
                                          len(r.prompt_token_ids) + outputs_so_far)
@@ -172,22 +175,20 @@ def main(argv=None) -> int:
         if not slots and not acks:
             time.sleep(0.001)
             continue
-        outs, prefill_tokens, decode_requests, context = list(acks), 0, 0, 0
+        outs, prefill_chunks, decode_held = list(acks), [], []
         for idx in sorted(slots):
             slot = slots[idx]
             produce = False
             chunk = slot.pop("chunk", None)
             if chunk is not None:
                 start, end, need = chunk
-                prefill_tokens += end - start
-                context += end
+                prefill_chunks.append((start, end))
                 if end >= need:
                     slot["decoding"] = produce = True
                 else:
                     outs.append(token(idx, -1))
             elif slot["decoding"]:
-                decode_requests += 1
-                context += slot["generated"]
+                decode_held.append(slot["prompt"] + slot["generated"])
                 produce = True
             if produce:
                 slot["generated"] += 1
@@ -197,7 +198,7 @@ def main(argv=None) -> int:
                 if value in eos:
                     first_max.pop(slot["rid"], None)
                     del slots[idx]
-        ms = step_ms(prefill_tokens, decode_requests, context) if (prefill_tokens or decode_requests) else 0.0
+        ms = step_ms(prefill_chunks, decode_held) if (prefill_chunks or decode_held) else 0.0
         t0 = time.monotonic()
         if ms:
             time.sleep(ms / 1000.0)
