@@ -69,7 +69,7 @@ def write_outputs(report: dict, results: list, out: str) -> list:
         write_served_plot(report, os.path.join(out, "report.png"))
         written.append(os.path.join(out, "report.png"))
     except ImportError:
-        print("fdsched load: no PNG: matplotlib is missing: pip install 'fastdeploy-sched-plugin[serve]'", file=sys.stderr)
+        print("fdsched load: no PNG: matplotlib is missing: pip install aiohttp matplotlib, or in a checkout of this project: pip install '.[serve]'", file=sys.stderr)
     return written
 
 
@@ -81,7 +81,7 @@ def cmd_load(args) -> int:
     try:
         import aiohttp  # noqa: F401
     except ImportError:
-        print("fdsched load: error: needs aiohttp: pip install 'fastdeploy-sched-plugin[serve]'", file=sys.stderr)
+        print("fdsched load: error: needs aiohttp: pip install aiohttp matplotlib, or in a checkout of this project: pip install '.[serve]'", file=sys.stderr)
         return EXIT_ERROR
     try:
         targets = targets_from_args(args.url, args.arm, args.metrics_url)
