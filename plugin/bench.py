@@ -9,7 +9,12 @@ every variant (chains of ``--chain`` blocks, one node per block).
 
 ``schedule``: ``schedule()`` CPU time per step with R running decode requests (and a queue of
 waiting requests that the reservation keeps out), host code vs the plugin, interleaved repetitions,
-median per-step time and the ratio.
+median and mean per-step time and the ratios.
+
+Both first grow the process to what a served engine holds (``--heap-objects``, default
+``ENGINE_HEAP_OBJECTS``: GC-tracked objects, measured in a served LLMEngine) and time each variant with
+the garbage collector on, on with a full collection due (as a long-running engine regularly is), and
+off (``--gc``), counting the collections that ran while timed. See docs/gc.md.
 """
 
 from __future__ import annotations
