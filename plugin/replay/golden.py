@@ -55,6 +55,12 @@ CI_SUBSET = {
     "azure-conv": ("baseline", "ratio_reserve", "recommended", "adaptive", "adaptive-replay", "oracle"),
     "burstgpt": ("baseline", "ratio_reserve", "recommended", "adaptive", "adaptive-replay", "oracle"),
 }
+# Pairs whose replay is not reproducible from run to run, so they are recorded but not compared. Found
+# when the golden files were first written (old host e7c8dc2): pd-prefill under pd_prefill_cache differs
+# between two fresh runs of the same code (first at step 34 or 44: cache-hit chunk starts and evictions),
+# probably because the prefill node's cache recording completes on a host thread pool that the replay does
+# not wait for. To be made deterministic (issue 17), then removed from here.
+NOT_REPRODUCIBLE = {("pd-prefill", "pd_prefill_cache")}
 FLOAT_REL = 1e-9  # report figures: relative tolerance (float arithmetic may be reordered by a refactor)
 
 
@@ -156,7 +162,13 @@ def current_traces() -> list:
     return list(shipped_traces())
 
 
+def comparable(trace: str, profile: str) -> bool:
+    return (trace, profile) not in NOT_REPRODUCIBLE
+
+
 def in_ci_subset(trace: str, profile: str) -> bool:
+    if not comparable(trace, profile):
+        return False
     chosen = CI_SUBSET.get(trace)
     return chosen == "*" or (chosen is not None and profile in chosen)
 
@@ -242,7 +254,7 @@ def check(directory: Path = GOLDEN_DIR, full: bool = False, progress=print) -> l
     profiles, traces = set(current_profiles()), set(current_traces())
     for golden in read_golden(path):
         trace, profile = golden["trace"], golden["profile"]
-        if not full and not in_ci_subset(trace, profile):
+        if not comparable(trace, profile) or (not full and not in_ci_subset(trace, profile)):
             continue
         if profile not in profiles:
             failures.append(f"profile {profile!r} of the golden log is no longer shipped")

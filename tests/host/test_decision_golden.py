@@ -38,7 +38,9 @@ _COMMIT, _PATH = _golden_file()
 _ENTRIES = {}
 if _COMMIT is not None and Path(_PATH).exists():
     for _entry in golden.read_golden(Path(_PATH)):
-        if FULL or golden.in_ci_subset(_entry["trace"], _entry["profile"]):
+        if golden.in_ci_subset(_entry["trace"], _entry["profile"]) or (
+            FULL and golden.comparable(_entry["trace"], _entry["profile"])
+        ):
             _ENTRIES[f"{_entry['trace']}/{_entry['profile']}"] = _entry
 
 
