@@ -43,6 +43,10 @@ Decisions, deliberately different from upstream's patch or the host:
 * ``free_nodes_directly`` (unused by the host's engine, kept for API parity) never frees the root
   or a persistent node, and never pushes a parent it is about to free anyway.
 
+* A large eviction's keyed mirror (one tuple per heap entry) is built, used and freed while the
+  garbage collector is held off (``collections_held``): in an engine-sized heap the tuples would
+  otherwise trigger collections, and now and then a full one, that the host's loop does not pay.
+
 The path with a CPU tier (swap to CPU) and the attention-store flush-only mode are left to the host;
 ``FDSCHED_TRANSFER_FORCE_DIRECT_RECYCLE=1`` sends eviction through this batched direct path even where the
 host would swap to the CPU tier.
@@ -51,9 +55,11 @@ host would swap to the CPU tier.
 from __future__ import annotations
 
 import contextlib
+import gc
 import heapq
 import logging
 import math
+import threading
 import time
 
 from fdsched.metrics import METRICS
@@ -65,6 +71,48 @@ PCM = "fastdeploy.cache_manager.prefix_cache_manager"
 # An eviction of at least len(heap) / KEYED_HEAP_MIN_SHARE blocks works on keyed tuples (one pass to
 # build, one to write back) rather than calling BlockNode.__lt__ some 2*log2(len(heap)) times per pop.
 KEYED_HEAP_MIN_SHARE = 4
+
+
+_HOLD_LOCK = threading.Lock()
+_hold_depth = 0
+_hold_reenable = False
+
+
+@contextlib.contextmanager
+def collections_held():
+    """Hold the cyclic garbage collector off while the block runs; restore what was there before.
+
+    Why the keyed mirror needs it: it allocates one tuple per heap entry and per pushed parent (5k to 20k
+    for a large eviction). Tuples are GC-tracked, so in an engine-sized heap (~300k objects) they start
+    young-generation collections, survive them (the mirror holds them), get promoted and count towards
+    CPython's full-collection rule; whenever the engine is close to a full collection, the eviction pays a
+    traversal of the whole heap (``fdsched bench evict``, GC mode "due": ~4 us per block becomes ~20 on
+    20k blocks; the host's loop allocates nothing per node and is unaffected). Allocating nothing per
+    node instead would mean giving up the C-level key comparisons (the host's ``BlockNode.__lt__`` per
+    comparison, the cost the mirror removes) or caching keys on the host's nodes. Holding collections
+    off costs nothing, and the tuples are freed before collections resume, so the collector never sees
+    them: a collection is avoided, not merely postponed.
+
+    Process-wide, as the collector is: another thread (the token processor) allocating meanwhile does
+    not collect until the hold ends (tens of milliseconds at most for 20k blocks); only cyclic garbage
+    waits, everything else is still freed by reference counting. Nesting and threads: the first holder
+    disables the collector only if it was enabled and the last one re-enables it only then; if the
+    caller had it disabled it stays disabled. Code that calls ``gc.disable()`` from another thread while
+    a hold is open gets the collector re-enabled when the hold ends (nothing can tell its intent apart).
+    """
+    global _hold_depth, _hold_reenable
+    with _HOLD_LOCK:
+        if _hold_depth == 0:
+            _hold_reenable = gc.isenabled()
+            gc.disable()
+        _hold_depth += 1
+    try:
+        yield
+    finally:
+        with _HOLD_LOCK:
+            _hold_depth -= 1
+            if _hold_depth == 0 and _hold_reenable:
+                gc.enable()
 
 
 def merge_into_heap(heap: list, ids: list, heapify_min_batch: int) -> str:
@@ -192,17 +240,20 @@ class DeferredRecycleMixin(PluginBase):
         exactly as its node does (on a tie in both keys it falls through to ``node < node``, which is
         the host's own answer), so every sift makes the host's choice and the nodes are written back
         in the order the host's loop would leave them. A small eviction on a large heap pops nodes
-        directly: building the mirror would cost more than the comparisons it saves.
+        directly: building the mirror would cost more than the comparisons it saves. The mirror lives
+        while collections are held off (:func:`collections_held`).
         """
         heap = self.gpu_lru_leaf_heap
         if need_block_num * KEYED_HEAP_MIN_SHARE < len(heap):
             yield heap, False
             return
-        keyed = [(node.last_used_time, -node.depth, node) for node in heap]
-        try:
-            yield keyed, True
-        finally:
-            heap[:] = [entry[2] for entry in keyed]
+        with collections_held():  # see collections_held: the tuples must never meet a collection
+            keyed = [(node.last_used_time, -node.depth, node) for node in heap]
+            try:
+                yield keyed, True
+            finally:
+                heap[:] = [entry[2] for entry in keyed]
+                keyed.clear()  # the tuples die before collections resume: nothing was promoted, nothing is due
 
     def _fdsched_deferred_path(self, need_block_num) -> bool:
         if self._fdsched_impl["deferred_recycle"] != "plugin":

@@ -222,6 +222,42 @@ def test_eviction_matches_the_host_loop(install_profile, make_manager, clock, ne
     assert keyed == (need != 2), f"scenario drifted: {leaves} leaves, need {need}"
 
 
+@pytest.mark.parametrize("caller_disabled", [False, True], ids=["gc-enabled", "gc-disabled-by-caller"])
+def test_large_eviction_holds_collections_off_and_restores_the_collector(filled, monkeypatch, caller_disabled):
+    """The keyed mirror is built and popped with the collector off (its tuples must never meet a collection),
+    and the collector is as the caller left it afterwards; a small eviction needs no hold."""
+    import gc
+
+    from fdsched.patches import deferred_recycle
+
+    rm = filled()
+    cm = rm.cache_manager
+    seen = []
+    real_pop = heapq.heappop
+
+    def pop(heap):
+        seen.append((type(heap[0]) is tuple, gc.isenabled()))
+        return real_pop(heap)
+
+    monkeypatch.setattr(deferred_recycle.heapq, "heappop", pop)
+    was = gc.isenabled()
+    if caller_disabled:
+        gc.disable()
+    try:
+        cm.free_block_ids_async(1)  # small: direct pops
+        small = list(seen)
+        seen.clear()
+        cm.free_block_ids_async(len(cm.gpu_lru_leaf_heap))  # large: the keyed mirror
+        after = gc.isenabled()
+    finally:
+        if was:
+            gc.enable()
+    assert small and all(not keyed and enabled == (not caller_disabled) for keyed, enabled in small), small
+    assert seen and all(keyed and not enabled for keyed, enabled in seen), seen
+    assert after == (not caller_disabled), "the eviction changed the collector's state"
+    _check_accounting(rm)
+
+
 def test_no_node_enters_the_lru_heap_twice(filled):
     rm = filled()
     cm = rm.cache_manager
