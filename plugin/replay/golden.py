@@ -36,7 +36,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable, Optional, Sequence
 
 GOLDEN_VERSION = 1
 # Golden files live with the host tier (one per host commit); the package does not ship them.
@@ -271,14 +271,20 @@ def check(directory: Path = GOLDEN_DIR, full: bool = False, progress=print) -> l
     return failures
 
 
-def _generate(commit: str, out: Path) -> None:
-    entries = []
+def _generate(commit: str, out: Path, only_profiles: Sequence[str] = ()) -> None:
+    """Write the golden file of ``commit``: every shipped trace x profile, or with ``only_profiles`` the
+    recorded entries of those profiles replaced (every other entry kept as recorded)."""
+    kept = read_golden(out) if only_profiles else []
+    profiles = list(only_profiles) or current_profiles()
+    entries = [entry for entry in kept if entry["profile"] not in profiles]
     for trace in current_traces():
-        for profile in current_profiles():
+        for profile in profiles:
             started = time.perf_counter()
             entries.append(decision_log(trace, profile))
             print(f"{commit[:9]} {trace:<14} {profile:<20} {entries[-1]['steps']:>6} steps "
                   f"{time.perf_counter() - started:6.1f} s", file=sys.stderr, flush=True)
+    order = {(t, p): i for i, (t, p) in enumerate((e["trace"], e["profile"]) for e in kept)}
+    entries.sort(key=lambda e: order.get((e["trace"], e["profile"]), len(order)))
     write_golden(out, commit, entries)
 
 
@@ -288,6 +294,8 @@ def main(argv=None) -> int:
     write = sub.add_parser("write", help="regenerate the golden file(s): ONLY for a change meant to alter decisions")
     write.add_argument("--host", action="append", metavar="COMMIT",
                        help=f"host commit (default: both, {', '.join(h[:9] for h in HOSTS)}); needs FDSCHED_HOME")
+    write.add_argument("--profile", action="append", default=[], metavar="NAME",
+                       help="regenerate only this profile's entries (repeatable); the others stay as recorded")
     chk = sub.add_parser("check", help="compare the host of FDSCHED_HOST_SOURCE against its golden file")
     chk.add_argument("--full", action="store_true", help="every recorded trace x profile, not only the CI subset")
     dump = sub.add_parser("dump", help="print one recorded log as JSON lines (to diff against a fresh one)")
@@ -300,7 +308,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
 
     if args.command == "write":
-        return _write(args.host or list(HOSTS), args.dir)
+        unknown = sorted(set(args.profile) - set(current_profiles()))
+        if unknown:
+            parser.error(f"--profile {unknown[0]!r}: not a shipped profile; allowed: {', '.join(current_profiles())}")
+        return _write(args.host or list(HOSTS), args.dir, args.profile)
     if args.command == "check":
         failures = check(args.dir, full=args.full)
         for message in failures:
@@ -333,7 +344,7 @@ def _dump_entry(args) -> Optional[dict]:
     return None
 
 
-def _write(hosts: list, directory: Path) -> int:
+def _write(hosts: list, directory: Path, only_profiles: Sequence[str] = ()) -> int:
     """One child process per host (a process binds one host's modules)."""
     import subprocess
 
@@ -349,7 +360,8 @@ def _write(hosts: list, directory: Path) -> int:
             del env[name]
         env.pop("FD_PLUGINS", None)
         path = golden_path(commit, directory)
-        code = subprocess.call([sys.executable, "-m", "fdsched.replay.golden", "_write_one", commit, str(path)], env=env)
+        code = subprocess.call([sys.executable, "-m", "fdsched.replay.golden", "_write_one", commit, str(path),
+                                *only_profiles], env=env)
         if code:
             return code
         print(f"wrote {path} ({path.stat().st_size} bytes)", file=sys.stderr)
@@ -364,10 +376,10 @@ def _host_source(commit: str, home: Optional[str]) -> Optional[Path]:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "_write_one":  # the child process of `write`, one host
+    if len(sys.argv) >= 4 and sys.argv[1] == "_write_one":  # the child process of `write`, one host
         found = _host_commit()
         if found != sys.argv[2]:
             sys.exit(f"expected host {sys.argv[2]}, FDSCHED_HOST_SOURCE gives {found}")
-        _generate(found, Path(sys.argv[3]))
+        _generate(found, Path(sys.argv[3]), sys.argv[4:])
         sys.exit(0)
     sys.exit(main())
