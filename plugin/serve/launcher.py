@@ -425,24 +425,30 @@ def add_command(sub) -> None:
     p.add_argument("--arms", help="FDSCHED_PROFILE_BY_DP_RANK, e.g. 0=baseline,1=recommended (needs --dp >= 2)")
     p.add_argument("--port", type=int, help=f"first port of the stack (default: free ports in {PORT_RANGE[0]}-"
                                             f"{PORT_RANGE[1]})")
-    p.add_argument("--num-gpu-blocks", type=int)
-    p.add_argument("--block-size", type=int)
-    p.add_argument("--max-num-seqs", type=int)
-    p.add_argument("--max-model-len", type=int)
-    p.add_argument("--max-num-batched-tokens", type=int)
+    p.add_argument("--num-gpu-blocks", type=int, help="KV blocks per rank (default: the trace header's, else the simulated profile run's)")
+    p.add_argument("--block-size", type=int, help="tokens per KV block (default: the trace header's, else FastDeploy's)")
+    p.add_argument("--max-num-seqs", type=int, help="running requests per rank at most (default: the trace header's, else FastDeploy's)")
+    p.add_argument("--max-model-len", type=int, help="context length (default: the trace header's, else the tiny model's)")
+    p.add_argument("--max-num-batched-tokens", type=int, help="tokens per step at most (default: the trace header's, else FastDeploy's)")
     p.add_argument("--health-timeout", type=float, default=240.0, help="seconds to wait for each stage")
     p.add_argument("--trace", help="a trace name or file: send it, report, shut down")
-    p.add_argument("--time-scale", type=float, default=1.0)
-    p.add_argument("--out", help="report directory (with --trace)")
+    p.add_argument("--time-scale", type=float, default=1.0,
+                   help="multiply every arrival time by this (0.5: twice as fast); default 1")
+    p.add_argument("--out", help="report directory (with --trace; default serve-out): report.json, report.png, requests.jsonl")
     p.set_defaults(func=cmd_serve)
 
 
 def _shape_from_args(args) -> dict:
     shape = {}
     if args.trace:
-        from fdsched.replay.trace import load_trace  # the trace header's engine shape
+        from fdsched.replay.trace import TraceError, load_trace  # the trace header's engine shape
 
-        trace = load_trace(args.trace)
+        from fdsched.replay.trace import resolve_trace
+
+        try:
+            trace = load_trace(resolve_trace(args.trace))
+        except TraceError as exc:
+            raise ServeError(f"--trace {args.trace}: {exc}") from None
         engine = getattr(trace, "engine", None) or {}
         for key in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens"):
             if key in engine:
@@ -495,12 +501,38 @@ def cmd_serve(args) -> int:
         return 2
 
 
+def _arm_names(engine, args) -> list:
+    """Each rank's arm: its profile from --arms, else --profile (the plugin's default profile when neither)."""
+    by_rank = {}
+    for item in (args.arms or "").split(","):
+        if "=" in item:
+            rank, profile = item.split("=", 1)
+            by_rank[int(rank.strip())] = profile.strip()
+    names = [by_rank.get(rank, args.profile or "default") for rank in range(len(engine.urls))]
+    # two ranks on one profile are still two arms: name them apart
+    return [f"{name}@rank{rank}" if names.count(name) > 1 else name for rank, name in enumerate(names)]
+
+
 def _run_trace(engine, args) -> int:
+    """Send the trace to every rank's api_server (split as the Router splits, seeded; a client behind the Router
+    cannot tell which rank served it, see docs/load.md), print the per-arm report, write it to --out."""
+    from fdsched.replay.trace import TraceError, load_trace, resolve_trace
+
+    from .load import LoadError, Target, run_trace_load
+    from .load_cli import write_outputs
+    from .served_report import build_served_report, format_served_table
+
     try:
-        from fdsched.serve.load import run_trace_load
-    except ImportError:
-        # TODO(load): item 2 of issue 15 (plugin/serve/load.py) provides run_trace_load; until it is merged
-        # `fdsched serve --trace` starts the engine, says so and stops.
-        raise ServeError("--trace needs fdsched.serve.load.run_trace_load (the load generator), which is not "
-                         "installed in this checkout")
-    return int(run_trace_load(engine, args.trace, time_scale=args.time_scale, out=args.out) or 0)
+        trace = load_trace(resolve_trace(args.trace))
+        targets = [Target(arm, url, metrics)
+                   for arm, url, metrics in zip(_arm_names(engine, args), engine.urls, engine.metrics_urls)]
+        load = run_trace_load(trace, targets, time_scale=args.time_scale)
+    except (LoadError, TraceError) as exc:
+        raise ServeError(f"--trace {args.trace}: {exc}") from None
+    report = build_served_report(trace, load, targets)
+    print(format_served_table(report))
+    out = args.out or "serve-out"
+    for path in write_outputs(report, load["results"], out):
+        print(f"wrote {path}")
+    failed = sum(p["figures"]["errors"] for p in report["profiles"])
+    return 1 if failed else 0
