@@ -114,6 +114,8 @@ def add_commands(sub) -> None:
     ev.add_argument("--no-shipped", action="store_true", help="only the evaluation windows, not the shipped real traces")
     ev.add_argument("--list", action="store_true", help="print the split and exit (no host needed)")
     ev.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ev.add_argument("--cost-model", metavar="NAME|FILE",
+                    help="the step-cost model of every arm (as fdsched replay --cost-model; default: each profile's)")
     ev.add_argument("--check-every", type=_pos_int, default=32, metavar="N",
                     help="check the block invariants every N steps and at the end (default 32; 1: every step)")
     ev.set_defaults(func=cmd_eval)
@@ -246,11 +248,15 @@ def cmd_eval(args) -> int:
 
     from .evaluate import format_eval_table, load_windows, run_plan, window_trace_name
 
+    from fdsched.replay.costmodel import resolve_cost_model
+
     try:
         plan = load_windows(args.windows)
         arms = tuple(args.arms or plan.arms)
         for profile in arms:
             load_settings(environ={}, profile=profile)
+        if args.cost_model is not None:
+            resolve_cost_model(args.cost_model, "--cost-model")
     except (TraceError, SettingsError) as exc:
         print(f"fdsched: {exc}", file=sys.stderr)
         return EXIT_ERROR
@@ -275,7 +281,7 @@ def cmd_eval(args) -> int:
     try:
         results = run_plan(plan, Path(args.csv_dir), Path(args.out), arms, include_shipped=not args.no_shipped,
                            progress_factory=progress_factory, log=lambda m: print(m, file=sys.stderr),
-                           check_every=args.check_every)
+                           check_every=args.check_every, cost_overrides={"model": args.cost_model})
     except HostNotFound as exc:
         message = str(exc)
         if HOW_TO_POINT not in message:

@@ -180,7 +180,8 @@ DEFAULT_CHECK_EVERY = 32  # block invariants every 32 steps and at the end (the 
 
 
 def run_plan(plan: EvalPlan, csv_dir: Path, out_dir: Path, arms: Sequence[str], include_shipped: bool = True,
-             progress_factory=None, log=print, check_every: int = DEFAULT_CHECK_EVERY) -> list:
+             progress_factory=None, log=print, check_every: int = DEFAULT_CHECK_EVERY,
+             cost_overrides: Optional[dict] = None) -> list:
     """Import and replay; returns [(trace name, report profile entries)] and writes one report.json per trace."""
     from .cli import _trace_info
     from .report import build_report, report_json
@@ -208,7 +209,8 @@ def run_plan(plan: EvalPlan, csv_dir: Path, out_dir: Path, arms: Sequence[str], 
         runs = []
         for arm in arms:
             started = time.perf_counter()
-            runs += run_replay(trace, [arm], engine, progress_factory=progress_factory, check_every=check_every)
+            runs += run_replay(trace, [arm], engine, cost_overrides, progress_factory=progress_factory,
+                               check_every=check_every)
             log(f"eval: {name}: {arm} done in {time.perf_counter() - started:.0f} s")
         report = build_report(_trace_info(trace, path), engine, runs, include_series=False)
         (out_dir / f"{name}.report.json").write_text(report_json(report), encoding="utf-8")

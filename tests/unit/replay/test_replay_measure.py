@@ -265,3 +265,12 @@ def test_eval_rejects_a_bad_arm_and_a_missing_csv_says_where_to_get_it(tmp_path,
     (tmp_path / window.file).write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n")
     with pytest.raises(TraceError, match="has sha256 .*allowed: the file the split names"):
         import_window(window, "unset", tmp_path, tmp_path)
+
+
+def test_eval_rejects_an_unknown_cost_model_before_anything_runs(tmp_path, capsys):
+    from fdsched.cli import main
+
+    assert main(["eval", "--cost-model", "no-such-model", "--out", str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert "--cost-model" in err and "no-such-model" in err and "llama2-7b-a100" in err
+    assert not (tmp_path / "out").exists()  # nothing ran, nothing written
