@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from ..common import percentile, text_table
+from ..common import text_table
 from ..replay.report import format_value, ratio
 
 __all__ = ["SERVED_REPORT_VERSION", "TABLE_ROWS", "BETTER", "client_figures", "server_figures", "build_served_report",
@@ -73,12 +73,15 @@ def _round(value, digits: int = 3):
 
 
 def client_figures(results: list) -> dict:
-    """Figures of one arm's requests (:class:`fdsched.serve.load.RequestResult`)."""
-    from .load import request_metrics
+    """Figures of one arm's requests (:class:`fdsched.serve.load.RequestResult`): the latency figures with the
+    replay's own definitions (:func:`fdsched.replay.figures.request_latency_figures`, on the client's clock:
+    sent -> each streamed token), plus counts, wall time and throughput."""
+    from ..replay.figures import RequestTimes, request_latency_figures
 
-    per = [request_metrics(r) for r in results]
-    pick = lambda key: [p[key] for p, r in zip(per, results) if r.ok and p[key] is not None]  # noqa: E731
-    ttft, tpot, e2e, stall = pick("ttft_ms"), pick("tpot_ms"), pick("e2e_ms"), pick("stall_ms")
+    samples = [RequestTimes(r.sent_s * 1000.0, [t * 1000.0 for t in r.token_s], finished=r.ok)
+               for r in results if r.sent_s is not None]
+    latency = request_latency_figures(samples)
+    latency.pop("recomputed_tokens")  # a client cannot see it: the server's counter reports it
     sent = [r.sent_s for r in results if r.sent_s is not None]
     ends = [r.token_s[-1] if r.token_s else r.end_s for r in results if r.end_s is not None]
     wall = (max(ends) - min(sent)) if sent and ends else None
@@ -90,15 +93,7 @@ def client_figures(results: list) -> dict:
         "output_tokens": output,
         "wall_seconds": _round(wall),
         "throughput_tokens_per_s": _round(output / wall if wall else None),
-        "ttft_ms_p50": _round(percentile(ttft, 50)),
-        "ttft_ms_p99": _round(percentile(ttft, 99)),
-        "tpot_ms_p50": _round(percentile(tpot, 50)),
-        "tpot_ms_p99": _round(percentile(tpot, 99)),
-        "e2e_ms_p50": _round(percentile(e2e, 50)),
-        "e2e_ms_p90": _round(percentile(e2e, 90)),
-        "e2e_ms_p99": _round(percentile(e2e, 99)),
-        "stall_ms_p99": _round(percentile(stall, 99)),
-        "stall_ms_max": _round(max(stall) if stall else None),
+        **{key: _round(value) for key, value in latency.items()},
         "prompt_tokens_mismatch": sum(1 for r in results if r.prompt_tokens is not None and r.prompt_tokens != r.prompt_len),
     }
 
