@@ -522,8 +522,19 @@ def _run_trace(engine, args) -> int:
     from .load_cli import write_outputs
     from .served_report import build_served_report, format_served_table
 
+    from .compare import exact_output_trace
+
     try:
         trace = load_trace(resolve_trace(args.trace))
+        unset = sum(1 for r in trace.requests if r.max_tokens is None)
+        if unset:
+            # The simulated worker ends a request at its max_tokens (it has no model to say EOS); a request sent
+            # without max_tokens would run to the end of the context. So every request is sent with max_tokens =
+            # the tokens it really generated: the clients of this run bound their lengths exactly.
+            print(f"fdsched serve: {unset} of {len(trace.requests)} requests of trace {trace.name} leave max_tokens "
+                  "unset; the simulated worker stops a request only at max_tokens, so each is sent with max_tokens = "
+                  "its true output length (clients that bound their lengths exactly; docs/load.md)", file=sys.stderr)
+            trace = exact_output_trace(trace)
         targets = [Target(arm, url, metrics)
                    for arm, url, metrics in zip(_arm_names(engine, args), engine.urls, engine.metrics_urls)]
         load = run_trace_load(trace, targets, time_scale=args.time_scale)
