@@ -245,7 +245,11 @@ def _run_process(tree: str, host: str, run: str, files: list, last: tuple, timeo
                    "-o", "addopts=", *files]
         started = time.monotonic()
         try:
-            proc = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout)
+            # A session of its own: the host's tests/engine/test_common_engine.py patches os.killpg, and threads its
+            # tests leave running can call the real one after the patch is gone; in our process group that would
+            # kill this pytest and whatever started it (it ended a CI run here mid-way on the new host).
+            proc = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout,
+                                  start_new_session=True)
         except subprocess.TimeoutExpired as exc:
             raise HostSuiteError(f"{host} host, run {run}: pytest did not finish in {timeout:.0f} s ({' '.join(files)})") from exc
         seconds = time.monotonic() - started
