@@ -16,6 +16,7 @@ import json
 from typing import Optional
 
 from ..common import text_table
+from ..replay.report import BETTER as REPLAY_BETTER
 from ..replay.report import format_value, ratio
 
 __all__ = ["SERVED_REPORT_VERSION", "TABLE_ROWS", "BETTER", "client_figures", "server_figures", "build_served_report",
@@ -46,25 +47,16 @@ TABLE_ROWS = (
     ("recomputed_tokens", "recomputed tokens (server)"),
     ("server_requests_finished", "requests finished (server)"),
 )
+# Which direction is better: the replay's own for the figures both reports have (one definition), plus the
+# served report's own figures.
 BETTER = {
-    "requests_finished": "higher",
+    **{key: REPLAY_BETTER[key] for key in (
+        "requests_finished", "throughput_tokens_per_s", "ttft_ms_p50", "ttft_ms_p99", "tpot_ms_p50", "tpot_ms_p99",
+        "e2e_ms_p50", "e2e_ms_p90", "e2e_ms_p99", "stall_ms_p99", "stall_ms_max", "preemptions",
+        "preemptions_decode_victims", "preemptions_prefill_victims", "recomputed_tokens")},
     "errors": "lower",
     "wall_seconds": "lower",
-    "throughput_tokens_per_s": "higher",
-    "ttft_ms_p50": "lower",
-    "ttft_ms_p99": "lower",
-    "tpot_ms_p50": "lower",
-    "tpot_ms_p99": "lower",
-    "e2e_ms_p50": "lower",
-    "e2e_ms_p90": "lower",
-    "e2e_ms_p99": "lower",
-    "stall_ms_p99": "lower",
-    "stall_ms_max": "lower",
     "prompt_tokens_mismatch": "lower",
-    "preemptions": "lower",
-    "preemptions_decode_victims": "lower",
-    "preemptions_prefill_victims": "lower",
-    "recomputed_tokens": "lower",
 }
 
 
