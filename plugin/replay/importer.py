@@ -211,6 +211,24 @@ def _failed(log_type: Optional[str]) -> bool:
 def import_trace(source, out, options: ImportOptions) -> ImportResult:
     """Read ``source`` (CSV), write ``out`` (JSONL trace) atomically. Raises :class:`ImportError_`."""
     source, out = Path(source), Path(out)
+    columns, engine = _checked_options(options)
+    requests, tally = _select_requests(source, columns, options, engine["max_model_len"])
+    if not requests:
+        window = f"start {options.start_s} s" + (f", duration {options.duration_s} s" if options.duration_s else "")
+        raise ImportError_(
+            f"{source}: no requests in the window ({window}; {tally['rows_read']} rows read, {tally['skipped']} failed "
+            "or empty skipped); allowed: a window that holds at least one request"
+        )
+    text = dump_trace(requests, engine={k: engine[k] for k in ENGINE_DEFAULTS},
+                      description=_description(source, options, len(requests)),
+                      generator=_generator_record(source, options, tally))
+    _write_atomically(out, text)
+    return ImportResult(len(requests), tally["skipped"], tally["truncated"], tally["rows_read"],
+                        requests[0]["arrival_s"], requests[-1]["arrival_s"])
+
+
+def _checked_options(options: ImportOptions) -> tuple:
+    """The column map and the engine shape of ``options``, or :class:`ImportError_` naming the bad option."""
     if options.fmt not in FORMATS:
         raise ImportError_(f"format {options.fmt!r}; allowed: {', '.join(FORMATS)}")
     columns = dict(options.columns) if options.fmt == "generic" else dict(FORMATS[options.fmt])
@@ -223,13 +241,15 @@ def import_trace(source, out, options: ImportOptions) -> ImportResult:
     engine = dict(ENGINE_DEFAULTS)
     engine.update({k: v for k, v in options.engine.items() if v is not None})
     check_engine_shape(engine)
-    max_len = engine["max_model_len"]
-    parse_time = _parse_time(TIME_FORMATS[options.fmt])
-    rng = random.Random(options.seed)
+    return columns, engine
 
-    requests = []
-    first_time = previous = None
-    skipped = truncated = rows_read = 0
+
+def _parsed_rows(source: Path, columns: dict, fmt: str):
+    """Yield ``(line, time, counts, cell)`` for every data row of ``source``, in file order: ``counts`` holds the
+    prompt and output token counts, ``cell(role)`` a row's raw text. Raises :class:`ImportError_` naming the line,
+    column and value of the first bad row."""
+    parse_time = _parse_time(TIME_FORMATS[fmt])
+    previous = None
     index_of = {}
     for line, header, row in _rows(source):
         if row is None:
@@ -237,13 +257,12 @@ def import_trace(source, out, options: ImportOptions) -> ImportResult:
                 if name not in header:
                     raise ImportError_(
                         f"{source}:{line}, column {name!r}: missing from the header ({', '.join(header)}); "
-                        f"allowed: a CSV in the {options.fmt} format, with columns {', '.join(columns.values())}"
+                        f"allowed: a CSV in the {fmt} format, with columns {', '.join(columns.values())}"
                     )
             index_of = {role: header.index(name) for role, name in columns.items()}
             continue
         if not row or (len(row) == 1 and not row[0].strip()):
             continue  # a blank line
-        rows_read += 1
         if len(row) != len(header):
             missing = header[len(row)] if len(row) < len(header) else None
             raise ImportError_(
@@ -252,7 +271,7 @@ def import_trace(source, out, options: ImportOptions) -> ImportResult:
                 + f"; allowed: {len(header)} comma-separated fields"
             )
 
-        def cell(role):
+        def cell(role, row=row):
             return row[index_of[role]].strip()
 
         raw_time = cell("time")
@@ -261,7 +280,7 @@ def import_trace(source, out, options: ImportOptions) -> ImportResult:
         except ValueError:
             raise ImportError_(
                 f"{source}:{line}, column {columns['time']!r}, value {raw_time!r}: unparsable time; allowed: "
-                f"{_TIME_ALLOWED[TIME_FORMATS[options.fmt]]}"
+                f"{_TIME_ALLOWED[TIME_FORMATS[fmt]]}"
             ) from None
         if previous is not None and t < previous:
             raise ImportError_(
@@ -269,22 +288,35 @@ def import_trace(source, out, options: ImportOptions) -> ImportResult:
                 "allowed: rows in time order"
             )
         previous = t
-        counts = {}
-        for role in ("prompt", "output"):
-            raw = cell(role)
-            try:
-                value = int(raw)
-            except ValueError:
-                try:
-                    as_float = float(raw)
-                except ValueError:
-                    as_float = None
-                value = int(as_float) if as_float is not None and as_float.is_integer() else None
-            if value is None or value < 0:
-                raise ImportError_(
-                    f"{source}:{line}, column {columns[role]!r}, value {raw!r}: bad token count; allowed: an integer >= 0"
-                )
-            counts[role] = value
+        counts = {role: _token_count(cell(role), f"{source}:{line}, column {columns[role]!r}")
+                  for role in ("prompt", "output")}
+        yield line, t, counts, cell
+
+
+def _token_count(raw: str, where: str) -> int:
+    """A token count cell: an integer >= 0 (``12`` or ``12.0``), else :class:`ImportError_`."""
+    try:
+        value = int(raw)
+    except ValueError:
+        try:
+            as_float = float(raw)
+        except ValueError:
+            as_float = None
+        value = int(as_float) if as_float is not None and as_float.is_integer() else None
+    if value is None or value < 0:
+        raise ImportError_(f"{where}, value {raw!r}: bad token count; allowed: an integer >= 0")
+    return value
+
+
+def _select_requests(source: Path, columns: dict, options: ImportOptions, max_len: int) -> tuple:
+    """The trace's requests from the rows inside the window (``start_s``, ``duration_s``, ``limit``, ``sample``),
+    and a tally of rows read, rows skipped (failed or empty) and requests truncated to ``max_len``."""
+    rng = random.Random(options.seed)
+    requests = []
+    tally = {"rows_read": 0, "skipped": 0, "truncated": 0}
+    first_time = None
+    for _line, t, counts, cell in _parsed_rows(source, columns, options.fmt):
+        tally["rows_read"] += 1
         if first_time is None:
             first_time = t
         offset = t - first_time
@@ -295,42 +327,40 @@ def import_trace(source, out, options: ImportOptions) -> ImportResult:
         if options.limit is not None and len(requests) >= options.limit:
             break
         if options.fmt == "burstgpt" and (counts["output"] == 0 or _failed(cell("log_type"))):
-            skipped += 1
+            tally["skipped"] += 1
             continue
         if counts["output"] == 0 or counts["prompt"] == 0:
-            skipped += 1  # nothing to prefill or nothing generated: not a request the scheduler would run
+            tally["skipped"] += 1  # nothing to prefill or nothing generated: not a request the scheduler would run
             continue
         if options.sample < 1 and rng.random() >= options.sample:
             continue
         prompt, output = counts["prompt"], counts["output"]
         if prompt + output > max_len:
-            truncated += 1
-            prompt = min(prompt, max_len - 1 - min(output, max_len // 2))
-            prompt = max(prompt, 1)
+            tally["truncated"] += 1
+            prompt = max(min(prompt, max_len - 1 - min(output, max_len // 2)), 1)
             output = min(output, max_len - prompt)
-        arrival = round((offset - options.start_s) / options.rate_scale, 6)
-        if options.max_tokens == "unset":
-            max_tokens = None
-        elif options.max_tokens == "true":
-            max_tokens = output
-        else:
-            max_tokens = int(options.max_tokens)
-        requests.append(
-            {
-                "id": f"{options.id_prefix}{len(requests):06d}",
-                "arrival_s": arrival,
-                "prompt_len": prompt,
-                "max_tokens": max_tokens,
-                "output_len": output,
-            }
-        )
-    if not requests:
-        window = f"start {options.start_s} s" + (f", duration {options.duration_s} s" if options.duration_s else "")
-        raise ImportError_(
-            f"{source}: no requests in the window ({window}; {rows_read} rows read, {skipped} failed or empty skipped); "
-            "allowed: a window that holds at least one request"
-        )
-    generator = {
+        requests.append({
+            "id": f"{options.id_prefix}{len(requests):06d}",
+            "arrival_s": round((offset - options.start_s) / options.rate_scale, 6),
+            "prompt_len": prompt,
+            "max_tokens": _client_max_tokens(options.max_tokens, output),
+            "output_len": output,
+        })
+    return requests, tally
+
+
+def _client_max_tokens(mode: str, output: int) -> Optional[int]:
+    """What the client sent as ``max_tokens``: nothing (``unset``), the true length (``true``) or a fixed number."""
+    if mode == "unset":
+        return None
+    if mode == "true":
+        return output
+    return int(mode)
+
+
+def _generator_record(source: Path, options: ImportOptions, tally: dict) -> dict:
+    """The trace header's ``generator`` section: how to make this trace again from its source."""
+    return {
         "kind": "import",
         "format": options.fmt,
         "source_file": source.name,
@@ -342,19 +372,18 @@ def import_trace(source, out, options: ImportOptions) -> ImportResult:
         "sample": options.sample,
         "seed": options.seed,
         "max_tokens": options.max_tokens,
-        "skipped_failed_or_empty": skipped,
-        "truncated_to_max_model_len": truncated,
+        "skipped_failed_or_empty": tally["skipped"],
+        "truncated_to_max_model_len": tally["truncated"],
     }
-    description = options.description or (
-        f"{len(requests)} requests imported from {source.name} ({options.fmt}), window from {options.start_s} s"
+
+
+def _description(source: Path, options: ImportOptions, count: int) -> str:
+    return options.description or (
+        f"{count} requests imported from {source.name} ({options.fmt}), window from {options.start_s} s"
         + (f" for {options.duration_s} s" if options.duration_s else "")
         + (f", time compressed {options.rate_scale}x" if options.rate_scale != 1 else "")
         + f"; max_tokens {options.max_tokens}"
     )
-    text = dump_trace(requests, engine={k: engine[k] for k in ENGINE_DEFAULTS}, description=description,
-                      generator=generator)
-    _write_atomically(out, text)
-    return ImportResult(len(requests), skipped, truncated, rows_read, requests[0]["arrival_s"], requests[-1]["arrival_s"])
 
 
 def _write_atomically(out: Path, text: str) -> None:
