@@ -74,6 +74,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_cpu_blocks: int = 0  # the CPU swap tier (FastDeploy's --swap-space, in blocks); > 0 starts seam S10's process
     count_rpcs: bool = False  # harness seam H2: count the engine process's manager RPCs per thread
+    time_schedule: bool = False  # harness seam H3: time every schedule() call in each rank's engine
     health_timeout: float = 240.0
     log_dir: Optional[str] = None
     env: dict = field(default_factory=dict)  # extra environment for the served stack
@@ -180,6 +181,8 @@ class ServedEngine:
             env["FDSCHED_PROFILE_BY_DP_RANK"] = c.arms
         if c.count_rpcs:
             env[seams.RPC_COUNT_ENV] = "1"
+        if c.time_schedule:
+            env[seams.TIME_SCHEDULE_ENV] = "1"
         if c.dp > 1:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(c.dp))  # seam S7
         env.update({k: str(v) for k, v in c.env.items()})
@@ -416,6 +419,15 @@ def receiver_rpc_rate(engine: "ServedEngine", seconds: float, rank: int = 0) -> 
             "threads": sorted(name for name in second.get("rpc_counts", {}))}
 
 
+def format_schedule_times(t: dict) -> str:
+    if not t.get("calls"):
+        return f"no call scheduled anything ({t.get('idle_calls', 0)} idle calls)"
+    return (f"{t['calls']} calls that scheduled: scheduler-thread CPU us mean {t['cpu_us_mean']:.0f}, "
+            f"p50 {t['cpu_us_p50']:.0f}, p90 {t['cpu_us_p90']:.0f}, p99 {t['cpu_us_p99']:.0f}; wall us mean "
+            f"{t['wall_us_mean']:.0f}, p50 {t['wall_us_p50']:.0f}, p99 {t['wall_us_p99']:.0f}; "
+            f"{t['idle_calls']} idle calls, CPU us mean {t['idle_cpu_us_mean']:.0f}")
+
+
 def _http_ok(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as r:
@@ -483,6 +495,9 @@ def add_command(sub) -> None:
     p.add_argument("--idle-rpc", type=float, metavar="SECONDS",
                    help="with --num-cpu-blocks: measure the transfer-done receiver's RPCs/s over SECONDS of idle, "
                         "print it and shut down")
+    p.add_argument("--time-schedule", action="store_true",
+                   help="with --trace: time every schedule() call in each rank's engine (harness seam H3) and print "
+                        "the scheduler thread's CPU time per call that scheduled something")
     p.add_argument("--health-timeout", type=float, default=240.0, help="seconds to wait for each stage")
     p.add_argument("--trace", help="a trace name or file: send it, report, shut down")
     p.add_argument("--time-scale", type=float, default=1.0,
@@ -522,6 +537,7 @@ def cmd_serve(args) -> int:
                              "without --trace")
         config = EngineConfig(profile=args.profile, dp=args.dp, arms=args.arms, port=args.port,
                               num_cpu_blocks=args.num_cpu_blocks, count_rpcs=args.idle_rpc is not None,
+                              time_schedule=args.time_schedule,
                               health_timeout=args.health_timeout, **_shape_from_args(args))
         if args.port is not None and not (1024 <= args.port <= 65535):
             raise ServeError(f"--port {args.port}: allowed: 1024-65535")
@@ -542,7 +558,12 @@ def cmd_serve(args) -> int:
                 if engine.router_url:
                     print(f"  router: {engine.router_url}/v1/completions")
                 if args.trace:
-                    return _run_trace(engine, args)
+                    code = _run_trace(engine, args)
+                    if args.time_schedule:
+                        for rank, arm in enumerate(_arm_names(engine, args)):
+                            t = engine.engine_state(rank).get("schedule_times", {})
+                            print(f"rank {rank} ({arm}): schedule() {format_schedule_times(t)}")
+                    return code
                 if args.idle_rpc is not None:
                     for rank in range(len(engine.urls)):
                         r = receiver_rpc_rate(engine, args.idle_rpc, rank)

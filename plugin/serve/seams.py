@@ -45,6 +45,7 @@ WORKER_ENV = "FDSCHED_SERVE_WORKER"  # path of the simulated worker script (fdsc
 STATE_ENV = "FDSCHED_SERVE_STATE_DIR"  # where the state probe (H1) answers requests
 XFER_ENV = "FDSCHED_SERVE_CACHEXFER"  # path of the simulated cache transfer manager (fdsched/serve/cachexfer.py)
 RPC_COUNT_ENV = "FDSCHED_SERVE_COUNT_RPC"  # "1": count the engine process's manager RPCs per thread (H2)
+TIME_SCHEDULE_ENV = "FDSCHED_SERVE_TIME_SCHEDULE"  # "1": time every resource_manager.schedule() call (H3)
 MAIN_ENV_MULTI = "fastdeploy.entrypoints.openai.multi_api_server"
 
 
@@ -176,6 +177,18 @@ SEAMS = (
         {NEW: "added (no host line)", OLD: "added (no host line)"},
         "measures the CPU-cache transfer-done receiver's RPC rate (recv_data_transfer_result's thread) inside the "
         "served engine, host polling vs the plugin's blocking receiver",
+        "no",
+    ),
+    Seam(
+        "H3 schedule() timer (harness only)",
+        "fastdeploy.engine.engine",
+        "the rank's resource_manager.schedule, wrapped on the instance when FDSCHED_SERVE_TIME_SCHEDULE=1 (set "
+        "when the state probe starts): per call the scheduler thread's CPU time (time.thread_time_ns) and wall "
+        "time, split by whether the call scheduled anything; the state probe H1 reports them",
+        {NEW: "added; the call it times: engine/common_engine.py 897 (_schedule_request_to_worker_v1)",
+         OLD: "added; engine/common_engine.py 1080"},
+        "the plugin's schedule() cost against the host's inside a served engine under load (same heap, threads, "
+        "GIL contention as production), not in a bench process",
         "no",
     ),
     Seam(
@@ -435,13 +448,59 @@ def engine_state(llm_engine) -> dict:
         "cpu_total": int(getattr(cm, "num_cpu_blocks", 0) or 0),
         "cpu_free": list(getattr(cm, "cpu_free_block_list", []) or []), "cpu_tree_blocks": cpu_tree,
         "in_transit": other, "rpc_counts": dict(RPC_COUNTS), "time": time.monotonic(),
+        "schedule_times": schedule_time_summary(),
         "running": len(getattr(rm, "running", [])), "waiting": len(getattr(rm, "waiting", [])),
         "requests": len(getattr(rm, "requests", {})),
         "pending_signals": [repr(p) for p in (pending.pending() if pending is not None else ())],
     }
 
 
+SCHEDULE_TIMES: dict = {"busy_cpu_ns": [], "busy_wall_ns": [], "idle_calls": 0, "idle_cpu_ns": 0}
+
+
+def _h3_time_schedule(llm_engine) -> None:
+    if os.environ.get(TIME_SCHEDULE_ENV) != "1":
+        return
+    rm = llm_engine.engine.resource_manager
+    original = rm.schedule  # the bound method (the plugin's, or the host's under the baseline profile)
+    limit = 200_000
+
+    def schedule(*args, **kwargs):
+        c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
+        out = original(*args, **kwargs)
+        cpu, wall = time.thread_time_ns() - c0, time.perf_counter_ns() - w0
+        scheduled = isinstance(out, tuple) and bool(out[0])
+        if scheduled:
+            if len(SCHEDULE_TIMES["busy_cpu_ns"]) < limit:
+                SCHEDULE_TIMES["busy_cpu_ns"].append(cpu)
+                SCHEDULE_TIMES["busy_wall_ns"].append(wall)
+        else:
+            SCHEDULE_TIMES["idle_calls"] += 1
+            SCHEDULE_TIMES["idle_cpu_ns"] += cpu
+        return out
+
+    rm.schedule = schedule
+
+
+def schedule_time_summary() -> dict:
+    """Per-call figures of the timed schedule() calls that scheduled something (µs), and the idle calls."""
+    cpu = sorted(SCHEDULE_TIMES["busy_cpu_ns"])
+    wall = sorted(SCHEDULE_TIMES["busy_wall_ns"])
+    if not cpu:
+        return {"calls": 0, "idle_calls": SCHEDULE_TIMES["idle_calls"]}
+
+    def q(xs, f):
+        return xs[min(len(xs) - 1, int(f * len(xs)))] / 1000.0
+
+    idle = SCHEDULE_TIMES["idle_calls"]
+    return {"calls": len(cpu), "cpu_us_mean": sum(cpu) / len(cpu) / 1000.0, "cpu_us_p50": q(cpu, 0.5),
+            "cpu_us_p90": q(cpu, 0.9), "cpu_us_p99": q(cpu, 0.99), "wall_us_mean": sum(wall) / len(wall) / 1000.0,
+            "wall_us_p50": q(wall, 0.5), "wall_us_p99": q(wall, 0.99), "idle_calls": idle,
+            "idle_cpu_us_mean": SCHEDULE_TIMES["idle_cpu_ns"] / idle / 1000.0 if idle else 0.0}
+
+
 def _start_state_probe(llm_engine, dp_rank: int) -> None:
+    _h3_time_schedule(llm_engine)
     state_dir = os.environ.get(STATE_ENV)
     if not state_dir:
         return
