@@ -11,7 +11,12 @@ the real one:
 - a client of the engine's ``EngineCacheQueue``: rank 0 raises ``cache_task_broadcast_signal`` when the task
   list is not empty, every rank reads the task once with ``get_transfer_task()`` (the queue's per-client bitmask)
   and the reader that completes the read lowers the signal, as the real loop does;
-- ``cache_task_inflight`` is 1 for its rank while it takes tasks (``reset(wait_for_tasks_done=True)`` waits on it);
+- ``cache_task_inflight`` is 1 for its rank while it takes tasks and 0 while paused
+  (``reset(wait_for_tasks_done=True)`` waits for 0);
+- the KV-cache clearing handshake (``check_cache_status``): ``kv_cache_status`` CLEARING pauses it (a swap task read
+  while paused is dropped unanswered, as the real loop drops every non-control task while paused) and answers
+  CLEARED; UPDATING resumes it and answers NORMAL. The prefix tree's own clearing (``PrefixTreeStatus``, the
+  engine's ``clear_prefix_cache`` thread calling ``reset``) is the engine's, unchanged;
 - SWAP2CPU / SWAP2GPU: checks the task (equal lengths; GPU block ids below ``num_gpu_blocks``, CPU block ids below
   ``num_cpu_blocks``; a bad task is logged as an error and still answered, as the real one answers after its
   copy), takes a modelled copy time, and rank 0 answers with the host's ``put_transfer_done_signal`` and the
@@ -81,6 +86,27 @@ def main(argv=None) -> int:
     paused = signal("cache_task_is_paused", 1)
     inflight = signal("cache_task_inflight", a.mp_num)
     inited = signal("cache_transfer_inited_signal", a.mp_num)
+    kv_status = signal("kv_cache_status", 1)
+    from fastdeploy.inter_communicator import KVCacheStatus
+    import threading
+
+    state = {"paused": False}
+
+    def watch_cache_status():  # the real check_cache_status thread, minus the tensors
+        while True:
+            if kv_status.value[0] == KVCacheStatus.CLEARING:
+                state["paused"] = True
+                while inflight.value[a.rank] != 0:  # the loop has finished its task and marked itself paused
+                    time.sleep(0.01)
+                kv_status.value[0] = KVCacheStatus.CLEARED
+                log("paused; KV cache cleared")
+            elif kv_status.value[0] == KVCacheStatus.UPDATING:
+                state["paused"] = False
+                kv_status.value[0] = KVCacheStatus.NORMAL
+                log("resumed; KV cache restored")
+            time.sleep(0.1)
+
+    threading.Thread(target=watch_cache_status, name="check_cache_status", daemon=True).start()
 
     log(f"started (pid {os.getpid()}): {num_gpu_blocks} GPU blocks, {a.num_cpu_blocks} CPU blocks, "
         f"{ms_per_block} ms per block")
@@ -93,11 +119,12 @@ def main(argv=None) -> int:
     log("ready")
 
     holds = {}  # CPU block -> the GPU block whose data it holds
-    done = {"SWAP2CPU": 0, "SWAP2GPU": 0, "bad": 0}
+    done = {"SWAP2CPU": 0, "SWAP2GPU": 0, "bad": 0, "dropped": 0}
     while True:
+        is_paused = state["paused"]
         if a.rank == 0:
-            paused.value[0] = 0
-        inflight.value[a.rank] = 1
+            paused.value[0] = int(is_paused)
+        inflight.value[a.rank] = 0 if is_paused else 1
         if a.rank == 0 and not queue.empty():
             broadcast.value[0] = 1
         if broadcast.value[0] != 1:
@@ -109,6 +136,10 @@ def main(argv=None) -> int:
         if data is None:
             continue
         event_type = data[0]
+        if is_paused and event_type.value != CacheStatus.CTRL.value:
+            done["dropped"] += 1
+            log(f"paused: dropped a {event_type.name} task unanswered, as the real loop does: {data[1]!r}")
+            continue
         if event_type.value not in (CacheStatus.SWAP2CPU.value, CacheStatus.SWAP2GPU.value):
             log(f"ignored a {event_type.name} task (storage and control tasks are not simulated): {data!r}")
             continue
