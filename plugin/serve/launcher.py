@@ -72,6 +72,9 @@ class EngineConfig:
     max_model_len: int = 4096
     max_num_batched_tokens: int = 2048
     enable_prefix_caching: bool = True
+    num_cpu_blocks: int = 0  # the CPU swap tier (FastDeploy's --swap-space, in blocks); > 0 starts seam S10's process
+    count_rpcs: bool = False  # harness seam H2: count the engine process's manager RPCs per thread
+    time_schedule: bool = False  # harness seam H3: time every schedule() call in each rank's engine
     health_timeout: float = 240.0
     log_dir: Optional[str] = None
     env: dict = field(default_factory=dict)  # extra environment for the served stack
@@ -103,6 +106,8 @@ class ServedEngine:
         c = self.config
         if c.dp < 1:
             raise ServeError(f"--dp {c.dp}: allowed: an integer >= 1")
+        if c.num_cpu_blocks < 0:
+            raise ServeError(f"--num-cpu-blocks {c.num_cpu_blocks}: allowed: an integer >= 0")
         if c.arms and c.dp < 2:
             raise ServeError(f"--arms {c.arms!r} needs --dp >= 2 (one arm per data-parallel rank)")
         self.procs: dict = {}
@@ -161,6 +166,7 @@ class ServedEngine:
             seams.ENABLE_ENV: "1",
             seams.WORKER_ENV: os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py"),
             seams.STATE_ENV: self.state_dir,
+            seams.XFER_ENV: os.path.join(os.path.dirname(os.path.abspath(__file__)), "cachexfer.py"),
             "FD_PLUGINS": "fdsched",
             "FD_LOG_DIR": self.log_dir,
             "PROMETHEUS_MULTIPROC_DIR": os.path.join(self._tmp, "prom"),
@@ -173,6 +179,10 @@ class ServedEngine:
             env["FDSCHED_PROFILE"] = c.profile
         if c.arms:
             env["FDSCHED_PROFILE_BY_DP_RANK"] = c.arms
+        if c.count_rpcs:
+            env[seams.RPC_COUNT_ENV] = "1"
+        if c.time_schedule:
+            env[seams.TIME_SCHEDULE_ENV] = "1"
         if c.dp > 1:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(c.dp))  # seam S7
         env.update({k: str(v) for k, v in c.env.items()})
@@ -191,6 +201,8 @@ class ServedEngine:
             "--no-enable-overlap-schedule",
             "--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching",
         ]
+        if c.num_cpu_blocks:
+            args += ["--swap-space", repr(swap_space_gb(model, c.block_size, c.num_cpu_blocks))]
         if c.dp > 1:
             args += ["--data-parallel-size", str(c.dp), "--router", self.router_url]
         return args
@@ -369,6 +381,53 @@ class ServedEngine:
         raise ServeError(f"rank {rank}: the engine's state probe did not answer within {timeout:.0f}s")
 
 
+def swap_space_gb(model_dir: str, block_size: int, num_cpu_blocks: int) -> float:
+    """FastDeploy's --swap-space (GiB) that gives exactly ``num_cpu_blocks`` CPU blocks for the model directory:
+    the host computes int(swap_space * 2**30 / bytes_per_block) with bytes_per_block = kv heads * head_dim *
+    2 bytes (bfloat16 cache) * 2 (K and V) * block_size * layers (CacheConfig, config.py ~1636-1652 new host).
+    Every factor is a power of two times a small integer here, so the float round trip is exact."""
+    import json
+
+    with open(os.path.join(model_dir, "config.json")) as fh:
+        cfg = json.load(fh)
+    heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    per_block = heads * head_dim * 2 * 2 * block_size * cfg["num_hidden_layers"]
+    return num_cpu_blocks * per_block / 2 ** 30
+
+
+RECEIVER_THREAD = "recv_data_transfer_result"  # the host's CPU-cache transfer-done receiver (thread target name)
+
+
+def receiver_rpc_rate(engine: "ServedEngine", seconds: float, rank: int = 0) -> dict:
+    """The transfer-done receiver's manager RPCs per second over ``seconds`` of the engine as it is (idle when
+    nothing is sent), counted in the engine process by harness seam H2 (needs ``count_rpcs``)."""
+    first = engine.engine_state(rank)
+    time.sleep(seconds)
+    second = engine.engine_state(rank)
+
+    def receiver(state):
+        return sum(n for name, n in state.get("rpc_counts", {}).items() if RECEIVER_THREAD in name)
+
+    if not first.get("rpc_counts") and not second.get("rpc_counts"):
+        raise ServeError("no RPC counts: start the engine with count_rpcs=True (harness seam H2)")
+    elapsed = second["time"] - first["time"]
+    calls = receiver(second) - receiver(first)
+    others = (sum(second["rpc_counts"].values()) - sum(first["rpc_counts"].values())) - calls
+    return {"seconds": elapsed, "receiver_rpcs": calls, "receiver_rpcs_per_s": calls / elapsed,
+            "other_rpcs_per_s": others / elapsed,
+            "threads": sorted(name for name in second.get("rpc_counts", {}))}
+
+
+def format_schedule_times(t: dict) -> str:
+    if not t.get("calls"):
+        return f"no call scheduled anything ({t.get('idle_calls', 0)} idle calls)"
+    return (f"{t['calls']} calls that scheduled: scheduler-thread CPU us mean {t['cpu_us_mean']:.0f}, "
+            f"p50 {t['cpu_us_p50']:.0f}, p90 {t['cpu_us_p90']:.0f}, p99 {t['cpu_us_p99']:.0f}; wall us mean "
+            f"{t['wall_us_mean']:.0f}, p50 {t['wall_us_p50']:.0f}, p99 {t['wall_us_p99']:.0f}; "
+            f"{t['idle_calls']} idle calls, CPU us mean {t['idle_cpu_us_mean']:.0f}")
+
+
 def _http_ok(url: str) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=2) as r:
@@ -430,6 +489,15 @@ def add_command(sub) -> None:
     p.add_argument("--max-num-seqs", type=int, help="running requests per rank at most (default: the trace header's, else FastDeploy's)")
     p.add_argument("--max-model-len", type=int, help="context length (default: the trace header's, else the tiny model's)")
     p.add_argument("--max-num-batched-tokens", type=int, help="tokens per step at most (default: the trace header's, else FastDeploy's)")
+    p.add_argument("--num-cpu-blocks", type=int, default=0,
+                   help="CPU swap tier per rank in KV blocks (passed to FastDeploy as the equivalent --swap-space); "
+                        "> 0 starts the simulated cache transfer manager (seam S10); default 0")
+    p.add_argument("--idle-rpc", type=float, metavar="SECONDS",
+                   help="with --num-cpu-blocks: measure the transfer-done receiver's RPCs/s over SECONDS of idle, "
+                        "print it and shut down")
+    p.add_argument("--time-schedule", action="store_true",
+                   help="with --trace: time every schedule() call in each rank's engine (harness seam H3) and print "
+                        "the scheduler thread's CPU time per call that scheduled something")
     p.add_argument("--health-timeout", type=float, default=240.0, help="seconds to wait for each stage")
     p.add_argument("--trace", help="a trace name or file: send it, report, shut down")
     p.add_argument("--time-scale", type=float, default=1.0,
@@ -464,7 +532,12 @@ def _shape_from_args(args) -> dict:
 
 def cmd_serve(args) -> int:
     try:
+        if args.idle_rpc is not None and (args.idle_rpc <= 0 or not args.num_cpu_blocks or args.trace):
+            raise ServeError(f"--idle-rpc {args.idle_rpc}: allowed: seconds > 0, with --num-cpu-blocks > 0 and "
+                             "without --trace")
         config = EngineConfig(profile=args.profile, dp=args.dp, arms=args.arms, port=args.port,
+                              num_cpu_blocks=args.num_cpu_blocks, count_rpcs=args.idle_rpc is not None,
+                              time_schedule=args.time_schedule,
                               health_timeout=args.health_timeout, **_shape_from_args(args))
         if args.port is not None and not (1024 <= args.port <= 65535):
             raise ServeError(f"--port {args.port}: allowed: 1024-65535")
@@ -485,7 +558,19 @@ def cmd_serve(args) -> int:
                 if engine.router_url:
                     print(f"  router: {engine.router_url}/v1/completions")
                 if args.trace:
-                    return _run_trace(engine, args)
+                    code = _run_trace(engine, args)
+                    if args.time_schedule:
+                        for rank, arm in enumerate(_arm_names(engine, args)):
+                            t = engine.engine_state(rank).get("schedule_times", {})
+                            print(f"rank {rank} ({arm}): schedule() {format_schedule_times(t)}")
+                    return code
+                if args.idle_rpc is not None:
+                    for rank in range(len(engine.urls)):
+                        r = receiver_rpc_rate(engine, args.idle_rpc, rank)
+                        print(f"rank {rank}: transfer-done receiver {r['receiver_rpcs_per_s']:.1f} RPC/s idle "
+                              f"({r['receiver_rpcs']} RPCs in {r['seconds']:.1f} s); other engine-process manager "
+                              f"RPCs {r['other_rpcs_per_s']:.1f}/s")
+                    return 0
                 print("serving until Ctrl-C", flush=True)
                 while True:
                     for name, proc in engine.procs.items():

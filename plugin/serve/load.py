@@ -267,7 +267,10 @@ async def _run(trace, assignment, model, times, request_timeout, progress):
     ordered = trace.in_feed_order()
     results = {r.id: RequestResult(r.id, assignment[r.id].arm, r.prompt_len, r.max_tokens, times[r.id]) for r in ordered}
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=request_timeout)
-    connector = aiohttp.TCPConnector(limit=0)
+    # A fresh connection per request: a pooled keep-alive connection that the server (uvicorn, keep-alive 5 s) has
+    # closed while it sat idle in aiohttp's pool (keep-alive 15 s) fails the next request with "Can not write
+    # request body" / "Server disconnected" before the server sees it: client errors that were no server's.
+    connector = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         loop = asyncio.get_running_loop()
         start = loop.time()

@@ -43,6 +43,9 @@ from dataclasses import dataclass
 ENABLE_ENV = "FDSCHED_SERVE_SEAMS"  # "1": install the seams in this process tree
 WORKER_ENV = "FDSCHED_SERVE_WORKER"  # path of the simulated worker script (fdsched/serve/worker.py)
 STATE_ENV = "FDSCHED_SERVE_STATE_DIR"  # where the state probe (H1) answers requests
+XFER_ENV = "FDSCHED_SERVE_CACHEXFER"  # path of the simulated cache transfer manager (fdsched/serve/cachexfer.py)
+RPC_COUNT_ENV = "FDSCHED_SERVE_COUNT_RPC"  # "1": count the engine process's manager RPCs per thread (H2)
+TIME_SCHEDULE_ENV = "FDSCHED_SERVE_TIME_SCHEDULE"  # "1": time every resource_manager.schedule() call (H3)
 MAIN_ENV_MULTI = "fastdeploy.entrypoints.openai.multi_api_server"
 
 
@@ -148,6 +151,47 @@ SEAMS = (
         "yes (the output path)",
     ),
     Seam(
+        "S10 cache transfer manager",
+        "fastdeploy.cache_manager.prefix_cache_manager",
+        "the script on the command line launch_cache_manager starts when num_cpu_blocks > 0: "
+        "fdsched/serve/cachexfer.py (a CPU process speaking EngineCacheQueue) instead of "
+        "cache_manager/cache_transfer_manager.py; the module's subprocess.Popen sees the host's own command with "
+        "that one path replaced (same arguments, environment, log file and process group)",
+        {NEW: "cache_manager/prefix_cache_manager.py 226-228 (py_path), 311-346 (the launch command and Popen), "
+              "348-362 (waits on cache_transfer_inited_signal, cache_ready_signal, swap_space_ready_signal), "
+              "370-371 (starts recv_data_transfer_result); the process: cache_transfer_manager.py 156-335 "
+              "(__init__ signals), 774-820 (_init_cpu_cache), 1277-1331 (swap tasks answered with "
+              "put_transfer_done_signal), 1442-1570 (do_data_transfer)",
+         OLD: "cache_manager/prefix_cache_manager.py 218-222 (py_path), ~290-340 (launch command and Popen), "
+              "~342-356 (waits), ~364 (receiver thread); cache_transfer_manager.py ~150-308 (__init__), "
+              "~560-606 (_init_cpu_cache), 1192-1320 (do_data_transfer)"},
+        "the real transfer manager allocates pinned host memory and copies KV blocks with GPU ops (cuda_host_alloc, "
+        "swap_cache_all_layers); with a CPU tier configured the engine waits for it forever without one",
+        "yes",
+    ),
+    Seam(
+        "H2 RPC counter (harness only)",
+        "fastdeploy.cache_manager.prefix_cache_manager",
+        "multiprocessing.managers.BaseProxy._callmethod in the engine process, when FDSCHED_SERVE_COUNT_RPC=1: "
+        "counts each manager round trip by the calling thread's name (the state probe H1 reports the counts)",
+        {NEW: "added (no host line)", OLD: "added (no host line)"},
+        "measures the CPU-cache transfer-done receiver's RPC rate (recv_data_transfer_result's thread) inside the "
+        "served engine, host polling vs the plugin's blocking receiver",
+        "no",
+    ),
+    Seam(
+        "H3 schedule() timer (harness only)",
+        "fastdeploy.engine.engine",
+        "the rank's resource_manager.schedule, wrapped on the instance when FDSCHED_SERVE_TIME_SCHEDULE=1 (set "
+        "when the state probe starts): per call the scheduler thread's CPU time (time.thread_time_ns) and wall "
+        "time, split by whether the call scheduled anything; the state probe H1 reports them",
+        {NEW: "added; the call it times: engine/common_engine.py 897 (_schedule_request_to_worker_v1)",
+         OLD: "added; engine/common_engine.py 1080"},
+        "the plugin's schedule() cost against the host's inside a served engine under load (same heap, threads, "
+        "GIL contention as production), not in a bench process",
+        "no",
+    ),
+    Seam(
         "H1 state probe (harness only)",
         "fastdeploy.engine.engine",
         "a daemon thread in each rank's engine process (LLMEngine on rank 0, ExpertService.start on ranks > 0 "
@@ -194,6 +238,57 @@ def _s3_s6(module):
     module.PrefixCacheManager._get_kv_cache_shape = _get_kv_cache_shape
     if getattr(module, "get_all_visible_devices", None) is None:
         module.get_all_visible_devices = lambda: "CUDA_VISIBLE_DEVICES=0"
+    _s10(module)
+    _h2_count_rpcs()
+
+
+class _TransferManagerLauncher:
+    """Stands for the ``subprocess`` module inside prefix_cache_manager (S10): Popen of a command that runs the
+    host's cache_transfer_manager.py runs the simulated one with the same arguments; all else is subprocess."""
+
+    HOST_SCRIPT = os.sep + os.path.join("cache_manager", "cache_transfer_manager.py")
+
+    def __init__(self, real, script):
+        self._real, self._script = real, script
+
+    def Popen(self, cmd, *args, **kwargs):  # noqa: N802 (the subprocess name)
+        if isinstance(cmd, str) and self.HOST_SCRIPT in cmd:
+            words = cmd.split(" ")
+            words = [self._script if w.endswith(self.HOST_SCRIPT) else w for w in words]
+            cmd = " ".join(words)
+        return self._real.Popen(cmd, *args, **kwargs)
+
+    def __getattr__(self, item):
+        return getattr(self._real, item)
+
+
+def _s10(module):
+    script = os.environ.get(XFER_ENV)
+    if script and not isinstance(module.subprocess, _TransferManagerLauncher):
+        module.subprocess = _TransferManagerLauncher(module.subprocess, script)
+
+
+RPC_COUNTS: dict = {}
+_RPC_LOCK = threading.Lock()
+
+
+def _h2_count_rpcs():
+    if os.environ.get(RPC_COUNT_ENV) != "1":
+        return
+    from multiprocessing import managers
+
+    original = managers.BaseProxy._callmethod
+    if getattr(original, "_fdsched_counting", False):
+        return
+
+    def _callmethod(self, methodname, args=(), kwds={}):  # noqa: B006 (the host's signature)
+        name = threading.current_thread().name
+        with _RPC_LOCK:
+            RPC_COUNTS[name] = RPC_COUNTS.get(name, 0) + 1
+        return original(self, methodname, args, kwds)
+
+    _callmethod._fdsched_counting = True
+    managers.BaseProxy._callmethod = _callmethod
 
 
 def _s4(module):
@@ -330,14 +425,18 @@ def engine_state(llm_engine) -> dict:
     rm = llm_engine.engine.resource_manager
     cm = rm.cache_manager
     free = list(cm.gpu_free_block_list)
-    tree = []
+    tree, cpu_tree, other = [], [], []
     stack = [getattr(cm, "radix_tree_root", None)]
     while stack:
         node = stack.pop()
         if node is None:
             continue
         if getattr(node, "block_id", None) is not None and node is not cm.radix_tree_root:
-            tree.append(node.block_id)
+            status = getattr(getattr(node, "cache_status", None), "name", "GPU")
+            # a node's block_id is a GPU block while it is on the GPU, a CPU block once swapped out (host's
+            # BlockNode); a node in transit (SWAP2CPU / SWAP2GPU) is reported apart
+            (tree if status == "GPU" else cpu_tree if status == "CPU" else other).append(
+                node.block_id if status in ("GPU", "CPU") else f"{status}:{node.block_id}")
         stack.extend(getattr(node, "children", {}).values())
     held = []
     for req in list(getattr(rm, "requests", {}).values()):
@@ -346,13 +445,62 @@ def engine_state(llm_engine) -> dict:
     return {
         "rm_class": type(rm).__name__, "cm_class": type(cm).__name__,
         "total": int(cm.num_gpu_blocks), "free": free, "tree_blocks": tree, "request_blocks": held,
+        "cpu_total": int(getattr(cm, "num_cpu_blocks", 0) or 0),
+        "cpu_free": list(getattr(cm, "cpu_free_block_list", []) or []), "cpu_tree_blocks": cpu_tree,
+        "in_transit": other, "rpc_counts": dict(RPC_COUNTS), "time": time.monotonic(),
+        "schedule_times": schedule_time_summary(),
         "running": len(getattr(rm, "running", [])), "waiting": len(getattr(rm, "waiting", [])),
         "requests": len(getattr(rm, "requests", {})),
         "pending_signals": [repr(p) for p in (pending.pending() if pending is not None else ())],
     }
 
 
+SCHEDULE_TIMES: dict = {"busy_cpu_ns": [], "busy_wall_ns": [], "idle_calls": 0, "idle_cpu_ns": 0}
+
+
+def _h3_time_schedule(llm_engine) -> None:
+    if os.environ.get(TIME_SCHEDULE_ENV) != "1":
+        return
+    rm = llm_engine.engine.resource_manager
+    original = rm.schedule  # the bound method (the plugin's, or the host's under the baseline profile)
+    limit = 200_000
+
+    def schedule(*args, **kwargs):
+        c0, w0 = time.thread_time_ns(), time.perf_counter_ns()
+        out = original(*args, **kwargs)
+        cpu, wall = time.thread_time_ns() - c0, time.perf_counter_ns() - w0
+        scheduled = isinstance(out, tuple) and bool(out[0])
+        if scheduled:
+            if len(SCHEDULE_TIMES["busy_cpu_ns"]) < limit:
+                SCHEDULE_TIMES["busy_cpu_ns"].append(cpu)
+                SCHEDULE_TIMES["busy_wall_ns"].append(wall)
+        else:
+            SCHEDULE_TIMES["idle_calls"] += 1
+            SCHEDULE_TIMES["idle_cpu_ns"] += cpu
+        return out
+
+    rm.schedule = schedule
+
+
+def schedule_time_summary() -> dict:
+    """Per-call figures of the timed schedule() calls that scheduled something (µs), and the idle calls."""
+    cpu = sorted(SCHEDULE_TIMES["busy_cpu_ns"])
+    wall = sorted(SCHEDULE_TIMES["busy_wall_ns"])
+    if not cpu:
+        return {"calls": 0, "idle_calls": SCHEDULE_TIMES["idle_calls"]}
+
+    def q(xs, f):
+        return xs[min(len(xs) - 1, int(f * len(xs)))] / 1000.0
+
+    idle = SCHEDULE_TIMES["idle_calls"]
+    return {"calls": len(cpu), "cpu_us_mean": sum(cpu) / len(cpu) / 1000.0, "cpu_us_p50": q(cpu, 0.5),
+            "cpu_us_p90": q(cpu, 0.9), "cpu_us_p99": q(cpu, 0.99), "wall_us_mean": sum(wall) / len(wall) / 1000.0,
+            "wall_us_p50": q(wall, 0.5), "wall_us_p99": q(wall, 0.99), "idle_calls": idle,
+            "idle_cpu_us_mean": SCHEDULE_TIMES["idle_cpu_ns"] / idle / 1000.0 if idle else 0.0}
+
+
 def _start_state_probe(llm_engine, dp_rank: int) -> None:
+    _h3_time_schedule(llm_engine)
     state_dir = os.environ.get(STATE_ENV)
     if not state_dir:
         return

@@ -20,7 +20,8 @@ init_health_status / event loop, ``gpu_model_runner.py`` task handling):
   logs the steps per second it sustains.
 
 Not modelled: the overlap schedule (the launcher turns it off), speculative decoding, logprobs, stop
-sequences (the engine's own stop checks still run on the tokens it receives), the CPU swap tier.
+sequences (the engine's own stop checks still run on the tokens it receives). The CPU swap tier is the
+simulated cache transfer manager's (:mod:`fdsched.serve.cachexfer`, seam S10), not the worker's.
 """
 
 from __future__ import annotations
