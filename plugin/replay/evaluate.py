@@ -236,7 +236,7 @@ def load_results(dirs: Sequence, plan: Optional[EvalPlan] = None, only=None) -> 
     if wanted is not None:
         names = [n for n in names if n in wanted]
     results = [(n, [{"profile": p["profile"], "figures": p["figures"]} for p in found[n][0]]) for n in names]
-    models = sorted({str(p["cost_model"].get("name", "?")) for n in names for p in found[n][0]})
+    models = sorted({str(p["cost_model"].get("model") or p["cost_model"].get("name") or "?") for n in names for p in found[n][0]})
     hosts = sorted({str(found[n][1].get("commit") or found[n][1].get("label") or "?") for n in names})
     return results, models, hosts
 

@@ -279,7 +279,7 @@ def test_eval_rejects_an_unknown_cost_model_before_anything_runs(tmp_path, capsy
 def _write_eval_report(path, arms, commit="d38eeb8", model="llama2-7b-a100"):
     import json
 
-    profiles = [{"profile": name, "cost_model": {"name": model},
+    profiles = [{"profile": name, "cost_model": {"model": model},
                  "figures": {"ttft_ms_p50": ttft, "e2e_ms_p99": 100.0, "stall_ms_p99": 5.0, "stall_ms_max": 5.0,
                              "tpot_ms_p99": 1.0, "throughput_tokens_per_s": thr, "preemptions": 0,
                              "preemptions_prefill_victims": 0, "invariant_violations": 0}}
