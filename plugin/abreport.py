@@ -18,6 +18,26 @@ Figures (per arm; the metric each comes from):
 * admissions blocked per request          ``fastdeploy:fdsched_admissions_blocked_total`` (``-`` for an arm where the
                                           host's own reservation code decides: the plugin does not see its refusals)
 
+From FastDeploy's own histograms (no ``arm`` label; see "What the metrics cannot show" below):
+
+* E2E p50 / p90 / p99                     ``fastdeploy:e2e_request_latency_seconds`` (the api_server observes it
+                                          for chat completions only, arrival to final response)
+* token gap p50 / p99, gaps over 0.5 s    ``fastdeploy:time_per_output_token_seconds`` (the engine observes every
+  per 1k gaps                             gap between two consecutive tokens of a request: one observation per
+                                          token, pooled over requests; its last finite bucket is 1 s)
+
+These carry no ``arm`` (nor ``dp_rank``) label, so a scrape's host histograms belong to one arm only when that
+scrape holds the plugin series of exactly one arm (multi_api_server: one ``/metrics`` per rank's api_server,
+each scraped on its own). A scrape that holds several arms (one api_server for all ranks) pools them: the
+report prints them pooled under the table and leaves the arms' cells ``-``.
+
+What the metrics cannot show, per arm or at all: a request's **stall** (its longest gap between two tokens:
+the token-gap histogram pools gaps over requests and tokens, so its tail says how often a token came late, not
+how many requests paused nor for how long at most; gaps over 1 s fall in the +Inf bucket), **TPOT p99 of
+requests** other than the plugin's per-request TPOT above, **E2E of non-chat requests**, and any quantile finer
+than the buckets (interpolated within a bucket). ``fdsched serve``'s report has all of these per request, from
+the client's token times.
+
 The exposition is parsed with ``prometheus_client``'s own parser (a FastDeploy dependency; the ``report``
 extra installs it).
 """
@@ -32,9 +52,17 @@ from typing import Optional
 
 from .common import EXIT_ERROR, EXIT_OK, read_utf8, text_table
 
-__all__ = ["ArmSeries", "parse_exposition", "merge_scrapes", "arm_figures", "format_report", "ABReportError"]
+__all__ = [
+    "ArmSeries", "Scrape", "parse_exposition", "parse_scrape", "merge_scrapes", "attribute_host", "arm_figures",
+    "host_figures", "format_report", "ABReportError", "HOST_HISTOGRAMS",
+]
 
 PREFIX = "fastdeploy:fdsched_"
+# FastDeploy's own histograms the report reads (no arm label: attributed per scrape, see the module docstring)
+HOST_E2E = "fastdeploy:e2e_request_latency_seconds"
+HOST_GAP = "fastdeploy:time_per_output_token_seconds"
+HOST_HISTOGRAMS = (HOST_E2E, HOST_GAP)
+LATE_GAP_SECONDS = 0.5  # a bucket bound of HOST_GAP on both hosts
 
 
 class ABReportError(RuntimeError):
@@ -80,6 +108,12 @@ class Histogram:
 
     def mean(self) -> Optional[float]:
         return self.total / self.count if self.count > 0 else None
+
+    def above(self, bound: float) -> Optional[float]:
+        """Observations above ``bound`` (a bucket bound of this histogram; None if it is not one)."""
+        if bound not in self.buckets:
+            return None
+        return self.count - self.buckets[bound]
 
 
 @dataclass
@@ -135,13 +169,33 @@ def _bad_line(text: str, parse) -> tuple:
     return None, ""
 
 
+@dataclass
+class Scrape:
+    """One server's scrape: the plugin's per-arm series and the host's own histograms (no arm label)."""
+    arms: dict  # arm -> ArmSeries
+    host: dict = field(default_factory=dict)  # metric name of HOST_HISTOGRAMS -> Histogram
+
+    def minus(self, other: "Scrape") -> "Scrape":
+        return Scrape(
+            {arm: s.minus(other.arms.get(arm, ArmSeries())) for arm, s in self.arms.items()},
+            {name: h.minus(other.host.get(name, Histogram())) for name, h in self.host.items()},
+        )
+
+
 def parse_exposition(text: str, source: str = "<text>") -> dict:
     """arm -> :class:`ArmSeries` for every fdsched series that carries an ``arm`` label."""
+    return parse_scrape(text, source).arms
+
+
+def parse_scrape(text: str, source: str = "<text>", require_arms: bool = True) -> Scrape:
+    """The plugin's per-arm series and the host's histograms of :data:`HOST_HISTOGRAMS` in one exposition
+    (raises ABReportError when it has no per-arm series and ``require_arms``)."""
     try:
         from prometheus_client.parser import text_string_to_metric_families
     except ImportError as exc:  # pragma: no cover - the report extra installs it
         raise ABReportError("the A/B report needs prometheus_client: pip install prometheus-client (or, in a checkout of this project: pip install '.[report]')") from exc
     arms: dict = {}
+    host: dict = {}
     try:
         families = list(text_string_to_metric_families(text))
     except Exception as exc:
@@ -150,6 +204,11 @@ def parse_exposition(text: str, source: str = "<text>") -> dict:
         raise ABReportError(f"{source}: not a Prometheus text exposition{where} ({exc}); allowed: the text a "
                             "/metrics endpoint serves (curl -s http://HOST:PORT/metrics > scrape.txt)") from None
     for family in families:
+        if family.name in HOST_HISTOGRAMS and family.type == "histogram":
+            hist = host.setdefault(family.name, Histogram())
+            for sample in family.samples:
+                _add_sample(hist, sample)
+            continue
         if not family.name.startswith(PREFIX):
             continue
         for sample in family.samples:
@@ -161,25 +220,42 @@ def parse_exposition(text: str, source: str = "<text>") -> dict:
                 series.dp_ranks.add(sample.labels["dp_rank"])
             others = frozenset((k, v) for k, v in sample.labels.items() if k not in ("arm", "dp_rank", "le"))
             if family.type == "histogram":
-                hist = series.histograms.setdefault(family.name, Histogram())
-                if sample.name.endswith("_bucket"):
-                    le = float(sample.labels["le"])
-                    hist.buckets[le] = hist.buckets.get(le, 0.0) + sample.value
-                elif sample.name.endswith("_count"):
-                    hist.count += sample.value
-                elif sample.name.endswith("_sum"):
-                    hist.total += sample.value
+                _add_sample(series.histograms.setdefault(family.name, Histogram()), sample)
             elif family.type in ("counter", "unknown", "untyped"):
                 if sample.name.endswith("_created"):
                     continue
                 key = (family.name if family.type == "counter" else sample.name, others)
                 series.counters[key] = series.counters.get(key, 0.0) + sample.value
-    if not arms:
+    if not arms and require_arms:
         raise ABReportError(
             f"{source}: no fdsched series with an arm label; is FDSCHED_PROFILE_BY_DP_RANK set on the deployment, "
             "and FD_PLUGINS=fdsched?"
         )
-    return arms
+    return Scrape(arms, host)
+
+
+def _add_sample(hist: Histogram, sample) -> None:
+    if sample.name.endswith("_bucket"):
+        le = float(sample.labels["le"])
+        hist.buckets[le] = hist.buckets.get(le, 0.0) + sample.value
+    elif sample.name.endswith("_count"):
+        hist.count += sample.value
+    elif sample.name.endswith("_sum"):
+        hist.total += sample.value
+
+
+def attribute_host(scrapes: list) -> tuple:
+    """(arm -> ArmSeries, pooled host histograms) for a list of :class:`Scrape`, one per server: the per-arm
+    series added up, and each scrape's host histograms added to its arm's series when the scrape holds exactly
+    one arm; the host histograms of a scrape that holds several arms (or none) go to the pooled dict."""
+    arms = merge_scrapes([s.arms for s in scrapes])
+    arms = {arm: ArmSeries(dict(s.counters), dict(s.histograms), set(s.dp_ranks)) for arm, s in arms.items()}
+    pooled: dict = {}
+    for scrape in scrapes:
+        target = arms[next(iter(scrape.arms))].histograms if len(scrape.arms) == 1 else pooled
+        for name, hist in scrape.host.items():
+            target[name] = target[name].plus(hist) if name in target else hist
+    return arms, pooled
 
 
 # figure name, better direction ("lower"/"higher"/None), function(ArmSeries) -> (value, count behind it)
@@ -219,7 +295,32 @@ def _figures():
         ("recomputed tokens / request", "lower", lambda s: _per(s.counter(PREFIX + "recomputed_tokens"), finished(s))),
         ("admissions blocked / request", None, _admissions_blocked),
     ]
+    return rows + _host_rows()
+
+
+def _host_rows():
+    """Rows from FastDeploy's own histograms (``-`` for an arm whose scrapes held other arms too)."""
+    rows = []
+    for q in (0.5, 0.9, 0.99):
+        rows.append((f"E2E p{int(q * 100)} (ms, host, chat)", "lower",
+                     lambda s, q=q: _ms(s.histograms.get(HOST_E2E, Histogram()).quantile(q), s, HOST_E2E)))
+    for q in (0.5, 0.99):
+        rows.append((f"token gap p{int(q * 100)} (ms, host)", "lower",
+                     lambda s, q=q: _ms(s.histograms.get(HOST_GAP, Histogram()).quantile(q), s, HOST_GAP)))
+    rows.append((f"token gaps > {LATE_GAP_SECONDS:g} s / 1k gaps (host)", "lower", _late_gaps))
     return rows
+
+
+def _late_gaps(series):
+    hist = series.histograms.get(HOST_GAP, Histogram())
+    late = hist.above(LATE_GAP_SECONDS)
+    return (None if late is None or hist.count <= 0 else late / hist.count * 1000), hist.count
+
+
+def host_figures(host: dict) -> list:
+    """[(figure, (value, count))] of the host histograms ``host`` (pooled over arms)."""
+    series = ArmSeries(histograms=dict(host))
+    return [(title, fn(series)) for title, _better, fn in _host_rows()]
 
 
 def _admissions_blocked(series):
@@ -247,7 +348,7 @@ def _fmt(value) -> str:
     return f"{value:.3g}"
 
 
-def format_report(arms: dict, reference: Optional[str] = None) -> str:
+def format_report(arms: dict, reference: Optional[str] = None, pooled: Optional[dict] = None) -> str:
     names = sorted(arms)
     reference = reference or names[0]
     if reference not in arms:
@@ -267,17 +368,31 @@ def format_report(arms: dict, reference: Optional[str] = None) -> str:
             row.append("-" if value is None or not ref_value else f"{value / ref_value:.2f}")
         rows.append(row)
     ranks = "; ".join(f"{arm}: dp_rank {', '.join(sorted(arms[arm].dp_ranks)) or '?'}" for arm in ordered)
-    return f"arms: {ranks}\n(n) = requests (or observations) behind each figure\n" + text_table(rows, headers)
+    text = f"arms: {ranks}\n(n) = requests (or observations) behind each figure\n" + text_table(rows, headers)
+    return text + "\n" + _host_note(arms, pooled or {})
 
 
-def _parse_or_empty(text: str, source: str) -> dict:
+def _host_note(arms: dict, pooled: dict) -> str:
+    lines = []
+    if pooled and not any(h.count > 0 for h in pooled.values()):
+        lines.append("FastDeploy's E2E and token-gap histograms are in the scrape with 0 observations (nothing observed "
+                     "them: the api_server observes E2E for chat completions, the token processor the gaps)")
+    if any(h.count > 0 for h in pooled.values()):
+        cells = "; ".join(f"{title.strip()} {_fmt(value)} ({_fmt(count)})" for title, (value, count) in host_figures(pooled))
+        lines.append("host histograms pooled over arms (a scrape held several arms; FastDeploy's own series have no "
+                     f"arm label): {cells}")
+    if not any(n in s.histograms for s in arms.values() for n in HOST_HISTOGRAMS):
+        lines.append("E2E and token gaps per arm: '-' (they come from FastDeploy's own histograms, which carry no arm "
+                     "label: they are an arm's only when one scrape holds one arm, as with multi_api_server's "
+                     "api_server per rank scraped one by one)")
+    lines.append("not in any metric: a request's stall (longest gap between two tokens), recompute time per request, "
+                 "E2E of non-chat requests; fdsched serve's report has them per request")
+    return "\n".join(lines)
+
+
+def _parse_or_empty(text: str, source: str) -> Scrape:
     """An earlier scrape may predate every per-arm series (taken before the first request finished)."""
-    try:
-        return parse_exposition(text, source)
-    except ABReportError as exc:
-        if "no fdsched series with an arm label" in str(exc):
-            return {}
-        raise
+    return parse_scrape(text, source, require_arms=False)
 
 
 def add_command(sub) -> None:
@@ -301,11 +416,23 @@ def add_command(sub) -> None:
 
 def cmd_report(args) -> int:
     try:
-        arms = merge_scrapes([parse_exposition(_read(source), source) for source in args.scrape])
+        scrapes = [parse_scrape(_read(source), source) for source in args.scrape]
         if args.since:
-            earlier = merge_scrapes([_parse_or_empty(_read(source), source) for source in args.since])
-            arms = {arm: series.minus(earlier.get(arm, ArmSeries())) for arm, series in arms.items()}
-        print(format_report(arms, args.reference))
+            earlier = [_parse_or_empty(_read(source), source) for source in args.since]
+            if len(earlier) == len(scrapes):  # the same servers in the same order: the window per server
+                scrapes = [later.minus(before) for later, before in zip(scrapes, earlier)]
+            else:  # cannot pair them: per-arm series by arm, host histograms pooled
+                total = Scrape(merge_scrapes([e.arms for e in earlier]), {})
+                for e in earlier:
+                    for name, h in e.host.items():
+                        total.host[name] = total.host[name].plus(h) if name in total.host else h
+                later = Scrape(merge_scrapes([s.arms for s in scrapes]), {})
+                for s in scrapes:
+                    for name, h in s.host.items():
+                        later.host[name] = later.host[name].plus(h) if name in later.host else h
+                scrapes = [later.minus(total)]
+        arms, pooled = attribute_host(scrapes)
+        print(format_report(arms, args.reference, pooled))
     except ABReportError as exc:
         print(f"fdsched ab report: error: {exc}", file=sys.stderr)
         return EXIT_ERROR

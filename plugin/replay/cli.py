@@ -116,6 +116,12 @@ def add_commands(sub) -> None:
     ev.add_argument("--no-progress", action="store_true", help="no progress bar")
     ev.add_argument("--cost-model", metavar="NAME|FILE",
                     help="the step-cost model of every arm (as fdsched replay --cost-model; default: each profile's)")
+    ev.add_argument("--only", nargs="+", metavar="TRACE",
+                    help="run only these traces of the split (e.g. eval-conv-unset azure-conv; --list names them)")
+    ev.add_argument("--table-from", nargs="+", metavar="DIR",
+                    help="run nothing: print the table of the report.json files earlier runs wrote to these --out "
+                    "directories (a later directory's report of a trace wins)")
+    ev.add_argument("--markdown", action="store_true", help="print the table as Markdown")
     ev.add_argument("--check-every", type=_pos_int, default=32, metavar="N",
                     help="check the block invariants every N steps and at the end (default 32; 1: every step)")
     ev.set_defaults(func=cmd_eval)
@@ -246,7 +252,7 @@ def cmd_eval(args) -> int:
     from fdsched.installer import InstallError
     from fdsched.settings import SettingsError, load_settings
 
-    from .evaluate import format_eval_table, load_windows, run_plan, window_trace_name
+    from .evaluate import format_eval_markdown, format_eval_table, load_results, load_windows, run_plan, window_trace_name
 
     from fdsched.replay.costmodel import resolve_cost_model
 
@@ -270,6 +276,16 @@ def cmd_eval(args) -> int:
         print(f"shipped (tuned on, reported alongside): {', '.join(plan.shipped)}")
         print(f"arms: {', '.join(arms)}")
         return EXIT_OK
+    fmt = format_eval_markdown if args.markdown else format_eval_table
+    if args.table_from:
+        try:
+            results, models, hosts = load_results(args.table_from, plan, args.only)
+        except TraceError as exc:
+            print(f"fdsched: {exc}", file=sys.stderr)
+            return EXIT_ERROR
+        print(f"cost model: {', '.join(models)}; host: {', '.join(hosts)}")
+        print(fmt(results))
+        return EXIT_OK
     progress_factory = None
     if not args.no_progress:
         try:
@@ -281,7 +297,7 @@ def cmd_eval(args) -> int:
     try:
         results = run_plan(plan, Path(args.csv_dir), Path(args.out), arms, include_shipped=not args.no_shipped,
                            progress_factory=progress_factory, log=lambda m: print(m, file=sys.stderr),
-                           check_every=args.check_every, cost_overrides={"model": args.cost_model})
+                           check_every=args.check_every, cost_overrides={"model": args.cost_model}, only=args.only)
     except HostNotFound as exc:
         message = str(exc)
         if HOW_TO_POINT not in message:
@@ -291,7 +307,7 @@ def cmd_eval(args) -> int:
     except (SettingsError, InstallError, TraceError) as exc:
         print(f"fdsched: {exc}", file=sys.stderr)
         return EXIT_ERROR
-    print(format_eval_table(results))
+    print(fmt(results))
     print(f"\nreports: {Path(args.out)}/<trace>.report.json")
     violations = sum(p["figures"]["invariant_violations"] for _, profiles in results for p in profiles)
     return EXIT_ERROR if violations else EXIT_OK

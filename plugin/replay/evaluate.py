@@ -26,7 +26,7 @@ from .trace import TraceError
 
 __all__ = [
     "WINDOWS_FILE", "EvalWindow", "EvalPlan", "load_windows", "window_trace_name", "EVAL_COLUMNS", "eval_rows",
-    "format_eval_table", "missing_csv_message",
+    "format_eval_table", "format_eval_markdown", "missing_csv_message", "plan_trace_names", "load_results",
 ]
 
 WINDOWS_FILE = Path(__file__).with_name("windows.yaml")
@@ -176,18 +176,85 @@ def format_eval_table(results: Sequence[tuple]) -> str:
     return text_table(eval_rows(results), headers, align_right_from=2) + "\n" + note
 
 
+def format_eval_markdown(results: Sequence[tuple]) -> str:
+    """The same rows as :func:`format_eval_table` as a Markdown table (the trace named once per group)."""
+    headers = ["trace", "arm"] + [h for _, h in EVAL_COLUMNS] + ["thr / oracle", "thr / unbounded", "verdict vs ref", ""]
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    previous = None
+    for cells in eval_rows(results):
+        cells = list(cells)
+        if cells[0] == previous:
+            cells[0] = ""
+        else:
+            previous = cells[0]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plan_trace_names(plan: EvalPlan, include_shipped: bool = True) -> list:
+    """Every trace the plan runs, in its order."""
+    names = [window_trace_name(w, mode) for w in plan.windows for mode in w.max_tokens]
+    return names + (list(plan.shipped) if include_shipped else [])
+
+
+def _check_only(plan: EvalPlan, only, include_shipped: bool) -> Optional[set]:
+    if not only:
+        return None
+    allowed = plan_trace_names(plan, include_shipped)
+    bad = [name for name in only if name not in allowed]
+    if bad:
+        raise TraceError(f"--only: bad value {bad[0]!r} (not a trace of the split); allowed: {', '.join(allowed)}")
+    return set(only)
+
+
+def load_results(dirs: Sequence, plan: Optional[EvalPlan] = None, only=None) -> tuple:
+    """``(results, cost models, hosts)`` from the ``<trace>.report.json`` files earlier ``fdsched eval`` runs wrote
+    to ``dirs`` (a later directory's report of a trace replaces an earlier one's), in the plan's trace order; the
+    cost-model names and host commits found. Raises TraceError when a directory has no report or a report is
+    unreadable."""
+    import json
+
+    plan = plan or load_windows()
+    order = plan_trace_names(plan)
+    wanted = _check_only(plan, only, True)
+    found = {}
+    for d in dirs:
+        reports = sorted(Path(d).glob("*.report.json")) if Path(d).is_dir() else []
+        if not reports:
+            raise TraceError(f"--table-from: bad value {str(d)!r} (no <trace>.report.json in it); allowed: an "
+                             "--out directory of fdsched eval")
+        for path in reports:
+            name = path.name[: -len(".report.json")]
+            try:
+                report = json.loads(path.read_text(encoding="utf-8"))
+                profiles = [{"profile": p["profile"], "figures": p["figures"], "cost_model": p.get("cost_model") or {}}
+                            for p in report["profiles"]]
+            except (OSError, ValueError, KeyError, TypeError) as exc:
+                raise TraceError(f"--table-from: {path}: not a report.json of fdsched eval ({exc})") from None
+            found[name] = (profiles, report.get("host") or {})
+    names = [n for n in order if n in found] + sorted(n for n in found if n not in order)
+    if wanted is not None:
+        names = [n for n in names if n in wanted]
+    results = [(n, [{"profile": p["profile"], "figures": p["figures"]} for p in found[n][0]]) for n in names]
+    models = sorted({str(p["cost_model"].get("model") or p["cost_model"].get("name") or "?") for n in names for p in found[n][0]})
+    hosts = sorted({str(found[n][1].get("commit") or found[n][1].get("label") or "?") for n in names})
+    return results, models, hosts
+
+
 DEFAULT_CHECK_EVERY = 32  # block invariants every 32 steps and at the end (the tests check every step)
 
 
 def run_plan(plan: EvalPlan, csv_dir: Path, out_dir: Path, arms: Sequence[str], include_shipped: bool = True,
              progress_factory=None, log=print, check_every: int = DEFAULT_CHECK_EVERY,
-             cost_overrides: Optional[dict] = None) -> list:
-    """Import and replay; returns [(trace name, report profile entries)] and writes one report.json per trace."""
+             cost_overrides: Optional[dict] = None, only=None) -> list:
+    """Import and replay; returns [(trace name, report profile entries)] and writes one report.json per trace.
+    ``only``: run just these traces of the plan (names as :func:`plan_trace_names`; TraceError otherwise)."""
     from .cli import _trace_info
     from .report import build_report, report_json
     from .runner import run_replay
     from .trace import load_trace, resolve_trace, shipped_traces
 
+    wanted = _check_only(plan, only, include_shipped)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     traces = []
@@ -195,12 +262,14 @@ def run_plan(plan: EvalPlan, csv_dir: Path, out_dir: Path, arms: Sequence[str], 
     for window in plan.windows:
         for mode in window.max_tokens:
             name = window_trace_name(window, mode)
+            if wanted is not None and name not in wanted:
+                continue
             if name in shipped:
                 traces.append((name, shipped[name]))
             else:
                 traces.append((name, import_window(window, mode, csv_dir, out_dir)))
     if include_shipped:
-        traces += [(name, resolve_trace(name)) for name in plan.shipped]
+        traces += [(name, resolve_trace(name)) for name in plan.shipped if wanted is None or name in wanted]
     results = []
     for name, path in traces:
         trace = load_trace(path)

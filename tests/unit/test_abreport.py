@@ -159,3 +159,103 @@ def test_several_scrapes_are_added_up(tmp_path, capsys):
     empty = tmp_path / "empty.prom"
     empty.write_text("# nothing yet\n")
     assert main(["ab", "report", str(a), "--since", str(empty)]) == 0  # an earlier scrape may have no arm yet
+
+
+# ---- FastDeploy's own histograms: E2E and token gaps (no arm label) ----------------------------------------
+_HOST_WRITER = r"""
+import json, sys
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+
+arms, e2e, gaps = json.loads(sys.argv[1])
+reg = CollectorRegistry()
+fin = Counter("fastdeploy:fdsched_requests_finished_total", "f", ["arm", "dp_rank"], registry=reg)
+for arm, rank in arms:
+    fin.labels(arm, rank).inc(len(e2e))
+# FastDeploy's own buckets (fastdeploy/metrics/metrics.py, both hosts) and no labels
+h_e2e = Histogram("fastdeploy:e2e_request_latency_seconds", "e2e", registry=reg, buckets=(
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0, 960.0,
+    1920.0, 7680.0))
+h_gap = Histogram("fastdeploy:time_per_output_token_seconds", "gap", registry=reg, buckets=(
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0))
+for v in e2e:
+    h_e2e.observe(v)
+for v in gaps:
+    h_gap.observe(v)
+sys.stdout.write(generate_latest(reg).decode())
+"""
+
+
+def host_exposition(arms, e2e, gaps):
+    """One server's scrape: ``arms`` [(arm, rank)] with the plugin's counter, and FastDeploy's unlabelled E2E and
+    token-gap histograms observed with ``e2e`` and ``gaps`` (seconds)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PROMETHEUS_MULTIPROC_DIR"}
+    proc = subprocess.run([sys.executable, "-c", _HOST_WRITER, json.dumps([arms, e2e, gaps])], env=env,
+                          capture_output=True, text=True, check=True, timeout=60)
+    return proc.stdout
+
+
+def test_recorded_scrape_has_the_host_histograms_but_no_observations(capsys):
+    from fdsched.abreport import HOST_E2E, HOST_GAP, attribute_host, parse_scrape
+
+    scrape = parse_scrape(RECORDED.read_text())
+    assert set(scrape.host) == {HOST_E2E, HOST_GAP}
+    assert scrape.host[HOST_E2E].count == 0 and 7680.0 in scrape.host[HOST_E2E].buckets
+    assert 1.0 in scrape.host[HOST_GAP].buckets
+    arms, pooled = attribute_host([scrape])  # two arms in one scrape: the host's series cannot be split
+    assert set(pooled) == {HOST_E2E, HOST_GAP}
+    assert all(HOST_E2E not in s.histograms for s in arms.values())
+    assert main(["ab", "report", str(RECORDED), "--reference", "baseline"]) == 0
+    out = capsys.readouterr().out
+    line = next(l for l in out.splitlines() if l.startswith("E2E p99"))
+    assert "- (0)" in line
+    assert "with 0 observations" in out and "not in any metric: a request's stall" in out
+
+
+def test_one_arm_per_scrape_gets_its_e2e_and_token_gaps(tmp_path, capsys):
+    """multi_api_server: each rank's api_server scraped on its own, so each scrape's host histograms are one arm's."""
+    a = tmp_path / "rank0.prom"
+    b = tmp_path / "rank1.prom"
+    # baseline: 100 requests, E2E 0.9 s for 50 and 12 s for 50; 1000 gaps, 20 of them 0.8 s (a recompute stall)
+    a.write_text(host_exposition([["baseline", "0"]], [0.9] * 50 + [12.0] * 50, [0.03] * 980 + [0.8] * 20))
+    # adaptive: 100 requests, all 0.9 s; 1000 gaps, none late
+    b.write_text(host_exposition([["adaptive", "1"]], [0.9] * 100, [0.03] * 1000))
+    assert main(["ab", "report", str(a), str(b), "--reference", "baseline"]) == 0
+    out = capsys.readouterr().out
+    rows = {l.split("  ")[0]: l for l in out.splitlines()}
+    # E2E p50 of baseline: the 50th observation is the last of the (0.8, 1.0] bucket -> 1000 ms; adaptive's
+    # 50th of 100 in (0.8, 1.0] -> 0.8 + 0.2 * 50/100 = 900 ms
+    assert "1000 (100)" in rows["E2E p50 (ms, host, chat)"] and "900 (100)" in rows["E2E p50 (ms, host, chat)"]
+    # baseline p99: the 99th of 100 lies in (10, 15]: 10 + 5 * 49/50 = 14.9 s
+    assert "14900 (100)" in rows["E2E p99 (ms, host, chat)"]
+    # token gaps over 0.5 s: 20 of 1000 -> 20 per 1k for baseline, 0 for adaptive
+    late = rows["token gaps > 0.5 s / 1k gaps (host)"]
+    assert "20 (1000)" in late and "0 (1000)" in late
+    # p99 of baseline's gaps: the 990th of 1000 lies in (0.75, 1.0]: 750 + 250 * 10/20 = 875 ms
+    assert "875 (1000)" in rows["token gap p99 (ms, host)"]
+    assert "E2E and token gaps per arm: '-'" not in out  # attributed
+
+
+def test_host_histograms_of_a_shared_scrape_are_pooled_and_since_pairs_servers(tmp_path, capsys):
+    from fdsched.abreport import HOST_E2E, attribute_host, parse_scrape
+
+    both = host_exposition([["baseline", "0"], ["adaptive", "1"]], [2.0] * 10, [0.02] * 10)
+    arms, pooled = attribute_host([parse_scrape(both)])
+    assert pooled[HOST_E2E].count == 10 and all(HOST_E2E not in s.histograms for s in arms.values())
+    path = tmp_path / "both.prom"
+    path.write_text(both)
+    assert main(["ab", "report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "host histograms pooled over arms" in out and "E2E p50 (ms, host, chat) 1750 (10)" in out  # (1.5, 2] interpolated
+    # --since with one earlier scrape per server: the window per server, host histograms still attributed
+    t0, t1 = tmp_path / "t0.prom", tmp_path / "t1.prom"
+    t0.write_text(host_exposition([["baseline", "0"]], [0.9] * 10, [0.03] * 10))
+    t1.write_text(host_exposition([["baseline", "0"]], [0.9] * 10 + [30.0] * 10, [0.03] * 10))
+    assert main(["ab", "report", str(t1), "--since", str(t0)]) == 0
+    out = capsys.readouterr().out
+    line = next(l for l in out.splitlines() if l.startswith("E2E p50"))
+    assert "25000 (10)" in line  # only the window's 10 requests, all 30 s: the 5th of 10 in (20, 30] -> 25 s

@@ -274,3 +274,50 @@ def test_eval_rejects_an_unknown_cost_model_before_anything_runs(tmp_path, capsy
     err = capsys.readouterr().err
     assert "--cost-model" in err and "no-such-model" in err and "llama2-7b-a100" in err
     assert not (tmp_path / "out").exists()  # nothing ran, nothing written
+
+
+def _write_eval_report(path, arms, commit="d38eeb8", model="llama2-7b-a100"):
+    import json
+
+    profiles = [{"profile": name, "cost_model": {"model": model},
+                 "figures": {"ttft_ms_p50": ttft, "e2e_ms_p99": 100.0, "stall_ms_p99": 5.0, "stall_ms_max": 5.0,
+                             "tpot_ms_p99": 1.0, "throughput_tokens_per_s": thr, "preemptions": 0,
+                             "preemptions_prefill_victims": 0, "invariant_violations": 0}}
+                for name, ttft, thr in arms]
+    path.write_text(json.dumps({"profiles": profiles, "host": {"commit": commit}}))
+
+
+def test_eval_table_from_earlier_runs_in_the_split_order_and_markdown(tmp_path, capsys):
+    from fdsched.cli import main
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir()
+    two.mkdir()
+    arms = [("baseline", 10.0, 50.0), ("adaptive", 5.0, 60.0), ("oracle", 5.0, 100.0), ("unbounded", 1.0, 200.0)]
+    _write_eval_report(one / "azure-conv.report.json", arms)
+    _write_eval_report(one / "eval-conv-unset.report.json", [("baseline", 99.0, 1.0)])
+    _write_eval_report(two / "eval-conv-unset.report.json", arms)  # the later directory wins
+    assert main(["eval", "--table-from", str(one), str(two), "--markdown"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[0] == "cost model: llama2-7b-a100; host: d38eeb8"
+    rows = [line for line in out.splitlines() if line.startswith("| ")]
+    assert rows[0].startswith("| trace | arm | TTFT p50")
+    assert rows[1].startswith("| eval-conv-unset | baseline | 10.00 |")  # split order: windows before shipped
+    assert rows[2].startswith("|  | adaptive | 5.00 |") and "| 0.60 | 0.30 | better |" in rows[2]
+    assert any(r.startswith("| azure-conv | baseline |") for r in rows)
+    assert "99.0" not in out
+    assert main(["eval", "--table-from", str(one), "--only", "azure-conv"]) == 0
+    assert "eval-conv-unset" not in capsys.readouterr().out.split("\n", 1)[1]
+
+
+def test_eval_only_and_table_from_reject_bad_values(tmp_path, capsys):
+    from fdsched.cli import main
+
+    assert main(["eval", "--only", "no-such-trace", "--out", str(tmp_path / "o")]) == 1
+    err = capsys.readouterr().err
+    assert "--only: bad value 'no-such-trace'" in err and "allowed: eval-conv-unset, eval-conv-true" in err
+    assert main(["eval", "--table-from", str(tmp_path)]) == 1
+    assert "--table-from: bad value" in capsys.readouterr().err
+    (tmp_path / "x.report.json").write_text("{not json")
+    assert main(["eval", "--table-from", str(tmp_path)]) == 1
+    assert "not a report.json of fdsched eval" in capsys.readouterr().err
