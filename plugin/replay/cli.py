@@ -483,9 +483,8 @@ def cmd_replay(args) -> int:
     (out / "report.json").write_text(report_json(report), encoding="utf-8")
     print(format_header(report))
     print(format_table(report))
-    for extra in (format_verdicts(report), format_bounds(report)):
-        if extra:
-            print("\n" + extra)
+    if format_bounds(report):
+        print("\n" + format_bounds(report))
     print(f"\nreport: {out / 'report.json'}")
     if note:
         print(note)
@@ -496,6 +495,8 @@ def cmd_replay(args) -> int:
             print(f"fdsched: matplotlib is not installed: no plot (install with {INSTALL_HINT})", file=sys.stderr)
         else:
             print(f"plot:   {out / 'replay.png'}")
+    if format_verdicts(report):  # last: what the reader acts on
+        print("\n" + format_verdicts(report))
     violations = sum(p["figures"]["invariant_violations"] for p in report["profiles"])
     if violations:
         print(f"fdsched replay: {violations} invariant violation(s); see 'violations' in {out / 'report.json'}",
