@@ -525,6 +525,8 @@ def _plot_timeline(ax, entry: dict, color: str, scales: dict, show_held: bool):
 def _plot_distributions(axes: dict, profiles: Sequence[dict], t_max: float) -> None:
     """Arms overlaid, each in its colour: requests completed over modelled time, and the TTFT, E2E, TPOT and stall
     CDFs (log x where every value is positive)."""
+    from matplotlib.ticker import NullFormatter
+
     for i, entry in enumerate(profiles):
         series, color = entry["series"], arm_color(i)
         finish = [v / 1000.0 for v in series["finish_ms"]]
@@ -539,14 +541,15 @@ def _plot_distributions(axes: dict, profiles: Sequence[dict], t_max: float) -> N
     done.set_xlabel("modelled time (s)")
     done.set_ylabel("requests completed")
     done.grid(alpha=0.3)
-    labels = {"ttft_ms": "TTFT", "e2e_ms": "E2E latency", "tpot_ms": "TPOT", "stall_ms": "stall (longest token gap)"}
+    labels = {"ttft_ms": "TTFT", "e2e_ms": "E2E latency", "tpot_ms": "TPOT", "stall_ms": "stall: longest token gap"}
     for key, label in labels.items():
         ax = axes[key]
         values = [v for p in profiles for v in p["series"].get(key) or []]
         log = key != "tpot_ms" and values and min(values) > 0
         if log:
             ax.set_xscale("log")
-        ax.set_xlabel(f"{label}, modelled ms{' (log)' if log else ''}; left is better", fontsize=9)
+            ax.xaxis.set_minor_formatter(NullFormatter())  # labelled minor ticks run into each other
+        ax.set_xlabel(f"{label}\nmodelled ms{', log' if log else ''}; left is better", fontsize=9)
         ax.set_ylim(0, 1.02)
         ax.set_ylabel("fraction of requests")
         ax.grid(alpha=0.3)
@@ -618,7 +621,7 @@ def write_plot(report: dict, path: str, title: str = "") -> None:
     height = panel * n + 3.4 + text_height + 0.9
     fig = plt.figure(figsize=(16, height))
     grid = fig.add_gridspec(n + 2, 5, height_ratios=[panel] * n + [3.4, max(text_height, 0.01)],
-                            top=1 - 0.9 / height, bottom=0.02, hspace=0.55, wspace=0.3)
+                            top=1 - 1.05 / height, bottom=0.02, hspace=0.55, wspace=0.3)
     first = None
     for i, entry in enumerate(profiles):
         ax = fig.add_subplot(grid[i, :], sharex=first)
