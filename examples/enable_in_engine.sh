@@ -4,7 +4,8 @@
 #
 # Run it from a checkout of this project: the package is not on a package index yet, so it is installed from
 # the checkout (next to fastdeploy-gpu / paddlepaddle-gpu). On a machine without them the script stops at
-# `fdsched doctor` (exit 2: no FastDeploy host) -- everything before that works anywhere.
+# `fdsched doctor` (exit 2: no FastDeploy host); with a CPU host from `fdsched host setup` it gets past doctor and
+# stops at the server (exit 1: MODEL unset; serving a model needs the GPU) -- everything before that works anywhere.
 set -euo pipefail
 
 cd "$(dirname "$0")/.."                         # the checkout's root (setup.cfg is there)

@@ -395,6 +395,22 @@ def _parse_or_empty(text: str, source: str) -> Scrape:
     return parse_scrape(text, source, require_arms=False)
 
 
+def _verdict_text(arms: dict, reference: Optional[str]) -> str:
+    """The verdict lines (one definition: :func:`fdsched.replay.report.verdict_lines`) on what a scrape has:
+    TTFT p50, prefill victims and requests finished; /metrics has no throughput, E2E or stall (the lines say n/a)."""
+    from .replay.report import verdict_lines
+
+    def figures(series):
+        ttft = series.histograms.get(PREFIX + "ttft_seconds", Histogram()).quantile(0.5)
+        return {"ttft_ms_p50": None if ttft is None else ttft * 1e3,
+                "preemptions_prefill_victims": int(round(series.counter(PREFIX + "preemptions", victim_phase="prefill"))),
+                "requests_finished": int(round(series.counter(PREFIX + "requests_finished")))}
+
+    profiles = [{"profile": arm, "figures": figures(arms[arm])} for arm in sorted(arms)]
+    lines = verdict_lines(profiles, reference, what="server-side, from /metrics")
+    return "\n" + "\n".join(lines) if lines else ""
+
+
 def add_command(sub) -> None:
     ab = sub.add_parser("ab", help="online A/B (one arm per data-parallel rank): the per-arm report")
     ab_sub = ab.add_subparsers(dest="ab_command", required=True)
@@ -433,6 +449,9 @@ def cmd_report(args) -> int:
                 scrapes = [later.minus(total)]
         arms, pooled = attribute_host(scrapes)
         print(format_report(arms, args.reference, pooled))
+        verdict = _verdict_text(arms, args.reference)
+        if verdict:
+            print(verdict)
     except ABReportError as exc:
         print(f"fdsched ab report: error: {exc}", file=sys.stderr)
         return EXIT_ERROR

@@ -169,6 +169,20 @@ class RunResult:
         return counts
 
 
+def _os_free_ports(count: int) -> list:
+    """``count`` distinct ports the OS reports free now (bound to port 0 together, then released)."""
+    import socket
+
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+    try:
+        for s in sockets:
+            s.bind(("0.0.0.0", 0))
+        return [s.getsockname()[1] for s in sockets]
+    finally:
+        for s in sockets:
+            s.close()
+
+
 def _run_env(run: str, results: str, scratch: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("FDSCHED_") and k != "FD_PLUGINS"}
     # Keep the fdsched home (a recorded host) but no plugin setting from the caller's shell: a run is its name.
@@ -181,6 +195,11 @@ def _run_env(run: str, results: str, scratch: str) -> dict:
         PYTHONDONTWRITEBYTECODE="1",
     )
     os.makedirs(env["PROMETHEUS_MULTIPROC_DIR"])
+    # The host's engine tests build their configs on FD_ENGINE_QUEUE_PORT / FD_CACHE_QUEUE_PORT (default 6778 /
+    # 6779), and FastDeploy's EngineArgs asserts each is free: any other process holding one of them fails whichever
+    # test builds a config then (seen: test_control_abort_requests_not_v1_raises, old host, under load). Free ports
+    # of the OS's own picking instead, per process.
+    env["FD_ENGINE_QUEUE_PORT"], env["FD_CACHE_QUEUE_PORT"] = (str(p) for p in _os_free_ports(2))
     if run != NO_PLUGIN:
         env["FD_PLUGINS"] = "fdsched"
         if run != DEFAULT_RUN:

@@ -178,8 +178,16 @@ def cmd_trace_generate(args) -> int:
     if args.out == "-":
         sys.stdout.write(text)
     else:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text, encoding="utf-8")
+        try:
+            _check_out_file(args.out)
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(text, encoding="utf-8")
+        except (TraceError, OSError) as exc:
+            detail = exc if isinstance(exc, TraceError) else (
+                f"--out {args.out!r}: cannot write ({exc.strerror}); allowed: a file path in a writable directory, "
+                "or - (standard output)")
+            print(f"fdsched: {detail}", file=sys.stderr)
+            return EXIT_ERROR
         print(f"wrote {args.out}: {args.kind}, {n} requests, seed {args.seed}", file=sys.stderr)
     return EXIT_OK
 
@@ -239,6 +247,7 @@ def cmd_trace_import(args) -> int:
             },
             description=args.description,
         )
+        _check_out_file(args.out)
         result = import_trace(args.csv, args.out, options)
     except TraceError as exc:
         print(f"fdsched: {exc}", file=sys.stderr)
@@ -286,6 +295,11 @@ def cmd_eval(args) -> int:
         print(f"cost model: {', '.join(models)}; host: {', '.join(hosts)}")
         print(fmt(results))
         return EXIT_OK
+    try:
+        _check_out_dir(args.out)  # before the imports and arms run, not after
+    except TraceError as exc:
+        print(f"fdsched: {exc}", file=sys.stderr)
+        return EXIT_ERROR
     progress_factory = None
     if not args.no_progress:
         try:
@@ -355,6 +369,19 @@ def _import_host() -> None:
         import fastdeploy.engine.sched.resource_manager_v1  # noqa: F401
     except Exception as exc:  # the host's own import failing is a host problem; say what it was
         raise HostNotFound(f"importing the host's scheduler modules failed: {type(exc).__name__}: {exc}") from None
+
+
+def _check_out_file(value: str) -> None:
+    """An output file's path: not a directory, and no file where a folder on its way must be."""
+    out = Path(value).expanduser()
+    if out.is_dir():
+        raise TraceError(f"--out {value!r}: bad value (a directory); allowed: a file path")
+    for parent in out.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise TraceError(f"--out {value!r}: bad value ({str(parent)!r} is a file, not a directory); "
+                                 "allowed: a file path whose folders are folders")
+            break
 
 
 def _check_out_dir(value: str) -> Path:
@@ -499,9 +526,8 @@ def cmd_replay(args) -> int:
     (out / "report.json").write_text(report_json(report), encoding="utf-8")
     print(format_header(report))
     print(format_table(report))
-    for extra in (format_verdicts(report), format_bounds(report)):
-        if extra:
-            print("\n" + extra)
+    if format_bounds(report):
+        print("\n" + format_bounds(report))
     print(f"\nreport: {out / 'report.json'}")
     if note:
         print(note)
@@ -512,6 +538,8 @@ def cmd_replay(args) -> int:
             print(f"fdsched: matplotlib is not installed: no plot (install with {INSTALL_HINT})", file=sys.stderr)
         else:
             print(f"plot:   {out / 'replay.png'}")
+    if format_verdicts(report):  # last: what the reader acts on
+        print("\n" + format_verdicts(report))
     violations = sum(p["figures"]["invariant_violations"] for p in report["profiles"])
     if violations:
         print(f"fdsched replay: {violations} invariant violation(s); see 'violations' in {out / 'report.json'}",

@@ -21,7 +21,7 @@ from typing import Optional, Sequence
 
 from ..common import text_table
 from .figures import compute_figures
-from .report import VERDICT_KEYS, format_value, ratio, verdict
+from .report import VERDICT_KEYS, format_value, ratio, verdict, verdict_lines
 from .trace import TraceError
 
 __all__ = [
@@ -173,7 +173,9 @@ def format_eval_table(results: Sequence[tuple]) -> str:
         "modelled ms; thr = output tokens per modelled s; stall = a request's longest gap between two tokens; "
         f"verdict vs the trace's first arm on {', '.join(VERDICT_KEYS)} read together (docs/evaluation.md)"
     )
-    return text_table(eval_rows(results), headers, align_right_from=2) + "\n" + note
+    lines = [line for trace_name, profiles in results for line in verdict_lines(profiles, what=trace_name)]
+    return text_table(eval_rows(results), headers, align_right_from=2) + "\n" + note + (
+        "\n\n" + "\n".join(lines) if lines else "")
 
 
 def format_eval_markdown(results: Sequence[tuple]) -> str:

@@ -27,10 +27,18 @@ __all__ = [
     "differing_settings",
     "BETTER",
     "write_plot",
+    "ARM_COLORS",
+    "QUEUE_COLORS",
+    "arm_color",
     "VERDICT_KEYS",
     "VERDICT_TOLERANCE",
     "verdict",
     "format_verdicts",
+    "verdict_line",
+    "verdict_lines",
+    "change_words",
+    "SMALL_REQUESTS",
+    "SMALL_EVENTS",
     "BOUND_KEYS",
     "bound_ratios",
     "format_bounds",
@@ -109,7 +117,7 @@ VERDICT_KEYS = ("ttft_ms_p50", "e2e_ms_p99", "stall_ms_p99")
 VERDICT_TOLERANCE = 0.05
 
 
-def verdict(figures: dict, reference: dict, tolerance: float = VERDICT_TOLERANCE) -> tuple:
+def verdict(figures: dict, reference: dict, tolerance: float = VERDICT_TOLERANCE, keys: Sequence[str] = VERDICT_KEYS) -> tuple:
     """``(word, detail)`` comparing one arm's figures with a reference arm's on :data:`VERDICT_KEYS`
     (lower is better for each):
 
@@ -118,9 +126,10 @@ def verdict(figures: dict, reference: dict, tolerance: float = VERDICT_TOLERANCE
     * ``mixed``: better on one, worse on another (no ranking: the trade-off is the user's call);
     * ``same``: within ``tolerance`` on all; ``n/a`` when a figure is missing.
 
-    ``detail`` lists each figure's ratio (arm / reference)."""
+    ``detail`` lists each figure's ratio (arm / reference). ``keys``: a subset of :data:`VERDICT_KEYS` when a
+    source has only some of them (an online A/B's /metrics has no E2E or stall)."""
     better, worse, parts = [], [], []
-    for key in VERDICT_KEYS:
+    for key in keys:
         a, b = reference.get(key), figures.get(key)
         if a is None or b is None:
             return "n/a", f"{key} missing"
@@ -136,20 +145,80 @@ def verdict(figures: dict, reference: dict, tolerance: float = VERDICT_TOLERANCE
     return word, ", ".join(parts)
 
 
-def format_verdicts(report: dict) -> str:
-    """One line per arm after the first: its verdict against the first arm (see :func:`verdict`)."""
-    profiles = report["profiles"]
+# The verdict line: what a person acts on. Below these counts a figure is noise-prone, and the line says so.
+SMALL_REQUESTS = 100  # fewer finished requests than this: a p99 is the slowest one or two requests
+SMALL_EVENTS = 10  # fewer prefill victims than this on both sides: a difference of a few can be one request's timing
+# (figure key, words) in the line's order; the victims follow.
+VERDICT_LINE_FIGURES = (
+    ("throughput_tokens_per_s", "throughput"),
+    ("ttft_ms_p50", "TTFT p50"),
+    ("e2e_ms_p99", "E2E p99"),
+    ("stall_ms_p99", "stall p99"),
+)
+
+
+def change_words(label: str, value, reference) -> str:
+    """``TTFT p50 -55%``: the arm's value against the reference's as a signed percentage (``+183% (2.83x)``
+    from double up; ``same`` when it rounds to 0%; ``n/a`` when either is missing)."""
+    r = ratio(value, reference)
+    if r is None:
+        if value == 0 and reference == 0:
+            return f"{label} same"
+        if reference == 0 and isinstance(value, (int, float)):
+            return f"{label} 0 -> {format_value(value)}"
+        return f"{label} n/a"
+    pct = (r - 1.0) * 100.0
+    if round(pct) == 0:
+        return f"{label} same"
+    return f"{label} {pct:+.0f}%" + (f" ({r:.2f}x)" if r >= 2.0 else "")
+
+
+def verdict_line(name: str, figures: dict, reference_name: str, reference: dict,
+                 tolerance: float = VERDICT_TOLERANCE) -> str:
+    """One line a person can act on, e.g. ``adaptive vs baseline, better: throughput +1%, TTFT p50 -55%,
+    E2E p99 -5%, stall p99 -66%, 0 prefill victims (baseline 2); noise: ...``.
+
+    The word is :func:`verdict`'s, on the :data:`VERDICT_KEYS` both arms have (the line says which when some are
+    missing). The noise caveat names what is small: fewer than :data:`SMALL_REQUESTS` finished requests behind a
+    p99, or fewer than :data:`SMALL_EVENTS` prefill victims on both sides when they differ."""
+    have = tuple(k for k in VERDICT_KEYS if figures.get(k) is not None and reference.get(k) is not None)
+    word = verdict(figures, reference, tolerance, keys=have)[0] if have else "n/a"
+    if have and have != VERDICT_KEYS:
+        word += " (on " + ", ".join(label for key, label in VERDICT_LINE_FIGURES if key in have) + " only)"
+    parts = [change_words(label, figures.get(key), reference.get(key)) for key, label in VERDICT_LINE_FIGURES]
+    mine, theirs = figures.get("preemptions_prefill_victims"), reference.get("preemptions_prefill_victims")
+    if mine is None or theirs is None:
+        parts.append("prefill victims n/a")
+    else:
+        parts.append(f"{mine} prefill victims ({reference_name} {theirs})")
+    noise = []
+    counts = [n for n in (figures.get("requests_finished"), reference.get("requests_finished")) if n is not None]
+    if counts and min(counts) < SMALL_REQUESTS:
+        noise.append(f"{min(counts):g} requests (under {SMALL_REQUESTS}): a p99 is the slowest one or two")
+    if mine is not None and theirs is not None and mine != theirs and max(mine, theirs) < SMALL_EVENTS:
+        noise.append(f"{mine} vs {theirs} prefill victims (under {SMALL_EVENTS} each): a difference this small "
+                     "can be one request's timing")
+    return f"{name} vs {reference_name}, {word}: " + ", ".join(parts) + ("; noise: " + "; ".join(noise) if noise else "")
+
+
+def verdict_lines(profiles: Sequence[dict], reference: Optional[str] = None, what: str = "") -> list:
+    """A heading and one :func:`verdict_line` per arm (``profiles``: [{"profile", "figures"}]) against
+    ``reference`` (default: the first arm); [] with fewer than two arms."""
     if len(profiles) < 2:
-        return ""
-    ref = profiles[0]
-    lines = [
-        f"verdict vs {ref['profile']} (TTFT p50, E2E p99 and stall p99 read together; better = not worse beyond "
-        f"{VERDICT_TOLERANCE:.0%} on any and better beyond it on one):"
-    ]
-    for p in profiles[1:]:
-        word, detail = verdict(p["figures"], ref["figures"])
-        lines.append(f"  {p['profile']}: {word} ({detail})")
-    return "\n".join(lines)
+        return []
+    ref = next((p for p in profiles if p["profile"] == reference), profiles[0])
+    heading = (
+        f"verdict{' (' + what + ')' if what else ''} vs {ref['profile']}: TTFT p50, E2E p99 and stall p99 read "
+        f"together (better: none worse by more than {VERDICT_TOLERANCE:.0%}, one better by more); % = change from "
+        f"{ref['profile']} (throughput: + is better; times: - is better)"
+    )
+    return [heading] + ["  " + verdict_line(p["profile"], p["figures"], ref["profile"], ref["figures"])
+                        for p in profiles if p is not ref]
+
+
+def format_verdicts(report: dict) -> str:
+    """The verdict lines of a report (see :func:`verdict_lines`): the first arm is the reference."""
+    return "\n".join(verdict_lines(report["profiles"]))
 
 
 # Figures reported as ratios to the reference arms (oracle, unbounded), with the direction that is better.
@@ -407,13 +476,125 @@ def _cost_lines(profiles) -> list:
 # --------------------------------------------------------------------------------------------
 # Plot
 # --------------------------------------------------------------------------------------------
-def write_plot(report: dict, path: str, title: str = "") -> None:
-    """One figure, the same scales everywhere.
+# One colour per arm in every panel (tab10 without its grey); queue states and the pool in greys, preemptions in
+# black, so no colour means two things.
+ARM_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf")
+QUEUE_COLORS = {"running": "#404040", "waiting": "#b0b0b0"}
+PREEMPTION_MARKS = {"decode": "v", "prefill": "x"}
+HELD_LINE_MAX_ARMS = 2  # the dashed "held by requests" line only up to this many arms (report.json has it always)
 
-    * one panel per arm over modelled time: KV blocks in use and held by requests (left axis, 0 to
-      the pool size in every panel), running and waiting requests (right axis, one scale for all
-      arms), preemptions marked by the victim's phase;
-    * arms overlaid: completed requests over modelled time, TTFT, E2E, TPOT and stall CDFs.
+
+def arm_color(index: int) -> str:
+    return ARM_COLORS[index % len(ARM_COLORS)]
+
+
+def _plot_timeline(ax, entry: dict, color: str, scales: dict, show_held: bool):
+    """One arm over modelled time: KV blocks in use (its colour), held by requests (dashed, if ``show_held``), the
+    pool (dotted), running and waiting requests (greys, right axis), preemptions by victim phase (black marks)."""
+    series = entry["series"]
+    times = [v / 1000.0 for v in series["step_end_ms"]]
+    ax.plot(times, series["blocks_in_use"], color=color, lw=1.2)
+    if show_held:
+        ax.plot(times, series["blocks_held_by_requests"], color=color, lw=0.8, ls="--", alpha=0.7)
+    if scales["pool"]:
+        ax.axhline(scales["pool"], color="black", lw=0.8, ls=":")
+    ax.set_ylim(0, scales["blocks"] * 1.08)
+    ax.set_xlim(0, scales["t_max"] * 1.01)
+    ax.set_ylabel("KV blocks")
+    twin = ax.twinx()
+    twin.fill_between(times, series["waiting"], color=QUEUE_COLORS["waiting"], alpha=0.45, lw=0, step="post")
+    twin.plot(times, series["running"], color=QUEUE_COLORS["running"], lw=0.8)
+    twin.set_ylim(0, scales["requests"] * 1.08)
+    twin.set_ylabel("requests")
+    ax.set_zorder(twin.get_zorder() + 1)  # the arm's line and the marks above the grey queue areas
+    ax.patch.set_visible(False)
+    for phase, marker in PREEMPTION_MARKS.items():
+        xs = [p[0] for p in series["preemptions"] if p[2] == phase]
+        if xs:
+            ax.scatter([times[x] for x in xs], [series["blocks_in_use"][x] for x in xs], color="black", marker=marker,
+                       s=28, zorder=5, linewidths=1.2)
+    f = entry["figures"]
+    ax.set_title(
+        f"{entry['profile']}: {f['preemptions']} preemptions ({f['preemptions_decode_victims']} decode / "
+        f"{f['preemptions_prefill_victims']} prefill victims), {f['steps']} steps"
+        + ("" if f["drained"] else f" - NOT DRAINED ({f['stop_reason'].split(':')[0]})"),
+        fontsize=9.5, loc="left", color=color, fontweight="bold",
+    )
+
+
+def _plot_distributions(axes: dict, profiles: Sequence[dict], t_max: float) -> None:
+    """Arms overlaid, each in its colour: requests completed over modelled time, and the TTFT, E2E, TPOT and stall
+    CDFs (log x where every value is positive)."""
+    from matplotlib.ticker import NullFormatter
+
+    for i, entry in enumerate(profiles):
+        series, color = entry["series"], arm_color(i)
+        finish = [v / 1000.0 for v in series["finish_ms"]]
+        axes["done"].step(finish, range(1, len(finish) + 1), where="post", color=color, lw=1.2, label=entry["profile"])
+        for key in ("ttft_ms", "e2e_ms", "tpot_ms", "stall_ms"):
+            values = series.get(key) or []
+            if values:
+                axes[key].step(values, [(k + 1) / len(values) for k in range(len(values))], where="post", color=color,
+                               lw=1.2)
+    done = axes["done"]
+    done.set_xlim(0, t_max * 1.01)
+    done.set_xlabel("modelled time (s)")
+    done.set_ylabel("requests completed")
+    done.grid(alpha=0.3)
+    labels = {"ttft_ms": "TTFT", "e2e_ms": "E2E latency", "tpot_ms": "TPOT", "stall_ms": "stall: longest token gap"}
+    for key, label in labels.items():
+        ax = axes[key]
+        values = [v for p in profiles for v in p["series"].get(key) or []]
+        log = key != "tpot_ms" and values and min(values) > 0
+        if log:
+            ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(NullFormatter())  # labelled minor ticks run into each other
+        ax.set_xlabel(f"{label}\nmodelled ms{', log' if log else ''}; left is better", fontsize=9)
+        ax.set_ylim(0, 1.02)
+        ax.set_ylabel("fraction of requests")
+        ax.grid(alpha=0.3)
+
+
+def _legend_handles(profiles: Sequence[dict], pool, show_held: bool) -> list:
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    handles = [Line2D([], [], color=arm_color(i), lw=2.5, label=p["profile"]) for i, p in enumerate(profiles)]
+    handles += [
+        Line2D([], [], color="dimgray", lw=1.2, label="KV blocks in use (arm's colour)"),
+        Line2D([], [], color="black", lw=0.8, ls=":", label=f"pool ({pool})"),
+        Line2D([], [], color=QUEUE_COLORS["running"], lw=0.8, label="running requests (right axis)"),
+        Patch(color=QUEUE_COLORS["waiting"], alpha=0.45, label="waiting requests (right axis)"),
+        Line2D([], [], color="black", marker=PREEMPTION_MARKS["decode"], ls="", label="preemption, decode victim"),
+        Line2D([], [], color="black", marker=PREEMPTION_MARKS["prefill"], ls="", label="preemption, prefill victim"),
+    ]
+    if show_held:
+        handles.insert(len(profiles) + 1, Line2D([], [], color="dimgray", lw=0.8, ls="--",
+                                                  label="KV blocks held by requests"))
+    return handles
+
+
+def _verdict_figure_lines(report: dict, width: int = 150) -> list:
+    """(text, colour) per line of the verdict under the figure: the heading in black, each arm's line (wrapped at
+    ``width``) in its colour."""
+    import textwrap
+
+    lines = verdict_lines(report["profiles"])
+    if not lines:
+        return []
+    out = [(line, "black") for line in textwrap.wrap(lines[0], width)]
+    for i, line in enumerate(lines[1:], start=1):
+        for k, part in enumerate(textwrap.wrap(line.strip(), width, subsequent_indent="    ")):
+            out.append((part, arm_color(i)))
+    return out
+
+
+def write_plot(report: dict, path: str, title: str = "") -> None:
+    """One figure, the same scales everywhere, one colour per arm in every panel.
+
+    * one panel per arm over modelled time (:func:`_plot_timeline`);
+    * arms overlaid: completed requests over modelled time, TTFT, E2E, TPOT and stall CDFs;
+    * the verdict lines (:func:`verdict_lines`) at the bottom, each in its arm's colour.
 
     Needs matplotlib (raises ImportError otherwise; the caller says how to install it).
     """
@@ -421,105 +602,48 @@ def write_plot(report: dict, path: str, title: str = "") -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from matplotlib.lines import Line2D
 
     profiles = report["profiles"]
-    total = report["engine"].get("num_gpu_blocks")
-    marks = {"decode": ("tab:red", "v"), "prefill": ("black", "x")}
-    colors = [f"C{i}" for i in range(10)]
     n = len(profiles)
-    seconds = lambda ms: [v / 1000.0 for v in ms]  # noqa: E731
-    t_max = max((p["series"]["step_end_ms"][-1] for p in profiles if p["series"]["step_end_ms"]), default=1.0) / 1000.0
-    req_max = max((max(p["series"]["running"] + p["series"]["waiting"] or [0]) for p in profiles), default=1) or 1
-    blocks_max = total or max((max(p["series"]["blocks_in_use"] or [1]) for p in profiles), default=1)
-
-    height = 2.3 * n + 3.6
+    pool = report["engine"].get("num_gpu_blocks")
+    scales = {
+        "pool": pool,
+        "t_max": max((p["series"]["step_end_ms"][-1] for p in profiles if p["series"]["step_end_ms"]),
+                     default=1000.0) / 1000.0,
+        "requests": max((max(p["series"]["running"] + p["series"]["waiting"] or [0]) for p in profiles),
+                        default=1) or 1,
+        "blocks": pool or max((max(p["series"]["blocks_in_use"] or [1]) for p in profiles), default=1),
+    }
+    show_held = n <= HELD_LINE_MAX_ARMS
+    verdict_text = _verdict_figure_lines(report)
+    panel = 2.3 if n <= 2 else 1.9
+    text_height = 0.18 * len(verdict_text) + (0.25 if verdict_text else 0)
+    height = panel * n + 3.4 + text_height + 0.9
     fig = plt.figure(figsize=(16, height))
-    grid = fig.add_gridspec(n + 1, 5, height_ratios=[1.0] * n + [1.35])
+    grid = fig.add_gridspec(n + 2, 5, height_ratios=[panel] * n + [3.4, max(text_height, 0.01)],
+                            top=1 - 1.05 / height, bottom=0.02, hspace=0.55, wspace=0.3)
     first = None
     for i, entry in enumerate(profiles):
         ax = fig.add_subplot(grid[i, :], sharex=first)
         first = first or ax
-        series = entry["series"]
-        times = seconds(series["step_end_ms"])
-        ax.plot(times, series["blocks_in_use"], color="tab:blue", lw=1.1)
-        ax.plot(times, series["blocks_held_by_requests"], color="tab:cyan", lw=0.8, ls="--")
-        if total:
-            ax.axhline(total, color="grey", lw=0.8, ls=":")
-        ax.set_ylim(0, blocks_max * 1.08)
-        ax.set_xlim(0, t_max * 1.01)
-        ax.set_ylabel("KV blocks")
-        twin = ax.twinx()
-        twin.plot(times, series["running"], color="tab:green", lw=0.9)
-        twin.plot(times, series["waiting"], color="tab:orange", lw=0.9)
-        twin.set_ylim(0, req_max * 1.08)
-        twin.set_ylabel("requests")
-        for phase, (color, marker) in marks.items():
-            xs = [p[0] for p in series["preemptions"] if p[2] == phase]
-            if xs:
-                ax.scatter([times[x] for x in xs], [series["blocks_in_use"][x] for x in xs], color=color, marker=marker,
-                           s=26, zorder=5)
-        f = entry["figures"]
-        ax.set_title(
-            f"{entry['profile']}: {f['preemptions']} preemptions ({f['preemptions_decode_victims']} decode / "
-            f"{f['preemptions_prefill_victims']} prefill victims), {f['steps']} steps"
-            + ("" if f["drained"] else f" - NOT DRAINED ({f['stop_reason'].split(':')[0]})"),
-            fontsize=9.5, loc="left",
-        )
+        _plot_timeline(ax, entry, arm_color(i), scales, show_held)
         if i < n - 1:
             plt.setp(ax.get_xticklabels(), visible=False)
         else:
             ax.set_xlabel("modelled time (s)")
-
-    done_ax = fig.add_subplot(grid[n, 0])
-    ttft_ax = fig.add_subplot(grid[n, 1])
-    e2e_ax = fig.add_subplot(grid[n, 2])
-    tpot_ax = fig.add_subplot(grid[n, 3])
-    stall_ax = fig.add_subplot(grid[n, 4])
-    for i, entry in enumerate(profiles):
-        series, color = entry["series"], colors[i % len(colors)]
-        finish = seconds(series["finish_ms"])
-        done_ax.step(finish, range(1, len(finish) + 1), where="post", color=color, lw=1.1, label=entry["profile"])
-        for ax, key in ((ttft_ax, "ttft_ms"), (e2e_ax, "e2e_ms"), (tpot_ax, "tpot_ms"), (stall_ax, "stall_ms")):
-            values = series.get(key) or []
-            if values:
-                ax.step(values, [(k + 1) / len(values) for k in range(len(values))], where="post", color=color, lw=1.1)
-    done_ax.set_xlim(0, t_max * 1.01)
-    done_ax.set_xlabel("modelled time (s)")
-    done_ax.set_ylabel("requests completed")
-    done_ax.legend(fontsize=8, frameon=False, loc="upper left")
-    ttft_ax.set_xlabel("TTFT, modelled ms (log; left is better)")
-    tpot_ax.set_xlabel("TPOT, modelled ms (left is better)")
-    e2e_ax.set_xlabel("E2E latency, modelled ms (log; left is better)")
-    stall_ax.set_xlabel("stall (longest token gap), ms (log)")
-    for ax, key in ((e2e_ax, "e2e_ms"), (stall_ax, "stall_ms")):
-        values = [v for p in profiles for v in p["series"].get(key) or []]
-        if values and min(values) > 0:
-            ax.set_xscale("log")
-    for ax in (ttft_ax, e2e_ax, tpot_ax, stall_ax):
-        ax.set_ylim(0, 1.02)
-        ax.set_ylabel("fraction of requests")
-        ax.grid(alpha=0.3)
-    if any(p["series"]["ttft_ms"] for p in profiles):
-        low = min(min(p["series"]["ttft_ms"]) for p in profiles if p["series"]["ttft_ms"])
-        if low > 0:
-            ttft_ax.set_xscale("log")
-    done_ax.grid(alpha=0.3)
-
-    legend = [
-        Line2D([], [], color="tab:blue", lw=1.1, label="blocks in use (not free)"),
-        Line2D([], [], color="tab:cyan", lw=0.8, ls="--", label="blocks held by requests"),
-        Line2D([], [], color="grey", lw=0.8, ls=":", label=f"pool ({total})"),
-        Line2D([], [], color="tab:green", lw=0.9, label="running (right axis)"),
-        Line2D([], [], color="tab:orange", lw=0.9, label="waiting (right axis)"),
-        Line2D([], [], color=marks["decode"][0], marker=marks["decode"][1], ls="", label="preemption, decode victim"),
-        Line2D([], [], color=marks["prefill"][0], marker=marks["prefill"][1], ls="", label="preemption, prefill victim"),
-    ]
-    fig.legend(handles=legend, loc="upper center", ncol=4, fontsize=8, frameon=False,
-               bbox_to_anchor=(0.5, 1 - 0.25 / height))
+    keys = ("done", "ttft_ms", "e2e_ms", "tpot_ms", "stall_ms")
+    _plot_distributions({key: fig.add_subplot(grid[n, k]) for k, key in enumerate(keys)}, profiles, scales["t_max"])
+    if verdict_text:
+        text_ax = fig.add_subplot(grid[n + 1, :])
+        text_ax.axis("off")
+        step = 1.0 / len(verdict_text)
+        for k, (line, color) in enumerate(verdict_text):
+            text_ax.text(0.0, 1.0 - k * step, line, color=color, family="monospace", fontsize=8.5, va="top",
+                         transform=text_ax.transAxes)
+    fig.legend(handles=_legend_handles(profiles, pool, show_held), loc="upper center", ncol=min(n + 6, 6),
+               fontsize=8.5, frameon=False, bbox_to_anchor=(0.5, 1 - 0.3 / height))
     host = report.get("host", {})
     subtitle = host.get("label") or f"FastDeploy {host.get('version', '?')} {str(host.get('commit') or '')[:8]}".strip()
     fig.suptitle((title + " - " if title else "") + subtitle, fontsize=11, y=1 - 0.05 / height)
-    fig.tight_layout(rect=(0, 0, 1, 1 - 0.7 / height))
     fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -17,7 +17,7 @@ from typing import Optional
 
 from ..common import text_table
 from ..replay.report import BETTER as REPLAY_BETTER
-from ..replay.report import format_value, ratio
+from ..replay.report import format_value, ratio, verdict_lines
 
 __all__ = ["SERVED_REPORT_VERSION", "TABLE_ROWS", "BETTER", "client_figures", "server_figures", "build_served_report",
            "format_served_table", "write_served_plot", "served_report_json"]
@@ -195,7 +195,9 @@ def format_served_table(report: dict) -> str:
             + (f", {load['step_ms']} ms per trace step" if load.get("step_ms") else "")
             + (f", split over the arms as the Router does (seed {load['split_seed']})" if len(profiles) > 1 else "")
             + "; times are wall-clock, measured by the client")
-    return head + "\n" + text_table(rows, headers, align_right_from=2) + "\n" + "\n".join(notes)
+    verdicts = verdict_lines(profiles, what="client-side wall-clock; victims from each arm's /metrics")
+    return (head + "\n" + text_table(rows, headers, align_right_from=2) + "\n" + "\n".join(notes)
+            + ("\n\n" + "\n".join(verdicts) if verdicts else ""))
 
 
 def write_served_plot(report: dict, path: str, title: str = "") -> None:

@@ -97,6 +97,8 @@ FILES = {
     "scrape-noarm.prom": b"# TYPE x counter\nx_total 1\n",
     "a-file": b"x",
     "data.csv": b"a,b\n1,2\n",
+    "azure.csv": b"TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n",
+    "binary.csv": bytes(range(256)),
 }
 
 
@@ -208,6 +210,23 @@ def _cases() -> list:
         add(f"ab-{name}", ["ab", "report", "{%s}" % name], expect)
     add("ab-missing-file", ["ab", "report", "{tmp}/missing.prom"], "missing.prom")
     add("ab-since-bad", ["ab", "report", "{scrape.prom}", "--since", "{scrape-bad.prom}"], "line 4")
+    add("ab-report-dir", ["ab", "report", "{tmp}/"], "directory")
+    # ---- --out of the other commands (checked before any work) ------------------------------------------------
+    add("eval-out-is-a-file", ["eval", "--out", "{a-file}"], "--out")
+    add("trace-generate-out-dir", ["trace", "generate", "--kind", "pressure", "--out", "{tmp}/"], "a directory")
+    add("trace-generate-out-under-a-file", ["trace", "generate", "--kind", "pressure", "--out", "{a-file}/t.jsonl"],
+        "not a directory")
+    add("trace-import-out-dir", ["trace", "import", "{azure.csv}", "--format", "azure", "--out", "{tmp}/"], "a directory")
+    add("trace-import-out-under-a-file", ["trace", "import", "{azure.csv}", "--format", "azure", "--out",
+                                          "{a-file}/t.jsonl"], "not a directory")
+    # ---- more directories and encodings ------------------------------------------------------------------------
+    add("trace-validate-dir", ["trace", "validate", "{tmp}/"], "directory")
+    add("trace-import-csv-dir", ["trace", "import", "{tmp}/", "--format", "azure", "--out", "{tmp}/o.jsonl"], "directory")
+    add("trace-import-binary-csv", ["trace", "import", "{binary.csv}", "--format", "azure", "--out", "{tmp}/o.jsonl"],
+        "binary.csv")
+    add("profiles-dir", ["profiles", "{tmp}/"], "directory")
+    add("profiles-missing-yaml", ["profiles", "{tmp}/missing.yaml"], "no such profile file")
+    add("load-trace-binary", ["load", "--url", "http://127.0.0.1:9", "--trace", "{trace-binary.jsonl}"], "binary")
     return c
 
 

@@ -162,3 +162,20 @@ def test_own_process_entries_are_checked(tmp_path):
     bad.write_text(text, encoding="utf-8")
     with pytest.raises(HostSuiteError, match="leaking_tests"):
         load_expectations(bad)
+
+
+def test_each_host_suite_process_gets_its_own_engine_queue_ports(tmp_path, monkeypatch):
+    # the host's engine tests assert FD_ENGINE_QUEUE_PORT / FD_CACHE_QUEUE_PORT are free (default 6778 / 6779): a
+    # fixed pair collides with any other process holding one of them
+    import socket
+
+    from fdsched.hostsuites import _run_env
+
+    monkeypatch.setenv("FD_ENGINE_QUEUE_PORT", "6778")
+    first = _run_env("baseline", str(tmp_path / "r.json"), str(tmp_path / "a"))
+    ports = [int(first["FD_ENGINE_QUEUE_PORT"]), int(first["FD_CACHE_QUEUE_PORT"])]
+    assert ports[0] != ports[1] and 6778 not in ports
+    for port in ports:  # free now: FastDeploy's own check (bind with SO_REUSEADDR) passes
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("0.0.0.0", port))
