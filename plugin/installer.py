@@ -31,9 +31,9 @@ from typing import Mapping, Optional
 from . import host as host_mod
 from .hooks import Policies, make_plugin_manager
 from .rebind import Rebinding
-from .settings import DP_PROFILE_ENV, CHANGE_IDS, Settings, effective_ratio_mode, load_arm_settings, load_settings
+from .settings import DP_PROFILE_ENV, CHANGE_IDS, Settings, load_arm_settings, load_settings
 
-__all__ = ["Arm", "Decision", "InstallReport", "InstallError", "decide", "decide_arms", "install", "uninstall", "current"]
+__all__ = ["Arm", "Decision", "InstallReport", "InstallError", "effective_ratio_mode", "decide", "decide_arms", "install", "uninstall", "current"]
 
 
 class InstallError(RuntimeError):
@@ -91,6 +91,19 @@ class InstallReport:
             ranks = ", ".join(f"dp rank {rank}: {arm.label}" for rank, arm in sorted(self.arms.items()))
             text += f"; online A/B arms ({DP_PROFILE_ENV}): {ranks}; other ranks: {arm_label(self.settings)}"
         return text
+
+
+def effective_ratio_mode(settings: Settings) -> str:
+    """The ratio-reserve switch after the host's FD_USE_NEW_TOKEN_RATIO_RESERVE is considered.
+
+    ``auto`` with FD_USE_NEW_TOKEN_RATIO_RESERVE explicitly 0 means the operator asked for the fixed-block
+    policy by the host's own name: treat it as ``off``.
+    """
+    mode = settings.change_mode("ratio_reserve")
+    explicit_host = settings.sources["host_tunables.FD_USE_NEW_TOKEN_RATIO_RESERVE"] != "default"
+    if mode == "auto" and explicit_host and not settings["host_tunables.FD_USE_NEW_TOKEN_RATIO_RESERVE"]:
+        return "off"
+    return mode
 
 
 def decide(settings: Settings, info) -> dict:

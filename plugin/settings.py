@@ -681,19 +681,6 @@ def _check_together(values: dict, sources: dict, profile_path: Optional[str] = N
             )
 
 
-def effective_ratio_mode(settings: Settings) -> str:
-    """The ratio-reserve switch after the host's FD_USE_NEW_TOKEN_RATIO_RESERVE is considered.
-
-    ``auto`` with FD_USE_NEW_TOKEN_RATIO_RESERVE explicitly 0 means the operator asked for the fixed-block
-    policy by the host's own name: treat it as ``off``.
-    """
-    mode = settings.change_mode("ratio_reserve")
-    explicit_host = settings.sources["host_tunables.FD_USE_NEW_TOKEN_RATIO_RESERVE"] != "default"
-    if mode == "auto" and explicit_host and not settings["host_tunables.FD_USE_NEW_TOKEN_RATIO_RESERVE"]:
-        return "off"
-    return mode
-
-
 # --------------------------------------------------------------------------------------------
 # Online A/B: one profile per data-parallel rank
 # --------------------------------------------------------------------------------------------

@@ -6,12 +6,12 @@ import dataclasses
 
 import pytest
 
+from fdsched.installer import effective_ratio_mode
 from fdsched.settings import (
     CHANGE_IDS,
     PROFILE_ENV,
     SCHEMA,
     SettingsError,
-    effective_ratio_mode,
     load_settings,
     shipped_profiles,
 )
