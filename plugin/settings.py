@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import yaml
 
+from .adaptive import K_BOUND, K_DECAY, K_DEFAULT, K_STEP
 from .common import read_utf8
 
 __all__ = [
@@ -310,13 +311,30 @@ SCHEMA: tuple[Setting, ...] = (
     Setting(
         "tunables.adaptive_margin_k",
         "FDSCHED_ADAPTIVE_MARGIN_K",
-        _float(-6.0, 6.0),
-        -2.0,
-        "a number in [-6, 6]",
+        _float(-K_BOUND, K_BOUND),
+        K_DEFAULT,
+        f"a number in [{-K_BOUND:g}, {K_BOUND:g}]",
         "Adaptive estimator: the running set's margin is k standard deviations of its total remaining output; "
         "a negative k keeps less than the expected remainder free (requests that finish give their blocks back "
-        "while the others grow); each preemption raises k by 0.5 (up to 6), each finished request lets that "
-        "extra decay.",
+        f"while the others grow); each preemption raises k by tunables.adaptive_k_step (up to {K_BOUND:g}), each "
+        "finished request leaves tunables.adaptive_k_decay of that extra.",
+    ),
+    Setting(
+        "tunables.adaptive_k_step",
+        "FDSCHED_ADAPTIVE_K_STEP",
+        _float(0.0, 2 * K_BOUND),
+        K_STEP,
+        f"a number in [0, {2 * K_BOUND:g}]",
+        f"Adaptive estimator: what each preemption adds to k (k never exceeds {K_BOUND:g}).",
+    ),
+    Setting(
+        "tunables.adaptive_k_decay",
+        "FDSCHED_ADAPTIVE_K_DECAY",
+        _float(0.0, 1.0),
+        K_DECAY,
+        "a number in [0, 1]",
+        "Adaptive estimator: the share of the preemptions' extra k that each finished request leaves "
+        "(1: never decays, 0: gone at the next finished request).",
     ),
     Setting(
         "tunables.recycle_heapify_min_batch",
@@ -398,15 +416,6 @@ SCHEMA: tuple[Setting, ...] = (
         "default | sglang",
         "Replay only: which decoding request a preemption picks; sglang: fewest generated tokens, then longest "
         "prompt (SGLang's retract order), through the victim hook.",
-    ),
-    Setting(
-        "replay.adaptive_reserve",
-        None,
-        _bool01,
-        False,
-        "true | false",
-        "Replay only (prototype, until the estimator is wired into ratio_reserve): reserve with the adaptive "
-        "estimator (fdsched.adaptive), learned from the replay's finished requests, through the reservation hook.",
     ),
 )
 

@@ -52,8 +52,8 @@ CI_SUBSET = {
     "pressure": "*",
     "shared-prefix": "*",
     "pd-prefill": "*",
-    "azure-conv": ("baseline", "ratio_reserve", "recommended", "adaptive", "adaptive-replay", "oracle"),
-    "burstgpt": ("baseline", "ratio_reserve", "recommended", "adaptive", "adaptive-replay", "oracle"),
+    "azure-conv": ("baseline", "ratio_reserve", "recommended", "adaptive", "oracle"),
+    "burstgpt": ("baseline", "ratio_reserve", "recommended", "adaptive", "oracle"),
 }
 # Pairs whose replay is not reproducible from run to run, so they are recorded but not compared. Found
 # when the golden files were first written (old host e7c8dc2): pd-prefill under pd_prefill_cache differs

@@ -24,11 +24,12 @@ SPECS = {spec.change_id: spec for spec in CATALOGUE}
 
 
 def own_methods(cls) -> set:
-    """Functions a mixin defines itself, without its private _fdsched helpers."""
+    """Functions a mixin defines itself, without the plugin's own names (private ``_fdsched`` helpers and
+    public ``fdsched_`` accessors: never a host method)."""
     return {
         name
         for name, value in vars(cls).items()
-        if (inspect.isfunction(value) or hasattr(value, "__set__")) and not name.startswith("_fdsched")
+        if (inspect.isfunction(value) or hasattr(value, "__set__")) and not name.startswith(("_fdsched", "fdsched_"))
     }
 
 
