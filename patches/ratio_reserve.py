@@ -586,4 +586,5 @@ SPEC = PatchSpec(
                  _finish_seam, when=("plugin",)),
     ),
     host_has_as_selected=_as_selected,
+    applies=("host", "plugin", "off"),
 )
