@@ -179,12 +179,6 @@ def test_patch_module_docstring_names_its_switch(name):
     assert module.SPEC.switch in module.__doc__
 
 
-def test_only_decode_only_and_ratio_and_pd_can_be_in_a_host():
-    # Changes 1 and 5 are not in any 2.6 host (7885/7886 open, 7520 closed).
-    assert SPECS["deferred_recycle"].host_has(None) is False
-    assert SPECS["nonpolling_transfer"].host_has(None) is False
-
-
 def test_importing_the_plugin_imports_no_host():
     code = (
         "import sys, fdsched, fdsched.settings, fdsched.hooks, fdsched.policies, fdsched.rebind, "
