@@ -320,7 +320,7 @@ class InitGuard:
             super().__init__(*args, **kwargs)
         finally:
             self.__dict__.pop("_fdsched_constructing", None)
-        if self._fdsched_target == "ResourceManagerV1" and self._fdsched_impl.get("ratio_reserve") != "host":
+        if self._fdsched_counts_admissions:
             # Refusals are counted only where the plugin's reservation code decides: declare the series there (at
             # 0), so a scrape tells "none refused" from "not counted" (the host's own code runs).
             METRICS.admission_counting(of=self)

@@ -254,6 +254,8 @@ def _arm_class(front, target: str, host_cls, common: dict, arm: Arm, impl: dict,
         _fdsched_settings=arm.settings,
         _fdsched_arm=label,
         _fdsched_front=front,
+        # the plugin's reservation code decides admissions here (it counts refusals; see InitGuard)
+        _fdsched_counts_admissions=target == "ResourceManagerV1" and impl["ratio_reserve"] != "host",
     ))
 
 
