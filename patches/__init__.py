@@ -55,12 +55,31 @@ class PatchSpec:
     hosts_needing: str  # which host versions need it
     switch: str  # environment variable (also `changes.<id>` in a profile)
     delete_when: str
-    mixins: dict  # Target -> mixin class
+    mixins: dict  # Target -> mixin class (with ``variants``: the base its variants share)
     host_has: Callable  # HostInfo -> bool: the host already carries the change
     relies_on: tuple = ()  # Reliance, one per "Relies on:" item of the module docstring
     # (settings, host_has) -> bool: whether the host has the change *as the settings select it*
     # (the PD change: the new host has upstream's behaviour, never the safe one).
     host_has_as_selected: Optional[Callable] = None
+    # Which mixins an arm's class gets, by the change's impl there (see :meth:`mixin_of`): ``applies`` lists
+    # the impls that get ``mixins`` (every other impl: none, the host's code runs untouched); ``variants``
+    # (impl -> {Target: mixin}) instead names a mixin per impl, where the impls differ in what they do.
+    applies: tuple = ("plugin",)
+    variants: Optional[dict] = None
+
+    def mixin_of(self, target: str, impl: str):
+        """The mixin an arm whose decision for this change is ``impl`` gets for ``target``, or None."""
+        if self.variants is not None:
+            return self.variants.get(impl, {}).get(target)
+        return self.mixins.get(target) if impl in self.applies else None
+
+    def classes(self, target: str) -> tuple:
+        """Every mixin class this change may put into ``target``'s plugin classes (its base and variants)."""
+        found = [self.mixins[target]] if target in self.mixins else []
+        for by_target in (self.variants or {}).values():
+            if target in by_target and by_target[target] not in found:
+                found.append(by_target[target])
+        return tuple(found)
 
     def check_reliances(self, info) -> dict:
         """Reliance name -> what differs on the probed host, for every assumption that does not hold."""
@@ -124,10 +143,15 @@ def spec_for(change_id: str) -> PatchSpec:
     raise KeyError(change_id)
 
 
-def mixins_for(target: str) -> tuple:
+def mixins_for(target: str, impl: Optional[dict] = None) -> tuple:
     """The mixins of ``target``'s plugin class, outermost first: later catalogue entries wrap earlier ones.
 
-    Where two changes override the same method this order decides who sees whose calls; a unit test pins it
-    per shared method and says why it must be so.
+    ``impl`` (change id -> "host" / "plugin" / "off": one arm's decisions) selects what that arm's class gets
+    (:meth:`PatchSpec.mixin_of`; a change whose impl gets no mixin is left out); without it, every change's
+    base mixin. Where two changes override the same method this order decides who sees whose calls; a unit
+    test pins it per shared method and says why it must be so.
     """
-    return tuple(spec.mixins[target] for spec in reversed(CATALOGUE) if target in spec.mixins)
+    if impl is None:
+        return tuple(spec.mixins[target] for spec in reversed(CATALOGUE) if target in spec.mixins)
+    chosen = (spec.mixin_of(target, impl[spec.change_id]) for spec in reversed(CATALOGUE))
+    return tuple(mixin for mixin in chosen if mixin is not None)

@@ -1,27 +1,28 @@
-"""What every mixin may use: the runtime choice per change, small views of host requests, one-shot signals.
+"""What every mixin may use: small views of host requests, one-shot signals, and how an arm's class is picked.
 
-The installer builds each plugin class as
-``type(name, (InitGuard, <mixins, later catalogue entries first>, HostClass), attrs)``, so the MRO is
-``PluginClass -> InitGuard -> mixin of the last change ... mixin of the first change -> PluginBase -> HostClass``
-(every mixin derives from :class:`PluginBase`, which therefore sits right before the host class). It sets, as
-class attributes:
+The installer builds, per host class it replaces (a "target"), one *front* class and one class per arm:
 
-* ``_fdsched_impl``: change id -> ``"host"`` (the host's own code runs), ``"plugin"`` (the plugin's
-  version of the change) or ``"off"`` (the plugin runs the pre-change code on a host that already has
-  the change: the change is off);
-* ``_fdsched_settings``, ``_fdsched_policies`` (:class:`fdsched.hooks.Policies`), ``_fdsched_host``
-  (:class:`fdsched.host.HostInfo`) and ``_fdsched_host_class`` (the class that was replaced);
-* ``_fdsched_arms`` (data-parallel rank -> :class:`fdsched.installer.Arm`, from ``FDSCHED_PROFILE_BY_DP_RANK``)
-  and ``_fdsched_default_arm`` (every other rank).
+* the front class, ``type(name, (ArmChoice, HostClass), attrs)``, is what the host modules are rebound to
+  (``isinstance(x, ResourceManagerV1)`` holds for every plugin object). It carries the single profile's
+  ``_fdsched_impl`` / ``_fdsched_settings`` / ``_fdsched_default_arm``, ``_fdsched_arms`` (data-parallel
+  rank -> :class:`fdsched.installer.Arm`, from ``FDSCHED_PROFILE_BY_DP_RANK``), ``_fdsched_arm_classes``
+  (rank -> that arm's class) and ``_fdsched_default_class`` (every other rank);
+* an arm's class, ``type(name, (InitGuard, <that arm's mixins, later catalogue entries first>, Front), attrs)``, holds
+  only the mixins the arm applies (:meth:`fdsched.patches.PatchSpec.mixin_of`: a change whose impl there is
+  the host's own code gets none, or a variant for that impl), and as class attributes that arm's
+  ``_fdsched_impl`` (change id -> ``"host"`` / ``"plugin"`` / ``"off"``), ``_fdsched_settings`` and
+  ``_fdsched_arm`` (its label). Its MRO is ``ArmClass -> InitGuard -> mixins ... -> PluginBase -> Front ->
+  ArmChoice -> HostClass``. A class another plugin derives from the front class is built over the arm's class
+  (``type(name, (TheirClass, ArmClass))``), so its overrides wrap the arm's mixins. Every class also has ``_fdsched_policies``, ``_fdsched_host`` (:class:`fdsched.host.HostInfo`)
+  and ``_fdsched_host_class``.
 
-Per instance: :class:`InitGuard` reads the instance's data-parallel rank from its constructor's arguments
-(``local_data_parallel_id``, else ``config.parallel_config.local_data_parallel_id``) and, *before* the host's
-and the mixins' ``__init__`` run, sets ``_fdsched_impl``, ``_fdsched_settings``, ``_fdsched_arm`` (the arm's
-label) and ``_fdsched_dp_rank`` on the instance from that rank's arm. Mixins read ``self._fdsched_impl`` /
-``self._fdsched_settings`` and so follow the instance's arm; the class attributes stay the single profile's.
-The engine forks ranks 1..N-1 after rank 0's scheduler is built, so nothing per process or per class could
-tell the ranks apart. ``EngineCacheQueue`` gets no rank (the engine builds its server without one): the queue
-a cache manager builds is stamped with that manager's arm when the manager stores it (:class:`ArmStamp`).
+Constructing the front class builds an instance of the rank's arm class (:meth:`InitGuard.__new__`): the rank
+comes from the constructor's arguments (``local_data_parallel_id``, else
+``config.parallel_config.local_data_parallel_id``) and is kept as ``_fdsched_dp_rank``. The engine forks ranks
+1..N-1 after rank 0's scheduler is built, so nothing per process could tell the ranks apart; the choice is
+made once, per object, and no method asks again. ``EngineCacheQueue`` gets no rank (the engine builds its
+server without one): it is built as the server's class, and the client a cache manager stores takes that
+manager's arm class (:class:`ArmStamp`).
 """
 
 from __future__ import annotations
@@ -34,8 +35,8 @@ from fdsched.metrics import METRICS
 
 __all__ = [
     "PluginBase",
+    "ArmChoice",
     "InitGuard",
-    "ARM_ATTRS",
     "ArmStamp",
     "InstanceAttribute",
     "RequestOutcomesMixin",
@@ -117,11 +118,8 @@ def block_checks(cache_manager) -> BlockCheckSignals:
 
 
 class PluginBase:
-    _fdsched_impl: dict = {}
-    _fdsched_settings = None
-    _fdsched_policies = None
-    _fdsched_host = None
-    _fdsched_host_class = None
+    """Base of every mixin. The attributes it reads (``_fdsched_impl``, ``_fdsched_settings``,
+    ``_fdsched_policies``, ``_fdsched_host``, ``_fdsched_host_class``) are the arm class's (see above)."""
 
     # ---- request views -------------------------------------------------------------------
     def _fdsched_is_decoding(self, request) -> bool:
@@ -173,14 +171,6 @@ def finished_ids(request_ids) -> tuple:
     return request_ids, request_ids
 
 
-# The instance attributes that make an object run its rank's arm (set by _bind_arm, copied by ArmStamp).
-ARM_ATTRS = ("_fdsched_impl", "_fdsched_settings", "_fdsched_arm", "_fdsched_dp_rank")
-
-
-def _bind_arm(obj, rank, arm) -> None:
-    obj.__dict__.update(zip(ARM_ATTRS, (arm.impl, arm.settings, arm.label, rank)))
-
-
 class InstanceAttribute:
     """Data descriptor for a host attribute the plugin must see being assigned: the value lives in the
     instance's ``__dict__`` as before; subclasses extend :meth:`__set__`."""
@@ -211,14 +201,16 @@ class InstanceAttribute:
 
 
 class ArmStamp(InstanceAttribute):
-    """Data descriptor on a plugin class for an attribute holding another plugin object the instance builds
-    (the cache manager's ``cache_task_queue`` client): the stored object takes the instance's arm."""
+    """Data descriptor on a cache manager's class for the attribute holding the cache queue client it builds
+    (``cache_task_queue``): the stored client becomes an object of its owner's arm's queue class."""
 
     def __set__(self, obj, value):
         obj.__dict__[self.name] = value
-        if getattr(type(value), "_fdsched_default_arm", None) is not None and "_fdsched_arm" in obj.__dict__:
-            for key in ARM_ATTRS:
-                value.__dict__[key] = obj.__dict__[key]
+        front = getattr(type(value), "_fdsched_front", None)
+        rank = obj.__dict__.get("_fdsched_dp_rank")
+        if front is not None and rank is not None:
+            value.__class__ = front._fdsched_arm_classes.get(rank, front._fdsched_default_class)
+            value.__dict__["_fdsched_dp_rank"] = rank
 
 
 class RequestOutcomesMixin:
@@ -244,54 +236,94 @@ class RequestOutcomesMixin:
         return result
 
 
-class InitGuard:
-    """First base of every plugin class: lets the host's explicit ``super(HostName, self)`` work.
+class ArmChoice:
+    """Base of every front class (the class the host modules are rebound to): constructing it builds an object
+    of the rank's arm class, and the host's explicit ``super(HostName, self)`` keeps working.
 
-    ``ResourceManagerV1.__init__`` calls ``super(ResourceManagerV1, self).__init__``. Once the
-    plugin rebinds ``ResourceManagerV1`` in the host module to its subclass, that call resolves to
-    the plugin class's MRO and would enter the plugin's ``__init__`` chain again. The re-entry lands
-    here (right after the plugin class in the MRO); it continues past the host class instead.
+    ``ResourceManagerV1.__init__`` calls ``super(ResourceManagerV1, self).__init__``. Once ``ResourceManagerV1``
+    names the front class (or a class another plugin stacked on it), that call re-enters the plugin's chain:
+    :class:`InitGuard` (where a stacked class sits above ours) or this class's ``__init__`` (right after the
+    front class) sees that the host's ``__init__`` is running and continues past the host class instead.
     """
 
+    def __new__(cls, *args, **kwargs):
+        chosen, rank = cls._fdsched_class_for(args, kwargs)
+        obj = object.__new__(chosen)
+        if rank is not None:
+            obj.__dict__["_fdsched_dp_rank"] = rank
+        return obj
+
     def __init__(self, *args, **kwargs):
-        if self.__dict__.get("_fdsched_constructing"):
+        state = self.__dict__.get("_fdsched_constructing")
+        if state == "host":  # the host's own super(HostName, self).__init__: past the host class
             super(self._fdsched_host_class, self).__init__(*args, **kwargs)
             return
-        self.__dict__["_fdsched_constructing"] = True
-        try:
-            self._fdsched_bind_arm(args, kwargs)
-            super().__init__(*args, **kwargs)
-        finally:
-            self.__dict__.pop("_fdsched_constructing", None)
-        if getattr(type(self), "_fdsched_target", None) == "ResourceManagerV1" and "_fdsched_impl" in self.__dict__:
-            # Refusals are counted only where the plugin's reservation code decides: declare the series there (at
-            # 0), so a scrape tells "none refused" from "not counted" (the host's own code runs).
-            if self._fdsched_impl.get("ratio_reserve") != "host":
-                METRICS.admission_counting(of=self)
+        if state == "chain":
+            self.__dict__["_fdsched_constructing"] = "host"
+        super().__init__(*args, **kwargs)  # the host's __init__
 
-    def _fdsched_bind_arm(self, args, kwargs) -> None:
-        """Set this instance's arm (see the module docstring) before any ``__init__`` of the chain runs."""
-        cls = type(self)
-        default = getattr(cls, "_fdsched_default_arm", None)
-        if default is None:
-            return
-        if getattr(cls, "_fdsched_target", None) == "EngineCacheQueue":
-            return  # no rank here: the class's settings, or the arm ArmStamp gives it later
-        rank = dp_rank_of(getattr(cls, "_fdsched_init_signature", None), args, kwargs)
-        arms = getattr(cls, "_fdsched_arms", None) or {}
-        arm = arms.get(rank, default)
-        _bind_arm(self, rank, arm)
+    @classmethod
+    def _fdsched_class_for(cls, args, kwargs) -> tuple:
+        """(the class to instantiate, the data-parallel rank or None) for a constructor call of ``cls``."""
+        if InitGuard in cls.__mro__:
+            return cls, None  # an arm's class itself (a copy, a stamped client): it stays what it is
+        if cls._fdsched_target == "EngineCacheQueue":
+            return _on_top(cls, cls._fdsched_front._fdsched_server_class), None  # no rank here (see ArmStamp)
+        front = cls._fdsched_front
+        rank = dp_rank_of(front._fdsched_init_signature, args, kwargs)
+        chosen = front._fdsched_arm_classes.get(rank, front._fdsched_default_class)
+        arms = front._fdsched_arms
         if arms and cls._fdsched_target == "ResourceManagerV1":
             logger = getattr(sys.modules.get(cls._fdsched_host_class.__module__), "llm_logger", None)
             if logger is not None:
+                arm = arms.get(rank, front._fdsched_default_arm)
                 logger.info(f"[fdsched] data-parallel rank {rank} runs arm {arm.label}: {arm.line()}")
-                size = _dp_size(args, kwargs, cls)
+                size = _dp_size(args, kwargs, front)
                 beyond = sorted(r for r in arms if size is not None and r >= size)
                 if beyond:
                     logger.warning(
                         f"[fdsched] FDSCHED_PROFILE_BY_DP_RANK names rank(s) {beyond} but the deployment has "
                         f"{size} data-parallel rank(s): those arms get no traffic"
                     )
+        return _on_top(cls, chosen), rank
+
+
+def _on_top(cls, arm_class):
+    """``arm_class``, or for a class another plugin derived from the front class, that class over the arm's:
+    ``type(name, (cls, arm_class))`` (made once per pair), so its overrides wrap the arm's mixins."""
+    if cls is cls._fdsched_front:
+        return arm_class
+    combined = cls.__dict__.get("_fdsched_on_arms")
+    if combined is None:
+        combined = {}
+        type.__setattr__(cls, "_fdsched_on_arms", combined)
+    if arm_class not in combined:
+        combined[arm_class] = type(cls.__name__, (cls, arm_class), {
+            "__module__": __name__,
+            "__qualname__": f"_on_top.<locals>.{cls.__qualname__}[{arm_class._fdsched_arm}]",
+            "__doc__": f"{cls.__module__}.{cls.__qualname__} over fdsched's class for arm {arm_class._fdsched_arm}.",
+        })
+    return combined[arm_class]
+
+
+class InitGuard:
+    """First base of every arm class: marks the constructor chain as running (see :class:`ArmChoice`), and
+    continues past the host class when the host's ``super(HostName, self).__init__`` re-enters here."""
+
+    def __init__(self, *args, **kwargs):
+        state = self.__dict__.get("_fdsched_constructing")
+        if state == "host":
+            super(self._fdsched_host_class, self).__init__(*args, **kwargs)
+            return
+        self.__dict__["_fdsched_constructing"] = "chain"
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            self.__dict__.pop("_fdsched_constructing", None)
+        if self._fdsched_counts_admissions:
+            # Refusals are counted only where the plugin's reservation code decides: declare the series there (at
+            # 0), so a scrape tells "none refused" from "not counted" (the host's own code runs).
+            METRICS.admission_counting(of=self)
 
 
 def _dp_size(args, kwargs, cls):

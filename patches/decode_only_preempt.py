@@ -52,31 +52,70 @@ class DecodeOnlyPreemptMixin(PluginBase):
         finally:
             self._fdsched_no_victim.end_pass()
 
+    # ---- helpers --------------------------------------------------------------------------
+    def _fdsched_count_victim(self, victim, decoding: bool) -> None:
+        # the host's loop preempts what the seam returns (its computed tokens are still set)
+        METRICS.preempted("decode" if decoding else "prefill", of=self, recomputed_tokens=_computed(victim))
+
+    def _fdsched_candidates(self) -> list:
+        return [
+            VictimCandidate(r.request_id, self._fdsched_is_decoding(r), bool(r.use_extend_tables)) for r in self.running
+        ]
+
+
+class HostPreemptMixin(DecodeOnlyPreemptMixin):
+    """impl ``host``: the host's own victim choice, its victims counted by phase for the metrics."""
+
     def _select_preempt_candidate(self):
         """The new host's seam: ``(victim, its index in running)``, or ``(None, -1)`` when none qualifies."""
-        impl = self._fdsched_impl["decode_only_preempt"]
-        if impl == "host":
-            victim, index = super()._select_preempt_candidate()
-            decoding = victim is not None and self._fdsched_is_decoding(victim)
-        else:
-            candidates = self._fdsched_candidates()
-            chosen = self._fdsched_policies.select_victim(candidates, impl == "plugin")
-            if chosen is None:
-                return None, -1
-            victim, index, decoding = self.running[chosen], chosen, candidates[chosen].decoding
-        if victim is not None:  # the host's loop preempts what this returns (its computed tokens are still set)
-            METRICS.preempted("decode" if decoding else "prefill", of=self, recomputed_tokens=_computed(victim))
+        victim, index = super()._select_preempt_candidate()
+        if victim is not None:
+            self._fdsched_count_victim(victim, self._fdsched_is_decoding(victim))
         return victim, index
 
     def _trigger_preempt(self, request, num_new_blocks, preempted_reqs, scheduled_reqs):
         if host_defines(self, "_select_preempt_candidate"):
             # New host: its own loop, which asks _select_preempt_candidate (above) for each victim.
             return super()._trigger_preempt(request, num_new_blocks, preempted_reqs, scheduled_reqs)
-        impl = self._fdsched_impl["decode_only_preempt"]
-        if impl == "host":
-            return self._fdsched_host_preempt(request, num_new_blocks, preempted_reqs, scheduled_reqs)
+        return self._fdsched_host_preempt(request, num_new_blocks, preempted_reqs, scheduled_reqs)
+
+    def _fdsched_host_preempt(self, request, num_new_blocks, preempted_reqs, scheduled_reqs):
+        """The old host's own preemption, with the victims counted by phase for the metrics."""
+        phase_before = {r.request_id: self._fdsched_is_decoding(r) for r in self.running}
+        computed_before = {r.request_id: _computed(r) for r in self.running}
+        already = len(preempted_reqs)
+        result = super()._trigger_preempt(request, num_new_blocks, preempted_reqs, scheduled_reqs)
+        for victim in preempted_reqs[already:]:
+            METRICS.preempted(
+                "decode" if phase_before.get(victim.request_id) else "prefill",
+                of=self,
+                recomputed_tokens=computed_before.get(victim.request_id, 0),
+            )
+        return result
+
+
+class PolicyPreemptMixin(DecodeOnlyPreemptMixin):
+    """impl ``plugin`` (decode-only) and ``off`` (any phase, the pre-change choice): the victim from the policy
+    (hook ``fdsched_select_preemption_victim``)."""
+
+    _fdsched_decode_only = True
+
+    def _select_preempt_candidate(self):
+        """The new host's seam: ``(victim, its index in running)``, or ``(None, -1)`` when none qualifies."""
+        candidates = self._fdsched_candidates()
+        chosen = self._fdsched_policies.select_victim(candidates, self._fdsched_decode_only)
+        if chosen is None:
+            return None, -1
+        victim = self.running[chosen]
+        self._fdsched_count_victim(victim, candidates[chosen].decoding)
+        return victim, chosen
+
+    def _trigger_preempt(self, request, num_new_blocks, preempted_reqs, scheduled_reqs):
+        if host_defines(self, "_select_preempt_candidate"):
+            # New host: its own loop, which asks _select_preempt_candidate (above) for each victim.
+            return super()._trigger_preempt(request, num_new_blocks, preempted_reqs, scheduled_reqs)
         # Old host, no seam: the loop, paraphrased, with the victim from the policy.
-        decode_only = impl == "plugin"
+        decode_only = self._fdsched_decode_only
         while not self.cache_manager.can_allocate_gpu_blocks(num_new_blocks):
             candidates = self._fdsched_candidates()
             index = self._fdsched_policies.select_victim(candidates, decode_only)
@@ -95,26 +134,6 @@ class DecodeOnlyPreemptMixin(PluginBase):
             if victim is request:
                 return False
         return True
-
-    # ---- helpers --------------------------------------------------------------------------
-    def _fdsched_candidates(self) -> list:
-        return [
-            VictimCandidate(r.request_id, self._fdsched_is_decoding(r), bool(r.use_extend_tables)) for r in self.running
-        ]
-
-    def _fdsched_host_preempt(self, request, num_new_blocks, preempted_reqs, scheduled_reqs):
-        """The old host's own preemption, with the victims counted by phase for the metrics."""
-        phase_before = {r.request_id: self._fdsched_is_decoding(r) for r in self.running}
-        computed_before = {r.request_id: _computed(r) for r in self.running}
-        already = len(preempted_reqs)
-        result = super()._trigger_preempt(request, num_new_blocks, preempted_reqs, scheduled_reqs)
-        for victim in preempted_reqs[already:]:
-            METRICS.preempted(
-                "decode" if phase_before.get(victim.request_id) else "prefill",
-                of=self,
-                recomputed_tokens=computed_before.get(victim.request_id, 0),
-            )
-        return result
 
     def _fdsched_preempt_request(self, victim, preempted_reqs, scheduled_reqs):
         """Reset a victim and requeue it (or drop it on a decode node), as the old host's loop does."""
@@ -147,6 +166,12 @@ class DecodeOnlyPreemptMixin(PluginBase):
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(f"[fdsched] preempted {victim.request_id} at idx {victim.idx}; {self.info()}")
             self._info_each_block()
+
+
+class PreChangePreemptMixin(PolicyPreemptMixin):
+    """impl ``off`` on a host that has the change: any running request may be the victim, as before it."""
+
+    _fdsched_decode_only = False
 
 
 def _computed(request) -> int:
@@ -194,6 +219,11 @@ SPEC = PatchSpec(
     switch="FDSCHED_DECODE_ONLY_PREEMPT",
     delete_when="every supported host carries 7783 and the pre-change choice is no longer A/B tested",
     mixins={"ResourceManagerV1": DecodeOnlyPreemptMixin},
+    variants={
+        "host": {"ResourceManagerV1": HostPreemptMixin},
+        "plugin": {"ResourceManagerV1": PolicyPreemptMixin},
+        "off": {"ResourceManagerV1": PreChangePreemptMixin},
+    },
     host_has=_has_decode_only,
     relies_on=(
         Reliance("preempt-loop-seams", "the new host's _trigger_preempt preempts what _select_preempt_candidate "

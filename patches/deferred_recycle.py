@@ -152,8 +152,6 @@ class DeferredRecycleMixin(PluginBase):
                 self._fdsched_recycle_evicted(freed, started)
 
     def free_nodes_directly(self, node):
-        if self._fdsched_impl["deferred_recycle"] != "plugin":
-            return super().free_nodes_directly(node)
         with self.request_release_lock:
             started = time.perf_counter()
             freed = []
@@ -177,8 +175,6 @@ class DeferredRecycleMixin(PluginBase):
 
     def recycle_gpu_blocks(self, gpu_block_ids, req_id=None):
         """The host's seam for returning GPU blocks, same contract, one heap merge per call."""
-        if self._fdsched_impl["deferred_recycle"] != "plugin":
-            return super().recycle_gpu_blocks(gpu_block_ids, req_id)
         ids = gpu_block_ids if isinstance(gpu_block_ids, list) else [gpu_block_ids]
         self._fdsched_recycle_batch(ids, req_id)
 
@@ -256,8 +252,6 @@ class DeferredRecycleMixin(PluginBase):
                 keyed.clear()  # the tuples die before collections resume: nothing was promoted, nothing is due
 
     def _fdsched_deferred_path(self, need_block_num) -> bool:
-        if self._fdsched_impl["deferred_recycle"] != "plugin":
-            return False
         force_direct = self._fdsched_settings["tunables.transfer_force_direct_recycle"]
         if self.cache_config.num_cpu_blocks >= need_block_num and not force_direct:
             return False  # the host swaps to the CPU tier here (change 5's path), unless forced direct

@@ -105,16 +105,14 @@ class _WaitableDoneLists(InstanceAttribute):
     """Data descriptor for the host's server-side done lists: wrap them when the host assigns them."""
 
     def __set__(self, obj, value):
-        if obj._fdsched_impl["nonpolling_transfer"] == "plugin":
-            value = [WaitableDoneList(items) for items in value]
-        obj.__dict__[self.name] = value
+        obj.__dict__[self.name] = [WaitableDoneList(items) for items in value]
 
 
 class NonpollingCacheQueueMixin(PluginBase):
     tansfer_done_queue_init = _WaitableDoneLists()
 
     def get_transfer_done_signal(self):
-        if self._fdsched_impl["nonpolling_transfer"] != "plugin" or self.__dict__.get("_fdsched_polling"):
+        if self.__dict__.get("_fdsched_polling"):
             return super().get_transfer_done_signal()
         wait = self._fdsched_settings["tunables.transfer_wait_seconds"]
         holding = self.__dict__.get("_fdsched_unacked", False)  # the previous result is handled by now

@@ -58,16 +58,6 @@ def _moment(name: str):
         _CONTEXT.moment = previous
 
 
-def _behaviour(obj):
-    """None (host code), 'off' (the pre-change recording, restored), 'upstream' or 'safe'."""
-    impl = obj._fdsched_impl["pd_prefill_cache"]
-    if impl == "host":
-        return None
-    if impl == "off":
-        return "off"
-    return obj._fdsched_settings["pd_prefill_cache.mode"]
-
-
 _ALLOWED = {
     "off": {CHUNK, RECORD},
     "upstream": {PREALLOCATION, RECORD},
@@ -75,20 +65,30 @@ _ALLOWED = {
 }
 
 
-class PdPrefillCacheManagerMixin(PluginBase):
+class _Recording(PluginBase):
+    def _fdsched_recording(self) -> str:
+        """The behaviour this arm runs: the profile's mode ('upstream' or 'safe'); the ``off`` variant: 'off'."""
+        return self._fdsched_settings["pd_prefill_cache.mode"]
+
+
+class _PreChangeRecording(PluginBase):
+    def _fdsched_recording(self) -> str:
+        return "off"  # the pre-change recording, restored on a host that has the change
+
+
+class PdPrefillCacheManagerMixin(_Recording):
     def update_cache_blocks(self, task, block_size, num_computed_tokens):
         moment = getattr(_CONTEXT, "moment", None)
-        behaviour = _behaviour(self) if moment is not None else None
-        if behaviour is not None and moment not in _ALLOWED[behaviour]:
+        if moment is not None and moment not in _ALLOWED[self._fdsched_recording()]:
             return None  # these blocks' KV is not written yet under the selected behaviour
         return super().update_cache_blocks(task, block_size, num_computed_tokens)
 
 
-class PdPrefillCacheMixin(PluginBase):
+class PdPrefillCacheMixin(_Recording):
     def _fdsched_pd_behaviour(self):
         if self.config.scheduler_config.splitwise_role != "prefill":
             return None
-        return _behaviour(self)
+        return self._fdsched_recording()
 
     def preallocate_resource_in_p(self, request):
         behaviour = self._fdsched_pd_behaviour()
@@ -139,6 +139,14 @@ class PdPrefillCacheMixin(PluginBase):
                     self.cache_manager.update_cache_blocks(request, block_size, num_tokens)
 
 
+class PdPrefillCacheManagerOffMixin(_PreChangeRecording, PdPrefillCacheManagerMixin):
+    """``off`` on a host that has the change: the pre-change recording."""
+
+
+class PdPrefillCacheOffMixin(_PreChangeRecording, PdPrefillCacheMixin):
+    """``off`` on a host that has the change: the pre-change recording."""
+
+
 def _has_pd_record(info) -> bool:
     from fdsched.host import code_names
 
@@ -186,6 +194,10 @@ SPEC = PatchSpec(
     mixins={"ResourceManagerV1": PdPrefillCacheMixin, "PrefixCacheManager": PdPrefillCacheManagerMixin},
     host_has=_has_pd_record,
     host_has_as_selected=_as_selected,
+    variants={
+        "plugin": {"ResourceManagerV1": PdPrefillCacheMixin, "PrefixCacheManager": PdPrefillCacheManagerMixin},
+        "off": {"ResourceManagerV1": PdPrefillCacheOffMixin, "PrefixCacheManager": PdPrefillCacheManagerOffMixin},
+    },
     relies_on=(
         Reliance("record-moments", "the host records blocks with update_cache_blocks inside schedule() and "
                  "preallocate_resource_in_p on the calling thread, and finish_requests frees through _free_blocks",

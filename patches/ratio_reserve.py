@@ -89,12 +89,10 @@ from __future__ import annotations
 
 import inspect
 import math
-import weakref
 
-from fdsched.adaptive import AdaptiveReserve, SetMargin, client_bound, warmup_reserve_blocks
-from fdsched.common import ceil_div
+from fdsched.adaptive import K_BOUND, AdaptiveReserve, RunningRequest, SetMargin, client_bound, track_live
 from fdsched.metrics import METRICS
-from fdsched.policies import FixedBlockReserve, NewTokenRatio, max_new_tokens_of, reserve_blocks_for_request
+from fdsched.policies import FixedBlockReserve, NewTokenRatio, max_new_tokens_of
 
 from . import PatchSpec, Reliance
 from ._base import PluginBase, block_checks, finished_ids, host_defines, host_global
@@ -118,10 +116,6 @@ _HOST_ATTRS = {
     "decay_output_block_num": "host_tunables.FD_RESERVE_DECAY_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL",
     "min_reserve_output_block_num": "host_tunables.FD_RESERVE_MIN_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL",
 }
-
-
-# Schedulers of this process that run the adaptive estimator (``fdsched doctor`` shows their state).
-LIVE_ADAPTIVE: "weakref.WeakSet" = weakref.WeakSet()
 
 
 class _SchedulePass:
@@ -160,12 +154,12 @@ class RatioReserveMixin(PluginBase):
                 window=s["tunables.adaptive_window"],
                 min_samples=s["tunables.adaptive_min_samples"],
                 k=s["tunables.adaptive_margin_k"],
-                k_max=max(6.0, s["tunables.adaptive_margin_k"]),
+                k_step=s["tunables.adaptive_k_step"],
+                k_max=K_BOUND,
+                k_decay=s["tunables.adaptive_k_decay"],
             )
-            self._fdsched_margin = SetMargin()  # the running set's one margin, one admission decision at a time
-            self._fdsched_margin_open = False
-            self._fdsched_set_fallbacks = 0
-            LIVE_ADAPTIVE.add(self)
+            self._fdsched_margin = None  # the running set's one margin while an admission decision sums it
+            track_live(self._fdsched_adaptive)
             METRICS.adaptive_samples(self._fdsched_adaptive.state(), of=self)
         if self._fdsched_impl["ratio_reserve"] == "host":
             # The host's own code runs: feed it the effective values (a profile may set them).
@@ -324,16 +318,13 @@ class RatioReserveMixin(PluginBase):
             return sum(self._get_running_request_reserve_blocks(r) for r in self.running)
         # One admission decision: the per-request answers of the seam telescope to the running set's
         # expected remainder plus one margin (SetMargin), opened here and closed after the last request.
-        margin = self._fdsched_margin
-        margin.reset()
-        self._fdsched_set_fallbacks = 0
-        self._fdsched_margin_open = True
+        margin = self._fdsched_margin = SetMargin()
         try:
             total = sum(self._get_running_request_reserve_blocks(r) for r in self.running)
         finally:
-            self._fdsched_margin_open = False
+            self._fdsched_margin = None
         METRICS.adaptive_decision(
-            margin.mean, adaptive.k * math.sqrt(max(margin.variance, 0.0)), adaptive.k, self._fdsched_set_fallbacks, of=self
+            margin.mean, adaptive.k * math.sqrt(max(margin.variance, 0.0)), adaptive.k, margin.fallbacks, of=self
         )
         return total
 
@@ -362,22 +353,19 @@ class RatioReserveMixin(PluginBase):
         bound = client_bound(
             getattr(request.sampling_params, "max_tokens", None), max_model_len, request.prompt_token_ids_len
         )
-        estimate = adaptive.remainder(bound, budget, generated)
-        if estimate is None:
-            adaptive.fallbacks += 1
-            self._fdsched_set_fallbacks += 1
-            fixed = self._fdsched_fixed
-            return warmup_reserve_blocks(
-                bound, budget, generated, ratio, clip, block_size, 0 if fixed.relaxed else fixed.current
-            )
-        by_ratio = reserve_blocks_for_request(budget, generated, ratio, clip, block_size)  # upstream's answer
-        if self._fdsched_margin_open:
-            return self._fdsched_margin.add(
-                estimate.mean, estimate.variance, adaptive.k, block_size, estimate.left, cap_blocks=by_ratio
-            )
-        # Asked alone (not within an admission decision): the request with a margin of its own.
-        alone = min(estimate.mean + adaptive.k * math.sqrt(estimate.variance), estimate.left)
-        return max(min(ceil_div(int(math.ceil(alone)), block_size), by_ratio), 0)
+        fixed = self._fdsched_fixed
+        # Within an admission decision (_fdsched_total_reserve): a share of the running set's one margin;
+        # asked alone: the request with a margin of its own.
+        return adaptive.request_blocks(
+            RunningRequest(bound, budget, generated), ratio, clip, block_size,
+            0 if fixed.relaxed else fixed.current, self._fdsched_margin,
+        )
+
+    def fdsched_adaptive_state(self):
+        """The adaptive estimator's state (:meth:`fdsched.adaptive.AdaptiveReserve.state`), or None when this
+        scheduler does not run it."""
+        adaptive = self._fdsched_adaptive
+        return None if adaptive is None else adaptive.state()
 
     # ---- the adaptive estimator's samples -------------------------------------------------------
     def finish_requests(self, request_ids):
@@ -598,4 +586,5 @@ SPEC = PatchSpec(
                  _finish_seam, when=("plugin",)),
     ),
     host_has_as_selected=_as_selected,
+    applies=("host", "plugin", "off"),
 )

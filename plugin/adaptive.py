@@ -18,16 +18,20 @@ default ``k`` is negative (-2): the set never needs all of its remainder at once
 finishes gives its blocks back while the others still grow. The set never keeps more free than its
 budgets allow, nor more than upstream's ratio formula would for the same requests (:class:`SetMargin`).
 
-* **Warm-up**: until a distribution holds ``min_samples`` samples, requests of that kind fall back to
-  upstream's ratio formula (:func:`fdsched.policies.reserve_blocks_for_request`). So does a request
-  that has generated more than any sample (the learned tail says nothing about it).
+* **Warm-up**: until a distribution holds ``min_samples`` samples, requests of that kind fall back
+  (:func:`warmup_reserve_blocks`): a request whose client bounded its length to upstream's ratio formula
+  (:func:`fdsched.policies.reserve_blocks_for_request`), an unbounded one to the legacy fixed-block
+  policy's current amount (never more than the ratio formula). So does a request that has generated more
+  than any sample (the learned tail says nothing about it).
 * **Drift**: a sliding window of the last ``window`` finished requests (both kinds together, so old
   samples of a kind that stopped arriving age out too).
 * **Censoring**: only finished requests are samples. A preempted or still-running request is not:
   its length is unknown (it is at least what it generated). Early on, short requests finish first,
   so the first samples under-estimate; the warm-up fallback and the preemption feedback cover that.
 * **Feedback**: a preemption means the reservation was too small; it raises the margin factor by
-  ``k_step`` (up to ``k_max``), and every finished sample lets the extra decay by ``k_decay``.
+  ``k_step`` (up to ``k_max``), and every finished sample lets the extra decay by ``k_decay``
+  (defaults :data:`K_STEP`, :data:`K_BOUND`, :data:`K_DECAY`; settings ``tunables.adaptive_k_step`` and
+  ``tunables.adaptive_k_decay``).
 * **Determinism**: the state is a function of the sequence of events (finished samples,
   preemptions), nothing else; no clock, no randomness.
 * **Cost**: lengths go into log-spaced buckets (``buckets_per_octave`` per doubling) whose count,
@@ -40,9 +44,10 @@ buckets per doubling that bucket is about 9 % wide.
 from __future__ import annotations
 
 import math
+import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Optional
 
 from .common import ceil_div
 from .policies import reserve_blocks_for_request
@@ -54,13 +59,50 @@ __all__ = [
     "RunningRequest",
     "SetMargin",
     "RELATIVE_SCALE",
-    "expected_remainders",
+    "K_DEFAULT",
+    "K_BOUND",
+    "K_STEP",
+    "K_DECAY",
+    "margin_blocks",
+    "track_live",
+    "live_states",
     "client_bound",
     "warmup_reserve_blocks",
 ]
 
 # Relative samples (L / max_tokens, in (0, 1]) are stored as L / max_tokens * RELATIVE_SCALE.
 RELATIVE_SCALE = 4096.0
+
+# The margin factor k, in standard deviations of the running set's total remainder: every constant of it is
+# here (the settings' defaults and ranges read these). K_DEFAULT: see the module docstring; K_BOUND: |k| and
+# k after any number of preemptions stay within it; K_STEP: added per preemption; K_DECAY: what each finished
+# request leaves of that extra.
+K_DEFAULT = -2.0
+K_BOUND = 6.0
+K_STEP = 0.5
+K_DECAY = 0.98
+
+# Schedulers of this process that run the estimator register it here (``fdsched doctor`` shows their state).
+_LIVE: "weakref.WeakSet" = weakref.WeakSet()
+
+
+def track_live(estimator: "AdaptiveReserve") -> None:
+    """Make ``estimator`` visible to :func:`live_states` for as long as it exists."""
+    _LIVE.add(estimator)
+
+
+def live_states() -> list:
+    """The state (:meth:`AdaptiveReserve.state`) of every estimator a scheduler of this process runs."""
+    return [estimator.state() for estimator in list(_LIVE)]
+
+
+def margin_blocks(mean: float, variance: float, k: float, block_size: int, left: float = math.inf,
+                  cap_blocks: float = math.inf) -> int:
+    """The one reservation formula: blocks for remainders of total ``mean`` and ``variance`` with a margin of
+    ``k`` standard deviations, ``ceil(min(mean + k sqrt(variance), left) / block_size)``, never more than
+    ``cap_blocks`` nor less than 0. One request alone and a running set (:class:`SetMargin`) both use it."""
+    tokens = min(mean + k * math.sqrt(max(variance, 0.0)), left)
+    return max(min(ceil_div(int(math.ceil(tokens)), block_size), cap_blocks), 0)
 
 
 def client_bound(max_tokens: Optional[int], max_model_len: int, prompt_len: int) -> Optional[int]:
@@ -222,7 +264,7 @@ class RemainderEstimate:
 class RunningRequest:
     """What the reservation knows about one running request."""
 
-    max_tokens: Optional[int]  # as the client sent it (None: unset)
+    max_tokens: Optional[int]  # the client's bound (:func:`client_bound`; None: unset, or no bound at all)
     budget: int  # max_tokens, or what the context leaves (max_model_len - prompt length)
     generated: int
 
@@ -250,6 +292,7 @@ class SetMargin:
         self.left = 0.0
         self.cap = 0.0
         self.blocks = 0
+        self.fallbacks = 0  # requests of this set answered by the warm-up fallback (see AdaptiveReserve.request_blocks)
 
     def add(
         self,
@@ -264,8 +307,7 @@ class SetMargin:
         self.variance += variance
         self.left += math.inf if left is None else left
         self.cap += math.inf if cap_blocks is None else cap_blocks
-        tokens = min(self.mean + k * math.sqrt(max(self.variance, 0.0)), self.left)
-        total = min(ceil_div(int(math.ceil(tokens)), block_size), self.cap)
+        total = margin_blocks(self.mean, self.variance, k, block_size, self.left, self.cap)
         delta = max(total - self.blocks, 0)
         self.blocks += delta
         return delta
@@ -273,17 +315,18 @@ class SetMargin:
 
 class AdaptiveReserve:
     """The estimator. Feed it events (:meth:`observe_finished`, :meth:`observe_preemption`); ask it
-    for a running set's reservation (:meth:`reserve_blocks`) or one request's remainder
+    for one running request's reservation (:meth:`request_blocks`, alone or within a running set's
+    :class:`SetMargin`), a whole set's (:meth:`reserve_blocks`) or one request's remainder
     (:meth:`remainder`)."""
 
     def __init__(
         self,
         window: int = 2000,
         min_samples: int = 16,
-        k: float = -2.0,
-        k_step: float = 0.5,
-        k_max: float = 6.0,
-        k_decay: float = 0.98,
+        k: float = K_DEFAULT,
+        k_step: float = K_STEP,
+        k_max: float = K_BOUND,
+        k_decay: float = K_DECAY,
         buckets_per_octave: int = 8,
         max_length: int = 1 << 20,
     ) -> None:
@@ -348,37 +391,49 @@ class AdaptiveReserve:
         mean = min(max(mean, 1.0), left)
         return RemainderEstimate(mean, min(variance, float(left) * left), float(left))
 
+    def request_blocks(
+        self,
+        request: RunningRequest,
+        ratio: float,
+        clip_max_new_tokens: int,
+        block_size: int,
+        fixed_blocks: int,
+        margin: Optional[SetMargin] = None,
+    ) -> int:
+        """Blocks one running request reserves: the engine path (change 3's seam), the replay and the tests
+        all ask this.
+
+        Learned: its share of ``margin``'s running set (:meth:`SetMargin.add`), or, asked alone (``margin``
+        None), :func:`margin_blocks` with a margin of its own; either way never more than upstream's ratio
+        formula gives it. Not learned (warm-up, or beyond every sample): :func:`warmup_reserve_blocks` with
+        ``fixed_blocks`` (the legacy policy's current amount), counted in ``fallbacks`` (and the set's).
+        """
+        estimate = self.remainder(request.max_tokens, request.budget, request.generated)
+        if estimate is None:
+            self.fallbacks += 1
+            if margin is not None:
+                margin.fallbacks += 1
+            return warmup_reserve_blocks(
+                request.max_tokens, request.budget, request.generated, ratio, clip_max_new_tokens, block_size,
+                fixed_blocks,
+            )
+        by_ratio = reserve_blocks_for_request(request.budget, request.generated, ratio, clip_max_new_tokens, block_size)
+        if margin is not None:
+            return margin.add(estimate.mean, estimate.variance, self.k, block_size, estimate.left, cap_blocks=by_ratio)
+        return margin_blocks(estimate.mean, estimate.variance, self.k, block_size, estimate.left, by_ratio)
+
     def reserve_blocks(
         self,
         running: Iterable[RunningRequest],
         block_size: int,
         ratio: float,
         clip_max_new_tokens: int,
-        fixed_blocks: Optional[int] = None,
+        fixed_blocks: int,
     ) -> int:
-        """Blocks to keep free for the running set: learned requests share one margin; the others
-        use the warm-up fallback (:func:`warmup_reserve_blocks` with ``fixed_blocks``; None: upstream's
-        ratio formula for every request, as the replay prototype does)."""
-        means = variances = lefts = 0.0
-        fallback_blocks = 0
-        for r in running:
-            estimate = self.remainder(r.max_tokens, r.budget, r.generated)
-            if estimate is None:
-                self.fallbacks += 1
-                if fixed_blocks is None:
-                    fallback_blocks += reserve_blocks_for_request(
-                        r.budget, r.generated, ratio, clip_max_new_tokens, block_size
-                    )
-                else:
-                    fallback_blocks += warmup_reserve_blocks(
-                        r.max_tokens, r.budget, r.generated, ratio, clip_max_new_tokens, block_size, fixed_blocks
-                    )
-            else:
-                means += estimate.mean
-                variances += estimate.variance
-                lefts += estimate.left
-        learned = int(math.ceil(min(means + self.k * math.sqrt(variances), lefts))) if means or variances else 0
-        return fallback_blocks + ceil_div(learned, block_size)
+        """Blocks to keep free for a running set: :meth:`request_blocks` of each request within one
+        :class:`SetMargin` (what change 3 sums in one admission decision)."""
+        margin = SetMargin()
+        return sum(self.request_blocks(r, ratio, clip_max_new_tokens, block_size, fixed_blocks, margin) for r in running)
 
     def state(self) -> dict:
         """Samples, the current estimates and the margin (plain values, for metrics and reports)."""
@@ -407,7 +462,3 @@ class AdaptiveReserve:
             "fallback_answers": self.fallbacks,
         }
 
-
-def expected_remainders(estimator: AdaptiveReserve, running: Sequence[RunningRequest]) -> list:
-    """The per-request estimates (None where the ratio formula answers), e.g. for a report."""
-    return [estimator.remainder(r.max_tokens, r.budget, r.generated) for r in running]

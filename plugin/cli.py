@@ -101,13 +101,9 @@ def _adaptive_report(settings, ratio_decision) -> str:
     """The reservation estimator: the live state of every scheduler in this process that runs the adaptive
     one, else what the settings would use."""
     estimator = settings["tunables.reserve_estimator"]
-    live = []
-    try:
-        from fdsched.patches.ratio_reserve import LIVE_ADAPTIVE
+    from fdsched.adaptive import live_states
 
-        live = [rm._fdsched_adaptive.state() for rm in list(LIVE_ADAPTIVE)]
-    except ImportError:
-        pass
+    live = live_states()
     if live:
         lines = [f"reservation estimator: adaptive, {len(live)} scheduler(s) in this process"]
         for i, state in enumerate(live):

@@ -11,13 +11,13 @@ Order of work, so that nothing is ever half-patched:
    are restored before the error propagates.
 
 Online A/B (``FDSCHED_PROFILE_BY_DP_RANK``): steps 1 and 3 run for every arm too, and an error names the
-rank and its profile. The classes are the same whatever the arms (every mixin of every change is always in
-them, and a mixin whose change an instance does not apply runs the host's code); what differs per arm is
-data. Each class carries ``_fdsched_arms`` (rank -> :class:`Arm`) and ``_fdsched_default_arm`` (ranks not
-listed: ``FDSCHED_PROFILE`` or the defaults), and :class:`fdsched.patches._base.InitGuard` picks the arm of
-the instance's own data-parallel rank when it is built (``local_data_parallel_id``: the engine forks ranks
-1..N-1 after rank 0's scheduler exists, so nothing per process or per class can tell them apart). The class
-attributes ``_fdsched_impl`` / ``_fdsched_settings`` stay those of the single profile.
+rank and its profile. Step 4 builds, per target, one class per arm holding only the mixins that arm applies
+(its decisions are made here, once) behind one front class that the host modules are rebound to;
+constructing the front class builds the class of the instance's own data-parallel rank
+(``local_data_parallel_id``: the engine forks ranks 1..N-1 after rank 0's scheduler exists, so nothing per
+process can tell them apart); ranks not listed get ``FDSCHED_PROFILE``'s (or the defaults'). See
+:mod:`fdsched.patches._base`. The front class's ``_fdsched_impl`` / ``_fdsched_settings`` are those of the
+single profile.
 
 :func:`install` is idempotent and cheap on a second call. :func:`uninstall` restores exactly.
 """
@@ -31,9 +31,9 @@ from typing import Mapping, Optional
 from . import host as host_mod
 from .hooks import Policies, make_plugin_manager
 from .rebind import Rebinding
-from .settings import DP_PROFILE_ENV, CHANGE_IDS, Settings, effective_ratio_mode, load_arm_settings, load_settings
+from .settings import DP_PROFILE_ENV, CHANGE_IDS, Settings, load_arm_settings, load_settings
 
-__all__ = ["Arm", "Decision", "InstallReport", "InstallError", "decide", "decide_arms", "install", "uninstall", "current"]
+__all__ = ["Arm", "Decision", "InstallReport", "InstallError", "effective_ratio_mode", "decide", "decide_arms", "install", "uninstall", "current"]
 
 
 class InstallError(RuntimeError):
@@ -91,6 +91,19 @@ class InstallReport:
             ranks = ", ".join(f"dp rank {rank}: {arm.label}" for rank, arm in sorted(self.arms.items()))
             text += f"; online A/B arms ({DP_PROFILE_ENV}): {ranks}; other ranks: {arm_label(self.settings)}"
         return text
+
+
+def effective_ratio_mode(settings: Settings) -> str:
+    """The ratio-reserve switch after the host's FD_USE_NEW_TOKEN_RATIO_RESERVE is considered.
+
+    ``auto`` with FD_USE_NEW_TOKEN_RATIO_RESERVE explicitly 0 means the operator asked for the fixed-block
+    policy by the host's own name: treat it as ``off``.
+    """
+    mode = settings.change_mode("ratio_reserve")
+    explicit_host = settings.sources["host_tunables.FD_USE_NEW_TOKEN_RATIO_RESERVE"] != "default"
+    if mode == "auto" and explicit_host and not settings["host_tunables.FD_USE_NEW_TOKEN_RATIO_RESERVE"]:
+        return "off"
+    return mode
 
 
 def decide(settings: Settings, info) -> dict:
@@ -169,28 +182,17 @@ def current() -> Optional[InstallReport]:
 
 
 def _build(info, settings: Settings, decisions: dict, policies: Policies, arms: Optional[dict] = None) -> dict:
-    from fdsched.patches import TARGETS, mixins_for
-    from fdsched.patches._base import ArmStamp, InitGuard, RequestOutcomesMixin, init_signature
+    """target -> its front class (what the host modules are rebound to), with one class per arm behind it
+    (see :mod:`fdsched.patches._base`)."""
+    from fdsched.patches import TARGETS
+    from fdsched.patches._base import ArmChoice, ArmStamp, init_signature
 
     arms = dict(arms or {})
     default_arm = Arm(arm_label(settings), settings, decisions)
-    impl = default_arm.impl
     classes = {}
     for target, host_cls in info.host_classes.items():
-        mixins = mixins_for(target)  # outermost first; tests/unit/test_catalogue.py pins the order and why
-        target_impl = impl
-        if target == "EngineCacheQueue" and arms:
-            # The queue *server* is built by each rank's engine without its rank: its done lists are waitable
-            # when any arm runs change 5 (a waitable list behaves as a plain list for a polling receiver).
-            # Each cache manager's own *client* is stamped with its manager's arm (ArmStamp below).
-            if any(arm.impl["nonpolling_transfer"] == "plugin" for arm in arms.values()):
-                target_impl = dict(impl, nonpolling_transfer="plugin")
-        attrs = {
-            "__module__": "fdsched.patches",
-            "__qualname__": host_cls.__name__,
-            "__doc__": f"fdsched subclass of {TARGETS[target]} (changes: {', '.join(m.__name__ for m in mixins)}).",
-            "_fdsched_impl": target_impl,
-            "_fdsched_settings": settings,
+        common = {
+            "__module__": __name__,
             "_fdsched_policies": policies,
             "_fdsched_host": info,
             "_fdsched_host_class": host_cls,
@@ -199,13 +201,62 @@ def _build(info, settings: Settings, decisions: dict, policies: Policies, arms: 
             "_fdsched_default_arm": default_arm,
             "_fdsched_init_signature": init_signature(host_cls),
         }
-        extra = ()
-        if target == "ResourceManagerV1" and hasattr(host_cls, "finish_requests"):
-            extra = (RequestOutcomesMixin,)  # measurement only (every arm, every profile); without the seam: none
+        front = type(host_cls.__name__, (ArmChoice, host_cls), dict(
+            common,
+            __qualname__=f"_build.<locals>.{host_cls.__name__}",
+            __doc__=f"fdsched's front class for {TARGETS[target]}: constructing it builds the rank's arm class.",
+            _fdsched_impl=default_arm.impl,
+            _fdsched_settings=settings,
+        ))
+        built: list = []  # (arm, class): one class per distinct arm
+
+        def class_of(arm: Arm, impl: Optional[dict] = None, label: Optional[str] = None):
+            impl = impl or arm.impl
+            for other, cls in built:
+                if other.settings == arm.settings and cls._fdsched_impl == impl and cls._fdsched_arm == label:
+                    return cls
+            cls = _arm_class(front, target, host_cls, common, arm, impl, label)
+            built.append((arm, cls))
+            return cls
+
+        front._fdsched_front = front
+        front._fdsched_default_class = class_of(default_arm, label=default_arm.label)
+        front._fdsched_arm_classes = {rank: class_of(arm, label=arm.label) for rank, arm in arms.items()}
+        if target == "EngineCacheQueue":
+            # The queue *server* is built by each rank's engine without its rank: its done lists are waitable
+            # when any arm runs change 5 (a waitable list behaves as a plain list for a polling receiver).
+            # Each cache manager's own *client* takes its manager's arm class (ArmStamp).
+            server_impl = default_arm.impl
+            if any(arm.impl["nonpolling_transfer"] == "plugin" for arm in arms.values()):
+                server_impl = dict(server_impl, nonpolling_transfer="plugin")
+            front._fdsched_server_class = class_of(default_arm, server_impl, label=default_arm.label)
         if target == "PrefixCacheManager" and arms:
-            attrs["cache_task_queue"] = ArmStamp("cache_task_queue")
-        classes[target] = type(host_cls.__name__, (InitGuard,) + extra + mixins + (host_cls,), attrs)
+            for _, cls in built:
+                cls.cache_task_queue = ArmStamp("cache_task_queue")
+        classes[target] = front
     return classes
+
+
+def _arm_class(front, target: str, host_cls, common: dict, arm: Arm, impl: dict, label: str):
+    """The class of one arm for one target: only the mixins that arm applies, its settings and decisions."""
+    from fdsched.patches import TARGETS, mixins_for
+    from fdsched.patches._base import InitGuard, RequestOutcomesMixin
+
+    mixins = mixins_for(target, impl)  # outermost first; tests/unit/test_catalogue.py pins the order and why
+    if target == "ResourceManagerV1" and hasattr(host_cls, "finish_requests"):
+        mixins = (RequestOutcomesMixin,) + mixins  # measurement only (every arm, every profile); without the seam: none
+    changes = ", ".join(m.__name__ for m in mixins) or "none: the host's own code"
+    return type(host_cls.__name__, (InitGuard,) + mixins + (front,), dict(
+        common,
+        __qualname__=f"_build.<locals>.{host_cls.__name__}[{label}]",
+        __doc__=f"fdsched subclass of {TARGETS[target]} for arm {label} (mixins: {changes}).",
+        _fdsched_impl=impl,
+        _fdsched_settings=arm.settings,
+        _fdsched_arm=label,
+        _fdsched_front=front,
+        # the plugin's reservation code decides admissions here (it counts refusals; see InitGuard)
+        _fdsched_counts_admissions=target == "ResourceManagerV1" and impl["ratio_reserve"] != "host",
+    ))
 
 
 def install(

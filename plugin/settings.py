@@ -20,6 +20,7 @@ from typing import Any, Callable, Mapping, Optional
 
 import yaml
 
+from .adaptive import K_BOUND, K_DECAY, K_DEFAULT, K_STEP
 from .common import read_utf8
 
 __all__ = [
@@ -310,13 +311,30 @@ SCHEMA: tuple[Setting, ...] = (
     Setting(
         "tunables.adaptive_margin_k",
         "FDSCHED_ADAPTIVE_MARGIN_K",
-        _float(-6.0, 6.0),
-        -2.0,
-        "a number in [-6, 6]",
+        _float(-K_BOUND, K_BOUND),
+        K_DEFAULT,
+        f"a number in [{-K_BOUND:g}, {K_BOUND:g}]",
         "Adaptive estimator: the running set's margin is k standard deviations of its total remaining output; "
         "a negative k keeps less than the expected remainder free (requests that finish give their blocks back "
-        "while the others grow); each preemption raises k by 0.5 (up to 6), each finished request lets that "
-        "extra decay.",
+        f"while the others grow); each preemption raises k by tunables.adaptive_k_step (up to {K_BOUND:g}), each "
+        "finished request leaves tunables.adaptive_k_decay of that extra.",
+    ),
+    Setting(
+        "tunables.adaptive_k_step",
+        "FDSCHED_ADAPTIVE_K_STEP",
+        _float(0.0, 2 * K_BOUND),
+        K_STEP,
+        f"a number in [0, {2 * K_BOUND:g}]",
+        f"Adaptive estimator: what each preemption adds to k (k never exceeds {K_BOUND:g}).",
+    ),
+    Setting(
+        "tunables.adaptive_k_decay",
+        "FDSCHED_ADAPTIVE_K_DECAY",
+        _float(0.0, 1.0),
+        K_DECAY,
+        "a number in [0, 1]",
+        "Adaptive estimator: the share of the preemptions' extra k that each finished request leaves "
+        "(1: never decays, 0: gone at the next finished request).",
     ),
     Setting(
         "tunables.recycle_heapify_min_batch",
@@ -398,15 +416,6 @@ SCHEMA: tuple[Setting, ...] = (
         "default | sglang",
         "Replay only: which decoding request a preemption picks; sglang: fewest generated tokens, then longest "
         "prompt (SGLang's retract order), through the victim hook.",
-    ),
-    Setting(
-        "replay.adaptive_reserve",
-        None,
-        _bool01,
-        False,
-        "true | false",
-        "Replay only (prototype, until the estimator is wired into ratio_reserve): reserve with the adaptive "
-        "estimator (fdsched.adaptive), learned from the replay's finished requests, through the reservation hook.",
     ),
 )
 
@@ -679,19 +688,6 @@ def _check_together(values: dict, sources: dict, profile_path: Optional[str] = N
                 f"{_where(ours_k, sources, profile_path)}={mode!r}; allowed: leave it unset, or "
                 f"{1 if mode == 'on' else 0} with ratio_reserve={mode}"
             )
-
-
-def effective_ratio_mode(settings: Settings) -> str:
-    """The ratio-reserve switch after the host's FD_USE_NEW_TOKEN_RATIO_RESERVE is considered.
-
-    ``auto`` with FD_USE_NEW_TOKEN_RATIO_RESERVE explicitly 0 means the operator asked for the fixed-block
-    policy by the host's own name: treat it as ``off``.
-    """
-    mode = settings.change_mode("ratio_reserve")
-    explicit_host = settings.sources["host_tunables.FD_USE_NEW_TOKEN_RATIO_RESERVE"] != "default"
-    if mode == "auto" and explicit_host and not settings["host_tunables.FD_USE_NEW_TOKEN_RATIO_RESERVE"]:
-        return "off"
-    return mode
 
 
 # --------------------------------------------------------------------------------------------

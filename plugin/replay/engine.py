@@ -358,10 +358,13 @@ class Driver:
             stop = self._stop_after(request)
             if stop is not None and len(request.output_token_ids) >= stop:
                 finished.append(request.request_id)
-        if finished:
-            rm.finish_requests(finished)
-            for rid in finished:
-                self._stop_at.pop(rid, None)
+        for rid in finished:
+            # One id per call, in the step's order, as the engine's token processor does
+            # (finish_requests_async(task_id)): the host turns a list into a set, whose order follows string
+            # hashes (PYTHONHASHSEED); on a prefill node the order requests finish in is the order the plugin's
+            # safe recording enters their blocks into the radix tree.
+            rm.finish_requests(rid)
+            self._stop_at.pop(rid, None)
         record.finished = finished
         for rid in preempted_ids:
             rm.reschedule_preempt_task(rid)

@@ -108,7 +108,7 @@ class ProfileRun:
     host: dict = field(default_factory=dict)
     settings: dict = field(default_factory=dict)  # every effective setting of the arm
     environment: dict = field(default_factory=dict)  # which variables were applied, which not
-    estimator: Optional[dict] = None  # a replay reservation hook's final state (adaptive)
+    estimator: Optional[dict] = None  # the adaptive estimator's final state (profile adaptive; fdsched.adaptive)
     check_every: int = 1  # block invariants checked every N steps (0: only at the end)
     wall_seconds: float = 0.0  # measured
 

@@ -33,7 +33,7 @@ from .costmodel import cost_from_settings, prefill_context_tokens, row_step_ms
 from .figures import ProfileRun, RequestRow, StepRow
 from .invariants import check_blocks, check_requests
 from .oracle import (
-    ADAPTIVE_PLUGIN_NAME, ORACLE_PLUGIN_NAME, RETRACT_PLUGIN_NAME, AdaptiveReserveHook, Holding, OracleReserve,
+    ORACLE_PLUGIN_NAME, RETRACT_PLUGIN_NAME, Holding, OracleReserve,
     PeakOracle, RetractOrder,
 )
 from .trace import Trace, TraceError, check_engine
@@ -300,13 +300,6 @@ def run_profile(
     if settings["replay.oracle_reserve"]:
         reservation = _peak_oracle(manager_ref, outputs, shape.block_size)
         report.policies.register(reservation, name=ORACLE_PLUGIN_NAME)
-    elif settings["replay.adaptive_reserve"]:
-        reservation = AdaptiveReserveHook(
-            max_model_len=shape.max_model_len,
-            init_ratio=settings["host_tunables.FD_INIT_NEW_TOKEN_RATIO"],
-        )
-        reservation.client_max_tokens = {r.id: r.max_tokens for r in trace.requests}
-        report.policies.register(reservation, name=ADAPTIVE_PLUGIN_NAME)
     if settings["replay.retract_order"] == "sglang":
 
         def lengths(request_id):
@@ -342,10 +335,9 @@ def run_profile(
     if unbounded:
         _check_unbounded(run)
     run.wall_seconds = time.perf_counter() - started
-    if reservation is not None and hasattr(reservation, "state"):
-        run.estimator = reservation.state()
-    elif getattr(manager, "_fdsched_adaptive", None) is not None:
-        run.estimator = manager._fdsched_adaptive.state()  # the engine path's estimator (profile adaptive)
+    adaptive_state = getattr(manager, "fdsched_adaptive_state", None)
+    if adaptive_state is not None:
+        run.estimator = adaptive_state()  # the engine path's estimator (profile adaptive); None when it does not run
     ratio_impl = report.decisions["ratio_reserve"].impl
     run.admissions_blocked = None if ratio_impl == "host" else METRICS.admissions_blocked
     return run
@@ -382,8 +374,6 @@ def _drive(run, trace, manager, outputs, role, max_steps, stall_steps, check_eve
     quiet = 0
     evicted_before = 0
     now_ms = 0.0  # modelled time at the start of the step
-    observe = getattr(reservation, "observe_finished", None)
-    observe_preempt = getattr(reservation, "observe_preemption", None)
 
     for step in range(max_steps):
         step_cpu = time.thread_time()
@@ -436,8 +426,6 @@ def _drive(run, trace, manager, outputs, role, max_steps, stall_steps, check_eve
                 rows[rid].first_token_step = step
         for rid, _ in record.preempted:
             rows[rid].preemptions += 1
-        if record.preempted and observe_preempt is not None:
-            observe_preempt(len(record.preempted))
         for rid in record.finished:
             finish_counts[rid] += 1
             if finish_counts[rid] == 1:
@@ -446,9 +434,6 @@ def _drive(run, trace, manager, outputs, role, max_steps, stall_steps, check_eve
             rows[rid].finish_step = step
             request = objects[rid]
             rows[rid].output_tokens = len(request.output_token_ids)
-            if observe is not None:
-                observe(rid, request.sampling_params.max_tokens, request.prompt_token_ids_len,
-                        len(request.output_token_ids))
 
         live = manager.requests.values()
         held = request_held_blocks(live)

@@ -35,22 +35,22 @@ def _finish(rm, rid, prompt_len, generated, max_tokens=None):
 
 def test_finished_running_requests_are_samples_and_the_set_shares_one_margin(adaptive_rm):
     rm = adaptive_rm(FDSCHED_ADAPTIVE_MARGIN_K="1")
-    assert rm._fdsched_adaptive is not None
-    for i in range(4):
-        _finish(rm, f"f{i}", 8, generated=[1, 2, 30, 40][i])
-    state = rm._fdsched_adaptive.state()
+    assert rm.fdsched_adaptive_state() is not None
+    lengths = [2, 4, 30, 40]  # all above the first bucket: the tail statistics at g = 0 are exact
+    for i, length in enumerate(lengths):
+        _finish(rm, f"f{i}", 8, generated=length)
+    state = rm.fdsched_adaptive_state()
     assert state["absolute_tokens"]["samples"] == 4 and state["absolute_tokens"]["learned"]
     assert METRICS.adaptive["absolute_samples"] == 4 and METRICS.adaptive["absolute_learned"] is True
-    # Three running requests with nothing generated: each expects E[L] (about 18), standard deviation about 17.
+    # Worked by hand: E[L] = 76 / 4 = 19 tokens, Var[L] = 2520 / 4 - 19^2 = 269. Three running requests with
+    # nothing generated (56 tokens of budget each, block size 4): the set keeps 3 x 19 + 1 x sqrt(3 x 269)
+    # = 85.4 -> 86 tokens -> 22 blocks; upstream's ratio (0.7 x 56 = 39 tokens -> 10 blocks each, 30) caps above.
     for rid in "abc":
         _place(rm, rid, 8, generated=0, computed=8, max_tokens=None)
-    total = rm._fdsched_total_reserve()
-    est = [rm._fdsched_adaptive.remainder(None, 56, 0)] * 3
-    mean, var = sum(e.mean for e in est), sum(e.variance for e in est)
-    assert total == math.ceil(math.ceil(mean + 1.0 * math.sqrt(var)) / 4)  # one margin for the set
-    per_request_margins = 3 * math.ceil(math.ceil(est[0].mean + math.sqrt(est[0].variance)) / 4)
-    assert total < per_request_margins  # a margin per request would reserve more
-    assert METRICS.adaptive["expected_tokens"] == pytest.approx(mean)
+    assert rm._fdsched_total_reserve() == 22
+    # A margin per request would keep 3 x ceil(ceil(19 + sqrt(269)) / 4) = 3 x 9 = 27 blocks.
+    assert 22 < 3 * math.ceil(math.ceil(19 + math.sqrt(269)) / 4) == 27
+    assert METRICS.adaptive["expected_tokens"] == pytest.approx(57)
     assert METRICS.adaptive["fallback_requests"] == 0
 
 
@@ -59,12 +59,13 @@ def test_a_preempted_request_is_not_a_sample_and_a_preemption_widens_the_margin(
     a = _place(rm, "a", 8, generated=5, max_tokens=None)
     _place(rm, "b", 8, generated=3, max_tokens=None)
     _drain_pool(rm)
-    k_before = rm._fdsched_adaptive.k
+    k_before = rm.fdsched_adaptive_state()["k"]
     rm._trigger_preempt(a, 1, [], [])  # b, the last decoder, is preempted
-    assert rm._fdsched_adaptive.preemptions == 1 and rm._fdsched_adaptive.k > k_before
+    after = rm.fdsched_adaptive_state()
+    assert after["preemptions_seen"] == 1 and after["k"] == k_before + 0.5  # K_STEP
     assert "b" in rm.to_be_rescheduled_request_id_set
     rm.finish_requests(["b"])  # finished while preempted: its length is not known to be complete
-    assert rm._fdsched_adaptive.finished == 0
+    assert rm.fdsched_adaptive_state()["finished_seen"] == 0
 
 
 def test_warm_up_unbounded_requests_use_the_legacy_fixed_blocks(adaptive_rm):
@@ -89,7 +90,7 @@ def test_a_bounded_client_is_learned_relative_to_its_max_tokens(adaptive_rm):
     rm = adaptive_rm()
     for i in range(4):
         _finish(rm, f"f{i}", 8, generated=10, max_tokens=20)  # half of max_tokens, every time
-    state = rm._fdsched_adaptive.state()
+    state = rm.fdsched_adaptive_state()
     assert state["relative_to_max_tokens"]["samples"] == 4 and state["absolute_tokens"]["samples"] == 0
     assert state["relative_to_max_tokens"]["mean"] == pytest.approx(0.5, abs=0.03)
 

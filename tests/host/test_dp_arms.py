@@ -64,10 +64,15 @@ def test_each_rank_runs_its_arm_side_by_side_in_one_process(install_arms, build,
     assert rm0.cache_manager._fdsched_arm == "baseline" and rm1.cache_manager._fdsched_arm == "recommended"
     assert rm0.cache_manager._fdsched_impl["deferred_recycle"] == "host"
     assert rm1.cache_manager._fdsched_impl["deferred_recycle"] == "plugin"
-    # The class stays the single profile's (the default arm); the arms live on the instances.
+    # The front class (what the host module names) keeps the single profile's decisions; each rank got its arm's
+    # class, which holds only the mixins that arm applies.
     cls = report.classes["ResourceManagerV1"]
     assert cls._fdsched_impl == {cid: d.impl for cid, d in report.decisions.items()}
-    assert type(rm0) is type(rm1) is cls
+    assert type(rm0) is cls._fdsched_arm_classes[0] and type(rm1) is cls._fdsched_arm_classes[1]
+    assert isinstance(rm0, cls) and isinstance(rm1, cls)
+    dr = "DeferredRecycleMixin"
+    assert dr in {c.__name__ for c in type(rm1.cache_manager).__mro__}
+    assert dr not in {c.__name__ for c in type(rm0.cache_manager).__mro__}  # baseline: the host's own code, no mixin
 
     victims = drive_together({0: rm0, 1: rm1}, kv_pressure_requests(**PREFILL_VICTIM_WORKLOAD))
     assert "prefill" in victims[0], "rank 0 (baseline) preempts as the pre-change host does, prefills included"
@@ -168,7 +173,7 @@ def test_the_cache_queue_a_manager_builds_takes_the_managers_arm(install_arms, b
     rm1 = build(1)
     queue_cls = report.classes["EngineCacheQueue"]
     # The server (built without a rank) has waitable done lists because some arm runs change 5.
-    assert queue_cls._fdsched_impl["nonpolling_transfer"] == "plugin"
+    assert queue_cls._fdsched_server_class._fdsched_impl["nonpolling_transfer"] == "plugin"
     client = queue_cls.__new__(queue_cls)
     rm1.cache_manager.cache_task_queue = client  # what launch_cache_manager does
     assert client._fdsched_arm == "nonpolling_transfer"

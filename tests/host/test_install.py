@@ -144,8 +144,10 @@ def test_uninstall_restores_every_site(install_profile):
 def test_manager_built_like_host_tests_is_plugin_subclass(install_profile, make_manager):
     report = install_profile("baseline")
     manager = make_manager(block_size=4, num_gpu_blocks=40, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
-    assert type(manager) is report.classes["ResourceManagerV1"]
-    assert type(manager.cache_manager) is report.classes["PrefixCacheManager"]
+    # the front classes (what the host modules name) build their arm's class: baseline's, for rank 0
+    assert type(manager) is report.classes["ResourceManagerV1"]._fdsched_default_class
+    assert type(manager.cache_manager) is report.classes["PrefixCacheManager"]._fdsched_default_class
+    assert isinstance(manager, report.classes["ResourceManagerV1"]) and manager._fdsched_arm == "baseline"
 
 
 def _workload_fingerprint(make_manager):

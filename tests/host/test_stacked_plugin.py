@@ -90,20 +90,22 @@ def _run(profile, workload, stacked):
     if settings["replay.oracle_reserve"]:
         oracle = OracleReserve({rid: out for _, rid, _, out, _ in requests})
         report.policies.register(oracle, name=ORACLE_PLUGIN_NAME)
-    layers = []
+    layers, layers_by_target = [], {}
     if stacked:
         for module, target in ((RM_MODULE, "ResourceManagerV1"), (PCM_MODULE, "PrefixCacheManager")):
             cls = pass_through_subclass(report.classes[target], hooked_methods(target))
             layers.append(Rebinding(module, target, cls))
+            layers_by_target[target] = cls
     try:
         for layer in layers:
             layer.apply()
         with logical_clock():
             manager = build_manager(EngineShape(**shape))
             try:
-                if stacked:  # the second plugin's classes really sit on top of ours
-                    assert type(manager).__mro__[1] is report.classes["ResourceManagerV1"]
-                    assert type(manager.cache_manager).__mro__[1] is report.classes["PrefixCacheManager"]
+                if stacked:  # the second plugin's classes really sit on top of ours: theirs, then our arm's class
+                    for obj, target in ((manager, "ResourceManagerV1"), (manager.cache_manager, "PrefixCacheManager")):
+                        mro = type(obj).__mro__
+                        assert mro[1] is layers_by_target[target] and mro[2] is report.classes[target]._fdsched_default_class
                 records = run_workload(manager, requests)
             finally:
                 close_manager(manager)
@@ -130,9 +132,8 @@ def test_pass_through_layers_cover_every_hooked_method():
         methods = hooked_methods(target)
         assert methods, target
         for spec in CATALOGUE:
-            mixin = spec.mixins.get(target)
-            if mixin is not None:
-                own = {n for n, v in vars(mixin).items() if callable(v) and not n.startswith("_fdsched")}
+            for mixin in spec.classes(target):  # its base and every variant
+                own = {n for n, v in vars(mixin).items() if callable(v) and not n.startswith(("_fdsched", "fdsched_"))}
                 assert own <= set(methods), (spec.change_id, own - set(methods))
 
 

@@ -61,16 +61,19 @@ def test_remainder_never_exceeds_the_budget_and_is_at_least_one_token():
     assert est.remainder(None, 4000, 10).mean >= 1
 
 
-def test_warm_up_and_beyond_the_tail_fall_back_to_the_ratio_formula():
+def test_warm_up_and_beyond_the_tail_fall_back_to_the_warmup_reservation():
     est = AdaptiveReserve(min_samples=10)
-    running = [RunningRequest(None, 3000, 5), RunningRequest(None, 3000, 50)]
-    expected = sum(reserve_blocks_for_request(r.budget, r.generated, 0.7, 4096, 16) for r in running)
-    assert est.reserve_blocks(running, 16, 0.7, 4096) == expected
+    # Nothing learned: a bounded request reserves upstream's ratio over its bound, an unbounded one the legacy
+    # fixed amount (7 blocks here), never more than the ratio formula.
+    running = [RunningRequest(512, 512, 5), RunningRequest(None, 3000, 50)]
+    assert est.reserve_blocks(running, 16, 0.7, 4096, fixed_blocks=7) == reserve_blocks_for_request(512, 5, 0.7, 4096, 16) + 7
     for _ in range(10):
         est.observe_finished(None, 20)
-    beyond = [RunningRequest(None, 3000, 500)]  # longer than every sample
-    assert est.reserve_blocks(beyond, 16, 0.7, 4096) == reserve_blocks_for_request(3000, 500, 0.7, 4096, 16)
+    beyond = [RunningRequest(None, 3000, 500)]  # longer than every sample: the fallback again
+    assert est.reserve_blocks(beyond, 16, 0.7, 4096, fixed_blocks=7) == 7
     assert est.fallbacks == 3
+    learned = [RunningRequest(None, 3000, 0)]  # every sample 20 tokens: 20 + k x 0 tokens = 2 blocks
+    assert est.reserve_blocks(learned, 16, 0.7, 4096, fixed_blocks=7) == 2 and est.fallbacks == 3
 
 
 def test_one_margin_for_the_set_is_tighter_than_a_margin_per_request():
@@ -80,7 +83,7 @@ def test_one_margin_for_the_set_is_tighter_than_a_margin_per_request():
     estimates = [est.remainder(r.max_tokens, r.budget, r.generated) for r in running]
     mean_total = sum(e.mean for e in estimates)
     per_request = sum(e.mean + 2.0 * math.sqrt(e.variance) for e in estimates)
-    blocks = est.reserve_blocks(running, 16, 0.7, 4096)
+    blocks = est.reserve_blocks(running, 16, 0.7, 4096, fixed_blocks=0)
     assert math.ceil(mean_total / 16) < blocks < per_request / 16
     assert blocks == math.ceil((mean_total + 2.0 * math.sqrt(sum(e.variance for e in estimates))) / 16)
 
@@ -122,7 +125,7 @@ def test_same_events_same_state():
             if i % 17 == 0:
                 est.observe_preemption()
             est.observe_finished(rnd.choice([None, 256]), rnd.randint(1, 256))
-        return est.state(), est.reserve_blocks([RunningRequest(None, 2000, 30), RunningRequest(256, 256, 10)], 16, 0.5, 4096)
+        return est.state(), est.reserve_blocks([RunningRequest(None, 2000, 30), RunningRequest(256, 256, 10)], 16, 0.5, 4096, 3)
 
     assert run() == run()
 
@@ -213,7 +216,7 @@ def test_the_set_never_reserves_more_than_its_budgets_allow():
     est = AdaptiveReserve(min_samples=2, k=6.0)
     for length in (1, 200, 3, 150):
         est.observe_finished(None, length)
-    assert est.reserve_blocks([RunningRequest(None, 24, 4)], 4, 0.7, 4096) <= 5  # 20 tokens left
+    assert est.reserve_blocks([RunningRequest(None, 24, 4)], 4, 0.7, 4096, fixed_blocks=0) <= 5  # 20 tokens left
 
 
 def test_warm_up_unbounded_never_reserves_more_than_upstream():
@@ -245,3 +248,48 @@ def test_a_negative_margin_keeps_less_than_the_expected_remainder_and_never_goes
     margin, total = SetMargin(), 0
     total += margin.add(10.0, 100.0 ** 2, -6.0, 16, 4000.0)
     assert total == 0
+
+
+# ---- one formula: alone, within a set, and the whole set ---------------------------------------------
+from fdsched.adaptive import K_BOUND, K_DECAY, K_DEFAULT, K_STEP, margin_blocks  # noqa: E402
+
+
+def test_a_request_alone_is_a_set_of_one_and_the_set_sums_its_shares():
+    rnd = random.Random(3)
+    est = _learned([rnd.randint(1, 600) for _ in range(300)], k=1.0)
+    running = [RunningRequest(None, 4000, g) for g in (0, 40, 90, 300)] + [RunningRequest(700, 700, 5)]
+    for r in running:
+        alone = est.request_blocks(r, 0.7, 4096, 16, fixed_blocks=4)
+        assert alone == est.reserve_blocks([r], 16, 0.7, 4096, fixed_blocks=4)
+        e = est.remainder(r.max_tokens, r.budget, r.generated)
+        if e is not None:
+            cap = reserve_blocks_for_request(r.budget, r.generated, 0.7, 4096, 16)
+            assert alone == margin_blocks(e.mean, e.variance, 1.0, 16, e.left, cap)
+    margin = SetMargin()
+    shares = [est.request_blocks(r, 0.7, 4096, 16, 4, margin) for r in running]
+    assert sum(shares) == est.reserve_blocks(running, 16, 0.7, 4096, fixed_blocks=4)
+    assert margin.fallbacks == 1  # the relative kind is not learned: the bounded request fell back
+
+
+def test_margin_blocks_caps_and_never_goes_negative():
+    assert margin_blocks(100, 0, 0.0, 16) == 7
+    assert margin_blocks(100, 10_000, 2.0, 16) == 19  # 100 + 2 x 100 = 300 tokens
+    assert margin_blocks(100, 10_000, 2.0, 16, left=150) == 10
+    assert margin_blocks(100, 10_000, 2.0, 16, cap_blocks=4) == 4
+    assert margin_blocks(10, 10_000, -2.0, 16) == 0  # 10 - 200 tokens: nothing, not a negative count
+
+
+def test_the_constants_are_the_settings_defaults_and_bounds():
+    from fdsched.settings import SettingsError, load_settings
+
+    s = load_settings(environ={})
+    assert (s["tunables.adaptive_margin_k"], s["tunables.adaptive_k_step"], s["tunables.adaptive_k_decay"]) == (
+        K_DEFAULT, K_STEP, K_DECAY
+    )
+    assert load_settings(environ={"FDSCHED_ADAPTIVE_MARGIN_K": str(K_BOUND)})["tunables.adaptive_margin_k"] == K_BOUND
+    with pytest.raises(SettingsError, match="FDSCHED_ADAPTIVE_MARGIN_K"):
+        load_settings(environ={"FDSCHED_ADAPTIVE_MARGIN_K": str(K_BOUND + 0.5)})
+    with pytest.raises(SettingsError, match="FDSCHED_ADAPTIVE_K_DECAY"):
+        load_settings(environ={"FDSCHED_ADAPTIVE_K_DECAY": "1.5"})
+    est = AdaptiveReserve()
+    assert (est.k, est.k_step, est.k_max, est.k_decay) == (K_DEFAULT, K_STEP, K_BOUND, K_DECAY)

@@ -24,11 +24,12 @@ SPECS = {spec.change_id: spec for spec in CATALOGUE}
 
 
 def own_methods(cls) -> set:
-    """Functions a mixin defines itself, without its private _fdsched helpers."""
+    """Functions a mixin defines itself, without the plugin's own names (private ``_fdsched`` helpers and
+    public ``fdsched_`` accessors: never a host method)."""
     return {
         name
         for name, value in vars(cls).items()
-        if (inspect.isfunction(value) or hasattr(value, "__set__")) and not name.startswith("_fdsched")
+        if (inspect.isfunction(value) or hasattr(value, "__set__")) and not name.startswith(("_fdsched", "fdsched_"))
     }
 
 
@@ -52,8 +53,60 @@ def test_mixins_define_exactly_what_the_spec_replaces(change_id):
         target, method = target_method.split(".", 1)
         declared[target].add(method)
     assert set(declared) <= set(spec.mixins), f"{change_id}: replaces a method of a target without a mixin"
-    for target, mixin in spec.mixins.items():
-        assert own_methods(mixin) == declared[target], f"{change_id}: {mixin.__name__} drifted from SPEC.replaces"
+    for target in spec.mixins:
+        assert methods_of(spec, target) == declared[target], f"{change_id}: its {target} mixins drifted from SPEC.replaces"
+
+
+def methods_of(spec, target) -> set:
+    """What the change's mixins for ``target`` (its base and every variant) define together."""
+    found = set()
+    for mixin in spec.classes(target):
+        for cls in mixin.__mro__:
+            if cls.__module__.startswith("fdsched.patches") and cls.__name__ != "PluginBase":
+                found |= own_methods(cls)
+    return found
+
+
+@pytest.mark.parametrize("change_id", CHANGE_IDS)
+def test_each_impl_gets_only_its_own_mixins(change_id):
+    """An arm's class holds a change's mixin only where that impl runs plugin code; none where the host's own
+    code runs untouched (the classes decide once, no method asks which impl it is)."""
+    spec = SPECS[change_id]
+    for target in spec.mixins:
+        chosen = {impl: spec.mixin_of(target, impl) for impl in ("host", "plugin", "off")}
+        assert chosen["plugin"] is not None
+        for impl, mixin in chosen.items():
+            if mixin is not None:
+                assert mixin in spec.classes(target) and issubclass(mixin, spec.mixins[target])
+    assert SPECS["deferred_recycle"].mixin_of("PrefixCacheManager", "host") is None
+    assert SPECS["nonpolling_transfer"].mixin_of("EngineCacheQueue", "host") is None
+    assert SPECS["pd_prefill_cache"].mixin_of("ResourceManagerV1", "host") is None
+    dop = SPECS["decode_only_preempt"]
+    assert dop.mixin_of("ResourceManagerV1", "plugin")._fdsched_decode_only is True
+    assert dop.mixin_of("ResourceManagerV1", "off")._fdsched_decode_only is False
+
+
+def test_generated_classes_say_where_they_come_from():
+    import types
+
+    from fdsched.installer import Decision, _build
+    from fdsched.settings import load_settings
+
+    class Host:
+        def __init__(self, config=None, local_data_parallel_id=0):
+            self.built = True
+
+    targets = {t: type(t, (Host,), {}) for t in TARGETS}
+    info = types.SimpleNamespace(host_classes=targets, has={}, problems={})
+    settings = load_settings(environ={}, profile="baseline")
+    decisions = {cid: Decision(cid, "off", "host", "off", "off") for cid in CHANGE_IDS}
+    classes = _build(info, settings, decisions, policies=None)
+    front = classes["ResourceManagerV1"]
+    assert front.__module__ == "fdsched.installer" and front.__qualname__ == "_build.<locals>.ResourceManagerV1"
+    obj = front()
+    assert type(obj) is not front and isinstance(obj, front) and isinstance(obj, targets["ResourceManagerV1"])
+    assert type(obj).__qualname__ == "_build.<locals>.ResourceManagerV1[baseline]"
+    assert obj.built and obj._fdsched_dp_rank == 0 and obj._fdsched_arm == "baseline"
 
 
 @pytest.mark.parametrize("change_id", CHANGE_IDS)
@@ -124,12 +177,6 @@ def test_patch_module_docstring_has_every_section(name):
 def test_patch_module_docstring_names_its_switch(name):
     module = importlib.import_module(f"fdsched.patches.{name}")
     assert module.SPEC.switch in module.__doc__
-
-
-def test_only_decode_only_and_ratio_and_pd_can_be_in_a_host():
-    # Changes 1 and 5 are not in any 2.6 host (7885/7886 open, 7520 closed).
-    assert SPECS["deferred_recycle"].host_has(None) is False
-    assert SPECS["nonpolling_transfer"].host_has(None) is False
 
 
 def test_importing_the_plugin_imports_no_host():
@@ -214,9 +261,10 @@ WRAP_ORDER = {
 def test_every_shared_method_has_a_pinned_wrap_order():
     overriders = defaultdict(list)
     for target in TARGETS:
-        for mixin in fdsched.patches.mixins_for(target):
-            for method in own_methods(mixin):
-                overriders[(target, method)].append(mixin)
+        for spec in CATALOGUE:
+            if target in spec.mixins:
+                for method in methods_of(spec, target):
+                    overriders[(target, method)].append(spec.change_id)
     shared = {key for key, mixins in overriders.items() if len(mixins) > 1}
     assert shared == set(WRAP_ORDER), "a method two changes override needs its order pinned (and explained) here"
 
@@ -230,6 +278,14 @@ def test_mixins_wrap_shared_methods_in_the_pinned_order(key):
         spec.change_id
         for mixin in fdsched.patches.mixins_for(target)
         for spec in CATALOGUE
-        if spec.mixins.get(target) is mixin and method in own_methods(mixin)
+        if spec.mixins.get(target) is mixin and method in methods_of(spec, target)
     )
     assert order == expected
+    # and so in every arm's class: whatever each change's impl, the changes that are in it keep that order
+    for impl in ("host", "plugin", "off"):
+        chosen = fdsched.patches.mixins_for(target, {cid: impl for cid in CHANGE_IDS})
+        in_class = tuple(
+            spec.change_id for mixin in chosen for spec in CATALOGUE
+            if mixin in spec.classes(target) and method in methods_of(spec, target)
+        )
+        assert in_class == tuple(cid for cid in expected if cid in in_class)

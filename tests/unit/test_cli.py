@@ -34,7 +34,6 @@ def test_profiles_lists_every_shipped_profile(capsys):
     assert rows["recommended"].split()[1:] == ["all", "on", "-"]
     assert "tunables.reserve_estimator=adaptive" in rows["adaptive"]
     assert "replay.oracle_reserve=1" in rows["oracle"]
-    assert "replay.adaptive_reserve=1" in rows["adaptive-replay"]
     assert "ratio_reserve=on, rest off" in rows["ratio_reserve"]
     assert PROFILE_ENV in out
 
@@ -160,24 +159,18 @@ def test_patches_shows_one_change_or_names_the_allowed_ones(capsys):
 def test_doctor_reports_the_reservation_estimator_live_or_what_it_would_use():
     from fdsched.adaptive import AdaptiveReserve
     from fdsched.cli import _adaptive_report
-    from fdsched.patches.ratio_reserve import LIVE_ADAPTIVE
     from fdsched.settings import load_settings
 
     assert "ratio (upstream" in _adaptive_report(load_settings(environ={}, profile="recommended"), None)
     would = _adaptive_report(load_settings(environ={}, profile="adaptive"), None)
     assert "no scheduler in this process" in would and "after 16 of them" in would and "k=-2.0" in would
 
-    class Scheduler:  # what doctor reads from a live plugin scheduler
-        def __init__(self):
-            self._fdsched_adaptive = AdaptiveReserve(min_samples=2)
+    from fdsched.adaptive import track_live
 
-    live = Scheduler()
+    live = AdaptiveReserve(min_samples=2)  # what a live plugin scheduler registers (fdsched.adaptive.track_live)
     for length in (10, 30, 50):
-        live._fdsched_adaptive.observe_finished(None, length)
-    LIVE_ADAPTIVE.add(live)
-    try:
-        report = _adaptive_report(load_settings(environ={}, profile="adaptive"), None)
-    finally:
-        LIVE_ADAPTIVE.discard(live)
+        live.observe_finished(None, length)
+    track_live(live)
+    report = _adaptive_report(load_settings(environ={}, profile="adaptive"), None)
     assert "1 scheduler(s) in this process" in report
     assert "unbounded: 3 samples" in report and "learned" in report and "bounded: 0 samples" in report

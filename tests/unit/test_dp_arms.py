@@ -211,10 +211,20 @@ def test_instances_take_their_ranks_arm_and_the_class_keeps_the_single_profile()
     pcm = classes["PrefixCacheManager"](_config(1), 1, "mixed", 1)
     assert pcm._fdsched_arm == "recommended"
     queue = classes["EngineCacheQueue"](is_server=True)
-    assert "_fdsched_arm" not in queue.__dict__  # no rank: the class's (every arm's union for change 5)
-    assert classes["EngineCacheQueue"]._fdsched_impl["nonpolling_transfer"] == "plugin"
+    # no rank: the server's class, every arm's union for change 5 (its done lists wait when any arm's receiver does)
+    assert type(queue) is classes["EngineCacheQueue"]._fdsched_server_class and "_fdsched_dp_rank" not in vars(queue)
+    assert type(queue)._fdsched_impl["nonpolling_transfer"] == "plugin"
+    assert classes["EngineCacheQueue"]._fdsched_impl["nonpolling_transfer"] == arms[0].impl["nonpolling_transfer"] == "host"
     pcm.cache_task_queue = queue  # the manager's own client takes the manager's arm
     assert queue._fdsched_arm == "recommended" and queue._fdsched_impl == pcm._fdsched_impl
+    assert type(queue) is classes["EngineCacheQueue"]._fdsched_arm_classes[1] and queue._fdsched_dp_rank == 1
+    # each arm's class holds only the mixins that arm applies
+    assert not any(c.__name__ == "DeferredRecycleMixin" for c in type(pcm_of_rank0(classes)).__mro__)
+    assert any(c.__name__ == "DeferredRecycleMixin" for c in type(pcm).__mro__)
+
+
+def pcm_of_rank0(classes):
+    return classes["PrefixCacheManager"](_config(0), 1, "mixed", 0)
 
 
 def _forked_rank(cls, rank, conn):

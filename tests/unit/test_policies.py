@@ -121,7 +121,8 @@ def test_any_phase_victim_is_the_last_without_extend_tables(queue):
 def test_max_new_tokens_of():
     assert max_new_tokens_of(256, 8192, 1000) == 256
     assert max_new_tokens_of(None, 8192, 1000) == 7192
-    assert isinstance(max_new_tokens_of(256.0, 8192, 1000), int)
+    as_float = max_new_tokens_of(256.0, 8192, 1000)  # a float max_tokens (JSON) becomes the same int budget
+    assert as_float == 256 and type(as_float) is int
 
 
 def test_reserve_with_max_tokens_unset_uses_the_rest_of_the_context():

@@ -18,7 +18,7 @@ def switches(name: str) -> dict:
 
 def test_the_shipped_set():
     assert set(PROFILES) == {
-        "baseline", "recommended", "oracle", "adaptive", "adaptive-replay", "unbounded", "optimism", "upstream-clip",
+        "baseline", "recommended", "oracle", "adaptive", "unbounded", "optimism", "upstream-clip",
         "sglang-retract", *CHANGE_IDS,
     }
     assert sorted(SINGLE_CHANGE_PROFILES) == sorted(CHANGE_IDS)

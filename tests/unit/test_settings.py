@@ -6,16 +6,17 @@ import dataclasses
 
 import pytest
 
+from fdsched.installer import effective_ratio_mode
 from fdsched.settings import (
     CHANGE_IDS,
     PROFILE_ENV,
     SCHEMA,
     SettingsError,
-    effective_ratio_mode,
     load_settings,
     shipped_profiles,
 )
 
+SCHEMA_BY_KEY = {setting.key: setting for setting in SCHEMA}
 CLIP = "host_tunables.FD_CLIP_MAX_NEW_TOKENS"
 INIT = "host_tunables.FD_INIT_NEW_TOKEN_RATIO"
 MIN = "host_tunables.FD_MIN_NEW_TOKEN_RATIO"
@@ -232,9 +233,17 @@ def test_a_top_level_key_given_twice_is_an_error(write_profile):
     assert "key tunables: bad value" in msg and "line 1 and line 3" in msg
 
 
-def test_every_shipped_profile_has_each_key_once():
-    for name in shipped_profiles():
-        load_settings(environ={}, profile=name)  # raises on a duplicate
+def test_every_shipped_profile_sets_what_its_file_says_and_nothing_else():
+    from fdsched.settings import read_profile
+
+    for name, path in shipped_profiles().items():
+        s = load_settings(environ={}, profile=name)
+        written = read_profile(path)  # raises on a key given twice
+        assert written, name
+        for key, value in written.items():
+            assert s.sources[key] == f"profile {name}", (name, key)
+            assert s[key] == SCHEMA_BY_KEY[key].parse(value), (name, key)
+        assert {k for k, src in s.sources.items() if src.startswith("profile")} == set(written), name
 
 
 def test_unknown_top_level_key(write_profile):
