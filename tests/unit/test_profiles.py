@@ -19,7 +19,7 @@ def switches(name: str) -> dict:
 def test_the_shipped_set():
     assert set(PROFILES) == {
         "baseline", "recommended", "oracle", "adaptive", "adaptive-replay", "unbounded", "optimism", "upstream-clip",
-        "sglang-retract", *CHANGE_IDS,
+        "sglang-retract", "peak-adaptive", "clip-learned", *CHANGE_IDS,
     }
     assert sorted(SINGLE_CHANGE_PROFILES) == sorted(CHANGE_IDS)
 
