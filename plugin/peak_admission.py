@@ -33,8 +33,8 @@ What:
   ``target`` (an integral controller on the preemption rate; ``q`` stays in ``[q_min, q_max]``). The
   default target is 5 per 1000 finished requests, the lowest rate of the legacy baseline on the traces
   evaluated (burstgpt 2 in 383; shipped azure-conv 4 in 191 = 21 per 1000; held-out conv 13 in 688 =
-  19, code 80 in 577 = 139). ``q`` starts at the median (0.5, also its floor: the per-request median
-  already over-states a set's peak less than any higher quantile) and moves 0.1 per preemption; these
+  19, code 80 in 577 = 139). ``q`` starts at the median (0.5, also its floor: below it most
+  running requests would outlive their prediction) and moves 0.1 per preemption; these
   were chosen on the tuning trace azure-conv only (start/step 0.5/0.1, 0.7/0.1 and 0.9/0.05 tried:
   throughput 1024 / 1025 / 1022, TTFT p50 345 / 448 / 447 ms, stall p99 87 / 59 / 47 ms, preemptions
   4 / 2 / 1). A preemption is the only signal the engine gets that a prediction was too short; a lower
