@@ -39,8 +39,9 @@ What:
   throughput 1024 / 1025 / 1022, TTFT p50 345 / 448 / 447 ms, stall p99 87 / 59 / 47 ms, preemptions
   4 / 2 / 1). A preemption is the only signal the engine gets that a prediction was too short; a lower
   ``q`` admits sooner.
-* **Cost**: a prediction is two bisections in a sorted window (O(log window)); the peak is O(k^2) for k
-  running requests (k <= max_num_seqs), evaluated once per admission decision.
+* **Cost**: a prediction is two bisections in a sorted window (O(log window)); the peak is exact in
+  O(k^2) for k <= 64 running requests and an upper bound (never below it) in O(k log k)
+  beyond, evaluated once per admission decision.
 
 Determinism: the state is a function of the sequence of events (finished requests, preemptions).
 """
@@ -63,6 +64,7 @@ __all__ = [
     "peak_blocks",
     "LearnedClip",
     "DEFAULT_TARGET_PER_1K",
+    "EXACT_UP_TO",
 ]
 
 DEFAULT_TARGET_PER_1K = 5.0
@@ -94,13 +96,22 @@ def _check_view(v: RunningView) -> None:
         raise ValueError(f"RunningView.max_tokens: bad value {v.max_tokens!r}; allowed: None or an integer >= 1")
 
 
-def peak_blocks(items: Iterable[tuple], block_size: int, ahead: int) -> int:
+EXACT_UP_TO = 64
+
+
+def peak_blocks(items: Iterable[tuple], block_size: int, ahead: int, exact_up_to: int = EXACT_UP_TO) -> int:
     """The most blocks a set holds at once from now on.
 
     ``items``: ``(held_blocks, tokens, remaining)`` per request; a request decodes one token per step
     and gives every block back after its last one (``remaining`` steps from now; 0: it finishes now
     and counts at ``t = 0`` only). Demand grows between finishes, so the peak is at ``t = 0`` or at
-    ``t = remaining - 1`` of some request. Order-independent; 0 for an empty set."""
+    ``t = remaining - 1`` of some request. Order-independent; 0 for an empty set.
+
+    Exact (O(k^2)) for up to ``exact_up_to`` requests. Beyond that an upper bound in O(k log k): a
+    request's blocks after ``t`` more tokens are counted as its blocks now plus ``ceil(t / block_size)``
+    (never below the exact peak; at most one block more per request, plus, for a request that already
+    holds more blocks than its tokens need, the growth it would make into them), with the requests
+    sorted by ``remaining`` and suffix sums over them."""
     if block_size < 1:
         raise ValueError(f"block_size: bad value {block_size!r}; allowed: an integer >= 1")
     if ahead < 0:
@@ -108,7 +119,22 @@ def peak_blocks(items: Iterable[tuple], block_size: int, ahead: int) -> int:
     rows = [(int(h), int(tok), max(int(rem), 0)) for h, tok, rem in items]
     if not rows:
         return 0
-    best = sum(max(h, ceil_div(tok, block_size) + ahead) for h, tok, _ in rows)
+    now = [max(h, ceil_div(tok, block_size) + ahead) for h, tok, _ in rows]
+    best = sum(now)
+    if len(rows) > exact_up_to:
+        order = sorted(range(len(rows)), key=lambda i: rows[i][2])
+        suffix = 0  # sum of "now" over requests with remaining > t, walking from the longest down
+        alive = 0
+        i = len(order) - 1
+        while i >= 0:
+            rem = rows[order[i]][2]
+            while i >= 0 and rows[order[i]][2] == rem:  # every request finishing at this same time
+                suffix += now[order[i]]
+                alive += 1
+                i -= 1
+            if rem > 1:
+                best = max(best, suffix + alive * ceil_div(rem - 1, block_size))
+        return best
     for t in {rem - 1 for _, _, rem in rows if rem > 1}:
         total = 0
         for h, tok, rem in rows:

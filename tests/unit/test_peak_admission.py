@@ -167,3 +167,17 @@ def test_bad_input_names_the_value_and_what_is_allowed(build, needle):
     with pytest.raises(ValueError) as info:
         build()
     assert needle in str(info.value) and "allowed" in str(info.value)
+
+
+def test_large_sets_use_an_upper_bound_within_one_block_per_request():
+    rnd = random.Random(5)
+    for _ in range(100):
+        items = [(rnd.randint(0, 40), rnd.randint(1, 600), rnd.randint(0, 300)) for _ in range(rnd.randint(1, 12))]
+        exact = peak_blocks(items, 16, 2)
+        bound = peak_blocks(items, 16, 2, exact_up_to=0)
+        assert exact <= bound  # never admits what the exact check refuses
+        unheld = [(0, tok, rem) for _, tok, rem in items]  # nobody holds more than its tokens need
+        assert peak_blocks(unheld, 16, 2) <= peak_blocks(unheld, 16, 2, exact_up_to=0) <= peak_blocks(unheld, 16, 2) + len(items)
+        shuffled = items[:]
+        rnd.shuffle(shuffled)
+        assert peak_blocks(shuffled, 16, 2, exact_up_to=0) == bound
