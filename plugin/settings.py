@@ -417,6 +417,16 @@ SCHEMA: tuple[Setting, ...] = (
         "Replay only: which decoding request a preemption picks; sglang: fewest generated tokens, then longest "
         "prompt (SGLang's retract order), through the victim hook.",
     ),
+    Setting(
+        "replay.admission",
+        None,
+        _choice("default", "peak", "clip-learned"),
+        "default",
+        "default | peak | clip-learned",
+        "Replay only, issue 18's candidates (docs/peak-admission.md): peak admits a prefill only when the running "
+        "set's predicted peak KV demand fits the pool (remainders learned from finished requests); clip-learned is "
+        "upstream's ratio formula with the clip learned online. default: the profile's own reservation.",
+    ),
 )
 
 _BY_KEY = {s.key: s for s in SCHEMA}

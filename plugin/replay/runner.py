@@ -32,6 +32,7 @@ from typing import Callable, Mapping, Optional, Sequence
 from .costmodel import cost_from_settings, prefill_context_tokens, row_step_ms
 from .figures import ProfileRun, RequestRow, StepRow
 from .invariants import check_blocks, check_requests
+from .peak_arm import PEAK_PLUGIN_NAME, replay_admission_hook
 from .oracle import (
     ORACLE_PLUGIN_NAME, RETRACT_PLUGIN_NAME, Holding, OracleReserve,
     PeakOracle, RetractOrder,
@@ -300,6 +301,10 @@ def run_profile(
     if settings["replay.oracle_reserve"]:
         reservation = _peak_oracle(manager_ref, outputs, shape.block_size)
         report.policies.register(reservation, name=ORACLE_PLUGIN_NAME)
+    else:
+        reservation = replay_admission_hook(settings, trace, shape, manager_ref)  # issue 18's candidates
+        if reservation is not None:
+            report.policies.register(reservation, name=PEAK_PLUGIN_NAME)
     if settings["replay.retract_order"] == "sglang":
 
         def lengths(request_id):
@@ -319,7 +324,7 @@ def run_profile(
         with host_environment(settings), logical_clock():
             manager = build_manager(shape)
             manager_ref["manager"] = manager
-            if isinstance(reservation, PeakOracle):
+            if isinstance(reservation, PeakOracle) or getattr(reservation, "watches_candidate", False):
                 _watch_candidate(manager, manager_ref)
             try:
                 _drive(run, trace, manager, outputs, role, max_steps, stall_steps, every, progress, cost,
