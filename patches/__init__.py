@@ -116,7 +116,7 @@ class PatchSpec:
 
 
 def _load_catalogue() -> tuple:
-    from . import (
+    from fdsched.patches import (
         decode_only_preempt,
         deferred_recycle,
         nonpolling_transfer,

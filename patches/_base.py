@@ -5,7 +5,7 @@ The installer builds, per host class it replaces (a "target"), one *front* class
 * the front class, ``type(name, (ArmChoice, HostClass), attrs)``, is what the host modules are rebound to
   (``isinstance(x, ResourceManagerV1)`` holds for every plugin object). It carries the single profile's
   ``_fdsched_impl`` / ``_fdsched_settings`` / ``_fdsched_default_arm``, ``_fdsched_arms`` (data-parallel
-  rank -> :class:`fdsched.installer.Arm`, from ``FDSCHED_PROFILE_BY_DP_RANK``), ``_fdsched_arm_classes``
+  rank -> :class:`fdsched.install.installer.Arm`, from ``FDSCHED_PROFILE_BY_DP_RANK``), ``_fdsched_arm_classes``
   (rank -> that arm's class) and ``_fdsched_default_class`` (every other rank);
 * an arm's class, ``type(name, (InitGuard, <that arm's mixins, later catalogue entries first>, Front), attrs)``, holds
   only the mixins the arm applies (:meth:`fdsched.patches.PatchSpec.mixin_of`: a change whose impl there is
@@ -13,7 +13,7 @@ The installer builds, per host class it replaces (a "target"), one *front* class
   ``_fdsched_impl`` (change id -> ``"host"`` / ``"plugin"`` / ``"off"``), ``_fdsched_settings`` and
   ``_fdsched_arm`` (its label). Its MRO is ``ArmClass -> InitGuard -> mixins ... -> PluginBase -> Front ->
   ArmChoice -> HostClass``. A class another plugin derives from the front class is built over the arm's class
-  (``type(name, (TheirClass, ArmClass))``), so its overrides wrap the arm's mixins. Every class also has ``_fdsched_policies``, ``_fdsched_host`` (:class:`fdsched.host.HostInfo`)
+  (``type(name, (TheirClass, ArmClass))``), so its overrides wrap the arm's mixins. Every class also has ``_fdsched_policies``, ``_fdsched_host`` (:class:`fdsched.install.probe.HostInfo`)
   and ``_fdsched_host_class``.
 
 Constructing the front class builds an instance of the rank's arm class (:meth:`InitGuard.__new__`): the rank
@@ -31,9 +31,10 @@ import inspect
 import sys
 from dataclasses import dataclass
 
-from fdsched.metrics import METRICS
+from fdsched.core.metrics import METRICS
 
 __all__ = [
+    "code_names",
     "PluginBase",
     "ArmChoice",
     "InitGuard",
@@ -47,6 +48,20 @@ __all__ = [
     "init_signature",
     "dp_rank_of",
 ]
+
+
+def code_names(func) -> frozenset:
+    """Global/attribute names and local variable names a function's code uses (nested code too)."""
+    names: set = set()
+    stack = [getattr(func, "__code__", None)]
+    while stack:
+        code = stack.pop()
+        if code is None:
+            continue
+        names.update(code.co_names)
+        names.update(code.co_varnames)
+        stack.extend(c for c in code.co_consts if inspect.iscode(c))
+    return frozenset(names)
 
 
 def host_global(module_name: str, name: str):
@@ -220,7 +235,7 @@ class RequestOutcomesMixin:
     that the host's call removed from ``self.requests``, records requests finished, output tokens, TTFT
     (``engine_recv_first_token_time - arrival_time``, what the host's own TTFT histogram uses) and TPOT
     (``(engine_recv_latest_token_time - engine_recv_first_token_time) / (output tokens - 1)``) from the
-    request's own timestamps, labelled by this scheduler's arm (:func:`fdsched.metrics.labels_of`).
+    request's own timestamps, labelled by this scheduler's arm (:func:`fdsched.core.metrics.labels_of`).
     Relies on: ``finish_requests(request_ids)`` is where the host removes a finished request from
     ``self.requests`` (both supported hosts; also when called through ``finish_requests_async``).
     """

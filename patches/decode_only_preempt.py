@@ -18,7 +18,7 @@ Relies on: (probed at install: ``on``, or ``off`` on the new host, fails naming 
     ``_reset_reserve_on_preemption()`` after each preemption.
 
 How: the victim is chosen by the ``fdsched_select_preemption_victim`` hook (default: the last
-decoding request without extend tables, see :func:`fdsched.policies.select_preemption_victim`),
+decoding request without extend tables, see :func:`fdsched.core.policies.select_preemption_victim`),
 with decode detection by the one ``fdsched_is_decoding`` hook, so on the old host, whose token
 processor never marks decoding, the plugin still knows from token counts. On the new host the plugin
 answers the host's own ``_select_preempt_candidate``; the host's loop preempts, requeues, warns when
@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import logging
 
-from fdsched.metrics import METRICS
-from fdsched.policies import NoVictimWarning, VictimCandidate
+from fdsched.core.metrics import METRICS
+from fdsched.core.policies import NoVictimWarning, VictimCandidate
 
-from . import PatchSpec, Reliance
-from ._base import PluginBase, host_defines, host_global
+from fdsched.patches import PatchSpec, Reliance
+from fdsched.patches._base import PluginBase, host_defines, host_global
 
 RM = "fastdeploy.engine.sched.resource_manager_v1"
 
@@ -187,7 +187,7 @@ def _has_decode_only(info) -> bool:
 def _preempt_loop_seams(info):
     if not hasattr(info.rm_class, "_select_preempt_candidate"):
         return None  # the old host: the plugin runs its own loop
-    from fdsched.host import code_names
+    from fdsched.patches._base import code_names
 
     missing = {"_select_preempt_candidate", "_reset_reserve_on_preemption"} - code_names(info.rm_class._trigger_preempt)
     if missing:

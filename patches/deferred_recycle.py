@@ -62,10 +62,10 @@ import math
 import threading
 import time
 
-from fdsched.metrics import METRICS
+from fdsched.core.metrics import METRICS
 
-from . import PatchSpec
-from ._base import PluginBase, host_global
+from fdsched.patches import PatchSpec
+from fdsched.patches._base import PluginBase, host_global
 
 PCM = "fastdeploy.cache_manager.prefix_cache_manager"
 # An eviction of at least len(heap) / KEYED_HEAP_MIN_SHARE blocks works on keyed tuples (one pass to

@@ -48,8 +48,8 @@ from __future__ import annotations
 
 import threading
 
-from . import PatchSpec, Reliance
-from ._base import InstanceAttribute, PluginBase, host_global
+from fdsched.patches import PatchSpec, Reliance
+from fdsched.patches._base import InstanceAttribute, PluginBase, host_global
 
 ECQ = "fastdeploy.inter_communicator.engine_cache_queue"
 
@@ -135,7 +135,7 @@ class NonpollingCacheQueueMixin(PluginBase):
 
 
 def _uses_done_list(info):
-    from fdsched.host import code_names
+    from fdsched.patches._base import code_names
 
     names = code_names(info.host_classes["EngineCacheQueue"].__init__)
     if "tansfer_done_queue_init" not in names:

@@ -40,8 +40,8 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 
-from . import PatchSpec, Reliance
-from ._base import PluginBase
+from fdsched.patches import PatchSpec, Reliance
+from fdsched.patches._base import PluginBase
 
 _CONTEXT = threading.local()
 
@@ -148,13 +148,13 @@ class PdPrefillCacheOffMixin(_PreChangeRecording, PdPrefillCacheMixin):
 
 
 def _has_pd_record(info) -> bool:
-    from fdsched.host import code_names
+    from fdsched.patches._base import code_names
 
     return "update_cache_blocks" in code_names(info.rm_class.preallocate_resource_in_p)
 
 
 def _record_moments(info):
-    from fdsched.host import code_names
+    from fdsched.patches._base import code_names
 
     if "update_cache_blocks" not in code_names(info.rm_class.schedule):
         return "ResourceManagerV1.schedule no longer calls update_cache_blocks"

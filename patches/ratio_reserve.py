@@ -66,15 +66,15 @@ for) are keyed to the check they are for and dropped at the end of every pass; o
 logged and counted in ``fastdeploy:fdsched_unconsumed_signals_total{signal}``.
 
 Beyond upstream: the adaptive estimator (``FDSCHED_RESERVE_ESTIMATOR=adaptive``, profile ``adaptive``;
-pure code in :mod:`fdsched.adaptive`). Through the same seam, each running request reserves its expected
+pure code in :mod:`fdsched.core.adaptive`). Through the same seam, each running request reserves its expected
 remaining output ``E[L - g | L > g]`` learned from the engine's own finished requests (samples taken in
 the host's ``finish_requests`` seam, before the host forgets the request: its output length and, where
 the client bounded it, its ``max_tokens``); one margin, ``k x sqrt(sum of variances)``, covers the running
 set: the per-request answers telescope to ``ceil((sum of means + margin) / block_size)`` within one
-admission decision (:class:`fdsched.adaptive.SetMargin`), never more than upstream's ratio formula gives
-the same requests (``k`` defaults to -2: see fdsched.adaptive). A preemption raises ``k`` (and resets the
+admission decision (:class:`fdsched.core.adaptive.SetMargin`), never more than upstream's ratio formula gives
+the same requests (``k`` defaults to -2: see fdsched.core.adaptive). A preemption raises ``k`` (and resets the
 warm-up fallback); a preempted or still-running request is never a sample. Until a kind (bounded /
-unbounded) has enough samples it answers with :func:`fdsched.adaptive.warmup_reserve_blocks`. A third-party
+unbounded) has enough samples it answers with :func:`fdsched.core.adaptive.warmup_reserve_blocks`. A third-party
 ``fdsched_estimate_reserve_blocks`` hook still answers first, per request. Cost per running request and
 decision: O(1) amortised (a bucket's tail sums are cached until the next finished request), O(log buckets)
 at worst.
@@ -90,12 +90,12 @@ from __future__ import annotations
 import inspect
 import math
 
-from fdsched.adaptive import K_BOUND, AdaptiveReserve, RunningRequest, SetMargin, client_bound, track_live
-from fdsched.metrics import METRICS
-from fdsched.policies import FixedBlockReserve, NewTokenRatio, max_new_tokens_of
+from fdsched.core.adaptive import K_BOUND, AdaptiveReserve, RunningRequest, SetMargin, client_bound, track_live
+from fdsched.core.metrics import METRICS
+from fdsched.core.policies import FixedBlockReserve, NewTokenRatio, max_new_tokens_of
 
-from . import PatchSpec, Reliance
-from ._base import PluginBase, block_checks, finished_ids, host_defines, host_global
+from fdsched.patches import PatchSpec, Reliance
+from fdsched.patches._base import PluginBase, block_checks, finished_ids, host_defines, host_global
 
 RM = "fastdeploy.engine.sched.resource_manager_v1"
 
@@ -362,7 +362,7 @@ class RatioReserveMixin(PluginBase):
         )
 
     def fdsched_adaptive_state(self):
-        """The adaptive estimator's state (:meth:`fdsched.adaptive.AdaptiveReserve.state`), or None when this
+        """The adaptive estimator's state (:meth:`fdsched.core.adaptive.AdaptiveReserve.state`), or None when this
         scheduler does not run it."""
         adaptive = self._fdsched_adaptive
         return None if adaptive is None else adaptive.state()
@@ -493,7 +493,7 @@ def _has_ratio_reserve(info) -> bool:
 
 
 def _uses(func, names) -> str | None:
-    from fdsched.host import code_names
+    from fdsched.patches._base import code_names
 
     missing = set(names) - code_names(func)
     return f"{func.__qualname__} no longer uses {', '.join(sorted(missing))}" if missing else None

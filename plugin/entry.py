@@ -20,8 +20,8 @@ def register() -> None:
     """
     from fastdeploy.utils import llm_logger
 
-    from .installer import InstallError, current, install
-    from .settings import SettingsError
+    from fdsched.install.installer import InstallError, current, install
+    from fdsched.core.settings import SettingsError
 
     first = current() is None
     try:

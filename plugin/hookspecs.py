@@ -3,7 +3,7 @@
 A third party ships a module with ``@fdsched.hookimpl`` functions and registers it under the
 entry-point group ``fdsched.hooks``; the plugin loads it unless ``FDSCHED_DISABLE_EXTERNAL_HOOKS``
 blocks it (``1`` blocks all, or a comma list of entry-point names). The plugin's own policies
-(:mod:`fdsched.policies`) are registered as the last-resort implementations, so every hook always
+(:mod:`fdsched.core.policies`) are registered as the last-resort implementations, so every hook always
 has an answer. Every hook here stops at the first non-None result.
 """
 
@@ -13,7 +13,7 @@ from typing import Optional, Sequence
 
 import pluggy
 
-from .policies import VictimCandidate
+from fdsched.core.policies import VictimCandidate
 
 __all__ = [
     "PROJECT",

@@ -14,9 +14,9 @@ import os
 import sys
 from pathlib import Path
 
-from .trace import ENGINE_KEYS, TraceError, check_engine, load_trace, resolve_trace, shipped_traces
+from fdsched.replay.trace import ENGINE_KEYS, TraceError, check_engine, load_trace, resolve_trace, shipped_traces
 
-from ..common import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK
+from fdsched.core.common import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK
 DEFAULT_TRACE = "pressure"
 DEFAULT_PROFILES = ("baseline", "recommended")
 
@@ -34,7 +34,7 @@ def _nonneg_float(text: str) -> float:
 
 
 def _preset_list() -> str:
-    from .costmodel import preset_names
+    from fdsched.replay.costmodel import preset_names
 
     return ", ".join(preset_names()) or "none shipped"
 
@@ -129,7 +129,7 @@ def add_commands(sub) -> None:
     trace = sub.add_parser("trace", help="generate, validate or list replay traces (no host needed)")
     trace_sub = trace.add_subparsers(dest="trace_command", required=True)
     gen = trace_sub.add_parser("generate", help="write a synthetic trace")
-    from .generate import DEFAULT_REQUESTS, KINDS
+    from fdsched.replay.generate import DEFAULT_REQUESTS, KINDS
 
     gen.add_argument("--kind", required=True, choices=sorted(KINDS), help="the workload shape")
     gen.add_argument("--requests", type=_pos_int, default=None,
@@ -171,7 +171,7 @@ def add_commands(sub) -> None:
 # trace
 # --------------------------------------------------------------------------------------------
 def cmd_trace_generate(args) -> int:
-    from .generate import DEFAULT_REQUESTS, generate_text
+    from fdsched.replay.generate import DEFAULT_REQUESTS, generate_text
 
     n = args.requests or DEFAULT_REQUESTS[args.kind]
     text = generate_text(args.kind, n, args.seed)
@@ -225,7 +225,7 @@ def cmd_trace_validate(args) -> int:
 
 
 def cmd_trace_import(args) -> int:
-    from .importer import ImportOptions, import_summary, import_trace, parse_columns, parse_max_tokens
+    from fdsched.replay.importer import ImportOptions, import_summary, import_trace, parse_columns, parse_max_tokens
 
     try:
         options = ImportOptions(
@@ -257,11 +257,11 @@ def cmd_trace_import(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from fdsched.host import HOW_TO_POINT, HostNotFound
-    from fdsched.installer import InstallError
-    from fdsched.settings import SettingsError, load_settings
+    from fdsched.install.probe import HOW_TO_POINT, HostNotFound
+    from fdsched.install.installer import InstallError
+    from fdsched.core.settings import SettingsError, load_settings
 
-    from .evaluate import format_eval_markdown, format_eval_table, load_results, load_windows, run_plan, window_trace_name
+    from fdsched.replay.evaluate import format_eval_markdown, format_eval_table, load_results, load_windows, run_plan, window_trace_name
 
     from fdsched.replay.costmodel import resolve_cost_model
 
@@ -356,9 +356,9 @@ class _Bar:
 
 def _import_host() -> None:
     """Find the host and import the modules every arm uses (raises HostNotFound)."""
-    from fdsched.host import HostNotFound, find_host
+    from fdsched.install.probe import HostNotFound, find_host
 
-    from .engine import prepare_host_environment
+    from fdsched.replay.engine import prepare_host_environment
 
     prepare_host_environment()
     find_host()
@@ -411,21 +411,21 @@ def _trace_info(trace, path) -> dict:
 
 
 def cmd_replay(args) -> int:
-    from fdsched.host import HOW_TO_POINT, HostNotFound
-    from fdsched.installer import InstallError
+    from fdsched.install.probe import HOW_TO_POINT, HostNotFound
+    from fdsched.install.installer import InstallError
     from fdsched.replay.costmodel import resolve_cost_model
-    from fdsched.settings import SettingsError, load_settings
+    from fdsched.core.settings import SettingsError, load_settings
 
-    from .report import (
+    from fdsched.replay.report import (
         INSTALL_HINT, build_report, format_bounds, format_header, format_table, format_verdicts, report_json, write_plot,
     )
-    from .runner import DEFAULT_MAX_STEPS, run_dp_arms, run_replay
+    from fdsched.replay.runner import DEFAULT_MAX_STEPS, run_dp_arms, run_replay
 
     profiles = args.profiles or list(DEFAULT_PROFILES)
     dp_arms = None
     try:
         if args.dp_arms is not None:
-            from fdsched.settings import parse_dp_arms
+            from fdsched.core.settings import parse_dp_arms
 
             if args.profiles:
                 raise SettingsError("--dp-arms: bad value with --profile; allowed: one of --dp-arms or --profile")
@@ -449,7 +449,7 @@ def cmd_replay(args) -> int:
         for profile in profiles if dp_arms is None else ():  # every profile must load before anything runs
             load_settings(environ=None if args.inherit_env else {}, profile=profile)
         for rank, profile in (dp_arms or {}).items():  # every arm too, and an error names its rank
-            from fdsched.settings import _resolve_profile
+            from fdsched.core.settings import _resolve_profile
 
             _resolve_profile(profile, f"--dp-arms, rank {rank}")
             try:
@@ -474,7 +474,7 @@ def cmd_replay(args) -> int:
         "per_prefill_token_ms": args.cost_prefill_token_ms,
         "per_decode_request_ms": args.cost_decode_request_ms,
     }
-    from fdsched.quiet import host_output_to, log_note
+    from fdsched.tools.quiet import host_output_to, log_note
 
     log_path = out / "host.log"
     if log_path.is_file():
@@ -514,7 +514,7 @@ def cmd_replay(args) -> int:
 
     trace_info = _trace_info(trace, path)
     if dp_arms is not None:
-        from .trace import DP_SPLIT_RULE
+        from fdsched.replay.trace import DP_SPLIT_RULE
 
         trace_info["dp_arms"] = {
             "arms": {str(rank): profile for rank, profile in sorted(dp_arms.items())},

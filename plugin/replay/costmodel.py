@@ -51,7 +51,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence
 
-from ..settings import SettingsError
+from fdsched.core.settings import SettingsError
 
 __all__ = [
     "StepCost",
@@ -95,7 +95,7 @@ COEFFICIENTS = {
 
 class CostModelError(SettingsError):
     """A cost model name or preset file is unknown or malformed (the message says what is allowed).
-    A :class:`fdsched.settings.SettingsError` (so a ValueError): every command that reports bad
+    A :class:`fdsched.core.settings.SettingsError` (so a ValueError): every command that reports bad
     settings reports it the same way."""
 
 

@@ -1,6 +1,6 @@
 """Drive the real host scheduler without a GPU: build it, feed requests, play worker and token processor.
 
-The one harness: the replay (:mod:`fdsched.replay.runner`), the benchmarks (:mod:`fdsched.bench`)
+The one harness: the replay (:mod:`fdsched.replay.runner`), the benchmarks (:mod:`fdsched.tools.bench`)
 and the host tests all build and drive the scheduler through this module. It builds
 ``ResourceManagerV1`` through whatever class the host module binds at call time, so with the plugin
 installed it is the plugin's subclass.
@@ -32,9 +32,9 @@ from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
-from ..common import ceil_div
-from ..policies import is_decoding
-from .trace import ENGINE_DEFAULTS, check_engine_shape, effective_output_len
+from fdsched.core.common import ceil_div
+from fdsched.core.policies import is_decoding
+from fdsched.replay.trace import ENGINE_DEFAULTS, check_engine_shape, effective_output_len
 
 __all__ = [
     "EngineShape",
@@ -219,7 +219,7 @@ class Driver:
     """Plays worker and token processor around a real scheduler.
 
     ``output_lengths``: request id -> true output length (a request without one stops only at
-    ``max_tokens``). ``policies``: the :class:`fdsched.hooks.Policies` whose decode test to use;
+    ``max_tokens``). ``policies``: the :class:`fdsched.core.hooks.Policies` whose decode test to use;
     default: the installed plugin's, else the plugin's default policy. ``clock``: when given (a function
     returning seconds), the driver stamps each request's ``metrics`` as the engine does: ``arrival_time``
     when it is added, ``engine_recv_first_token_time`` / ``engine_recv_latest_token_time`` when a token
@@ -242,7 +242,7 @@ class Driver:
         self._preprocessed = set()  # prefill-node path: request ids whose async preprocessing ran
         self._stop_at = {}  # request id -> tokens at which it finishes (None: only at max_tokens)
         if policies is None:
-            from fdsched.installer import current
+            from fdsched.install.installer import current
 
             installed = current()
             policies = installed.policies if installed is not None else None

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..common import text_table
-from .figures import compute_figures
-from .report import VERDICT_KEYS, format_value, ratio, verdict, verdict_lines
-from .trace import TraceError
+from fdsched.core.common import text_table
+from fdsched.replay.figures import compute_figures
+from fdsched.replay.report import VERDICT_KEYS, format_value, ratio, verdict, verdict_lines
+from fdsched.replay.trace import TraceError
 
 __all__ = [
     "WINDOWS_FILE", "EvalWindow", "EvalPlan", "load_windows", "window_trace_name", "EVAL_COLUMNS", "eval_rows",
@@ -118,7 +118,7 @@ def missing_csv_message(window: EvalWindow, csv_dir: Path) -> str:
 
 def import_window(window: EvalWindow, mode: str, csv_dir: Path, out_dir: Path) -> Path:
     """Import one evaluation window (raises TraceError: the CSV is missing or is not the one the split names)."""
-    from .importer import ImportOptions, import_trace
+    from fdsched.replay.importer import ImportOptions, import_trace
 
     csv = Path(csv_dir) / window.file
     if not csv.is_file():
@@ -251,10 +251,10 @@ def run_plan(plan: EvalPlan, csv_dir: Path, out_dir: Path, arms: Sequence[str], 
              cost_overrides: Optional[dict] = None, only=None) -> list:
     """Import and replay; returns [(trace name, report profile entries)] and writes one report.json per trace.
     ``only``: run just these traces of the plan (names as :func:`plan_trace_names`; TraceError otherwise)."""
-    from .cli import _trace_info
-    from .report import build_report, report_json
-    from .runner import run_replay
-    from .trace import load_trace, resolve_trace, shipped_traces
+    from fdsched.replay.cli import _trace_info
+    from fdsched.replay.report import build_report, report_json
+    from fdsched.replay.runner import run_replay
+    from fdsched.replay.trace import load_trace, resolve_trace, shipped_traces
 
     wanted = _check_only(plan, only, include_shipped)
     out_dir = Path(out_dir)

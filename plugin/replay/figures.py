@@ -22,7 +22,7 @@ prefix-cache hit rate           tokens served from the prefix cache at each requ
 blocks in use                   ``num_gpu_blocks - len(free list)`` after each step: peak and mean
                                 (this includes blocks only the prefix cache holds)
 evicted blocks                  radix-tree nodes whose GPU block went back to the free list
-admissions blocked              ``fdsched.metrics.METRICS.admissions_blocked`` (prefills refused by the
+admissions blocked              ``fdsched.core.metrics.METRICS.admissions_blocked`` (prefills refused by the
                                 reservation threshold); ``None`` where the host's own code decides
 modelled time                   see :mod:`fdsched.replay.costmodel`; throughput = output tokens /
                                 modelled seconds; TTFT = end of the step of the first token - arrival
@@ -43,8 +43,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
-from ..common import mean, percentile
-from .costmodel import StepCost, step_times
+from fdsched.core.common import mean, percentile
+from fdsched.replay.costmodel import StepCost, step_times
 
 __all__ = [
     "StepRow", "RequestRow", "ProfileRun", "percentile", "mean", "latency_samples", "compute_figures", "measured_figures",
@@ -108,7 +108,7 @@ class ProfileRun:
     host: dict = field(default_factory=dict)
     settings: dict = field(default_factory=dict)  # every effective setting of the arm
     environment: dict = field(default_factory=dict)  # which variables were applied, which not
-    estimator: Optional[dict] = None  # the adaptive estimator's final state (profile adaptive; fdsched.adaptive)
+    estimator: Optional[dict] = None  # the adaptive estimator's final state (profile adaptive; fdsched.core.adaptive)
     check_every: int = 1  # block invariants checked every N steps (0: only at the end)
     wall_seconds: float = 0.0  # measured
 
@@ -175,7 +175,7 @@ def request_latency_figures(samples) -> dict:
       tokens (a preemption's wait for re-admission plus its recompute shows here); p99 and max over requests;
     * ``recomputed_tokens``: the sum of the samples' ``recomputed_tokens``.
 
-    Percentiles: linear interpolation between closest ranks (:func:`fdsched.common.percentile`). Not rounded.
+    Percentiles: linear interpolation between closest ranks (:func:`fdsched.core.common.percentile`). Not rounded.
     """
     per = _per_request(samples)
     stall = per["stall_ms"]

@@ -23,8 +23,8 @@ import math
 import random
 from typing import Callable
 
-from ..common import ceil_div
-from .trace import ENGINE_DEFAULTS, dump_trace
+from fdsched.core.common import ceil_div
+from fdsched.replay.trace import ENGINE_DEFAULTS, dump_trace
 
 __all__ = ["KINDS", "DEFAULT_REQUESTS", "generate", "generate_text", "peak_demand_blocks"]
 

@@ -77,7 +77,7 @@ def _num(value):
 @contextlib.contextmanager
 def recording_steps(records: list):
     """While open, every ``Driver.step()`` appends its ``StepRecord`` to ``records``."""
-    from . import engine
+    from fdsched.replay import engine
 
     original = engine.Driver.step
 
@@ -121,9 +121,9 @@ def _plain_figures(figures: dict) -> dict:
 def decision_log(trace_name: str, profile: str) -> dict:
     """Replay one shipped trace under one profile (exactly the profile: no environment applies) and return
     its entry: the step and request lines, their sha256 and the report's figures."""
-    from .figures import compute_figures
-    from .runner import run_profile
-    from .trace import load_trace, resolve_trace
+    from fdsched.replay.figures import compute_figures
+    from fdsched.replay.runner import run_profile
+    from fdsched.replay.trace import load_trace, resolve_trace
 
     trace = load_trace(resolve_trace(trace_name))
     records: list = []
@@ -151,13 +151,13 @@ def decision_log(trace_name: str, profile: str) -> dict:
 
 
 def current_profiles() -> list:
-    from fdsched.settings import shipped_profiles
+    from fdsched.core.settings import shipped_profiles
 
     return sorted(shipped_profiles())
 
 
 def current_traces() -> list:
-    from .trace import shipped_traces
+    from fdsched.replay.trace import shipped_traces
 
     return list(shipped_traces())
 
@@ -236,8 +236,8 @@ def _compare_figures(where: str, golden: dict, current: dict) -> Optional[str]:
 
 
 def _host_commit() -> str:
-    from fdsched.host import find_host, probe
-    from .engine import prepare_host_environment
+    from fdsched.install.probe import find_host, probe
+    from fdsched.replay.engine import prepare_host_environment
 
     prepare_host_environment()
     find_host()

@@ -39,7 +39,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
-from .trace import ENGINE_DEFAULTS, TraceError, check_engine_shape, dump_trace
+from fdsched.replay.trace import ENGINE_DEFAULTS, TraceError, check_engine_shape, dump_trace
 
 __all__ = [
     "FORMATS", "ImportOptions", "ImportResult", "ImportError_", "import_trace", "import_summary", "parse_columns",

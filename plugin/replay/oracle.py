@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional, Sequence
 
-from fdsched.common import blocks_for_tokens, ceil_div
+from fdsched.core.common import blocks_for_tokens, ceil_div
 from fdsched.hookspecs import hookimpl
 
 __all__ = [
@@ -127,7 +127,7 @@ def sglang_victim(candidates: Sequence, lengths: Callable[[str], Optional[tuple]
 
 class RetractOrder:
     """SGLang's retract order as a victim hook (replay only: the hook's candidates carry no lengths, so
-    the runner gives ``lengths``; an engine-side hook would need them in :class:`fdsched.policies.VictimCandidate`)."""
+    the runner gives ``lengths``; an engine-side hook would need them in :class:`fdsched.core.policies.VictimCandidate`)."""
 
     def __init__(self, lengths: Callable[[str], Optional[tuple]]) -> None:
         self.lengths = lengths

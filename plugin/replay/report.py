@@ -9,9 +9,9 @@ from __future__ import annotations
 import json
 from typing import Optional, Sequence
 
-from .costmodel import row_step_ms
-from ..common import text_table
-from .figures import ProfileRun, compute_figures, latency_samples, measured_figures
+from fdsched.replay.costmodel import row_step_ms
+from fdsched.core.common import text_table
+from fdsched.replay.figures import ProfileRun, compute_figures, latency_samples, measured_figures
 
 __all__ = [
     "REPORT_VERSION",

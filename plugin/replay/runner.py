@@ -29,15 +29,15 @@ from collections import Counter, deque
 from contextlib import contextmanager
 from typing import Callable, Mapping, Optional, Sequence
 
-from .costmodel import cost_from_settings, prefill_context_tokens, row_step_ms
-from .figures import ProfileRun, RequestRow, StepRow
-from .invariants import check_blocks, check_requests
-from .peak_arm import PEAK_PLUGIN_NAME, replay_admission_hook
-from .oracle import (
+from fdsched.replay.costmodel import cost_from_settings, prefill_context_tokens, row_step_ms
+from fdsched.replay.figures import ProfileRun, RequestRow, StepRow
+from fdsched.replay.invariants import check_blocks, check_requests
+from fdsched.replay.peak_arm import PEAK_PLUGIN_NAME, replay_admission_hook
+from fdsched.replay.oracle import (
     ORACLE_PLUGIN_NAME, RETRACT_PLUGIN_NAME, Holding, OracleReserve,
     PeakOracle, RetractOrder,
 )
-from .trace import Trace, TraceError, check_engine
+from fdsched.replay.trace import Trace, TraceError, check_engine
 
 __all__ = ["unbounded_blocks", "run_profile", "run_replay", "run_dp_arms", "dp_arm_name", "arm_settings", "host_environment", "other_host_env", "node_output_lengths", "cache_held_blocks", "request_held_blocks"]
 
@@ -74,7 +74,7 @@ def unbounded_blocks(trace: Trace, engine: dict) -> int:
     """A KV pool that is never the limit: what every request of the trace holds at its largest, all at
     once (prompt, output, the host's decode preallocation and one spare block each), plus the host's minimum; the
     prefix cache may keep every finished request's blocks and still never fill it."""
-    from .trace import min_gpu_blocks
+    from fdsched.replay.trace import min_gpu_blocks
 
     block_size, ahead = engine["block_size"], engine.get("enc_dec_block_num", 2)
     every = sum(-(-(r.prompt_len + r.effective_output_len) // block_size) + ahead + 1 for r in trace.requests)
@@ -189,7 +189,7 @@ def arm_settings(profile: str, inherit_env: bool, environ: Optional[Mapping[str,
     schema and the host tunables ``FD_*`` it knows) are not applied. With ``inherit_env`` they are,
     as in production. Returns ``(settings, applied, ignored)``: variable -> value dicts.
     """
-    from fdsched.settings import PROFILE_ENV, SCHEMA, load_settings
+    from fdsched.core.settings import PROFILE_ENV, SCHEMA, load_settings
 
     environ = os.environ if environ is None else environ
     names = {s.env for s in SCHEMA if s.env} | {PROFILE_ENV}
@@ -209,7 +209,7 @@ def host_environment(settings):
     """While an arm runs, the host's own ``FD_*`` variables that the settings schema knows hold the
     arm's effective values (the host reads some of them, e.g. ``FD_USE_NEW_TOKEN_RATIO_RESERVE``, when
     it builds the scheduler), and the plugin's ``FDSCHED_*`` variables are out of the way."""
-    from fdsched.settings import SCHEMA
+    from fdsched.core.settings import SCHEMA
 
     saved = {}
     for setting in SCHEMA:
@@ -235,7 +235,7 @@ def host_environment(settings):
 def other_host_env(environ: Optional[Mapping[str, str]] = None) -> dict:
     """``FD_*`` variables set in the environment that the settings schema does not know: the host reads
     some of them (e.g. ``FD_DISABLE_CHUNKED_PREFILL``) in every arm alike. Reported, not changed."""
-    from fdsched.settings import SCHEMA
+    from fdsched.core.settings import SCHEMA
 
     environ = os.environ if environ is None else environ
     known = {s.env for s in SCHEMA if s.env} | {"FD_LOG_DIR", "FD_PLUGINS"}
@@ -259,11 +259,11 @@ def run_profile(
     ``check_every``: run the block invariants every N steps (and always at the last step); 1 checks
     every step; None: :func:`auto_check_every`. ``check_every_step=False`` checks only at the end.
     """
-    from fdsched.host import find_host
-    from fdsched.installer import install
-    from fdsched.metrics import METRICS
+    from fdsched.install.probe import find_host
+    from fdsched.install.installer import install
+    from fdsched.core.metrics import METRICS
 
-    from .engine import EngineShape, build_manager, close_manager, logical_clock, prepare_host_environment
+    from fdsched.replay.engine import EngineShape, build_manager, close_manager, logical_clock, prepare_host_environment
 
     check_engine(trace, engine)
     prepare_host_environment()
@@ -361,7 +361,7 @@ def _check_unbounded(run: ProfileRun) -> None:
 
 def _drive(run, trace, manager, outputs, role, max_steps, stall_steps, check_every, progress, cost, reservation,
            policies) -> None:
-    from .engine import Driver, make_request
+    from fdsched.replay.engine import Driver, make_request
 
     driver = Driver(manager, output_lengths=dict(outputs), policies=policies)
     cache = manager.cache_manager
@@ -573,7 +573,7 @@ def run_dp_arms(
     scheduler (its own KV pool of the engine's shape) serving its share of ``trace``
     (:func:`fdsched.replay.trace.split_across_ranks`). Ranks do not interact in the scheduler, so each rank
     runs on its own, one after the other; the runs are named ``dp<rank>:<profile>``."""
-    from .trace import split_across_ranks
+    from fdsched.replay.trace import split_across_ranks
 
     shares = split_across_ranks(trace, list(arms), seed)
     empty = [rank for rank, share in shares.items() if not share.requests]

@@ -63,7 +63,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-from ..common import ceil_div, read_utf8
+from fdsched.core.common import ceil_div, read_utf8
 
 __all__ = [
     "TraceError",

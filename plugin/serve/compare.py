@@ -20,9 +20,9 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import Callable, Optional, Sequence
 
-from ..common import text_table
-from ..replay.report import format_value, ratio
-from ..replay.trace import Trace
+from fdsched.core.common import text_table
+from fdsched.replay.report import format_value, ratio
+from fdsched.replay.trace import Trace
 
 __all__ = ["FIGURES", "exact_output_trace", "scaled_trace", "compare_profile", "compare", "format_comparison"]
 
@@ -56,9 +56,9 @@ def scaled_trace(trace: Trace, time_scale: float) -> Trace:
 
 def _served_engine():
     try:
-        from .launcher import EngineConfig, ServedEngine, ServeError
+        from fdsched.serve.launcher import EngineConfig, ServedEngine, ServeError
     except ImportError as exc:
-        from .load import LoadError
+        from fdsched.serve.load import LoadError
 
         raise LoadError(f"needs FastDeploy engine: the served engine (fdsched.serve.launcher) is not available ({exc})") from None
     return EngineConfig, ServedEngine, ServeError
@@ -66,16 +66,16 @@ def _served_engine():
 
 def compare_profile(trace: Trace, profile: str, engine: dict, progress: bool = True, log: Optional[Callable] = None) -> dict:
     """{"replay": figures, "served": figures, "log_dir": ...} for one profile on an already rewritten trace."""
-    from ..replay.figures import compute_figures
-    from ..replay.runner import run_replay
-    from .load import Target, run_trace_load
-    from .served_report import build_served_report
+    from fdsched.replay.figures import compute_figures
+    from fdsched.replay.runner import run_replay
+    from fdsched.serve.load import Target, run_trace_load
+    from fdsched.serve.served_report import build_served_report
 
     log = log or (lambda _msg: None)
     log(f"{profile}: replay")
     run = run_replay(trace, [profile], engine)[0]
     replay_figures = compute_figures(run)
-    from .load import LoadError
+    from fdsched.serve.load import LoadError
 
     EngineConfig, ServedEngine, ServeError = _served_engine()
     config = EngineConfig(
@@ -103,7 +103,7 @@ def compare(trace: Trace, profiles: Sequence[str], time_scale: float = 1.0, prog
     sent = scaled_trace(exact_output_trace(trace), time_scale)
     engine = sent.engine_with()
     if engine.get("splitwise_role", "mixed") != "mixed":
-        from .load import LoadError
+        from fdsched.serve.load import LoadError
 
         raise LoadError(f"trace {trace.name}: splitwise_role={engine['splitwise_role']}; allowed: mixed (the served "
                         "engine is one mixed node)")

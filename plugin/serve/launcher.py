@@ -84,7 +84,7 @@ def check_host_modules() -> str:
     """The host source directory; ServeError naming what is missing."""
     import importlib.util
 
-    from fdsched.host import HostNotFound, find_host
+    from fdsched.install.probe import HostNotFound, find_host
 
     try:
         source = find_host()
@@ -603,11 +603,11 @@ def _run_trace(engine, args) -> int:
     cannot tell which rank served it, see docs/load.md), print the per-arm report, write it to --out."""
     from fdsched.replay.trace import TraceError, load_trace, resolve_trace
 
-    from .load import LoadError, Target, run_trace_load
-    from .load_cli import write_outputs
-    from .served_report import build_served_report, format_served_table
+    from fdsched.serve.load import LoadError, Target, run_trace_load
+    from fdsched.serve.load_cli import write_outputs
+    from fdsched.serve.served_report import build_served_report, format_served_table
 
-    from .compare import exact_output_trace
+    from fdsched.serve.compare import exact_output_trace
 
     try:
         trace = load_trace(resolve_trace(args.trace))

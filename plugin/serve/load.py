@@ -33,7 +33,7 @@ both hosts).
 
 After the last request, every target's ``/metrics`` is scraped (also once before the first request: the
 report holds the window between the two) and the plugin's series (``fastdeploy:fdsched_*``) are read with
-:mod:`fdsched.abreport`.
+:mod:`fdsched.tools.abreport`.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Optional, Sequence
 
-from ..replay.trace import Trace, split_across_ranks
+from fdsched.replay.trace import Trace, split_across_ranks
 
 __all__ = [
     "WORDS",

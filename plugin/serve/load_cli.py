@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from ..common import EXIT_ERROR, EXIT_OK
+from fdsched.core.common import EXIT_ERROR, EXIT_OK
 
 __all__ = ["add_command", "cmd_load", "targets_from_args", "write_outputs"]
 
@@ -41,7 +41,7 @@ def add_command(sub) -> None:
 
 
 def targets_from_args(urls, arms, metrics_urls) -> list:
-    from .load import LoadError, Target
+    from fdsched.serve.load import LoadError, Target
 
     arms = arms or [f"arm{i}" for i in range(len(urls))]
     if len(arms) != len(urls):
@@ -56,7 +56,7 @@ def targets_from_args(urls, arms, metrics_urls) -> list:
 
 def write_outputs(report: dict, results: list, out: str) -> list:
     """report.json, requests.jsonl and (with matplotlib) report.png in ``out``; the paths written."""
-    from .served_report import served_report_json, write_served_plot
+    from fdsched.serve.served_report import served_report_json, write_served_plot
 
     os.makedirs(out, exist_ok=True)
     written = [os.path.join(out, "report.json"), os.path.join(out, "requests.jsonl")]
@@ -74,9 +74,9 @@ def write_outputs(report: dict, results: list, out: str) -> list:
 
 
 def cmd_load(args) -> int:
-    from ..replay.trace import TraceError, load_trace, resolve_trace
-    from .load import DEFAULT_STEP_MS, LoadError, run_trace_load
-    from .served_report import build_served_report, format_served_table
+    from fdsched.replay.trace import TraceError, load_trace, resolve_trace
+    from fdsched.serve.load import DEFAULT_STEP_MS, LoadError, run_trace_load
+    from fdsched.serve.served_report import build_served_report, format_served_table
 
     try:
         import aiohttp  # noqa: F401
@@ -120,9 +120,9 @@ def add_compare_command(sub) -> None:
 
 
 def cmd_compare(args) -> int:
-    from ..replay.trace import TraceError, load_trace, resolve_trace
-    from .compare import compare, format_comparison
-    from .load import LoadError
+    from fdsched.replay.trace import TraceError, load_trace, resolve_trace
+    from fdsched.serve.compare import compare, format_comparison
+    from fdsched.serve.load import LoadError
 
     if not (args.time_scale > 0):
         print(f"fdsched load-vs-replay: error: --time-scale {args.time_scale}; allowed: a number > 0", file=sys.stderr)

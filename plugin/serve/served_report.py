@@ -6,7 +6,7 @@ tool reads both; here every time is wall-clock, measured by the client (see :mod
 throughput is output tokens per wall second from the first request sent to the last token received.
 
 Server-side figures come from the window between the two scrapes of each arm's ``/metrics`` (the plugin's
-``fastdeploy:fdsched_*`` series, read by :mod:`fdsched.abreport`): preemptions (all, by victim phase),
+``fastdeploy:fdsched_*`` series, read by :mod:`fdsched.tools.abreport`): preemptions (all, by victim phase),
 recomputed tokens, requests finished. ``None`` where the server exposes no plugin series.
 """
 
@@ -15,9 +15,9 @@ from __future__ import annotations
 import json
 from typing import Optional
 
-from ..common import text_table
-from ..replay.report import BETTER as REPLAY_BETTER
-from ..replay.report import format_value, ratio, verdict_lines
+from fdsched.core.common import text_table
+from fdsched.replay.report import BETTER as REPLAY_BETTER
+from fdsched.replay.report import format_value, ratio, verdict_lines
 
 __all__ = ["SERVED_REPORT_VERSION", "TABLE_ROWS", "BETTER", "client_figures", "server_figures", "build_served_report",
            "format_served_table", "write_served_plot", "served_report_json"]
@@ -68,7 +68,7 @@ def client_figures(results: list) -> dict:
     """Figures of one arm's requests (:class:`fdsched.serve.load.RequestResult`): the latency figures with the
     replay's own definitions (:func:`fdsched.replay.figures.request_latency_figures`, on the client's clock:
     sent -> each streamed token), plus counts, wall time and throughput."""
-    from ..replay.figures import RequestTimes, request_latency_figures
+    from fdsched.replay.figures import RequestTimes, request_latency_figures
 
     samples = [RequestTimes(r.sent_s * 1000.0, [t * 1000.0 for t in r.token_s], finished=r.ok)
                for r in results if r.sent_s is not None]
@@ -92,7 +92,7 @@ def client_figures(results: list) -> dict:
 
 def server_figures(before: Optional[str], after: Optional[str], source: str = "/metrics") -> dict:
     """The plugin's counters in the window between two scrapes (all arm labels of the scrape added up)."""
-    from ..abreport import PREFIX, ABReportError, ArmSeries, merge_scrapes, parse_exposition
+    from fdsched.tools.abreport import PREFIX, ABReportError, ArmSeries, merge_scrapes, parse_exposition
 
     empty = {"preemptions": None, "preemptions_decode_victims": None, "preemptions_prefill_victims": None,
              "recomputed_tokens": None, "server_requests_finished": None, "server_arms": []}
@@ -160,7 +160,7 @@ def build_served_report(trace, load: dict, targets: list) -> dict:
 
 
 def _metric(result, key):
-    from .load import request_metrics
+    from fdsched.serve.load import request_metrics
 
     return request_metrics(result)[key]
 

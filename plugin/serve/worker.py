@@ -54,7 +54,7 @@ def _step_cost():
     replay computes them (:mod:`fdsched.replay.costmodel`): tokens held by the decoding requests, and tokens
     attended to by the scheduled prefill chunks."""
     from fdsched.replay.costmodel import chunk_context_tokens, cost_from_settings
-    from fdsched.settings import load_settings
+    from fdsched.core.settings import load_settings
 
     cost = cost_from_settings(load_settings())
 

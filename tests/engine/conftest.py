@@ -40,7 +40,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def _label():
-    from fdsched.host import probe
+    from fdsched.install.probe import probe
 
     return probe().label
 

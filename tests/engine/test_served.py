@@ -100,7 +100,7 @@ def test_online_ab_two_ranks_through_the_router(served, host_commit):
     assert sum(per_rank) == n and min(per_rank) > 0, per_rank
     log = eng.engine_log_text()
     assert "rank 0 runs arm baseline" in log and "rank 1 runs arm recommended" in log
-    report = subprocess.run([sys.executable, "-m", "fdsched.cli", "ab", "report", *eng.metrics_urls,
+    report = subprocess.run([sys.executable, "-m", "fdsched.tools.cli", "ab", "report", *eng.metrics_urls,
                              "--reference", "baseline"], capture_output=True, text=True, timeout=60)
     assert report.returncode == 0, report.stderr
     assert "baseline" in report.stdout and "recommended" in report.stdout
@@ -129,7 +129,7 @@ def test_port_in_use_is_one_clear_error():
         s.listen()
         with pytest.raises(ServeError, match=f"--port {port}: port {port} is in use"):
             ServedEngine(EngineConfig(port=port)).__enter__()
-        cli = subprocess.run([sys.executable, "-m", "fdsched.cli", "serve", "--port", str(port)],
+        cli = subprocess.run([sys.executable, "-m", "fdsched.tools.cli", "serve", "--port", str(port)],
                              capture_output=True, text=True, timeout=120)
     assert cli.returncode == 2 and f"port {port} is in use" in cli.stderr and "Traceback" not in cli.stderr
 
@@ -157,6 +157,6 @@ def test_never_healthy_names_the_stage():
 
 @pytest.fixture(scope="session")
 def host_commit():
-    from fdsched.host import probe
+    from fdsched.install.probe import probe
 
     return probe().commit or ""

@@ -49,13 +49,13 @@ def main(out: str) -> int:
     from fdsched.replay.engine import prepare_host_environment
 
     prepare_host_environment()
-    from fdsched.host import find_host
+    from fdsched.install.probe import find_host
 
     find_host()  # an installed fastdeploy, FDSCHED_HOST_SOURCE, or the active `fdsched host setup` host
     from fastdeploy.plugins.model_register import load_model_register_plugins
 
     load_model_register_plugins()  # FD_PLUGINS=fdsched: the plugin's entry point installs from the environment
-    from fdsched.installer import current
+    from fdsched.install.installer import current
 
     report = current()
     assert report is not None and report.arms, "FD_PLUGINS=fdsched and FDSCHED_PROFILE_BY_DP_RANK must be set"

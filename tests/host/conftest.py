@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from fdsched.host import HOW_TO_POINT, HostNotFound, find_host
+from fdsched.install.probe import HOW_TO_POINT, HostNotFound, find_host
 
 SKIP_REASON = "needs FastDeploy host: " + HOW_TO_POINT
 
@@ -46,7 +46,7 @@ def pytest_collection_modifyitems(config, items):
             if "tests/host/" in str(item.fspath).replace("\\", "/"):
                 item.add_marker(marker)
         return
-    from fdsched.host import probe
+    from fdsched.install.probe import probe
 
     info = probe()
     keep = []
@@ -63,7 +63,7 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_report_header(config):
     if _MISSING is None:
-        from fdsched.host import probe
+        from fdsched.install.probe import probe
 
         return f"fdsched host tests: {probe().label}"
     return f"fdsched host tests: SKIPPED ({_MISSING})"
@@ -78,7 +78,7 @@ def pytest_terminal_summary(terminalreporter):
 
 @pytest.fixture(scope="session")
 def host_info():
-    from fdsched.host import probe
+    from fdsched.install.probe import probe
 
     return probe()
 
@@ -86,9 +86,9 @@ def host_info():
 @pytest.fixture
 def install_profile():
     """Install the plugin with a shipped profile (or a dict of env overrides); uninstall afterwards."""
-    from fdsched import installer
-    from fdsched.metrics import METRICS
-    from fdsched.settings import load_settings
+    from fdsched.install import installer
+    from fdsched.core.metrics import METRICS
+    from fdsched.core.settings import load_settings
 
     def _install(profile=None, **env):
         settings = load_settings(environ={k: str(v) for k, v in env.items()}, profile=profile)

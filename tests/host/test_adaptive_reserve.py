@@ -12,7 +12,7 @@ import math
 import pytest
 
 from fdsched.hookspecs import hookimpl
-from fdsched.metrics import METRICS
+from fdsched.core.metrics import METRICS
 
 from .test_scheduler_changes import SHAPE, _drain_pool, _place
 
@@ -78,7 +78,7 @@ def test_warm_up_unbounded_requests_use_the_legacy_fixed_blocks(adaptive_rm):
     rm._trigger_preempt(rm.running[0], 1, [], [])
     # After the preemption the fallback reserves the legacy per-request blocks for what still runs, never
     # more than upstream's formula would (a: budget 64 - 8 = 56, 2 generated, at the re-estimated ratio).
-    from fdsched.policies import reserve_blocks_for_request
+    from fdsched.core.policies import reserve_blocks_for_request
 
     fixed = rm._fdsched_fixed.current
     by_ratio = reserve_blocks_for_request(56, 2, rm._fdsched_ratio.value, 4096, 4)

@@ -3,7 +3,7 @@
 Before 7783 the host's test preempts the *last running* request, which it leaves in the prefill phase.
 7783 made preemption decode-only and rewrote the test so that the victim is a *decoding* request (its
 status ``RUNNING_DECODE``). The old host has a single ``RUNNING`` status; there a request is decoding
-once it has generated a token (the plugin's one decode test, ``fdsched.policies.is_decoding``), so the
+once it has generated a token (the plugin's one decode test, ``fdsched.core.policies.is_decoding``), so the
 adapted test makes the victim decode by giving it output tokens. It must pass wherever decode-only
 preemption is on — the plugin's version on the old host, the host's own (or the plugin's) on the new —
 and the host-suite harness expects the old host's original test to fail under exactly those runs

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from fdsched.host import HOW_TO_POINT, HostNotFound
+from fdsched.install.probe import HOW_TO_POINT, HostNotFound
 
 
 @pytest.fixture(scope="module")
@@ -17,13 +17,13 @@ def pressure_runs():
     from fdsched.replay.engine import prepare_host_environment
 
     prepare_host_environment()
-    from fdsched.host import find_host
+    from fdsched.install.probe import find_host
 
     try:
         find_host()
     except HostNotFound as exc:
         pytest.skip(f"needs FastDeploy host: {exc}" if HOW_TO_POINT in str(exc) else f"needs FastDeploy host: {HOW_TO_POINT}")
-    from fdsched import installer
+    from fdsched.install import installer
     from fdsched.replay.runner import run_profile
     from fdsched.replay.trace import load_trace, resolve_trace
 

@@ -22,7 +22,7 @@ FULL = os.environ.get("FDSCHED_GOLDEN_FULL", "") == "1"
 
 def _golden_file():
     """(host commit, path) of the running host's golden file; (None, reason) when there is no host."""
-    from fdsched.host import HostNotFound, find_host, probe
+    from fdsched.install.probe import HostNotFound, find_host, probe
     from fdsched.replay.engine import prepare_host_environment
 
     prepare_host_environment()
@@ -47,7 +47,7 @@ if _COMMIT is not None and Path(_PATH).exists():
 @pytest.fixture(autouse=True)
 def _uninstall_after():
     yield
-    from fdsched import installer
+    from fdsched.install import installer
 
     installer.uninstall()
 

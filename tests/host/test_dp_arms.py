@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from fdsched.metrics import METRICS
+from fdsched.core.metrics import METRICS
 
 from .workloads import PREFILL_VICTIM_WORKLOAD, PRESSURE_SHAPE, drive_together, kv_pressure_requests
 ARMS = {0: "baseline", 1: "recommended"}
@@ -23,8 +23,8 @@ ARMS = {0: "baseline", 1: "recommended"}
 
 @pytest.fixture
 def install_arms():
-    from fdsched import installer
-    from fdsched.settings import load_settings
+    from fdsched.install import installer
+    from fdsched.core.settings import load_settings
 
     def _install(arms=ARMS, profile=None):
         METRICS.reset()
@@ -131,7 +131,7 @@ def _scrape():
 def test_forked_rank_runs_its_arm_and_metrics_and_report_show_both(install_arms, build, clock):
     """As the engine does: rank 0's scheduler exists before rank 1 is forked; each runs its own arm, and the
     host's /metrics text (multi-process collection of every rank's samples) carries both arms apart."""
-    from fdsched.abreport import format_report, parse_exposition
+    from fdsched.tools.abreport import format_report, parse_exposition
 
     install_arms()
     before = _scrape()
@@ -155,7 +155,7 @@ def test_forked_rank_runs_its_arm_and_metrics_and_report_show_both(install_arms,
     # The report over the window of this test (--since), on the host's own exposition.
     arms = parse_exposition(after)
     earlier = parse_exposition(before) if "arm=" in before else {}
-    from fdsched.abreport import ArmSeries
+    from fdsched.tools.abreport import ArmSeries
 
     window = {arm: series.minus(earlier.get(arm, ArmSeries())) for arm, series in arms.items()}
     assert window["recommended"].counter("fastdeploy:fdsched_requests_finished") == 24
@@ -187,9 +187,9 @@ def test_the_cache_queue_a_manager_builds_takes_the_managers_arm(install_arms, b
 def test_an_arm_the_host_cannot_take_names_rank_and_profile_and_patches_nothing(tmp_path, host_info):
     import fastdeploy.engine.sched.resource_manager_v1 as rm_module
 
-    from fdsched import installer
-    from fdsched.installer import InstallError
-    from fdsched.settings import SettingsError
+    from fdsched.install import installer
+    from fdsched.install.installer import InstallError
+    from fdsched.core.settings import SettingsError
 
     original = rm_module.ResourceManagerV1
     arm = tmp_path / "bad-arm.yaml"
@@ -210,7 +210,7 @@ def test_an_arm_the_host_cannot_take_names_rank_and_profile_and_patches_nothing(
 
 
 def test_arms_from_the_environment(build):
-    from fdsched import installer
+    from fdsched.install import installer
 
     env = dict(os.environ, FDSCHED_PROFILE_BY_DP_RANK="0=baseline,1=recommended", FDSCHED_PROFILE="ratio_reserve")
     installer.uninstall()
@@ -232,7 +232,7 @@ def test_done_when_one_deployment_through_fastdeploys_loader(tmp_path, capsys, h
     import sys
     from pathlib import Path
 
-    from fdsched.cli import main
+    from fdsched.tools.cli import main
 
     root = Path(__file__).resolve().parents[2]
     scrape = tmp_path / "metrics.prom"

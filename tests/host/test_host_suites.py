@@ -2,7 +2,7 @@
 
 One test per run (``no-plugin``, ``default`` and every shipped profile): a fresh pytest process inside
 the host's source tree runs the files ``fdsched/host_suites.yaml`` lists for this host, and every
-outcome must match the table (see :mod:`fdsched.hostsuites`). No retry: the host's thread-leaking files run in
+outcome must match the table (see :mod:`fdsched.tools.hostsuites`). No retry: the host's thread-leaking files run in
 processes of their own (``own_process`` in the table), their leaking tests last, so outcomes do not depend on load.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from fdsched.hostsuites import host_tree_and_key, load_expectations, run_and_compare, run_names
+from fdsched.tools.hostsuites import host_tree_and_key, load_expectations, run_and_compare, run_names
 
 
 @pytest.fixture(scope="module")

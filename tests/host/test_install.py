@@ -19,7 +19,7 @@ IMPORT_SITES = {
 
 
 def _originals():
-    from fdsched.host import _original
+    from fdsched.install.probe import _original
 
     return (
         _original(importlib.import_module(RM_MODULE).ResourceManagerV1),
@@ -47,7 +47,7 @@ def fresh_loader(monkeypatch):
     """FastDeploy's own model-register plugin loader, as if this process had not loaded plugins yet."""
     from fastdeploy.plugins import model_register
 
-    from fdsched import installer
+    from fdsched.install import installer
 
     installer.uninstall()
     monkeypatch.setattr(model_register, "plugins_loaded", False)
@@ -71,7 +71,7 @@ def test_fd_plugins_loader_installs_plugin_everywhere(fresh_loader, monkeypatch)
     with captured_llm_logger() as records:
         fresh_loader()
 
-    from fdsched import installer
+    from fdsched.install import installer
 
     report = installer.current()
     assert report is not None, "FastDeploy's loader did not call the fdsched entry point"
@@ -94,7 +94,7 @@ def test_nothing_is_loaded_without_fd_plugins(fresh_loader, monkeypatch):
     monkeypatch.delenv("FD_PLUGINS", raising=False)
     rm_host, pcm_host = _originals()
     fresh_loader()
-    from fdsched import installer
+    from fdsched.install import installer
 
     assert installer.current() is None
     assert sys.modules[RM_MODULE].ResourceManagerV1 is rm_host
@@ -104,7 +104,7 @@ def test_nothing_is_loaded_without_fd_plugins(fresh_loader, monkeypatch):
 def test_entry_point_twice_changes_nothing(fresh_loader, monkeypatch):
     monkeypatch.setenv("FD_PLUGINS", "fdsched")
     fresh_loader()
-    from fdsched import installer
+    from fdsched.install import installer
     from fdsched.entry import register
 
     first = installer.current()
@@ -118,7 +118,7 @@ def test_bad_settings_raise_before_anything_is_patched(fresh_loader, monkeypatch
     rm_host, pcm_host = _originals()
     monkeypatch.setenv("FD_PLUGINS", "fdsched")
     monkeypatch.setenv("FD_INIT_NEW_TOKEN_RATIO", "1.5")
-    from fdsched.settings import SettingsError
+    from fdsched.core.settings import SettingsError
 
     with pytest.raises(SettingsError, match="FD_INIT_NEW_TOKEN_RATIO"):
         fresh_loader()
@@ -131,7 +131,7 @@ def test_uninstall_restores_every_site(install_profile):
     rm_host, pcm_host = _originals()
     report = install_profile("recommended")
     assert report.sites["ResourceManagerV1"][0] == f"{RM_MODULE}.ResourceManagerV1"
-    from fdsched import installer
+    from fdsched.install import installer
 
     installer.uninstall()
     assert sys.modules[RM_MODULE].ResourceManagerV1 is rm_host
@@ -182,7 +182,7 @@ def test_schedules_exactly_as_host_when_every_change_runs_host_code(install_prof
 
 
 def test_doctor_reports_what_the_host_has(host_info, capsys, monkeypatch):
-    from fdsched.cli import main
+    from fdsched.tools.cli import main
 
     monkeypatch.delenv("FDSCHED_PROFILE", raising=False)
     assert main(["doctor"]) == 0
@@ -244,9 +244,9 @@ def test_relies_on_probes_notice_a_host_whose_control_flow_changed(host_info):
     """Each "Relies on:" probe fires on a host class whose methods no longer do what the patch relies on."""
     import dataclasses
 
-    from fdsched.installer import InstallError, decide
+    from fdsched.install.installer import InstallError, decide
     from fdsched.patches import spec_for
-    from fdsched.settings import load_settings
+    from fdsched.core.settings import load_settings
 
     assert all(not failed for failed in host_info.reliance_problems.values()), host_info.reliance_problems
 
@@ -282,7 +282,7 @@ def test_a_bad_variable_in_an_engine_ends_it_with_one_line(tmp_path, variable, v
 
     code = (
         "from fdsched.replay.engine import prepare_host_environment; prepare_host_environment()\n"
-        "from fdsched.host import find_host; find_host()\n"
+        "from fdsched.install.probe import find_host; find_host()\n"
         "from fastdeploy.plugins.model_register import load_model_register_plugins\n"
         "load_model_register_plugins()\n"
         "print('engine would start')\n"

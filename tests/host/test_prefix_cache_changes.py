@@ -9,7 +9,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fdsched.metrics import METRICS
+from fdsched.core.metrics import METRICS
 
 BS = 4
 SHAPE = dict(block_size=BS, num_gpu_blocks=64, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=64)
@@ -150,7 +150,7 @@ def test_recycle_seam_overridden_by_a_subclass_sees_the_batch(install_profile, m
             seen.append(list(gpu_block_ids) if isinstance(gpu_block_ids, list) else [gpu_block_ids])
             return super().recycle_gpu_blocks(gpu_block_ids, req_id)
 
-    from fdsched.rebind import Rebinding
+    from fdsched.install.rebind import Rebinding
 
     stacked = Rebinding(pcm_mod.__name__, "PrefixCacheManager", Observing)
     stacked.apply()  # where the host builds its cache manager, it now builds the stacked class

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from fdsched.host import HostNotFound, find_host
+from fdsched.install.probe import HostNotFound, find_host
 
 HOST_NOISE = re.compile(r"ccache|PROMETHEUS_MULTIPROC_DIR|Version file not found|is not specified, found available ports")
 
@@ -31,7 +31,7 @@ def env():
 
 
 def _fdsched(args, env, tmp_path):
-    code = "import sys; from fdsched.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from fdsched.tools.cli import main; sys.exit(main(sys.argv[1:]))"
     return subprocess.run([sys.executable, "-c", code, *args], env=dict(env, FDSCHED_HOME=str(tmp_path / "home")),
                           capture_output=True, text=True, cwd=tmp_path, timeout=900)
 
@@ -56,7 +56,7 @@ def test_replay_verbose_shows_them(env, tmp_path):
 def test_the_progress_bar_counts_arms(env, tmp_path):
     # tqdm draws only on a terminal (disable=None): give the command one, a pty
     pty = pytest.importorskip("pty")
-    code = "import sys; from fdsched.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from fdsched.tools.cli import main; sys.exit(main(sys.argv[1:]))"
     args = [sys.executable, "-c", code, "replay", "--trace", "pressure", "--max-steps", "100", "--no-plot",
             "--profile", "baseline", "recommended", "adaptive", "--out", str(tmp_path / "out")]
     master, slave = pty.openpty()

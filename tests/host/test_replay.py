@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from fdsched.host import HOW_TO_POINT, HostNotFound
+from fdsched.install.probe import HOW_TO_POINT, HostNotFound
 
 SHIPPED = ("pressure", "shared-prefix", "pd-prefill")
 PROFILES = ("baseline", "recommended")
@@ -21,16 +21,16 @@ def replay_host():
     from fdsched.replay.engine import prepare_host_environment
 
     prepare_host_environment()
-    from fdsched.host import find_host
+    from fdsched.install.probe import find_host
 
     try:
         find_host()
     except HostNotFound as exc:
         pytest.skip(f"needs FastDeploy host: {exc}" if HOW_TO_POINT in str(exc) else f"needs FastDeploy host: {HOW_TO_POINT}")
-    from fdsched.host import probe
+    from fdsched.install.probe import probe
 
     yield probe()
-    from fdsched import installer
+    from fdsched.install import installer
 
     installer.uninstall()  # leave the process as the other host tests expect it
 
@@ -150,7 +150,7 @@ def test_two_runs_give_the_same_report_except_measured(replay_host):
 def test_oracle_admits_by_peak_demand_and_unregisters(replay_host, monkeypatch):
     """The clairvoyant bound answers for the running set through the reservation hook: its answers sum,
     per admission decision, to max(0, peak demand - blocks held), computed from the host's own requests."""
-    from fdsched import installer
+    from fdsched.install import installer
     from fdsched.hookspecs import hookimpl
     from fdsched.replay import runner
     from fdsched.replay.figures import compute_figures
@@ -269,7 +269,7 @@ def test_max_steps_stops_and_reports_not_drained(replay_host):
 
 
 def test_cli_replay_writes_table_json_and_png(replay_host, tmp_path, capsys):
-    from fdsched.cli import main
+    from fdsched.tools.cli import main
     from fdsched.replay.generate import generate_text
 
     trace = tmp_path / "small.jsonl"
@@ -294,7 +294,7 @@ def test_cli_replay_writes_table_json_and_png(replay_host, tmp_path, capsys):
 
 def test_cli_replay_dp_arms_splits_one_trace_across_one_scheduler_per_arm(replay_host, tmp_path, capsys):
     """--dp-arms predicts an online A/B: each rank serves its share (uniform random split, seeded) with its profile."""
-    from fdsched.cli import main
+    from fdsched.tools.cli import main
     from fdsched.replay.trace import load_trace, resolve_trace, split_across_ranks
 
     out = tmp_path / "out"

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from fdsched.host import HOW_TO_POINT, HostNotFound
-from fdsched.settings import shipped_profiles
+from fdsched.install.probe import HOW_TO_POINT, HostNotFound
+from fdsched.core.settings import shipped_profiles
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
@@ -21,14 +21,14 @@ def replay_host():
     from fdsched.replay.engine import prepare_host_environment
 
     prepare_host_environment()
-    from fdsched.host import find_host, probe
+    from fdsched.install.probe import find_host, probe
 
     try:
         find_host()
     except HostNotFound:
         pytest.skip(f"needs FastDeploy host: {HOW_TO_POINT}")
     yield probe()
-    from fdsched import installer
+    from fdsched.install import installer
 
     installer.uninstall()
 
@@ -109,7 +109,7 @@ def test_random_short_traces_keep_invariants_and_finish(replay_host, profile):
     print(f"{profile}: {seen}")
     # The examples exercised what they are for: the prefill-node path, preemption and eviction.
     assert seen["examples"] >= 100
-    from fdsched.settings import load_settings
+    from fdsched.core.settings import load_settings
 
     if load_settings(environ={}, profile=profile)["replay.unbounded_memory"]:
         # The pool that holds the whole trace is never the limit: nothing is preempted or evicted.

@@ -11,7 +11,7 @@ import logging
 
 import pytest
 
-from fdsched.metrics import METRICS
+from fdsched.core.metrics import METRICS
 
 from .workloads import PRESSURE_SHAPE, kv_pressure_requests, run_workload
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import pytest
 
-from fdsched.settings import shipped_profiles
+from fdsched.core.settings import shipped_profiles
 
 from .workloads import PRESSURE_SHAPE, kv_pressure_requests, run_workload
 
@@ -74,12 +74,12 @@ def _fingerprint(records):
 
 
 def _run(profile, workload, stacked):
-    from fdsched import installer
-    from fdsched.metrics import METRICS
-    from fdsched.rebind import Rebinding
+    from fdsched.install import installer
+    from fdsched.core.metrics import METRICS
+    from fdsched.install.rebind import Rebinding
     from fdsched.replay.engine import EngineShape, build_manager, close_manager, logical_clock
     from fdsched.replay.oracle import ORACLE_PLUGIN_NAME, OracleReserve
-    from fdsched.settings import load_settings
+    from fdsched.core.settings import load_settings
 
     shape, params = WORKLOADS[workload]
     requests = kv_pressure_requests(**params)
@@ -120,7 +120,7 @@ def _run(profile, workload, stacked):
 @pytest.fixture(scope="module")
 def uninstall_after():
     yield
-    from fdsched import installer
+    from fdsched.install import installer
 
     installer.uninstall()
 

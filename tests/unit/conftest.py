@@ -11,10 +11,10 @@ import textwrap
 
 import pytest
 
-from fdsched.hooks import DISABLE_ENV
-from fdsched.host import HOST_SOURCE_ENV
-from fdsched.hostsetup import HOME_ENV
-from fdsched.settings import PROFILE_ENV, SCHEMA
+from fdsched.core.hooks import DISABLE_ENV
+from fdsched.install.probe import HOST_SOURCE_ENV
+from fdsched.tools.hostsetup import HOME_ENV
+from fdsched.core.settings import PROFILE_ENV, SCHEMA
 
 PLUGIN_ENV_VARS = sorted({s.env for s in SCHEMA if s.env} | {PROFILE_ENV, HOST_SOURCE_ENV, DISABLE_ENV})
 

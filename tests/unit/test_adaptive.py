@@ -1,4 +1,4 @@
-"""The adaptive reservation estimator (fdsched.adaptive): plain values, no host."""
+"""The adaptive reservation estimator (fdsched.core.adaptive): plain values, no host."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import random
 
 import pytest
 
-from fdsched.adaptive import AdaptiveReserve, LengthHistogram, RunningRequest, SetMargin
-from fdsched.policies import reserve_blocks_for_request
+from fdsched.core.adaptive import AdaptiveReserve, LengthHistogram, RunningRequest, SetMargin
+from fdsched.core.policies import reserve_blocks_for_request
 
 
 def test_histogram_tail_matches_exact_statistics_on_integer_lengths():
@@ -145,7 +145,7 @@ def test_bad_parameters_are_refused(kw):
 
 
 # ---- the engine path's pieces: which max_tokens bound a length, the warm-up fallback ---------------------
-from fdsched.adaptive import client_bound, warmup_reserve_blocks  # noqa: E402
+from fdsched.core.adaptive import client_bound, warmup_reserve_blocks  # noqa: E402
 
 
 @pytest.mark.parametrize(
@@ -251,7 +251,7 @@ def test_a_negative_margin_keeps_less_than_the_expected_remainder_and_never_goes
 
 
 # ---- one formula: alone, within a set, and the whole set ---------------------------------------------
-from fdsched.adaptive import K_BOUND, K_DECAY, K_DEFAULT, K_STEP, margin_blocks  # noqa: E402
+from fdsched.core.adaptive import K_BOUND, K_DECAY, K_DEFAULT, K_STEP, margin_blocks  # noqa: E402
 
 
 def test_a_request_alone_is_a_set_of_one_and_the_set_sums_its_shares():
@@ -280,7 +280,7 @@ def test_margin_blocks_caps_and_never_goes_negative():
 
 
 def test_the_constants_are_the_settings_defaults_and_bounds():
-    from fdsched.settings import SettingsError, load_settings
+    from fdsched.core.settings import SettingsError, load_settings
 
     s = load_settings(environ={})
     assert (s["tunables.adaptive_margin_k"], s["tunables.adaptive_k_step"], s["tunables.adaptive_k_decay"]) == (

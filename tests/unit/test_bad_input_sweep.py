@@ -1,9 +1,9 @@
 """The bad-input sweep: every input a newcomer can get wrong gets ONE clear error line and the project's exit code.
 
 Each case is a command line (plus, where needed, environment variables and files it names) run through
-``fdsched.cli.main`` as a user would run it. The checks, for every case:
+``fdsched.tools.cli.main`` as a user would run it. The checks, for every case:
 
-* the exit code is the convention of ``fdsched.common``: 1 (EXIT_ERROR) for a bad value the command checks,
+* the exit code is the convention of ``fdsched.core.common``: 1 (EXIT_ERROR) for a bad value the command checks,
   2 for what argparse refuses (an unknown flag or a value its type check rejects, printed under the usage);
 * stderr carries exactly one error line (argparse's usage lines aside) and no traceback;
 * that line names what the case is about (the option, variable, YAML key or file) -- ``expect``.
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from fdsched.cli import main
-from fdsched.hostsetup import DEFAULT_COMMIT, HOST_MODULES
+from fdsched.tools.cli import main
+from fdsched.tools.hostsetup import DEFAULT_COMMIT, HOST_MODULES
 
 TRACE_OK = (
     '{"header": {"engine": {"block_size": 16, "num_gpu_blocks": 708, "max_num_seqs": 16, '
@@ -286,7 +286,7 @@ def test_console_script(case_id, files, tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith(("FDSCHED_", "FD_"))}
     env["FDSCHED_HOME"] = str(tmp_path / "home")
     env.update({k: _fill(v, files) for k, v in case.env.items()})
-    code = "import sys; from fdsched.cli import main; sys.exit(main(sys.argv[1:]))"
+    code = "import sys; from fdsched.tools.cli import main; sys.exit(main(sys.argv[1:]))"
     result = subprocess.run([sys.executable, "-c", code, *[_fill(a, files) for a in case.argv]], env=env,
                             capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert "Traceback" not in result.stderr

@@ -14,7 +14,7 @@ import pytest
 
 import fdsched.patches
 from fdsched.patches import CATALOGUE, TARGETS, PatchSpec, spec_for
-from fdsched.settings import CHANGE_IDS, SCHEMA
+from fdsched.core.settings import CHANGE_IDS, SCHEMA
 
 SCHEMA_BY_KEY = {s.key: s for s in SCHEMA}
 PATCH_MODULES = sorted(
@@ -89,8 +89,8 @@ def test_each_impl_gets_only_its_own_mixins(change_id):
 def test_generated_classes_say_where_they_come_from():
     import types
 
-    from fdsched.installer import Decision, _build
-    from fdsched.settings import load_settings
+    from fdsched.install.installer import Decision, _build
+    from fdsched.core.settings import load_settings
 
     class Host:
         def __init__(self, config=None, local_data_parallel_id=0):
@@ -102,7 +102,7 @@ def test_generated_classes_say_where_they_come_from():
     decisions = {cid: Decision(cid, "off", "host", "off", "off") for cid in CHANGE_IDS}
     classes = _build(info, settings, decisions, policies=None)
     front = classes["ResourceManagerV1"]
-    assert front.__module__ == "fdsched.installer" and front.__qualname__ == "_build.<locals>.ResourceManagerV1"
+    assert front.__module__ == "fdsched.install.installer" and front.__qualname__ == "_build.<locals>.ResourceManagerV1"
     obj = front()
     assert type(obj) is not front and isinstance(obj, front) and isinstance(obj, targets["ResourceManagerV1"])
     assert type(obj).__qualname__ == "_build.<locals>.ResourceManagerV1[baseline]"
@@ -181,8 +181,8 @@ def test_patch_module_docstring_names_its_switch(name):
 
 def test_importing_the_plugin_imports_no_host():
     code = (
-        "import sys, fdsched, fdsched.settings, fdsched.hooks, fdsched.policies, fdsched.rebind, "
-        "fdsched.patches, fdsched.installer, fdsched.cli, fdsched.host\n"
+        "import sys, fdsched, fdsched.core.settings, fdsched.core.hooks, fdsched.core.policies, fdsched.install.rebind, "
+        "fdsched.patches, fdsched.install.installer, fdsched.tools.cli, fdsched.install.probe\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('fastdeploy', 'paddle'))\n"
         "print(bad)\n"
         "sys.exit(1 if bad else 0)\n"

@@ -1,4 +1,4 @@
-"""fdsched.cli: `fdsched profiles` and `fdsched doctor` without a host."""
+"""fdsched.tools.cli: `fdsched profiles` and `fdsched doctor` without a host."""
 
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ import sys
 import pytest
 
 from fdsched import __version__
-from fdsched.cli import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK, main
-from fdsched.host import HOST_SOURCE_ENV
-from fdsched.settings import CHANGE_IDS, PROFILE_ENV, shipped_profiles
+from fdsched.tools.cli import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK, main
+from fdsched.install.probe import HOST_SOURCE_ENV
+from fdsched.core.settings import CHANGE_IDS, PROFILE_ENV, shipped_profiles
 
 
 @pytest.fixture
@@ -157,17 +157,17 @@ def test_patches_shows_one_change_or_names_the_allowed_ones(capsys):
 
 
 def test_doctor_reports_the_reservation_estimator_live_or_what_it_would_use():
-    from fdsched.adaptive import AdaptiveReserve
-    from fdsched.cli import _adaptive_report
-    from fdsched.settings import load_settings
+    from fdsched.core.adaptive import AdaptiveReserve
+    from fdsched.tools.cli import _adaptive_report
+    from fdsched.core.settings import load_settings
 
     assert "ratio (upstream" in _adaptive_report(load_settings(environ={}, profile="recommended"), None)
     would = _adaptive_report(load_settings(environ={}, profile="adaptive"), None)
     assert "no scheduler in this process" in would and "after 16 of them" in would and "k=-2.0" in would
 
-    from fdsched.adaptive import track_live
+    from fdsched.core.adaptive import track_live
 
-    live = AdaptiveReserve(min_samples=2)  # what a live plugin scheduler registers (fdsched.adaptive.track_live)
+    live = AdaptiveReserve(min_samples=2)  # what a live plugin scheduler registers (fdsched.core.adaptive.track_live)
     for length in (10, 30, 50):
         live.observe_finished(None, length)
     track_live(live)

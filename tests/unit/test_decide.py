@@ -1,4 +1,4 @@
-"""fdsched.installer.decide: switch x what the host has x whether the plugin can patch it."""
+"""fdsched.install.installer.decide: switch x what the host has x whether the plugin can patch it."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import types
 
 import pytest
 
-from fdsched.installer import Decision, InstallError, decide
-from fdsched.settings import CHANGE_IDS, load_settings
+from fdsched.install.installer import Decision, InstallError, decide
+from fdsched.core.settings import CHANGE_IDS, load_settings
 
 LABEL = "FastDeploy 9.9 at /nowhere"
 PROBLEM = "Thing.method is missing"

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-import fdsched.metrics
-from fdsched.settings import CHANGE_IDS, SCHEMA
+import fdsched.core.metrics
+from fdsched.core.settings import CHANGE_IDS, SCHEMA
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
@@ -66,7 +66,7 @@ def test_every_change_is_in_the_readme_table(readme, change_id):
 
 
 def test_every_metric_is_in_the_readme(readme):
-    names = set(re.findall(r"fastdeploy:fdsched_\w+", fdsched.metrics.__doc__))
+    names = set(re.findall(r"fastdeploy:fdsched_\w+", fdsched.core.metrics.__doc__))
     assert names
     for name in sorted(names):
         assert f"`{name}" in readme, name

@@ -6,10 +6,10 @@ import types
 
 import pytest
 
-from fdsched.installer import InstallError, decide_arms
-from fdsched.metrics import PluginMetrics, labels_of, request_latencies
+from fdsched.install.installer import InstallError, decide_arms
+from fdsched.core.metrics import PluginMetrics, labels_of, request_latencies
 from fdsched.patches._base import dp_rank_of, init_signature
-from fdsched.settings import DP_PROFILE_ENV, SettingsError, load_arm_settings, load_settings, parse_dp_arms
+from fdsched.core.settings import DP_PROFILE_ENV, SettingsError, load_arm_settings, load_settings, parse_dp_arms
 
 WHERE = f"environment variable {DP_PROFILE_ENV}"
 
@@ -185,8 +185,8 @@ class _FakeECQ:
 
 
 def _classes(arms):
-    from fdsched.hooks import Policies, make_plugin_manager
-    from fdsched.installer import _build, decide
+    from fdsched.core.hooks import Policies, make_plugin_manager
+    from fdsched.install.installer import _build, decide
 
     info = types.SimpleNamespace(
         has={}, problems={}, label="fake host", split_status=False, request_status=None,

@@ -1,4 +1,4 @@
-"""fdsched.hooks / fdsched.hookspecs: the plugin manager, the fast path, third-party overrides."""
+"""fdsched.core.hooks / fdsched.hookspecs: the plugin manager, the fast path, third-party overrides."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import pluggy
 import pytest
 
 import fdsched.hookspecs
-from fdsched import hookspecs, policies
-from fdsched.hooks import DISABLE_ENV, Policies, _blocked_names, make_plugin_manager
+from fdsched import hookspecs
+from fdsched.core import policies
+from fdsched.core.hooks import DISABLE_ENV, Policies, _blocked_names, make_plugin_manager
 from fdsched.hookspecs import hookimpl
-from fdsched.policies import VictimCandidate
+from fdsched.core.policies import VictimCandidate
 
 HOOK_NAMES = sorted(name for name, obj in vars(hookspecs).items() if hasattr(obj, hookspecs.PROJECT + "_spec"))
 

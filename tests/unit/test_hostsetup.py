@@ -16,9 +16,9 @@ import tarfile
 
 import pytest
 
-from fdsched import hostsetup
-from fdsched.cli import main
-from fdsched.hostsetup import HostSetupError, recorded_host_path, recorded_hosts, setup_host, use_host
+from fdsched.tools import hostsetup
+from fdsched.tools.cli import main
+from fdsched.tools.hostsetup import HostSetupError, recorded_host_path, recorded_hosts, setup_host, use_host
 
 COMMIT = "d38eeb8334331b903fb34c9cd270ff0c58a48adf"
 MODULES = ("fastdeploy/__init__.py",) + hostsetup.HOST_MODULES

@@ -1,10 +1,10 @@
-"""The host-suite harness's table and comparison (fdsched.hostsuites), with plain run results. No host."""
+"""The host-suite harness's table and comparison (fdsched.tools.hostsuites), with plain run results. No host."""
 
 from __future__ import annotations
 
 import pytest
 
-from fdsched.hostsuites import (
+from fdsched.tools.hostsuites import (
     DEFAULT_RUN,
     NO_PLUGIN,
     HostSuiteError,
@@ -13,7 +13,7 @@ from fdsched.hostsuites import (
     load_expectations,
     run_names,
 )
-from fdsched.settings import shipped_profiles
+from fdsched.core.settings import shipped_profiles
 
 TABLE = load_expectations()
 PLUGIN_FAIL = "tests/v1/test_resource_manager_v1.py::TestResourceManagerV1Additional::test_trigger_preempt_records_tasks"
@@ -40,7 +40,7 @@ def test_table_entries_name_their_cause():
 
 def test_plugin_caused_entries_list_exactly_the_runs_that_apply_their_change():
     """A new profile that switches the change on must be added to the entry (and one that does not, must not)."""
-    from fdsched.settings import load_settings
+    from fdsched.core.settings import load_settings
 
     for entry in TABLE.failures:
         if entry.cause != "plugin":
@@ -109,7 +109,7 @@ def test_a_file_that_ran_nothing_is_a_problem():
 
 
 def test_bad_table_entries_are_named(tmp_path):
-    text = open(__import__("fdsched.hostsuites", fromlist=["x"]).EXPECTATIONS, encoding="utf-8").read()
+    text = open(__import__("fdsched.tools.hostsuites", fromlist=["x"]).EXPECTATIONS, encoding="utf-8").read()
     bad = text.replace("cause: plugin", "cause: sometimes", 1)
     path = tmp_path / "t.yaml"
     path.write_text(bad)
@@ -121,7 +121,7 @@ def test_bad_table_entries_are_named(tmp_path):
 
 
 def test_thread_leaking_files_run_in_their_own_process_leaking_tests_last():
-    from fdsched.hostsuites import _groups, load_expectations
+    from fdsched.tools.hostsuites import _groups, load_expectations
 
     table = load_expectations()
     assert "tests/engine/test_common_engine.py" in table.own_process
@@ -135,7 +135,7 @@ def test_thread_leaking_files_run_in_their_own_process_leaking_tests_last():
 
 def test_no_retry_hides_a_failure():
     # the harness used to run an unexpected failure again alone and call it flaky when it passed: gone
-    import fdsched.hostsuites as hs
+    import fdsched.tools.hostsuites as hs
 
     assert not hasattr(hs, "UNEXPECTED")
     assert "flaky" not in (hs.run_and_compare.__doc__ or "").replace("No retry", "")
@@ -144,7 +144,7 @@ def test_no_retry_hides_a_failure():
 def test_the_pytest_plugin_moves_leaking_tests_last(monkeypatch):
     from types import SimpleNamespace
 
-    from fdsched import hostsuite_pytest
+    from fdsched.tools import hostsuite_pytest
 
     items = [SimpleNamespace(nodeid=n) for n in ("f::a", "f::b", "f::c", "f::d")]
     monkeypatch.setenv(hostsuite_pytest.LAST_ENV, "f::b\nf::a")
@@ -153,7 +153,7 @@ def test_the_pytest_plugin_moves_leaking_tests_last(monkeypatch):
 
 
 def test_own_process_entries_are_checked(tmp_path):
-    from fdsched.hostsuites import EXPECTATIONS, HostSuiteError, load_expectations
+    from fdsched.tools.hostsuites import EXPECTATIONS, HostSuiteError, load_expectations
 
     text = EXPECTATIONS.read_text(encoding="utf-8").replace(
         "      - tests/engine/test_common_engine.py::TestCommonEngineAdditionalCoverage::test_launch_components_dp_mode",
@@ -169,7 +169,7 @@ def test_each_host_suite_process_gets_its_own_engine_queue_ports(tmp_path, monke
     # fixed pair collides with any other process holding one of them
     import socket
 
-    from fdsched.hostsuites import _run_env
+    from fdsched.tools.hostsuites import _run_env
 
     monkeypatch.setenv("FD_ENGINE_QUEUE_PORT", "6778")
     first = _run_env("baseline", str(tmp_path / "r.json"), str(tmp_path / "a"))

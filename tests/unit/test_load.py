@@ -10,7 +10,7 @@ import threading
 
 import pytest
 
-from fdsched.cli import main
+from fdsched.tools.cli import main
 from fdsched.replay.trace import load_trace, parse_trace, resolve_trace, split_across_ranks
 from fdsched.serve.load import (
     WORDS, LoadError, RequestResult, Target, _stamp, assign_targets, check_servable, prompt_text, request_metrics,

@@ -1,4 +1,4 @@
-"""Peak-demand admission with learned remainders (fdsched.peak_admission): plain values, no host."""
+"""Peak-demand admission with learned remainders (fdsched.core.peak_admission): plain values, no host."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ import random
 
 import pytest
 
-from fdsched.common import ceil_div
-from fdsched.peak_admission import (
+from fdsched.core.common import ceil_div
+from fdsched.core.peak_admission import (
     LearnedClip, PeakAdmission, QuantileController, QuantileLengths, RunningView, peak_blocks,
 )
-from fdsched.policies import reserve_blocks_for_request
+from fdsched.core.policies import reserve_blocks_for_request
 
 
 def _simulate_peak(items, block_size, ahead):

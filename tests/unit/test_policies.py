@@ -1,4 +1,4 @@
-"""fdsched.policies: the pure decisions, with plain values."""
+"""fdsched.core.policies: the pure decisions, with plain values."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fdsched.policies import (
+from fdsched.core.policies import (
     FixedBlockReserve,
     NewTokenRatio,
     NoVictimWarning,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from fdsched.settings import CHANGE_IDS, load_settings, profile_description, shipped_profiles
+from fdsched.core.settings import CHANGE_IDS, load_settings, profile_description, shipped_profiles
 
 PROFILES = shipped_profiles()
 SINGLE_CHANGE_PROFILES = [name for name in PROFILES if name in CHANGE_IDS]

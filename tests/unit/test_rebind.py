@@ -1,4 +1,4 @@
-"""fdsched.rebind: replace a class everywhere it was bound, and put back exactly what was replaced.
+"""fdsched.install.rebind: replace a class everywhere it was bound, and put back exactly what was replaced.
 
 Uses throw-away modules (types.ModuleType) in sys.modules, scanned with scan_prefixes=('rebindtest',).
 """
@@ -10,7 +10,7 @@ import types
 
 import pytest
 
-from fdsched.rebind import Rebinding
+from fdsched.install.rebind import Rebinding
 
 PREFIXES = ("rebindtest",)
 

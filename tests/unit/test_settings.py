@@ -1,4 +1,4 @@
-"""fdsched.settings: defaults < profile < environment, and one clear error for every bad input."""
+"""fdsched.core.settings: defaults < profile < environment, and one clear error for every bad input."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 
-from fdsched.installer import effective_ratio_mode
-from fdsched.settings import (
+from fdsched.install.installer import effective_ratio_mode
+from fdsched.core.settings import (
     CHANGE_IDS,
     PROFILE_ENV,
     SCHEMA,
@@ -234,7 +234,7 @@ def test_a_top_level_key_given_twice_is_an_error(write_profile):
 
 
 def test_every_shipped_profile_sets_what_its_file_says_and_nothing_else():
-    from fdsched.settings import read_profile
+    from fdsched.core.settings import read_profile
 
     for name, path in shipped_profiles().items():
         s = load_settings(environ={}, profile=name)

@@ -5,7 +5,7 @@
 # the pair (300, sigma 10) / (10, sigma 250) 18 blocks in one order and 0 in the other; four totals {0, 4, 18, 23}
 # over the six orders of three requests; reserve_blocks returned -46 blocks for three fresh requests at k = -2.
 # After the redesign merge reserve_blocks takes a fixed_blocks argument: the third test needs that argument.
-"""Issue 18's two defects in the adaptive estimator (fdsched.adaptive), shown against today's code.
+"""Issue 18's two defects in the adaptive estimator (fdsched.core.adaptive), shown against today's code.
 
 Both tests FAIL on the code as it stands (they are the regression tests for the fix; see the issue):
 - SetMargin's per-request answers accumulate a running maximum, so the set's reservation depends on
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import itertools
 
-from fdsched.adaptive import AdaptiveReserve, RunningRequest, SetMargin
+from fdsched.core.adaptive import AdaptiveReserve, RunningRequest, SetMargin
 
 
 def _set_total(order, k=-2.0, block_size=16):

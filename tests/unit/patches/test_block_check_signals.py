@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 
-from fdsched.metrics import METRICS
+from fdsched.core.metrics import METRICS
 from fdsched.patches._base import BlockCheckSignals
 
 

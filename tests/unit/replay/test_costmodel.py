@@ -27,7 +27,7 @@ from fdsched.replay.costmodel import (
 )
 from fdsched.replay.figures import ProfileRun, RequestRow, StepRow, latency_samples
 from fdsched.replay.report import build_report, format_header
-from fdsched.settings import SettingsError, load_settings
+from fdsched.core.settings import SettingsError, load_settings
 
 REPO = Path(__file__).resolve().parents[3]
 PRESET = "llama2-7b-a100"
@@ -244,7 +244,7 @@ def test_a_profile_names_its_cost_model(tmp_path):
 
 
 def test_replay_rejects_a_bad_cost_model_before_running(tmp_path, capsys):
-    from fdsched.cli import main
+    from fdsched.tools.cli import main
 
     assert main(["replay", "--trace", "pressure", "--cost-model", "nope", "--out", str(tmp_path), "--no-progress"]) == 1
     err = capsys.readouterr().err

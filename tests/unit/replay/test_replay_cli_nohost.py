@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from fdsched.host import HOST_SOURCE_ENV, HOW_TO_POINT
+from fdsched.install.probe import HOST_SOURCE_ENV, HOW_TO_POINT
 
 
 def _host_importable() -> bool:
@@ -21,7 +21,7 @@ def test_replay_without_host_exits_2_and_says_how_to_point(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != HOST_SOURCE_ENV and not k.startswith("FDSCHED_")}
     env["FDSCHED_HOME"] = str(tmp_path / "home")  # no recorded host either
     proc = subprocess.run(
-        [sys.executable, "-m", "fdsched.cli", "replay", "--trace", "shared-prefix", "--out", str(tmp_path / "o"),
+        [sys.executable, "-m", "fdsched.tools.cli", "replay", "--trace", "shared-prefix", "--out", str(tmp_path / "o"),
          "--no-progress"],
         env=env, capture_output=True, text=True, timeout=120, cwd=str(tmp_path),
     )
@@ -33,14 +33,14 @@ def test_replay_without_host_exits_2_and_says_how_to_point(tmp_path):
 
 
 def test_replay_rejects_a_bad_profile_before_looking_for_the_host(tmp_path, capsys):
-    from fdsched.cli import main
+    from fdsched.tools.cli import main
 
     assert main(["replay", "--profile", "no-such-profile", "--out", str(tmp_path), "--no-progress"]) == 1
     assert "unknown profile" in capsys.readouterr().err
 
 
 def test_replay_rejects_a_bad_trace(tmp_path, capsys):
-    from fdsched.cli import main
+    from fdsched.tools.cli import main
 
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"id": "a", "arrival": 0, "prompt_len": 4, "max_tokens": null}\n')
@@ -49,7 +49,7 @@ def test_replay_rejects_a_bad_trace(tmp_path, capsys):
 
 
 def test_replay_rejects_a_shape_too_small_for_the_trace(capsys, tmp_path):
-    from fdsched.cli import main
+    from fdsched.tools.cli import main
 
     assert main(["replay", "--trace", "pressure", "--num-gpu-blocks", "10", "--out", str(tmp_path), "--no-progress"]) == 1
     assert "num_gpu_blocks=10 is too small" in capsys.readouterr().err
@@ -71,7 +71,7 @@ def test_host_free_modules_import_no_fastdeploy():
 
 def test_cli_replay_dp_arms_errors(capsys):
     """Bad --dp-arms values fail before anything needs the host."""
-    from fdsched.cli import main
+    from fdsched.tools.cli import main
 
     assert main(["replay", "--dp-arms", "0=baseline,0=recommended", "--no-progress"]) == 1
     assert "--dp-arms: bad value '0=recommended' (rank 0 is given twice" in capsys.readouterr().err

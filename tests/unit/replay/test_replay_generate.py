@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from fdsched.cli import main
+from fdsched.tools.cli import main
 from fdsched.replay.generate import DEFAULT_REQUESTS, KINDS, generate, generate_text, peak_demand_blocks
 from fdsched.replay.trace import check_engine, load_trace, parse_trace, resolve_trace
 

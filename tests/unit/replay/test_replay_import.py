@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from fdsched.cli import main
+from fdsched.tools.cli import main
 from fdsched.replay.importer import ImportError_, ImportOptions, import_trace, parse_columns, parse_max_tokens
 from fdsched.replay.trace import load_trace
 

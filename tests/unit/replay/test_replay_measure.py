@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from fdsched.policies import VictimCandidate
+from fdsched.core.policies import VictimCandidate
 from fdsched.replay.costmodel import StepCost
 from fdsched.replay.evaluate import (
     EVAL_COLUMNS, format_eval_table, load_windows, missing_csv_message, window_trace_name,
@@ -244,7 +244,7 @@ def test_eval_table_has_one_row_per_arm_and_bound_ratios():
 
 
 def test_eval_list_prints_the_split_without_a_host(capsys):
-    from fdsched.cli import main
+    from fdsched.tools.cli import main
 
     assert main(["eval", "--list"]) == 0
     out = capsys.readouterr().out
@@ -253,7 +253,7 @@ def test_eval_list_prints_the_split_without_a_host(capsys):
 
 
 def test_eval_rejects_a_bad_arm_and_a_missing_csv_says_where_to_get_it(tmp_path, capsys):
-    from fdsched.cli import main
+    from fdsched.tools.cli import main
 
     assert main(["eval", "--arms", "no-such-profile", "--out", str(tmp_path)]) == 1
     assert "unknown profile" in capsys.readouterr().err
@@ -268,7 +268,7 @@ def test_eval_rejects_a_bad_arm_and_a_missing_csv_says_where_to_get_it(tmp_path,
 
 
 def test_eval_rejects_an_unknown_cost_model_before_anything_runs(tmp_path, capsys):
-    from fdsched.cli import main
+    from fdsched.tools.cli import main
 
     assert main(["eval", "--cost-model", "no-such-model", "--out", str(tmp_path / "out")]) == 1
     err = capsys.readouterr().err
@@ -288,7 +288,7 @@ def _write_eval_report(path, arms, commit="d38eeb8", model="llama2-7b-a100"):
 
 
 def test_eval_table_from_earlier_runs_in_the_split_order_and_markdown(tmp_path, capsys):
-    from fdsched.cli import main
+    from fdsched.tools.cli import main
 
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir()
@@ -311,7 +311,7 @@ def test_eval_table_from_earlier_runs_in_the_split_order_and_markdown(tmp_path, 
 
 
 def test_eval_only_and_table_from_reject_bad_values(tmp_path, capsys):
-    from fdsched.cli import main
+    from fdsched.tools.cli import main
 
     assert main(["eval", "--only", "no-such-trace", "--out", str(tmp_path / "o")]) == 1
     err = capsys.readouterr().err

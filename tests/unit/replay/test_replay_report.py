@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from fdsched.hooks import Policies, make_plugin_manager
+from fdsched.core.hooks import Policies, make_plugin_manager
 from fdsched.replay.costmodel import StepCost
 from fdsched.replay.figures import ProfileRun, RequestRow, StepRow
 from fdsched.replay.oracle import ORACLE_PLUGIN_NAME, OracleReserve

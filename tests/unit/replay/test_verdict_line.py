@@ -104,7 +104,7 @@ def test_served_table_ends_with_the_lines():
 
 
 def test_ab_report_ends_with_the_lines(capsys):
-    from fdsched.abreport import cmd_report
+    from fdsched.tools.abreport import cmd_report
 
     scrape = Path(__file__).resolve().parents[1] / "data" / "ab-scrape-old-host.prom"
     assert cmd_report(type("A", (), {"scrape": [str(scrape)], "since": None, "reference": None})()) == 0

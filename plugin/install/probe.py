@@ -2,7 +2,7 @@
 
 The host is, in this order: an installed ``fastdeploy`` package; a source tree named by
 ``FDSCHED_HOST_SOURCE`` (a directory whose ``fastdeploy/`` package imports with that directory on
-``sys.path``); the active host recorded by ``fdsched host setup`` (:mod:`fdsched.hostsetup`). Nothing
+``sys.path``); the active host recorded by ``fdsched host setup`` (:mod:`fdsched.tools.hostsetup`). Nothing
 here patches anything: :func:`probe` only looks.
 """
 
@@ -15,6 +15,7 @@ import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
+from fdsched.patches._base import code_names  # noqa: F401
 
 __all__ = [
     "HOST_SOURCE_ENV",
@@ -51,7 +52,7 @@ def find_host(environ: Optional[Mapping[str, str]] = None) -> str:
             if not os.path.isfile(os.path.join(source, "fastdeploy", "__init__.py")):
                 raise HostNotFound(f"{HOST_SOURCE_ENV}={source!r} has no fastdeploy/__init__.py; {HOW_TO_POINT}")
         else:
-            from .hostsetup import recorded_host_path
+            from fdsched.install.hosts import recorded_host_path
 
             source = recorded_host_path(environ) or ""
         if source:
@@ -68,20 +69,6 @@ def find_host(environ: Optional[Mapping[str, str]] = None) -> str:
 
 def _location(module) -> str:
     return os.path.dirname(os.path.dirname(os.path.abspath(module.__file__)))
-
-
-def code_names(func) -> frozenset:
-    """Global/attribute names and local variable names a function's code uses (nested code too)."""
-    names: set = set()
-    stack = [getattr(func, "__code__", None)]
-    while stack:
-        code = stack.pop()
-        if code is None:
-            continue
-        names.update(code.co_names)
-        names.update(code.co_varnames)
-        stack.extend(c for c in code.co_consts if inspect.iscode(c))
-    return frozenset(names)
 
 
 @dataclass
@@ -106,7 +93,7 @@ class HostInfo:
     @property
     def name(self) -> str:
         """Version when known, commit, and which supported host it is (no location)."""
-        from .hostsetup import known_host
+        from fdsched.install.hosts import known_host
 
         version = "" if self.version.lower() == "unknown" else f" {self.version}"
         commit = ""

@@ -6,19 +6,19 @@ import argparse
 import sys
 from typing import Optional
 
-from . import __version__
-from .settings import CHANGE_IDS, PROFILE_ENV, SettingsError, load_settings, profile_description, shipped_profiles
+from fdsched import __version__
+from fdsched.core.settings import CHANGE_IDS, PROFILE_ENV, SettingsError, load_settings, profile_description, shipped_profiles
 
-from .common import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK, read_utf8
-from .common import text_table as _table
+from fdsched.core.common import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK, read_utf8
+from fdsched.core.common import text_table as _table
 
 
 def cmd_doctor(args) -> int:
     from fdsched.patches import CATALOGUE
 
-    from .host import HostNotFound
-    from .installer import InstallError, current, decide, decide_arms
-    from .settings import load_arm_settings
+    from fdsched.install.probe import HostNotFound
+    from fdsched.install.installer import InstallError, current, decide, decide_arms
+    from fdsched.core.settings import load_arm_settings
 
     print(f"fdsched {__version__}")
     status = EXIT_OK
@@ -31,8 +31,8 @@ def cmd_doctor(args) -> int:
     print(f"profile: {settings.profile or 'none'}" + (f" ({settings.profile_path})" if settings.profile_path else ""))
 
     info = None
-    from .hostsetup import cache_dir
-    from .quiet import host_output_to, log_note
+    from fdsched.tools.hostsetup import cache_dir
+    from fdsched.tools.quiet import host_output_to, log_note
 
     log_path = cache_dir() / "logs" / "doctor-host.log"
     if log_path.is_file():
@@ -40,7 +40,7 @@ def cmd_doctor(args) -> int:
     not_found = None
     with host_output_to(log_path, verbose=args.verbose) as host_log:  # the host's import chatter: into the log
         try:
-            from .host import probe
+            from fdsched.install.probe import probe
 
             info = probe()
         except HostNotFound as exc:
@@ -83,7 +83,7 @@ def cmd_doctor(args) -> int:
         print("\ninstalled in this process: " + installed.summary())
     print("\n" + _adaptive_report(settings, decisions.get("ratio_reserve")))
     try:
-        from .hooks import Policies, make_plugin_manager
+        from fdsched.core.hooks import Policies, make_plugin_manager
 
         external = Policies(make_plugin_manager()).external_plugins()
         print(f"\nthird-party hook plugins (entry-point group fdsched.hooks): {', '.join(external) or 'none'}")
@@ -101,7 +101,7 @@ def _adaptive_report(settings, ratio_decision) -> str:
     """The reservation estimator: the live state of every scheduler in this process that runs the adaptive
     one, else what the settings would use."""
     estimator = settings["tunables.reserve_estimator"]
-    from fdsched.adaptive import live_states
+    from fdsched.core.adaptive import live_states
 
     live = live_states()
     if live:
@@ -201,7 +201,7 @@ def cmd_profiles(args) -> int:
     profiles = shipped_profiles()
     reference = load_settings(environ={}, profile="baseline") if "baseline" in profiles else None
     if args.name:
-        from .settings import _resolve_profile
+        from fdsched.core.settings import _resolve_profile
 
         name, path = _resolve_profile(args.name, "argument NAME")  # SettingsError: one line, from main()
         settings = load_settings(environ={}, profile=args.name)
@@ -250,29 +250,31 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _add_optional_commands(sub) -> None:
     """Commands that live in their own modules (replay, traces, benchmarks)."""
-    from . import abreport, bench, hostsetup
+    from fdsched.tools import abreport
+    from fdsched.tools import bench
+    from fdsched.tools import hostsetup
 
     bench.add_commands(sub)
     hostsetup.add_commands(sub)
     abreport.add_command(sub)
-    from .serve import launcher as serve_launcher  # fdsched serve (issue 15)
+    from fdsched.serve import launcher as serve_launcher  # fdsched serve (issue 15)
 
     serve_launcher.add_command(sub)
-    from .serve import load_cli  # fdsched load: a trace against running servers
+    from fdsched.serve import load_cli  # fdsched load: a trace against running servers
 
     load_cli.add_command(sub)
     load_cli.add_compare_command(sub)
     try:
-        from .replay import cli as replay_cli
+        from fdsched.replay import cli as replay_cli
     except ImportError:
         return
     replay_cli.add_commands(sub)
 
 
 def main(argv: Optional[list] = None) -> int:
-    from .host import HostNotFound
-    from .hostsuites import HostSuiteError
-    from .installer import InstallError
+    from fdsched.install.probe import HostNotFound
+    from fdsched.tools.hostsuites import HostSuiteError
+    from fdsched.install.installer import InstallError
 
     args = build_parser().parse_args(argv)
     try:

@@ -20,7 +20,7 @@ budgets allow, nor more than upstream's ratio formula would for the same request
 
 * **Warm-up**: until a distribution holds ``min_samples`` samples, requests of that kind fall back
   (:func:`warmup_reserve_blocks`): a request whose client bounded its length to upstream's ratio formula
-  (:func:`fdsched.policies.reserve_blocks_for_request`), an unbounded one to the legacy fixed-block
+  (:func:`fdsched.core.policies.reserve_blocks_for_request`), an unbounded one to the legacy fixed-block
   policy's current amount (never more than the ratio formula). So does a request that has generated more
   than any sample (the learned tail says nothing about it).
 * **Drift**: a sliding window of the last ``window`` finished requests (both kinds together, so old
@@ -49,8 +49,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Optional
 
-from .common import ceil_div
-from .policies import reserve_blocks_for_request
+from fdsched.core.common import ceil_div
+from fdsched.core.policies import reserve_blocks_for_request
 
 __all__ = [
     "LengthHistogram",
@@ -134,10 +134,10 @@ def warmup_reserve_blocks(
     generated more than any sample of its kind).
 
     * The client bounded its length (``max_tokens`` from :func:`client_bound`): upstream's ratio formula
-      over that bound (:func:`fdsched.policies.reserve_blocks_for_request`): the bound is informative
+      over that bound (:func:`fdsched.core.policies.reserve_blocks_for_request`): the bound is informative
       and that formula does well on such traffic.
     * No bound: the legacy fixed-block reservation's current per-request amount (``fixed_blocks``: 16
-      blocks after a preemption, decaying to 0; :class:`fdsched.policies.FixedBlockReserve`), never
+      blocks after a preemption, decaying to 0; :class:`fdsched.core.policies.FixedBlockReserve`), never
       more than upstream's formula would reserve for it. Upstream's
       ratio over the rest of the context (min(context left, 4096) x 0.7 tokens per request at first) is
       mostly air and throttles a cold engine for hundreds of steps; the legacy policy is what the

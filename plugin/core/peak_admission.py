@@ -4,7 +4,7 @@ values out; imports nothing from FastDeploy.
 Why: a reservation per running request (upstream's ``min(left, clip) x ratio``, or the adaptive
 estimator's expected remainder plus one margin k over the set) keeps blocks free for tokens that a
 request which finishes early never writes, and it gives no credit for the blocks a finishing request
-hands back to the others. The negative margin k = -2 of :mod:`fdsched.adaptive` was a hand-tuned
+hands back to the others. The negative margin k = -2 of :mod:`fdsched.core.adaptive` was a hand-tuned
 stand-in for that credit. The admission question is really: *with the candidate added, does the
 running set's KV demand at its future peak fit the pool?* The replay's clairvoyant bound
 (:class:`fdsched.replay.oracle.PeakOracle`) answers it with true output lengths. This module answers it
@@ -54,7 +54,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
-from .common import ceil_div
+from fdsched.core.common import ceil_div
 
 __all__ = [
     "RunningView",
@@ -148,7 +148,7 @@ def peak_blocks(items: Iterable[tuple], block_size: int, ahead: int, exact_up_to
 class QuantileLengths:
     """Output lengths of finished requests in a sliding window, kept sorted, with conditional quantiles.
 
-    Two kinds, as in :mod:`fdsched.adaptive`: requests whose client bounded ``max_tokens`` are kept
+    Two kinds, as in :mod:`fdsched.core.adaptive`: requests whose client bounded ``max_tokens`` are kept
     relative (``L / max_tokens``, in (0, 1]); the others in absolute tokens. Only finished requests
     are samples (a running or preempted request's length is unknown)."""
 

@@ -2,7 +2,7 @@
 
 For every *run* — ``no-plugin`` (``FD_PLUGINS`` unset: the host alone), ``default`` (``FD_PLUGINS=fdsched``,
 no profile) and each shipped profile — pytest runs the host tree's own test files (read from the host's
-source tree, never copied) in a fresh process inside that tree, with ``-p fdsched.hostsuite_pytest``:
+source tree, never copied) in a fresh process inside that tree, with ``-p fdsched.tools.hostsuite_pytest``:
 that plugin calls FastDeploy's own ``load_model_register_plugins()`` before any test module is imported
 and records every test's outcome. :func:`compare` then holds the outcomes against the expectations table
 (``host_suites.yaml``, shipped with the package): each expected failure names the test, the hosts, the
@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from .common import EXIT_ERROR, EXIT_OK, text_table
+from fdsched.core.common import EXIT_ERROR, EXIT_OK, text_table
 
 import yaml
 
@@ -81,7 +81,7 @@ class Expectations:
 
 
 def run_names() -> list:
-    from .settings import shipped_profiles
+    from fdsched.core.settings import shipped_profiles
 
     return [NO_PLUGIN, DEFAULT_RUN] + list(shipped_profiles())
 
@@ -106,7 +106,7 @@ def load_expectations(path: Path = EXPECTATIONS) -> Expectations:
         if not files or not all(isinstance(f, str) and f.startswith("tests/") for f in files):
             raise HostSuiteError(f"{where}: suites.{host}: {files!r}; allowed: a list of tests/... files")
         suites[host] = tuple(files)
-    from .settings import CHANGE_IDS
+    from fdsched.core.settings import CHANGE_IDS
 
     names = set(run_names()) | {"all"}
     failures = []
@@ -260,7 +260,7 @@ def _run_process(tree: str, host: str, run: str, files: list, last: tuple, timeo
         env["PYTHONPATH"] = os.pathsep.join([tree] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         if last:
             env[LAST_ENV] = "\n".join(last)
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "fdsched.hostsuite_pytest",
+        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "fdsched.tools.hostsuite_pytest",
                    "-o", "addopts=", *files]
         started = time.monotonic()
         try:
@@ -328,8 +328,8 @@ def add_command(host_sub) -> None:
 
 def host_tree_and_key() -> tuple:
     """(source tree, old/new) of the host fdsched finds; raises HostSuiteError when it is not a supported tree."""
-    from .host import probe
-    from .hostsetup import host_key
+    from fdsched.install.probe import probe
+    from fdsched.install.hosts import host_key
 
     info = probe()
     if not os.path.isdir(os.path.join(info.location, "tests")):

@@ -18,7 +18,7 @@ a host means:
 
 Any step that fails raises :class:`HostSetupError` naming what failed and the next step; nothing is
 recorded then, and a tree unpacked by this call is removed. :func:`recorded_host_path` is what
-:func:`fdsched.host.find_host` consults when neither an installed ``fastdeploy`` nor
+:func:`fdsched.install.probe.find_host` consults when neither an installed ``fastdeploy`` nor
 ``FDSCHED_HOST_SOURCE`` is there.
 """
 
@@ -43,7 +43,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping, Optional
 
-from .common import EXIT_ERROR, EXIT_OK, text_table
+from fdsched.core.common import EXIT_ERROR, EXIT_OK, text_table
+from fdsched.install.hosts import (  # noqa: F401  (defined with the probe; the CLI and tests name them here)
+    DEFAULT_COMMIT, HOME_ENV, KNOWN_HOSTS, MARKER, REGISTRY, HostSetupError, KnownHost, _read_registry, cache_dir,
+    host_key, known_host, recorded_host_path, recorded_hosts,
+)
 
 __all__ = [
     "KNOWN_HOSTS",
@@ -58,11 +62,8 @@ __all__ = [
     "known_host",
 ]
 
-HOME_ENV = "FDSCHED_HOME"
 REQUIREMENTS = Path(__file__).with_name("host-requirements-cpu.txt")
 NO_DEPS_REQUIREMENTS = ("paddleformers==1.1.1",)  # its own dependency list pulls GPU packages; the host needs none of them
-MARKER = "FDSCHED_HOST_COMMIT"  # written into a set-up tree: fdsched.host reads the commit from it
-REGISTRY = "hosts.json"
 PUBLIC_ARCHIVE = "https://github.com/gongshaotian/FastDeploy/archive/{commit}.tar.gz"
 HOST_MODULES = (
     "fastdeploy/engine/sched/resource_manager_v1.py",
@@ -70,63 +71,7 @@ HOST_MODULES = (
 )
 
 
-@dataclass(frozen=True)
-class KnownHost:
-    key: str  # short name used by tests and the host-suite expectations
-    commit: str
-    what: str
-
-
-KNOWN_HOSTS = {
-    host.commit: host
-    for host in (
-        KnownHost("old", "e7c8dc2fe940ba2f50d932f17b41eab555846ecb", "FastDeploy 2.6 before PR 7387 and PR 7783"),
-        KnownHost("new", "d38eeb8334331b903fb34c9cd270ff0c58a48adf", "FastDeploy 2.6 with PR 7387 and PR 7783"),
-    )
-}
-DEFAULT_COMMIT = "d38eeb8334331b903fb34c9cd270ff0c58a48adf"
-
-
-class HostSetupError(RuntimeError):
-    """A step of ``fdsched host setup`` failed; the message names it and the next step."""
-
-
-def known_host(commit: Optional[str]) -> Optional[KnownHost]:
-    """The supported host of ``commit`` (a full hash or a prefix of at least 7), else None."""
-    if not commit or len(commit) < 7:
-        return None
-    for full, host in KNOWN_HOSTS.items():
-        if full.startswith(commit.lower()):
-            return host
-    return None
-
-
-def host_key(commit: Optional[str]) -> Optional[str]:
-    """``old`` / ``new`` for a supported commit (a full hash or a prefix of at least 7), else None."""
-    host = known_host(commit)
-    return host.key if host else None
-
-
-def cache_dir(environ: Optional[Mapping[str, str]] = None) -> Path:
-    environ = os.environ if environ is None else environ
-    if environ.get(HOME_ENV):
-        return Path(environ[HOME_ENV]).expanduser()
-    base = environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "fdsched"
-
-
 # ---- the registry -----------------------------------------------------------------------------------
-def _read_registry(root: Path) -> dict:
-    path = root / REGISTRY
-    if not path.is_file():
-        return {"active": None, "hosts": {}}
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
-        raise HostSetupError(f"{path} is not readable JSON ({exc}); remove it and run `fdsched host setup` again") from exc
-    if not isinstance(data, dict) or not isinstance(data.get("hosts"), dict):
-        raise HostSetupError(f"{path} is not an fdsched host registry; remove it and run `fdsched host setup` again")
-    return data
 
 
 def _write_registry(root: Path, data: dict) -> None:
@@ -135,25 +80,6 @@ def _write_registry(root: Path, data: dict) -> None:
     with os.fdopen(fd, "w", encoding="utf-8") as fh:
         json.dump(data, fh, indent=1, sort_keys=True)
     os.replace(tmp, root / REGISTRY)
-
-
-def recorded_hosts(environ: Optional[Mapping[str, str]] = None) -> tuple:
-    """(active commit or None, {commit: record}) of the hosts set up for this user."""
-    data = _read_registry(cache_dir(environ))
-    return data.get("active"), dict(data["hosts"])
-
-
-def recorded_host_path(environ: Optional[Mapping[str, str]] = None) -> Optional[str]:
-    """The source tree of the active recorded host, if it is still there."""
-    try:
-        active, hosts = recorded_hosts(environ)
-    except HostSetupError:
-        return None
-    record = hosts.get(active or "")
-    if not record:
-        return None
-    path = record.get("path", "")
-    return path if os.path.isfile(os.path.join(path, "fastdeploy", "__init__.py")) else None
 
 
 def use_host(commit: str, environ: Optional[Mapping[str, str]] = None) -> str:
@@ -413,7 +339,7 @@ def add_commands(sub) -> None:
     use = host_sub.add_parser("use", help="make a set-up host the active one")
     use.add_argument("commit", help="a commit (or unique prefix), or old / new")
     use.set_defaults(func=cmd_use)
-    from . import hostsuites
+    from fdsched.tools import hostsuites
 
     hostsuites.add_command(host_sub)
 

@@ -1,6 +1,6 @@
 """A pytest plugin for running the host's own test files with fdsched loaded the way an engine loads it.
 
-Used by :mod:`fdsched.hostsuites` as ``python -m pytest -p fdsched.hostsuite_pytest ...`` inside a
+Used by :mod:`fdsched.tools.hostsuites` as ``python -m pytest -p fdsched.tools.hostsuite_pytest ...`` inside a
 FastDeploy source tree. At configure time (before any test module is imported) it calls FastDeploy's
 own plugin loader, ``fastdeploy.plugins.model_register.load_model_register_plugins()``, which runs
 the ``fdsched`` entry point only when ``FD_PLUGINS`` lists it. It then writes one JSON file
@@ -27,7 +27,7 @@ def pytest_configure(config):
     from fastdeploy.plugins.model_register import load_model_register_plugins
 
     load_model_register_plugins()
-    from fdsched.installer import current
+    from fdsched.install.installer import current
 
     report = current()
     _install.clear()

@@ -20,8 +20,8 @@ from typing import Any, Callable, Mapping, Optional
 
 import yaml
 
-from .adaptive import K_BOUND, K_DECAY, K_DEFAULT, K_STEP
-from .common import read_utf8
+from fdsched.core.adaptive import K_BOUND, K_DECAY, K_DEFAULT, K_STEP
+from fdsched.core.common import read_utf8
 
 __all__ = [
     "CHANGE_IDS",
@@ -289,7 +289,7 @@ SCHEMA: tuple[Setting, ...] = (
         "ratio | adaptive",
         "What running requests reserve when the plugin's ratio reservation runs (changes.ratio_reserve applied): "
         "ratio = upstream's new_token_ratio formula (PR 7444/7783); adaptive = the expected remaining output "
-        "learned from the engine's finished requests plus one margin for the running set (fdsched.adaptive).",
+        "learned from the engine's finished requests plus one margin for the running set (fdsched.core.adaptive).",
     ),
     Setting(
         "tunables.adaptive_min_samples",

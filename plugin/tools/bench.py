@@ -24,12 +24,12 @@ import heapq
 import statistics
 import time
 
-from .common import percentile
+from fdsched.core.common import percentile
 
 
 def _install(profile):
-    from fdsched import installer
-    from fdsched.settings import load_settings
+    from fdsched.install import installer
+    from fdsched.core.settings import load_settings
 
     if profile is None:
         installer.uninstall()
@@ -41,7 +41,7 @@ def _install(profile):
 # ---- eviction ------------------------------------------------------------------------------------
 def _build_tree(num_blocks: int, chain: int, block_size: int):
     """A manager whose radix tree holds ``num_blocks`` released nodes in chains of ``chain`` blocks."""
-    from .replay.engine import EngineShape, build_manager, make_request
+    from fdsched.replay.engine import EngineShape, build_manager, make_request
 
     shape = EngineShape(
         block_size=block_size,
@@ -143,7 +143,7 @@ _DUE: list = []
 
 def bench_evict(sizes, chain: int, block_size: int, repeat: int, gc_modes=GC_MODES) -> list:
     """Per size: {(variant, gc mode): (median seconds, collections per generation of the median run)}."""
-    from .replay.engine import close_manager, logical_clock
+    from fdsched.replay.engine import close_manager, logical_clock
 
     rows = []
     for n in sizes:
@@ -202,7 +202,7 @@ def print_evict(rows, gc_modes=GC_MODES) -> None:
 
 # ---- schedule() overhead -------------------------------------------------------------------------------
 def _schedule_setup(running: int, waiting: int, block_size: int):
-    from .replay.engine import Driver, EngineShape, build_manager, make_request
+    from fdsched.replay.engine import Driver, EngineShape, build_manager, make_request
 
     shape = EngineShape(
         block_size=block_size,
@@ -228,7 +228,7 @@ def _schedule_setup(running: int, waiting: int, block_size: int):
 def bench_schedule(running: int, waiting: int, steps: int, repeat: int, block_size: int, profile: str,
                    gc_modes=GC_MODES) -> dict:
     """{(variant, gc mode): {"median": s, "mean": s}} of schedule() CPU per step, interleaved repetitions."""
-    from .replay.engine import close_manager, logical_clock
+    from fdsched.replay.engine import close_manager, logical_clock
 
     per = {(v, m): [] for v in ("host", "plugin") for m in gc_modes}
     for _ in range(repeat):
@@ -330,13 +330,13 @@ def add_commands(sub) -> None:
 
 
 def _host_label() -> str:
-    from .host import probe
+    from fdsched.install.probe import probe
 
     return probe().label
 
 
 def _prepare(args) -> None:
-    from .replay.engine import prepare_host_environment
+    from fdsched.replay.engine import prepare_host_environment
 
     print(f"host: {_host_label()}")
     prepare_host_environment()
@@ -381,8 +381,8 @@ def transfer_producer(port: int, count: int, interval: float, host_source: str) 
 
     if host_source:
         os.environ.setdefault("FDSCHED_HOST_SOURCE", host_source)
-    from .host import find_host
-    from .replay.engine import prepare_host_environment
+    from fdsched.install.probe import find_host
+    from fdsched.replay.engine import prepare_host_environment
 
     prepare_host_environment()
     find_host()
@@ -425,7 +425,7 @@ def start_transfer_receiver(port: int):
 
     import numpy as np
 
-    from .replay.engine import EngineShape, build_manager
+    from fdsched.replay.engine import EngineShape, build_manager
 
     rm = build_manager(EngineShape(block_size=4, num_gpu_blocks=32, max_num_seqs=2, max_num_batched_tokens=64,
                                    max_model_len=64))
@@ -511,7 +511,7 @@ def stop_transfer(server, rm) -> None:
     """Shut the queue server down; the host's receiver thread then ends on the closed connection (expected)."""
     import threading
 
-    from .replay.engine import close_manager
+    from fdsched.replay.engine import close_manager
 
     previous = threading.excepthook
 

@@ -2,8 +2,8 @@
 
 Order of work, so that nothing is ever half-patched:
 
-1. settings are loaded and validated (:func:`fdsched.settings.load_settings`; errors raise here);
-2. the host is found and probed (:func:`fdsched.host.probe`);
+1. settings are loaded and validated (:func:`fdsched.core.settings.load_settings`; errors raise here);
+2. the host is found and probed (:func:`fdsched.install.probe.probe`);
 3. every change is decided (:func:`decide`); a change switched ``on`` (or ``off`` on a host that
    has it) that the host cannot take — a method or signature it needs, or an assumption about the
    host's control flow written in its module's "Relies on:" — is an error, raised here;
@@ -28,10 +28,10 @@ import threading
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
-from . import host as host_mod
-from .hooks import Policies, make_plugin_manager
-from .rebind import Rebinding
-from .settings import DP_PROFILE_ENV, CHANGE_IDS, Settings, load_arm_settings, load_settings
+from fdsched.install import probe as host_mod
+from fdsched.core.hooks import Policies, make_plugin_manager
+from fdsched.install.rebind import Rebinding
+from fdsched.core.settings import DP_PROFILE_ENV, CHANGE_IDS, Settings, load_arm_settings, load_settings
 
 __all__ = ["Arm", "Decision", "InstallReport", "InstallError", "effective_ratio_mode", "decide", "decide_arms", "install", "uninstall", "current"]
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Optional, Sequence
 
-from .common import ceil_div
+from fdsched.core.common import ceil_div
 
 __all__ = [
     "VictimCandidate",

@@ -11,9 +11,11 @@ from typing import Mapping, Optional, Sequence
 
 import pluggy
 
-from . import hookspecs, policies
-from .hookspecs import hookimpl
-from .policies import VictimCandidate
+from fdsched import hookspecs
+
+from fdsched.core import policies
+from fdsched.hookspecs import hookimpl
+from fdsched.core.policies import VictimCandidate
 
 __all__ = ["ENTRY_POINT_GROUP", "DISABLE_ENV", "DefaultPolicies", "Policies", "make_plugin_manager"]
 

@@ -50,7 +50,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Optional
 
-from .common import EXIT_ERROR, EXIT_OK, read_utf8, text_table
+from fdsched.core.common import EXIT_ERROR, EXIT_OK, read_utf8, text_table
 
 __all__ = [
     "ArmSeries", "Scrape", "parse_exposition", "parse_scrape", "merge_scrapes", "attribute_host", "arm_figures",
@@ -398,7 +398,7 @@ def _parse_or_empty(text: str, source: str) -> Scrape:
 def _verdict_text(arms: dict, reference: Optional[str]) -> str:
     """The verdict lines (one definition: :func:`fdsched.replay.report.verdict_lines`) on what a scrape has:
     TTFT p50, prefill victims and requests finished; /metrics has no throughput, E2E or stall (the lines say n/a)."""
-    from .replay.report import verdict_lines
+    from fdsched.replay.report import verdict_lines
 
     def figures(series):
         ttft = series.histograms.get(PREFIX + "ttft_seconds", Histogram()).quantile(0.5)
