@@ -35,7 +35,7 @@ import logging
 from fdsched.core.metrics import METRICS
 from fdsched.core.policies import NoVictimWarning, VictimCandidate
 
-from fdsched.patches import PatchSpec, Reliance
+from fdsched.patches._spec import PatchSpec, Reliance
 from fdsched.patches._base import PluginBase, host_defines, host_global
 
 RM = "fastdeploy.engine.sched.resource_manager_v1"

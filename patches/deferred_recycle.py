@@ -64,7 +64,7 @@ import time
 
 from fdsched.core.metrics import METRICS
 
-from fdsched.patches import PatchSpec
+from fdsched.patches._spec import PatchSpec
 from fdsched.patches._base import PluginBase, host_global
 
 PCM = "fastdeploy.cache_manager.prefix_cache_manager"

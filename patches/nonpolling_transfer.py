@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import threading
 
-from fdsched.patches import PatchSpec, Reliance
+from fdsched.patches._spec import PatchSpec, Reliance
 from fdsched.patches._base import InstanceAttribute, PluginBase, host_global
 
 ECQ = "fastdeploy.inter_communicator.engine_cache_queue"

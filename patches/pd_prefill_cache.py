@@ -40,7 +40,7 @@ from __future__ import annotations
 import threading
 from contextlib import contextmanager
 
-from fdsched.patches import PatchSpec, Reliance
+from fdsched.patches._spec import PatchSpec, Reliance
 from fdsched.patches._base import PluginBase
 
 _CONTEXT = threading.local()

@@ -94,7 +94,7 @@ from fdsched.core.adaptive import K_BOUND, AdaptiveReserve, RunningRequest, SetM
 from fdsched.core.metrics import METRICS
 from fdsched.core.policies import FixedBlockReserve, NewTokenRatio, max_new_tokens_of
 
-from fdsched.patches import PatchSpec, Reliance
+from fdsched.patches._spec import PatchSpec, Reliance
 from fdsched.patches._base import PluginBase, block_checks, finished_ids, host_defines, host_global
 
 RM = "fastdeploy.engine.sched.resource_manager_v1"

@@ -11,7 +11,12 @@ import math
 import os
 from typing import Iterable, Optional, Sequence
 
-__all__ = ["EXIT_OK", "EXIT_ERROR", "EXIT_NO_HOST", "read_utf8", "ceil_div", "blocks_for_tokens", "percentile", "mean", "text_table"]
+__all__ = ["SettingsError", "EXIT_OK", "EXIT_ERROR", "EXIT_NO_HOST", "read_utf8", "ceil_div", "blocks_for_tokens", "percentile", "mean", "text_table"]
+
+
+class SettingsError(ValueError):
+    """A setting is malformed, unknown, out of range or contradicts another one (defined here, re-exported by
+    :mod:`fdsched.core.settings`, so that the cost model's errors can be settings errors without a circle)."""
 
 # Exit codes of every ``fdsched`` command: done / a bad input, setting or check / no FastDeploy host.
 EXIT_OK, EXIT_ERROR, EXIT_NO_HOST = 0, 1, 2

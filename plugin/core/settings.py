@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping, Optional
 import yaml
 
 from fdsched.core.adaptive import K_BOUND, K_DECAY, K_DEFAULT, K_STEP
-from fdsched.core.common import read_utf8
+from fdsched.core.common import SettingsError, read_utf8
 
 __all__ = [
     "CHANGE_IDS",
@@ -53,10 +53,6 @@ CHANGE_IDS = (
     "pd_prefill_cache",
     "nonpolling_transfer",
 )
-
-
-class SettingsError(ValueError):
-    """A setting is malformed, unknown, out of range or contradicts another one."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -135,7 +131,7 @@ def _cap(raw: Any) -> Optional[float]:
 
 def _cost_model(raw: Any) -> str:
     """``linear``, a shipped cost-model preset's name or a preset file that loads."""
-    from fdsched.replay.costmodel import LINEAR, CostModelError, allowed_text, load_preset, preset_names
+    from fdsched.core.costmodel import LINEAR, CostModelError, allowed_text, load_preset, preset_names
 
     if not isinstance(raw, str) or not raw.strip():
         raise ValueError(allowed_text())

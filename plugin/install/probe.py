@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import inspect
 import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
-from fdsched.patches._base import code_names  # noqa: F401
 
 __all__ = [
     "HOST_SOURCE_ENV",

@@ -9,7 +9,6 @@ ones; ``fdsched trace import`` turns a public request log (CSV) into a time-base
 from __future__ import annotations
 
 import argparse
-import hashlib
 import os
 import sys
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 from fdsched.replay.trace import ENGINE_KEYS, TraceError, check_engine, load_trace, resolve_trace, shipped_traces
 
 from fdsched.core.common import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK
+
 DEFAULT_TRACE = "pressure"
 DEFAULT_PROFILES = ("baseline", "recommended")
 
@@ -34,7 +34,7 @@ def _nonneg_float(text: str) -> float:
 
 
 def _preset_list() -> str:
-    from fdsched.replay.costmodel import preset_names
+    from fdsched.core.costmodel import preset_names
 
     return ", ".join(preset_names()) or "none shipped"
 
@@ -263,7 +263,7 @@ def cmd_eval(args) -> int:
 
     from fdsched.replay.evaluate import format_eval_markdown, format_eval_table, load_results, load_windows, run_plan, window_trace_name
 
-    from fdsched.replay.costmodel import resolve_cost_model
+    from fdsched.core.costmodel import resolve_cost_model
 
     try:
         plan = load_windows(args.windows)
@@ -400,24 +400,15 @@ def _check_out_dir(value: str) -> Path:
     return out
 
 
-def _trace_info(trace, path) -> dict:
-    """The report's ``trace`` section."""
-    return {
-        "name": trace.name,
-        "description": trace.description,
-        "requests": len(trace.requests),
-        "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest(),
-    }
-
-
 def cmd_replay(args) -> int:
     from fdsched.install.probe import HOW_TO_POINT, HostNotFound
     from fdsched.install.installer import InstallError
-    from fdsched.replay.costmodel import resolve_cost_model
+    from fdsched.core.costmodel import resolve_cost_model
     from fdsched.core.settings import SettingsError, load_settings
 
     from fdsched.replay.report import (
-        INSTALL_HINT, build_report, format_bounds, format_header, format_table, format_verdicts, report_json, write_plot,
+        INSTALL_HINT, build_report, format_bounds, format_header, format_table, format_verdicts, report_json, trace_info,
+        write_plot,
     )
     from fdsched.replay.runner import DEFAULT_MAX_STEPS, run_dp_arms, run_replay
 
@@ -512,17 +503,17 @@ def cmd_replay(args) -> int:
         print(f"fdsched: {error}", file=sys.stderr)
         return EXIT_ERROR
 
-    trace_info = _trace_info(trace, path)
+    info = trace_info(trace, path)
     if dp_arms is not None:
         from fdsched.replay.trace import DP_SPLIT_RULE
 
-        trace_info["dp_arms"] = {
+        info["dp_arms"] = {
             "arms": {str(rank): profile for rank, profile in sorted(dp_arms.items())},
             "seed": args.dp_seed,
             "split": DP_SPLIT_RULE,
             "requests_per_rank": {run.profile: len(run.requests) for run in runs},
         }
-    report = build_report(trace_info, engine, runs)
+    report = build_report(info, engine, runs)
     (out / "report.json").write_text(report_json(report), encoding="utf-8")
     print(format_header(report))
     print(format_table(report))

@@ -251,7 +251,7 @@ def run_plan(plan: EvalPlan, csv_dir: Path, out_dir: Path, arms: Sequence[str], 
              cost_overrides: Optional[dict] = None, only=None) -> list:
     """Import and replay; returns [(trace name, report profile entries)] and writes one report.json per trace.
     ``only``: run just these traces of the plan (names as :func:`plan_trace_names`; TraceError otherwise)."""
-    from fdsched.replay.cli import _trace_info
+    from fdsched.replay.report import trace_info
     from fdsched.replay.report import build_report, report_json
     from fdsched.replay.runner import run_replay
     from fdsched.replay.trace import load_trace, resolve_trace, shipped_traces
@@ -283,7 +283,7 @@ def run_plan(plan: EvalPlan, csv_dir: Path, out_dir: Path, arms: Sequence[str], 
             runs += run_replay(trace, [arm], engine, cost_overrides, progress_factory=progress_factory,
                                check_every=check_every)
             log(f"eval: {name}: {arm} done in {time.perf_counter() - started:.0f} s")
-        report = build_report(_trace_info(trace, path), engine, runs, include_series=False)
+        report = build_report(trace_info(trace, path), engine, runs, include_series=False)
         (out_dir / f"{name}.report.json").write_text(report_json(report), encoding="utf-8")
         results.append((name, [{"profile": p["profile"], "figures": p["figures"]} for p in report["profiles"]]))
     return results

@@ -6,10 +6,12 @@ host) except its ``measured`` section, which holds wall-clock timings and nothin
 
 from __future__ import annotations
 
+import hashlib
 import json
+from pathlib import Path
 from typing import Optional, Sequence
 
-from fdsched.replay.costmodel import row_step_ms
+from fdsched.core.costmodel import row_step_ms
 from fdsched.core.common import text_table
 from fdsched.replay.figures import ProfileRun, compute_figures, latency_samples, measured_figures
 
@@ -647,3 +649,13 @@ def write_plot(report: dict, path: str, title: str = "") -> None:
     fig.suptitle((title + " - " if title else "") + subtitle, fontsize=11, y=1 - 0.05 / height)
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def trace_info(trace, path) -> dict:
+    """The report's ``trace`` section."""
+    return {
+        "name": trace.name,
+        "description": trace.description,
+        "requests": len(trace.requests),
+        "sha256": hashlib.sha256(Path(path).read_bytes()).hexdigest(),
+    }

@@ -29,7 +29,7 @@ from collections import Counter, deque
 from contextlib import contextmanager
 from typing import Callable, Mapping, Optional, Sequence
 
-from fdsched.replay.costmodel import cost_from_settings, prefill_context_tokens, row_step_ms
+from fdsched.core.costmodel import cost_from_settings, prefill_context_tokens, row_step_ms
 from fdsched.replay.figures import ProfileRun, RequestRow, StepRow
 from fdsched.replay.invariants import check_blocks, check_requests
 from fdsched.replay.peak_arm import PEAK_PLUGIN_NAME, replay_admission_hook
@@ -486,7 +486,7 @@ def _drive(run, trace, manager, outputs, role, max_steps, stall_steps, check_eve
 
 
 def _set_step_context(row: StepRow, record) -> None:
-    """The step's context facts for the cost model (:mod:`fdsched.replay.costmodel`): the tokens its
+    """The step's context facts for the cost model (:mod:`fdsched.core.costmodel`): the tokens its
     decoding requests held, and the tokens its prefill chunks attended to (prefix included)."""
     row.decode_context_tokens = record.decode_context_tokens
     row.prefill_context_tokens = prefill_context_tokens(record.prefill_chunks)

@@ -257,9 +257,9 @@ def _add_optional_commands(sub) -> None:
     bench.add_commands(sub)
     hostsetup.add_commands(sub)
     abreport.add_command(sub)
-    from fdsched.serve import launcher as serve_launcher  # fdsched serve (issue 15)
+    from fdsched.serve import cli as serve_cli  # fdsched serve (issue 15)
 
-    serve_launcher.add_command(sub)
+    serve_cli.add_command(sub)
     from fdsched.serve import load_cli  # fdsched load: a trace against running servers
 
     load_cli.add_command(sub)

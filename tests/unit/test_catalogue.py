@@ -18,7 +18,7 @@ from fdsched.core.settings import CHANGE_IDS, SCHEMA
 
 SCHEMA_BY_KEY = {s.key: s for s in SCHEMA}
 PATCH_MODULES = sorted(
-    info.name for info in pkgutil.iter_modules(fdsched.patches.__path__) if info.name not in ("_base", "__init__")
+    info.name for info in pkgutil.iter_modules(fdsched.patches.__path__) if info.name not in ("_base", "_spec", "__init__")
 )
 SPECS = {spec.change_id: spec for spec in CATALOGUE}
 

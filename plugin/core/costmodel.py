@@ -30,7 +30,7 @@ Models (``--cost-model NAME|FILE``, profile key ``replay.cost_model``):
   ``replay.per_decode_request_ms``), every other coefficient 0: a coarse stand-in for a GPU whose
   step cost does not see context; its numbers are exactly those of the replay before the context
   terms existed.
-* a shipped preset (``fdsched/replay/costmodels/<name>.yaml``, listed by :func:`preset_names`),
+* a shipped preset (``fdsched/core/costmodels/<name>.yaml``, listed by :func:`preset_names`),
   calibrated from public profiling data; the file says where each number comes from.
 * a preset file of the same form (:func:`load_preset`).
 
@@ -51,7 +51,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Iterable, Mapping, Optional, Sequence
 
-from fdsched.core.settings import SettingsError
+from fdsched.core.common import SettingsError
 
 __all__ = [
     "StepCost",
@@ -71,7 +71,7 @@ __all__ = [
 ]
 
 LINEAR = "linear"
-PRESET_DIR = "costmodels"  # inside the fdsched.replay package
+PRESET_DIR = "costmodels"  # inside the fdsched.core package
 
 # Coefficient keys (as in report.json and preset files) -> (StepCost attribute, meaning with unit).
 COEFFICIENTS = {
@@ -189,7 +189,7 @@ def decode_context_tokens(held_tokens: Iterable[int]) -> int:
 # Presets
 # --------------------------------------------------------------------------------------------
 def _preset_root():
-    return resources.files("fdsched.replay").joinpath(PRESET_DIR)
+    return resources.files("fdsched.core").joinpath(PRESET_DIR)
 
 
 def preset_names() -> list:
@@ -272,7 +272,7 @@ def resolve_cost_model(value: str, origin: str = "--cost-model") -> Optional[Ste
     if text in preset_names():
         try:
             return load_preset(_preset_root().joinpath(f"{text}.yaml"), name=text,
-                               shown=f"fdsched/replay/{PRESET_DIR}/{text}.yaml")
+                               shown=f"fdsched/core/{PRESET_DIR}/{text}.yaml")
         except CostModelError as exc:  # a broken shipped preset: say so
             raise CostModelError(f"{origin}: shipped preset {text!r} is broken: {exc}") from None
     path = Path(text).expanduser()

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from fdsched.replay.costmodel import (
+from fdsched.core.costmodel import (
     COEFFICIENTS,
     CostModelError,
     StepCost,
@@ -29,7 +29,7 @@ from fdsched.replay.figures import ProfileRun, RequestRow, StepRow, latency_samp
 from fdsched.replay.report import build_report, format_header
 from fdsched.core.settings import SettingsError, load_settings
 
-REPO = Path(__file__).resolve().parents[3]
+REPO = Path(__file__).resolve().parents[2]
 PRESET = "llama2-7b-a100"
 LINEAR_SETTINGS = {"replay.step_fixed_ms": 5.0, "replay.per_prefill_token_ms": 0.02, "replay.per_decode_request_ms": 0.1}
 
@@ -151,7 +151,7 @@ def test_latencies_grow_with_the_context_held():
 def test_the_shipped_preset_loads_with_its_source_and_every_coefficient():
     assert PRESET in preset_names()
     cost = resolve_cost_model(PRESET)
-    shipped = REPO / "plugin" / "replay" / "costmodels" / f"{PRESET}.yaml"
+    shipped = REPO / "plugin" / "core" / "costmodels" / f"{PRESET}.yaml"
     doc = yaml.safe_load(shipped.read_text(encoding="utf-8"))
     assert cost.coefficients() == {k: float(v) for k, v in doc["coefficients"].items()}
     assert cost.name == PRESET and cost.context_aware
@@ -166,7 +166,7 @@ def test_the_shipped_preset_loads_with_its_source_and_every_coefficient():
 def test_the_shipped_preset_is_what_the_fit_script_derives():
     proc = subprocess.run(
         [sys.executable, str(REPO / "tools" / "fit_costmodel.py"), "--check",
-         str(REPO / "plugin" / "replay" / "costmodels" / f"{PRESET}.yaml")],
+         str(REPO / "plugin" / "core" / "costmodels" / f"{PRESET}.yaml")],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
