@@ -114,6 +114,8 @@ def add_commands(sub) -> None:
     ev.add_argument("--no-shipped", action="store_true", help="only the evaluation windows, not the shipped real traces")
     ev.add_argument("--list", action="store_true", help="print the split and exit (no host needed)")
     ev.add_argument("--no-progress", action="store_true", help="no progress bar")
+    ev.add_argument("-v", "--verbose", action="store_true",
+                    help="show the host's own messages (import warnings, logs) here instead of in OUT/host.log")
     ev.add_argument("--cost-model", metavar="NAME|FILE",
                     help="the step-cost model of every arm (as fdsched replay --cost-model; default: each profile's)")
     ev.add_argument("--only", nargs="+", metavar="TRACE",
@@ -300,27 +302,40 @@ def cmd_eval(args) -> int:
     except TraceError as exc:
         print(f"fdsched: {exc}", file=sys.stderr)
         return EXIT_ERROR
-    progress_factory = None
+    tqdm = None
     if not args.no_progress:
         try:
             from tqdm import tqdm
         except ImportError:
             pass
-        else:
-            progress_factory = lambda profile, total: _Bar(tqdm, profile, total)  # noqa: E731
-    try:
-        results = run_plan(plan, Path(args.csv_dir), Path(args.out), arms, include_shipped=not args.no_shipped,
-                           progress_factory=progress_factory, log=lambda m: print(m, file=sys.stderr),
-                           check_every=args.check_every, cost_overrides={"model": args.cost_model}, only=args.only)
-    except HostNotFound as exc:
-        message = str(exc)
+    from fdsched.tools.quiet import host_output_to, log_note
+
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    error = None
+    # as fdsched replay: the host's import-time and run-time messages go to OUT/host.log (-v: here)
+    with host_output_to(Path(args.out) / "host.log", verbose=args.verbose) as host_log:
+        terminal = host_log.terminal
+        progress_factory = None
+        if tqdm is not None:
+            progress_factory = lambda profile, total: _Bar(tqdm, profile, total, terminal)  # noqa: E731
+        try:
+            results = run_plan(plan, Path(args.csv_dir), Path(args.out), arms, include_shipped=not args.no_shipped,
+                               progress_factory=progress_factory, log=lambda m: print(m, file=terminal, flush=True),
+                               check_every=args.check_every, cost_overrides={"model": args.cost_model}, only=args.only)
+        except (HostNotFound, SettingsError, InstallError, TraceError) as exc:
+            error = exc
+    note = log_note(host_log)
+    if isinstance(error, HostNotFound):
+        message = str(error)
         if HOW_TO_POINT not in message:
             message += f"; {HOW_TO_POINT}"
         print(f"fdsched eval: needs the FastDeploy host: {message}", file=sys.stderr)
         return EXIT_NO_HOST
-    except (SettingsError, InstallError, TraceError) as exc:
-        print(f"fdsched: {exc}", file=sys.stderr)
+    if error is not None:
+        print(f"fdsched: {error}", file=sys.stderr)
         return EXIT_ERROR
+    if note:
+        print(note)
     print(fmt(results))
     print(f"\nreports: {Path(args.out)}/<trace>.report.json")
     violations = sum(p["figures"]["invariant_violations"] for _, profiles in results for p in profiles)

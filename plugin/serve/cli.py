@@ -8,8 +8,9 @@ import signal
 import sys
 import time
 
+from fdsched.core.common import EXIT_ERROR, EXIT_NO_HOST
 from fdsched.serve.launcher import (
-    PORT_RANGE, EngineConfig, ServedEngine, ServeError, check_host_modules, format_schedule_times, receiver_rpc_rate,
+    PORT_RANGE, HostMissing, EngineConfig, ServedEngine, ServeError, check_host_modules, format_schedule_times, receiver_rpc_rate,
 )
 
 __all__ = ["add_command", "cmd_serve"]
@@ -121,7 +122,7 @@ def cmd_serve(args) -> int:
             return 0
     except ServeError as exc:
         print(f"fdsched serve: {exc}", file=sys.stderr)
-        return 2
+        return EXIT_NO_HOST if isinstance(exc, HostMissing) else EXIT_ERROR
 
 
 def _arm_names(engine, args) -> list:

@@ -37,6 +37,10 @@ class ServeError(RuntimeError):
     """One clear error (the CLI prints it without a traceback)."""
 
 
+class HostMissing(ServeError):
+    """The host, or the serving stack's modules, are not there (exit code 2, as every command without a host)."""
+
+
 def port_in_use(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -90,12 +94,13 @@ def check_host_modules() -> str:
     try:
         source = find_host()
     except HostNotFound as exc:
-        raise ServeError(f"needs FastDeploy engine: {exc}") from None
+        raise HostMissing(f"needs FastDeploy engine: {exc}") from None
     missing = [m for m in REQUIRED_MODULES if importlib.util.find_spec(m) is None]
     if missing:
-        raise ServeError(f"needs FastDeploy engine: the serving stack's modules are missing: {', '.join(missing)}; "
-                         "install them with: pip install -r $(python -c 'import fdsched,os;"
-                         "print(os.path.dirname(fdsched.__file__))')/host-requirements-cpu.txt")
+        from fdsched.tools.hostsetup import REQUIREMENTS
+
+        raise HostMissing(f"needs FastDeploy engine: the serving stack's modules are missing: {', '.join(missing)}; "
+                          f"`fdsched host setup` installs them, or: pip install -r {REQUIREMENTS}")
     return source
 
 

@@ -131,7 +131,7 @@ def test_port_in_use_is_one_clear_error():
             ServedEngine(EngineConfig(port=port)).__enter__()
         cli = subprocess.run([sys.executable, "-m", "fdsched.tools.cli", "serve", "--port", str(port)],
                              capture_output=True, text=True, timeout=120)
-    assert cli.returncode == 2 and f"port {port} is in use" in cli.stderr and "Traceback" not in cli.stderr
+    assert cli.returncode == 1 and f"port {port} is in use" in cli.stderr and "Traceback" not in cli.stderr
 
 
 def test_host_without_serving_modules_is_one_clear_error(monkeypatch):
