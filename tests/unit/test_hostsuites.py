@@ -55,7 +55,7 @@ def test_plugin_caused_entries_list_exactly_the_runs_that_apply_their_change():
                 applying.append(run)
         assert sorted(entry.runs) == sorted(applying), (
             f"{entry.test}: runs {sorted(entry.runs)} but the runs that apply {entry.change} are {sorted(applying)}; "
-            "update plugin/host_suites.yaml"
+            "update plugin/tools/host_suites.yaml"
         )
 
 
