@@ -78,6 +78,8 @@ class PeakOracle:
     the others, so the sum is the reserve and admission means: the peak fits the pool.
     """
 
+    watches_candidate = True  # the runner records the request get_new_block_nums was last asked about
+
     def __init__(self, snapshot: Callable[[], tuple], block_size: int, ahead: int = 1,
                  first_running: Optional[Callable[[], Optional[str]]] = None) -> None:
         self.snapshot = snapshot

@@ -324,7 +324,7 @@ def run_profile(
         with host_environment(settings), logical_clock():
             manager = build_manager(shape)
             manager_ref["manager"] = manager
-            if isinstance(reservation, PeakOracle) or getattr(reservation, "watches_candidate", False):
+            if getattr(reservation, "watches_candidate", False):  # PeakOracle, PeakAdmissionHook
                 _watch_candidate(manager, manager_ref)
             try:
                 _drive(run, trace, manager, outputs, role, max_steps, stall_steps, every, progress, cost,
