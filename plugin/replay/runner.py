@@ -33,10 +33,7 @@ from fdsched.core.costmodel import cost_from_settings, prefill_context_tokens, r
 from fdsched.replay.figures import ProfileRun, RequestRow, StepRow
 from fdsched.replay.invariants import check_blocks, check_requests
 from fdsched.replay.peak_arm import PEAK_PLUGIN_NAME, replay_admission_hook
-from fdsched.replay.oracle import (
-    ORACLE_PLUGIN_NAME, RETRACT_PLUGIN_NAME, Holding, OracleReserve,
-    PeakOracle, RetractOrder,
-)
+from fdsched.replay.oracle import ORACLE_PLUGIN_NAME, RETRACT_PLUGIN_NAME, Holding, PeakOracle, RetractOrder
 from fdsched.replay.trace import Trace, TraceError, check_engine
 
 __all__ = ["unbounded_blocks", "run_profile", "run_replay", "run_dp_arms", "dp_arm_name", "arm_settings", "host_environment", "other_host_env", "node_output_lengths", "cache_held_blocks", "request_held_blocks"]
