@@ -39,30 +39,55 @@ Relies on: (each probed at install: ``on``, or ``off`` on the new host, fails na
     (``finish_requests_async`` submits it to a pool), which finds it in ``self.requests``, still with its
     running status, and takes it out of ``running``; a preempted request is not running.
 
-How: a prefill (new, or the next chunk of a running one) is admitted only when free blocks cover
-its chunk plus, for every running request, ``ceil(min(max_tokens - generated, clip) * ratio /
-block_size)`` (hook ``fdsched_estimate_reserve_blocks``; on the new host through its own per-request
-seam ``_get_running_request_reserve_blocks``). The ratio starts at init, decays after each pass that
-scheduled something, and is re-estimated after a preemption (the new host's ``_reset_reserve_on_preemption``
-seam; on the old host at the end of a ``_trigger_preempt`` call that preempted). A running chunked prefill
-that fails the threshold stops the running pass and blocks waiting requests for the step. On the new host
-that stop is the host's own code; on the old host the plugin gets the same effect through the host's own
-control flow: ``get_new_block_nums`` asks the cache manager to refuse the host's check of exactly that
-chunk's blocks (a signal keyed to the request and the block count, evicting nothing), and
-``_trigger_preempt`` then declines for that request without preempting and puts it into the pass's
-``preempted_reqs`` (the host skips its waiting pass when that list is not empty).
+How: one admission budget per ``schedule()`` pass (:class:`fdsched.core.admission.AdmissionBudget`), with
+this arm's reservation strategy behind it. The ``schedule`` wrapper opens it; every admission asks it at the
+host's threshold seam ``_get_can_schedule_prefill_threshold_block`` (a prefill, new or the next chunk of a
+running one, is admitted only when free blocks cover its chunk plus what the running set keeps free); the
+wrapper closes it when the pass ends and then tells the strategy whether the pass scheduled something.
+The arm's class holds the mixin for its impl, host version and estimator (``SPEC.variants``), chosen
+once when the class is built; no method asks which impl it runs:
+
+===========================  ===================================================================
+impl (host)                  mixin, strategy
+===========================  ===================================================================
+host (either)                ``HostReserveMixin`` (old host: ``HostReserveOldHostMixin``): the host's
+                             own code, fed the profile's values
+plugin, ratio (new / old)    ``RatioReserveMixin`` / ``RatioReserveOldHostMixin``: :class:`RatioStrategy`
+plugin, adaptive (new / old) ``AdaptiveReserveMixin`` / ``AdaptiveReserveOldHostMixin``:
+                             :class:`AdaptiveStrategy`
+off (new host only)          ``PreChangeReserveMixin``: :class:`FixedBlockStrategy` and the pre-change
+                             running pass
+===========================  ===================================================================
+
+Upstream's formula keeps ``ceil(min(max_tokens - generated, clip) * ratio / block_size)`` blocks per running
+request (hook ``fdsched_estimate_reserve_blocks``; the new host's per-request seam
+``_get_running_request_reserve_blocks`` answers the same for one request asked alone). The ratio starts at
+init, decays after each pass that scheduled something, and is re-estimated after a preemption (the new host's
+``_reset_reserve_on_preemption`` seam; on the old host at the end of a ``_trigger_preempt`` call that
+preempted). A running chunked prefill that fails the threshold stops the running pass and blocks waiting
+requests for the step. On the new host that stop is the host's own code; on the old host the plugin gets the
+same effect through the host's own control flow: ``get_new_block_nums`` asks the budget for the chunk and,
+refused, asks the cache manager to refuse the host's check of exactly that chunk's blocks (a one-shot signal
+keyed to the scheduling thread, the request and the block count, evicting nothing), and ``_trigger_preempt``
+then declines for that request without preempting and puts it into the pass's ``preempted_reqs`` (the host
+skips its waiting pass when that list is not empty).
 
 ``off`` on the new host restores the pre-change running pass too: a running chunk short of blocks
-preempts instead of waiting. The plugin preempts (``_trigger_preempt``) into lists of its own, kept on
-the instance for the duration of the ``schedule()`` pass its wrapper opened, holds the waiting queue
-back for the rest of that pass (the pre-change pass skips admission after a preemption), and at the
-pass's end (``_log_console_scheduler_metrics``, under the lock) puts the preempt tasks into the pass's
-list just before the chunk's own task and the waiting queue back. Nothing depends on who called whom:
-a class between the host's ``schedule()`` and these methods changes nothing. Left as the new host has it:
-the token budget that 7783 pre-deducts for decoding requests at the start of a pass.
+preempts instead of waiting. The plugin preempts (``_trigger_preempt``) into lists of its own, kept in the
+pass's budget, holds the waiting queue back for the rest of that pass (the pre-change pass skips admission
+after a preemption; the scheduler lock is held for the whole pass, so nothing else sees the queue meanwhile),
+and at the pass's end (``_log_console_scheduler_metrics``, under the lock) puts the preempt tasks into the
+pass's list just before the chunk's own task and the waiting queue back. This is the one place the plugin
+holds host state across calls: the new host's only gate before its waiting pass's side effects (prefix
+matching, swap-in) is a local list the plugin cannot reach. Nothing depends on who called whom: a class
+between the host's ``schedule()`` and these methods changes nothing. Left as the new host has it: the token
+budget that 7783 pre-deducts for decoding requests at the start of a pass.
 
-One-shot signals (the refusal, the refusal count, the guard's decline, the running chunk a threshold is
-for) are keyed to the check they are for and dropped at the end of every pass; one still pending then is
+One-shot signals (the refusal, the refusal count) go to the cache manager keyed to the thread, the request the
+scheduler is deciding on (``get_new_block_nums`` puts it in focus) and the block count; a check by another thread
+(the token processor, the transfer receiver, the PD preallocation) neither takes nor is bent by one. The
+budget belongs to the thread that opened it: a threshold asked on another thread gets a budget of its own.
+A signal, a guard's decline or a pre-change running chunk still pending at the end of a pass is dropped,
 logged and counted in ``fastdeploy:fdsched_unconsumed_signals_total{signal}``.
 
 Beyond upstream: the adaptive estimator (``FDSCHED_RESERVE_ESTIMATOR=adaptive``, profile ``adaptive``;
@@ -70,12 +95,12 @@ pure code in :mod:`fdsched.core.adaptive`). Through the same seam, each running 
 remaining output ``E[L - g | L > g]`` learned from the engine's own finished requests (samples taken in
 the host's ``finish_requests`` seam, before the host forgets the request: its output length and, where
 the client bounded it, its ``max_tokens``); one margin, ``k x sqrt(sum of variances)``, covers the running
-set: the per-request answers telescope to ``ceil((sum of means + margin) / block_size)`` within one
-admission decision (:class:`fdsched.core.adaptive.SetMargin`), never more than upstream's ratio formula gives
+set: the budget asks the strategy for the whole set, whose per-request answers telescope to
+``ceil((sum of means + margin) / block_size)`` (:class:`fdsched.core.adaptive.SetMargin`), never more than upstream's ratio formula gives
 the same requests (``k`` defaults to -2: see fdsched.core.adaptive). A preemption raises ``k`` (and resets the
 warm-up fallback); a preempted or still-running request is never a sample. Until a kind (bounded /
 unbounded) has enough samples it answers with :func:`fdsched.core.adaptive.warmup_reserve_blocks`. A third-party
-``fdsched_estimate_reserve_blocks`` hook still answers first, per request. Cost per running request and
+``fdsched_estimate_reserve_blocks`` hook still answers first, per request (outside the set's margin). Cost per running request and
 decision: O(1) amortised (a bucket's tail sums are cached until the next finished request), O(log buckets)
 at worst.
 
@@ -235,6 +260,13 @@ class _BudgetedReserve(ReservationMixin):
         METRICS.reserved(budget.reserved, of=self)
         self._fdsched_strategy.report_decision(of=self)
         return threshold
+
+    def fdsched_running_reserve(self) -> int:
+        """The blocks the running set keeps free now (what an admission's threshold adds to its chunk); the
+        decision's figures go to the metrics as an admission's do."""
+        blocks = self._fdsched_strategy.set_blocks(self._fdsched_views())
+        self._fdsched_strategy.report_decision(of=self)
+        return blocks
 
     def _fdsched_speculative_slack(self, threshold: int) -> int:
         if self.config.speculative_config.method is not None:
