@@ -140,7 +140,7 @@ class PdPrefillCacheOffMixin(_PreChangeRecording, PdPrefillCacheMixin):
 
     def schedule(self):
         result = super().schedule()
-        if self._fdsched_pd_behaviour() is not None and self._fdsched_host.has["pd_prefill_cache"]:
+        if self._fdsched_pd_behaviour() is not None:  # impl "off" exists only on a host that has the change
             from fastdeploy.engine.request import Request
 
             for task in result[0]:
