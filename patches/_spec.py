@@ -8,7 +8,17 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-__all__ = ["PatchSpec", "Reliance"]
+__all__ = ["PatchSpec", "Reliance", "Variant"]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """A change's mixin for one impl that also depends on the host or the arm's settings, chosen once when the
+    arm's class is built: ``choose(host_has, settings)`` returns one of ``options`` (``host_has``: the host
+    carries the change; ``settings``: the arm's :class:`fdsched.core.settings.Settings`)."""
+
+    choose: Callable
+    options: tuple
 
 
 @dataclass(frozen=True)
@@ -48,22 +58,27 @@ class PatchSpec:
     host_has_as_selected: Optional[Callable] = None
     # Which mixins an arm's class gets, by the change's impl there (see :meth:`mixin_of`): ``applies`` lists
     # the impls that get ``mixins`` (every other impl: none, the host's code runs untouched); ``variants``
-    # (impl -> {Target: mixin}) instead names a mixin per impl, where the impls differ in what they do.
+    # (impl -> {Target: mixin or Variant}) instead names a mixin per impl, where the impls differ in what they
+    # do (a Variant where it also differs by host or by the arm's settings).
     applies: tuple = ("plugin",)
     variants: Optional[dict] = None
 
-    def mixin_of(self, target: str, impl: str):
-        """The mixin an arm whose decision for this change is ``impl`` gets for ``target``, or None."""
+    def mixin_of(self, target: str, impl: str, host_has: bool = False, settings=None):
+        """The mixin an arm whose decision for this change is ``impl`` gets for ``target``, or None
+        (``host_has`` and ``settings`` choose among a :class:`Variant`'s options)."""
         if self.variants is not None:
-            return self.variants.get(impl, {}).get(target)
+            chosen = self.variants.get(impl, {}).get(target)
+            return chosen.choose(host_has, settings) if isinstance(chosen, Variant) else chosen
         return self.mixins.get(target) if impl in self.applies else None
 
     def classes(self, target: str) -> tuple:
         """Every mixin class this change may put into ``target``'s plugin classes (its base and variants)."""
         found = [self.mixins[target]] if target in self.mixins else []
         for by_target in (self.variants or {}).values():
-            if target in by_target and by_target[target] not in found:
-                found.append(by_target[target])
+            chosen = by_target.get(target)
+            for mixin in chosen.options if isinstance(chosen, Variant) else (chosen,) if chosen else ():
+                if mixin not in found:
+                    found.append(mixin)
         return tuple(found)
 
     def check_reliances(self, info) -> dict:

@@ -15,9 +15,9 @@ Switch:    FDSCHED_PD_PREFILL_CACHE / changes.pd_prefill_cache = auto | on | off
            behaviour); ``auto`` with ``upstream`` leaves the new host's own code alone.
 Delete:    when every supported host records only computed blocks on prefill nodes.
 Relies on: (probed at install: ``on``, or ``off`` on the new host, fails naming it; ``auto`` skips)
-  * record-moments: the host records blocks by calling ``cache_manager.update_cache_blocks`` from inside
-    ``schedule()`` (per chunk) and ``preallocate_resource_in_p``, on the calling thread, and releases a
-    finished request's blocks through ``_free_blocks`` (called from ``finish_requests``).
+  * record-moments: the host records blocks by calling ``cache_manager.update_cache_blocks`` only from inside
+    ``schedule()`` (per chunk) and ``preallocate_resource_in_p`` (for the request it preallocates), and releases
+    a finished request's blocks through ``_free_blocks`` (called from ``finish_requests``).
 
 How, for the prefill role only (other roles are untouched). Three moments can record blocks:
 
@@ -29,40 +29,37 @@ upstream      the whole prompt         nothing                   nothing more
 safe          the cache hit only       nothing                   the whole prompt
 ============  =======================  ========================  =================================
 
-The resource manager marks which moment a call to ``update_cache_blocks`` belongs to (a thread-local
-context, since preallocation and scheduling run on different threads); the prefix cache's gate lets
-a call through only when the selected behaviour records at that moment. Calls outside these moments
-(every other role, every other caller) pass through untouched.
+The prefix cache's gate (``update_cache_blocks``, on a prefill node only) tells the host's two moments apart by
+the request, not by who is calling: a record for a request whose preallocation is under way (the resource
+manager marks its id for the duration of the host's ``preallocate_resource_in_p``) is a preallocation record;
+any other record the host makes is a chunk record (it records nowhere else: see "Relies on"). The gate lets a
+record through only when the selected behaviour records at that moment. The plugin's own records (the third
+moment) do not pass the gate: they call the host's recording directly
+(``cache_manager.fdsched_record_blocks``). Preallocation and scheduling run on different threads; nothing here
+depends on which thread calls. On every other role the gate is not there (no mixin narrows anything).
 """
 
 from __future__ import annotations
 
-import threading
-from contextlib import contextmanager
-
 from fdsched.patches._spec import PatchSpec, Reliance
 from fdsched.patches._base import PluginBase
 
-_CONTEXT = threading.local()
+PREALLOCATION, CHUNK = "preallocation", "chunk"
 
-PREALLOCATION, CHUNK, RECORD = "preallocation", "chunk", "record"
-
-
-@contextmanager
-def _moment(name: str):
-    previous = getattr(_CONTEXT, "moment", None)
-    _CONTEXT.moment = name
-    try:
-        yield
-    finally:
-        _CONTEXT.moment = previous
-
-
+# The host's moments at which each behaviour lets the host record (the plugin's own records are not gated).
 _ALLOWED = {
-    "off": {CHUNK, RECORD},
-    "upstream": {PREALLOCATION, RECORD},
-    "safe": {RECORD},
+    "off": {CHUNK},
+    "upstream": {PREALLOCATION},
+    "safe": set(),
 }
+
+
+def preallocating(cache_manager) -> set:
+    """Ids of the requests whose preallocation is under way on ``cache_manager`` (created on first use)."""
+    marks = cache_manager.__dict__.get("_fdsched_preallocating")
+    if marks is None:
+        marks = cache_manager.__dict__["_fdsched_preallocating"] = set()
+    return marks
 
 
 class _Recording(PluginBase):
@@ -78,9 +75,15 @@ class _PreChangeRecording(PluginBase):
 
 class PdPrefillCacheManagerMixin(_Recording):
     def update_cache_blocks(self, task, block_size, num_computed_tokens):
-        moment = getattr(_CONTEXT, "moment", None)
-        if moment is not None and moment not in _ALLOWED[self._fdsched_recording()]:
-            return None  # these blocks' KV is not written yet under the selected behaviour
+        if getattr(self, "splitwise_role", None) == "prefill":
+            moment = PREALLOCATION if task.request_id in preallocating(self) else CHUNK
+            if moment not in _ALLOWED[self._fdsched_recording()]:
+                return None  # these blocks' KV is not written yet under the selected behaviour
+        return super().update_cache_blocks(task, block_size, num_computed_tokens)
+
+    def fdsched_record_blocks(self, task, block_size, num_computed_tokens):
+        """The plugin's own record (past the gate): the host's recording of ``task``'s blocks up to
+        ``num_computed_tokens``."""
         return super().update_cache_blocks(task, block_size, num_computed_tokens)
 
 
@@ -94,27 +97,16 @@ class PdPrefillCacheMixin(_Recording):
         behaviour = self._fdsched_pd_behaviour()
         if behaviour is None:
             return super().preallocate_resource_in_p(request)
-        with _moment(PREALLOCATION):
+        marks = preallocating(self.cache_manager)
+        marks.add(request.request_id)
+        try:
             allocated = super().preallocate_resource_in_p(request)
+        finally:
+            marks.discard(request.request_id)
         host_records_here = self._fdsched_host.has["pd_prefill_cache"]
         if allocated and behaviour == "upstream" and not host_records_here:
             self._fdsched_record(request, request.need_prefill_tokens)
         return allocated
-
-    def schedule(self):
-        behaviour = self._fdsched_pd_behaviour()
-        if behaviour is None:
-            return super().schedule()
-        with _moment(CHUNK):
-            result = super().schedule()
-        if behaviour == "off" and self._fdsched_host.has["pd_prefill_cache"]:
-            # The new host no longer updates the tree per chunk on a prefill node; do it as the old host did.
-            from fastdeploy.engine.request import Request
-
-            for task in result[0]:
-                if isinstance(task, Request):
-                    self._fdsched_record(task, task.num_computed_tokens)
-        return result
 
     def _free_blocks(self, request):
         behaviour = self._fdsched_pd_behaviour()
@@ -131,12 +123,11 @@ class PdPrefillCacheMixin(_Recording):
         if not self.config.cache_config.enable_prefix_caching:
             return
         block_size = self.config.cache_config.block_size
-        with _moment(RECORD):
-            if locked:  # the caller holds the scheduler lock already
-                self.cache_manager.update_cache_blocks(request, block_size, num_tokens)
-            else:
-                with self.lock:
-                    self.cache_manager.update_cache_blocks(request, block_size, num_tokens)
+        if locked:  # the caller holds the scheduler lock already
+            self.cache_manager.fdsched_record_blocks(request, block_size, num_tokens)
+        else:
+            with self.lock:
+                self.cache_manager.fdsched_record_blocks(request, block_size, num_tokens)
 
 
 class PdPrefillCacheManagerOffMixin(_PreChangeRecording, PdPrefillCacheManagerMixin):
@@ -144,7 +135,18 @@ class PdPrefillCacheManagerOffMixin(_PreChangeRecording, PdPrefillCacheManagerMi
 
 
 class PdPrefillCacheOffMixin(_PreChangeRecording, PdPrefillCacheMixin):
-    """``off`` on a host that has the change: the pre-change recording."""
+    """``off`` on a host that has the change: the pre-change recording, which also recorded every running
+    chunk of a prefill node (the new host records only a new request's first chunk there)."""
+
+    def schedule(self):
+        result = super().schedule()
+        if self._fdsched_pd_behaviour() is not None:  # impl "off" exists only on a host that has the change
+            from fastdeploy.engine.request import Request
+
+            for task in result[0]:
+                if isinstance(task, Request):
+                    self._fdsched_record(task, task.num_computed_tokens)
+        return result
 
 
 def _has_pd_record(info) -> bool:
@@ -199,8 +201,9 @@ SPEC = PatchSpec(
         "off": {"ResourceManagerV1": PdPrefillCacheOffMixin, "PrefixCacheManager": PdPrefillCacheManagerOffMixin},
     },
     relies_on=(
-        Reliance("record-moments", "the host records blocks with update_cache_blocks inside schedule() and "
-                 "preallocate_resource_in_p on the calling thread, and finish_requests frees through _free_blocks",
+        Reliance("record-moments", "the host records blocks with update_cache_blocks only inside schedule() and "
+                 "preallocate_resource_in_p (for the request it preallocates), and finish_requests frees through "
+                 "_free_blocks",
                  _record_moments),
     ),
 )

@@ -39,30 +39,55 @@ Relies on: (each probed at install: ``on``, or ``off`` on the new host, fails na
     (``finish_requests_async`` submits it to a pool), which finds it in ``self.requests``, still with its
     running status, and takes it out of ``running``; a preempted request is not running.
 
-How: a prefill (new, or the next chunk of a running one) is admitted only when free blocks cover
-its chunk plus, for every running request, ``ceil(min(max_tokens - generated, clip) * ratio /
-block_size)`` (hook ``fdsched_estimate_reserve_blocks``; on the new host through its own per-request
-seam ``_get_running_request_reserve_blocks``). The ratio starts at init, decays after each pass that
-scheduled something, and is re-estimated after a preemption (the new host's ``_reset_reserve_on_preemption``
-seam; on the old host at the end of a ``_trigger_preempt`` call that preempted). A running chunked prefill
-that fails the threshold stops the running pass and blocks waiting requests for the step. On the new host
-that stop is the host's own code; on the old host the plugin gets the same effect through the host's own
-control flow: ``get_new_block_nums`` asks the cache manager to refuse the host's check of exactly that
-chunk's blocks (a signal keyed to the request and the block count, evicting nothing), and
-``_trigger_preempt`` then declines for that request without preempting and puts it into the pass's
-``preempted_reqs`` (the host skips its waiting pass when that list is not empty).
+How: one admission budget per ``schedule()`` pass (:class:`fdsched.core.admission.AdmissionBudget`), with
+this arm's reservation strategy behind it. The ``schedule`` wrapper opens it; every admission asks it at the
+host's threshold seam ``_get_can_schedule_prefill_threshold_block`` (a prefill, new or the next chunk of a
+running one, is admitted only when free blocks cover its chunk plus what the running set keeps free); the
+wrapper closes it when the pass ends and then tells the strategy whether the pass scheduled something.
+The arm's class holds the mixin for its impl, host version and estimator (``SPEC.variants``), chosen
+once when the class is built; no method asks which impl it runs:
+
+===========================  ===================================================================
+impl (host)                  mixin, strategy
+===========================  ===================================================================
+host (either)                ``HostReserveMixin`` (old host: ``HostReserveOldHostMixin``): the host's
+                             own code, fed the profile's values
+plugin, ratio (new / old)    ``RatioReserveMixin`` / ``RatioReserveOldHostMixin``: :class:`RatioStrategy`
+plugin, adaptive (new / old) ``AdaptiveReserveMixin`` / ``AdaptiveReserveOldHostMixin``:
+                             :class:`AdaptiveStrategy`
+off (new host only)          ``PreChangeReserveMixin``: :class:`FixedBlockStrategy` and the pre-change
+                             running pass
+===========================  ===================================================================
+
+Upstream's formula keeps ``ceil(min(max_tokens - generated, clip) * ratio / block_size)`` blocks per running
+request (hook ``fdsched_estimate_reserve_blocks``; the new host's per-request seam
+``_get_running_request_reserve_blocks`` answers the same for one request asked alone). The ratio starts at
+init, decays after each pass that scheduled something, and is re-estimated after a preemption (the new host's
+``_reset_reserve_on_preemption`` seam; on the old host at the end of a ``_trigger_preempt`` call that
+preempted). A running chunked prefill that fails the threshold stops the running pass and blocks waiting
+requests for the step. On the new host that stop is the host's own code; on the old host the plugin gets the
+same effect through the host's own control flow: ``get_new_block_nums`` asks the budget for the chunk and,
+refused, asks the cache manager to refuse the host's check of exactly that chunk's blocks (a one-shot signal
+keyed to the scheduling thread, the request and the block count, evicting nothing), and ``_trigger_preempt``
+then declines for that request without preempting and puts it into the pass's ``preempted_reqs`` (the host
+skips its waiting pass when that list is not empty).
 
 ``off`` on the new host restores the pre-change running pass too: a running chunk short of blocks
-preempts instead of waiting. The plugin preempts (``_trigger_preempt``) into lists of its own, kept on
-the instance for the duration of the ``schedule()`` pass its wrapper opened, holds the waiting queue
-back for the rest of that pass (the pre-change pass skips admission after a preemption), and at the
-pass's end (``_log_console_scheduler_metrics``, under the lock) puts the preempt tasks into the pass's
-list just before the chunk's own task and the waiting queue back. Nothing depends on who called whom:
-a class between the host's ``schedule()`` and these methods changes nothing. Left as the new host has it:
-the token budget that 7783 pre-deducts for decoding requests at the start of a pass.
+preempts instead of waiting. The plugin preempts (``_trigger_preempt``) into lists of its own, kept in the
+pass's budget, holds the waiting queue back for the rest of that pass (the pre-change pass skips admission
+after a preemption; the scheduler lock is held for the whole pass, so nothing else sees the queue meanwhile),
+and at the pass's end (``_log_console_scheduler_metrics``, under the lock) puts the preempt tasks into the
+pass's list just before the chunk's own task and the waiting queue back. This is the one place the plugin
+holds host state across calls: the new host's only gate before its waiting pass's side effects (prefix
+matching, swap-in) is a local list the plugin cannot reach. Nothing depends on who called whom: a class
+between the host's ``schedule()`` and these methods changes nothing. Left as the new host has it: the token
+budget that 7783 pre-deducts for decoding requests at the start of a pass.
 
-One-shot signals (the refusal, the refusal count, the guard's decline, the running chunk a threshold is
-for) are keyed to the check they are for and dropped at the end of every pass; one still pending then is
+One-shot signals (the refusal, the refusal count) go to the cache manager keyed to the thread, the request the
+scheduler is deciding on (``get_new_block_nums`` puts it in focus) and the block count; a check by another thread
+(the token processor, the transfer receiver, the PD preallocation) neither takes nor is bent by one. The
+budget belongs to the thread that opened it: a threshold asked on another thread gets a budget of its own.
+A signal, a guard's decline or a pre-change running chunk still pending at the end of a pass is dropped,
 logged and counted in ``fastdeploy:fdsched_unconsumed_signals_total{signal}``.
 
 Beyond upstream: the adaptive estimator (``FDSCHED_RESERVE_ESTIMATOR=adaptive``, profile ``adaptive``;
@@ -70,12 +95,12 @@ pure code in :mod:`fdsched.core.adaptive`). Through the same seam, each running 
 remaining output ``E[L - g | L > g]`` learned from the engine's own finished requests (samples taken in
 the host's ``finish_requests`` seam, before the host forgets the request: its output length and, where
 the client bounded it, its ``max_tokens``); one margin, ``k x sqrt(sum of variances)``, covers the running
-set: the per-request answers telescope to ``ceil((sum of means + margin) / block_size)`` within one
-admission decision (:class:`fdsched.core.adaptive.SetMargin`), never more than upstream's ratio formula gives
+set: the budget asks the strategy for the whole set, whose per-request answers telescope to
+``ceil((sum of means + margin) / block_size)`` (:class:`fdsched.core.adaptive.SetMargin`), never more than upstream's ratio formula gives
 the same requests (``k`` defaults to -2: see fdsched.core.adaptive). A preemption raises ``k`` (and resets the
 warm-up fallback); a preempted or still-running request is never a sample. Until a kind (bounded /
 unbounded) has enough samples it answers with :func:`fdsched.core.adaptive.warmup_reserve_blocks`. A third-party
-``fdsched_estimate_reserve_blocks`` hook still answers first, per request. Cost per running request and
+``fdsched_estimate_reserve_blocks`` hook still answers first, per request (outside the set's margin). Cost per running request and
 decision: O(1) amortised (a bucket's tail sums are cached until the next finished request), O(log buckets)
 at worst.
 
@@ -87,15 +112,17 @@ that scheduled something). The new host's own code (``auto`` there) still has th
 
 from __future__ import annotations
 
+import functools
 import inspect
-import math
+import threading
 
-from fdsched.core.adaptive import K_BOUND, AdaptiveReserve, RunningRequest, SetMargin, client_bound, track_live
+from fdsched.core.adaptive import K_BOUND, AdaptiveReserve, client_bound, track_live
+from fdsched.core.admission import AdaptiveStrategy, AdmissionBudget, FixedBlockStrategy, RatioStrategy, RunningView
 from fdsched.core.metrics import METRICS
 from fdsched.core.policies import FixedBlockReserve, NewTokenRatio, max_new_tokens_of
 
-from fdsched.patches._spec import PatchSpec, Reliance
-from fdsched.patches._base import PluginBase, block_checks, finished_ids, host_defines, host_global
+from fdsched.patches._spec import PatchSpec, Reliance, Variant
+from fdsched.patches._base import PluginBase, block_checks, finished_ids, host_global
 
 RM = "fastdeploy.engine.sched.resource_manager_v1"
 
@@ -116,23 +143,54 @@ _HOST_ATTRS = {
     "decay_output_block_num": "host_tunables.FD_RESERVE_DECAY_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL",
     "min_reserve_output_block_num": "host_tunables.FD_RESERVE_MIN_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL",
 }
+_FIXED = (
+    "host_tunables.FD_RESERVE_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL",
+    "host_tunables.FD_RESERVE_DECAY_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL",
+    "host_tunables.FD_RESERVE_MIN_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL",
+)
 
 
-class _SchedulePass:
-    """What the plugin keeps for one ``schedule()`` pass; opened and closed by the mixin's schedule wrapper."""
-
-    def __init__(self) -> None:
-        self.declines: set = set()  # old host: request ids whose _trigger_preempt call declines (the guard)
-        self.threshold_for = None  # off, new host: (request id, blocks) the next threshold is computed for
-        self.preemptions: list = []  # off, new host: (the running chunk, its preempt tasks), in order
-        self.stashed_waiting = None  # off, new host: the waiting queue, held back for the rest of the pass
-        self.closed = False
-
-    def has_open_work(self) -> bool:
-        return bool(self.preemptions) or self.stashed_waiting is not None
+class ReservationMixin(PluginBase):
+    """Base of change 3's scheduler mixins (one per impl, host version and estimator: see ``SPEC.variants``)."""
 
 
-class RatioReserveMixin(PluginBase):
+# ---- impl "host": the host's own code, fed the profile's values ----------------------------------------
+class HostReserveMixin(ReservationMixin):
+    """The host's own reservation code runs; a profile may set the values it reads."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        s = self._fdsched_settings
+        for attr, key in _HOST_ATTRS.items():
+            if hasattr(self, attr):
+                setattr(self, attr, s[key])
+        if hasattr(self, "new_token_ratio"):
+            self.new_token_ratio = self.init_new_token_ratio
+        if hasattr(self, "current_reserve_output_block_num"):
+            self.current_reserve_output_block_num = self.init_reserve_output_block_num
+            self.current_reserve_output_block_num_float = float(self.init_reserve_output_block_num)
+
+
+class HostReserveOldHostMixin(HostReserveMixin):
+    """The old host's own fixed-block code: its preemption loop resets the reservation at the end of every
+    ``_trigger_preempt`` call; done here too, so it still happens when change 2 replaced that loop."""
+
+    def _trigger_preempt(self, request, num_new_blocks, preempted_reqs, scheduled_reqs):
+        result = super()._trigger_preempt(request, num_new_blocks, preempted_reqs, scheduled_reqs)
+        if hasattr(self, "init_reserve_output_block_num"):
+            self.current_reserve_output_block_num = self.init_reserve_output_block_num
+            self.current_reserve_output_block_num_float = self.init_reserve_output_block_num
+            self.can_relax_prefill_strategy = False
+        return result
+
+
+# ---- what the plugin's reservation (impls "plugin" and "off") shares -----------------------------------
+class _BudgetedReserve(ReservationMixin):
+    """One :class:`fdsched.core.admission.AdmissionBudget` per ``schedule()`` pass, with this arm's strategy
+    behind it: opened by the ``schedule`` wrapper, asked at the host's threshold seam (and by the old host's
+    guard), closed when the pass ends. The budget belongs to the thread that opened it: a threshold asked on
+    another thread while the pass is open (the old host's PD preallocation) gets a budget of its own."""
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         s = self._fdsched_settings
@@ -142,240 +200,191 @@ class RatioReserveMixin(PluginBase):
             s["host_tunables.FD_NEW_TOKEN_RATIO_DECAY"],
             s.reestimate_cap,
         )
-        self._fdsched_fixed = FixedBlockReserve(
-            s["host_tunables.FD_RESERVE_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL"],
-            s["host_tunables.FD_RESERVE_DECAY_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL"],
-            s["host_tunables.FD_RESERVE_MIN_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL"],
-        )
-        self._fdsched_pass = None
-        self._fdsched_adaptive = None
-        if self._fdsched_impl["ratio_reserve"] == "plugin" and s["tunables.reserve_estimator"] == "adaptive":
-            self._fdsched_adaptive = AdaptiveReserve(
-                window=s["tunables.adaptive_window"],
-                min_samples=s["tunables.adaptive_min_samples"],
-                k=s["tunables.adaptive_margin_k"],
-                k_step=s["tunables.adaptive_k_step"],
-                k_max=K_BOUND,
-                k_decay=s["tunables.adaptive_k_decay"],
-            )
-            self._fdsched_margin = None  # the running set's one margin while an admission decision sums it
-            track_live(self._fdsched_adaptive)
-            METRICS.adaptive_samples(self._fdsched_adaptive.state(), of=self)
-        if self._fdsched_impl["ratio_reserve"] == "host":
-            # The host's own code runs: feed it the effective values (a profile may set them).
-            for attr, key in _HOST_ATTRS.items():
-                if hasattr(self, attr):
-                    setattr(self, attr, s[key])
-            if hasattr(self, "new_token_ratio"):
-                self.new_token_ratio = self.init_new_token_ratio
-            if hasattr(self, "current_reserve_output_block_num"):
-                self.current_reserve_output_block_num = self.init_reserve_output_block_num
-                self.current_reserve_output_block_num_float = float(self.init_reserve_output_block_num)
-        if self._fdsched_impl["ratio_reserve"] == "plugin":
-            METRICS.ratio(self._fdsched_ratio.value, of=self)
+        self._fdsched_fixed = FixedBlockReserve(*(s[key] for key in _FIXED))
+        self._fdsched_open = None  # (thread id, the pass's budget) while a pass is open
+
+    @functools.cached_property
+    def _fdsched_strategy(self):
+        """This arm's strategy (built on first use: it reads the host's config)."""
+        return self._fdsched_make_strategy()
+
+    def _fdsched_make_strategy(self):
+        raise NotImplementedError
+
+    def _fdsched_new_budget(self) -> AdmissionBudget:
+        return AdmissionBudget(self._fdsched_strategy, self._fdsched_speculative_slack)
+
+    def _fdsched_budget(self):
+        """The open pass's budget when this thread opened it, else None."""
+        opened = self._fdsched_open
+        return opened[1] if opened is not None and opened[0] == threading.get_ident() else None
 
     # ---- the pass ---------------------------------------------------------------------------------
     def schedule(self):
-        impl = self._fdsched_impl["ratio_reserve"]
-        if impl == "host":
-            return super().schedule()
-        this_pass, outer = _SchedulePass(), self._fdsched_pass
-        self._fdsched_pass = this_pass
+        budget, outer = self._fdsched_new_budget(), self._fdsched_open
+        self._fdsched_open = (threading.get_ident(), budget)
         result = None
         try:
             result = super().schedule()
         finally:
-            self._fdsched_pass = outer
+            self._fdsched_open = outer
             with self.lock:
-                self._fdsched_end_pass(this_pass, result[0] if result else None)
-        scheduled_anything = bool(result[0])
+                self._fdsched_end_pass(budget, result[0] if result else None)
         with self.lock:
-            if impl == "plugin":
-                self._fdsched_ratio.after_schedule(scheduled_anything)
-                METRICS.ratio(self._fdsched_ratio.value, of=self)
-            if impl != "plugin" or self._fdsched_adaptive is not None:
-                # off: the fixed-block policy itself; adaptive: its warm-up fallback for unbounded requests
-                self._fdsched_fixed.after_schedule(scheduled_anything)
+            self._fdsched_strategy.after_pass(bool(result[0]))
+            self._fdsched_strategy.report(of=self)
         return result
 
-    def _log_console_scheduler_metrics(self, scheduled_reqs):
-        this_pass = self._fdsched_pass
-        if this_pass is not None and not this_pass.closed:
-            self._fdsched_close_pass(this_pass, scheduled_reqs)
-        return super()._log_console_scheduler_metrics(scheduled_reqs)
-
-    def _fdsched_close_pass(self, this_pass: _SchedulePass, scheduled_reqs) -> None:
-        """Give the pass back what the plugin held for it: the waiting queue, and its preempt tasks in order."""
-        this_pass.closed = True
-        if this_pass.stashed_waiting is not None:
-            arrived = self.waiting  # empty: the lock was held since the queue was set aside
-            self.waiting, this_pass.stashed_waiting = this_pass.stashed_waiting, None
-            self.waiting.extend(arrived)
-        for chunk, tasks in this_pass.preemptions:
-            # Before 7783 the preempt tasks went into the pass's list right before the chunk's own task.
-            at = next((i for i, task in enumerate(scheduled_reqs) if task is chunk), len(scheduled_reqs))
-            scheduled_reqs[at:at] = tasks
-        this_pass.preemptions = []
-
-    def _fdsched_end_pass(self, this_pass: _SchedulePass, scheduled_reqs) -> None:
+    def _fdsched_end_pass(self, budget: AdmissionBudget, scheduled_reqs) -> None:
         logger = host_global(RM, "llm_logger")
-        if this_pass.has_open_work():
-            # The host's pass never reached its end seam: close it here, and say so.
-            METRICS.signal_unconsumed(PASS_END, of=self)
-            logger.warning(
-                "[fdsched] the schedule() pass ended without calling _log_console_scheduler_metrics: the plugin's "
-                "running-chunk preemptions are added to the pass's tasks after it and the waiting queue is put back "
-                "only now (see `fdsched patches`, ratio_reserve, relies on pass-end)"
-            )
-            self._fdsched_close_pass(this_pass, scheduled_reqs if scheduled_reqs is not None else [])
-        for request_id in sorted(this_pass.declines):
+        for request_id in sorted(budget.close()):
             METRICS.signal_unconsumed(DECLINE_PREEMPTION, of=self)
             logger.warning(f"[fdsched] the guard refused running chunk {request_id} but no preemption call followed")
-        if this_pass.threshold_for is not None:
-            METRICS.signal_unconsumed(THRESHOLD_FOR_RUNNING_CHUNK, of=self)
-            logger.warning(
-                f"[fdsched] no threshold was computed for running chunk {this_pass.threshold_for[0]} "
-                f"({this_pass.threshold_for[1]} blocks) after its block count"
-            )
         block_checks(self.cache_manager).end_pass(logger, of=self)
 
-    # ---- the running chunk --------------------------------------------------------------------------
+    # ---- the admission threshold ---------------------------------------------------------------------
     def get_new_block_nums(self, request, num_new_tokens):
-        blocks = super().get_new_block_nums(request, num_new_tokens)
-        this_pass = self._fdsched_pass
-        impl = self._fdsched_impl["ratio_reserve"]
-        if impl == "host" or this_pass is None or not self._fdsched_is_running_prefill(request):
-            return blocks
-        if self._fdsched_host.has["ratio_reserve"]:
-            if impl == "off":
-                self._fdsched_pre_change_running_chunk(this_pass, request, blocks)
-        elif impl == "plugin":
-            self._fdsched_guard_running_chunk(this_pass, request, blocks)
-        return blocks
+        # The host asks for a request's block count right before that request's block checks.
+        block_checks(self.cache_manager).focus(request.request_id)
+        return super().get_new_block_nums(request, num_new_tokens)
 
-    def _fdsched_guard_running_chunk(self, this_pass, request, blocks) -> None:
-        """Old host: its running pass checks only the chunk's own blocks; apply the reservation here."""
-        if self.cache_manager.can_allocate_gpu_blocks(self._fdsched_threshold(blocks)):
-            return
-        METRICS.admission_blocked(of=self)
-        block_checks(self.cache_manager).expect(REFUSE_RUNNING_CHUNK, request.request_id, blocks)
-        this_pass.declines.add(request.request_id)
-
-    def _fdsched_pre_change_running_chunk(self, this_pass, request, blocks) -> None:
-        """New host, off: a running chunk short of blocks preempts, as before 7783, instead of waiting."""
-        this_pass.threshold_for = (request.request_id, blocks)  # before 7783 it needed only its own blocks
-        if self.cache_manager.can_allocate_gpu_blocks(blocks):
-            return
-        preempted, tasks = [], []
-        can_schedule = self._trigger_preempt(request, blocks, preempted, tasks)
-        if tasks:
-            this_pass.preemptions.append((request, tasks))
-        if preempted and this_pass.stashed_waiting is None:
-            # Before 7783 a pass that preempted admitted nobody: hold the queue back until the pass ends.
-            this_pass.stashed_waiting, self.waiting = self.waiting, type(self.waiting)()
-        if not can_schedule:
-            # The host then stops its running pass (and, as before 7783, admits nobody in this step).
-            block_checks(self.cache_manager).expect(REFUSE_RUNNING_CHUNK, request.request_id, blocks)
-
-    # ---- the threshold -----------------------------------------------------------------------------
     def _get_can_schedule_prefill_threshold_block(self, num_chunk_new_block):
-        impl = self._fdsched_impl["ratio_reserve"]
-        if impl == "host":
-            return super()._get_can_schedule_prefill_threshold_block(num_chunk_new_block)
-        if impl == "plugin":
-            threshold = self._fdsched_threshold(num_chunk_new_block)
-        else:
-            threshold = self._fdsched_fixed_threshold(num_chunk_new_block)
+        threshold = self._fdsched_threshold(num_chunk_new_block)
         # Its caller checks the threshold with can_allocate_gpu_blocks next: count that check's refusal.
-        block_checks(self.cache_manager).expect(COUNT_REFUSAL, "(threshold)", threshold)
+        block_checks(self.cache_manager).expect(COUNT_REFUSAL, threshold)
         return threshold
 
     def _fdsched_threshold(self, chunk_blocks: int) -> int:
-        reserve = self._fdsched_total_reserve()
-        METRICS.reserved(reserve, of=self)
-        return self._fdsched_speculative_slack(chunk_blocks + reserve)
+        budget = self._fdsched_budget() or self._fdsched_new_budget()
+        threshold = budget.threshold(chunk_blocks, self._fdsched_views())
+        METRICS.reserved(budget.reserved, of=self)
+        self._fdsched_strategy.report_decision(of=self)
+        return threshold
 
-    def _fdsched_fixed_threshold(self, chunk_blocks: int) -> int:
-        this_pass = self._fdsched_pass
-        if this_pass is not None and this_pass.threshold_for is not None and this_pass.threshold_for[1] == chunk_blocks:
-            this_pass.threshold_for = None
-            return chunk_blocks  # pre-change: a running chunk needed only its own blocks
-        fixed = self._fdsched_fixed
-        threshold = fixed.threshold(chunk_blocks, len(self.running))
-        METRICS.reserved(threshold - chunk_blocks, of=self)
-        if fixed.relaxed:
-            return threshold
-        return self._fdsched_speculative_slack(threshold)
+    def fdsched_running_reserve(self) -> int:
+        """The blocks the running set keeps free now (what an admission's threshold adds to its chunk); the
+        decision's figures go to the metrics as an admission's do."""
+        blocks = self._fdsched_strategy.set_blocks(self._fdsched_views())
+        self._fdsched_strategy.report_decision(of=self)
+        return blocks
 
     def _fdsched_speculative_slack(self, threshold: int) -> int:
         if self.config.speculative_config.method is not None:
             return min(threshold + 1, self.config.cache_config.max_block_num_per_seq)
         return threshold
 
-    def _fdsched_total_reserve(self) -> int:
-        adaptive = self._fdsched_adaptive
-        if adaptive is None:
-            return sum(self._get_running_request_reserve_blocks(r) for r in self.running)
-        # One admission decision: the per-request answers of the seam telescope to the running set's
-        # expected remainder plus one margin (SetMargin), opened here and closed after the last request.
-        margin = self._fdsched_margin = SetMargin()
-        try:
-            total = sum(self._get_running_request_reserve_blocks(r) for r in self.running)
-        finally:
-            self._fdsched_margin = None
-        METRICS.adaptive_decision(
-            margin.mean, adaptive.k * math.sqrt(max(margin.variance, 0.0)), adaptive.k, margin.fallbacks, of=self
+    def _fdsched_views(self, requests=None, with_phase: bool = False) -> list:
+        """``requests`` (default: the running ones) as the strategy sees them (``with_phase``: whether each is
+        decoding, asked only where it is used: the hook may be a third party's)."""
+        max_model_len = self.config.model_config.max_model_len
+        views = []
+        for r in self.running if requests is None else requests:
+            max_tokens = getattr(r.sampling_params, "max_tokens", None)
+            views.append(RunningView(
+                r.request_id,
+                max_new_tokens_of(max_tokens, max_model_len, r.prompt_token_ids_len),
+                len(r.output_token_ids),
+                client_bound(max_tokens, max_model_len, r.prompt_token_ids_len),
+                self._fdsched_is_decoding(r) if with_phase else None,
+            ))
+        return views
+
+    def _fdsched_is_running_prefill(self, request) -> bool:
+        statuses = self._fdsched_host.request_status
+        running = statuses.RUNNING_PREFILL if self._fdsched_host.split_status else statuses.RUNNING
+        return request.status == running and request.num_computed_tokens < request.need_prefill_tokens
+
+
+# ---- impl "plugin": upstream's ratio formula, or the adaptive estimator -----------------------------------
+class RatioReserveMixin(_BudgetedReserve):
+    """The plugin's version of change 3 with upstream's ratio formula (:class:`RatioStrategy`)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        METRICS.ratio(self._fdsched_ratio.value, of=self)
+
+    def _fdsched_make_strategy(self):
+        return RatioStrategy(
+            self._fdsched_ratio,
+            self._fdsched_settings["host_tunables.FD_CLIP_MAX_NEW_TOKENS"],
+            self.config.cache_config.block_size,
+            self._fdsched_settings["tunables.ratio_reestimate_extra_blocks"],
+            self._fdsched_policies.reserve_blocks,
+            decodes=self._fdsched_decodes(),
         )
-        return total
+
+    def _fdsched_decodes(self) -> bool:
+        # A prefill node never decodes: its requests leave after their first token. Reserving decode blocks
+        # there (as 7783 does) can stall it for good: a chunk that needs no new block is refused while the
+        # preallocated requests hold the pool, and the ratio decays only after a pass that scheduled something.
+        return self.config.scheduler_config.splitwise_role != "prefill"
 
     def _get_running_request_reserve_blocks(self, request) -> int:
-        if self._fdsched_impl["ratio_reserve"] != "plugin":
-            return super()._get_running_request_reserve_blocks(request)
-        if self.config.scheduler_config.splitwise_role == "prefill":
-            # A prefill node never decodes: its requests leave after their first token. Reserving decode
-            # blocks there (as 7783 does) can stall it for good: a chunk that needs no new block is refused
-            # while the preallocated requests hold the pool, and the ratio decays only after a pass that
-            # scheduled something.
-            return 0
-        max_model_len = self.config.model_config.max_model_len
-        budget = _output_budget(request, max_model_len)
-        generated = len(request.output_token_ids)
-        ratio, clip = self._fdsched_ratio.value, self._fdsched_settings["host_tunables.FD_CLIP_MAX_NEW_TOKENS"]
-        block_size = self.config.cache_config.block_size
-        adaptive = self._fdsched_adaptive
-        if adaptive is None:
-            return self._fdsched_policies.reserve_blocks(request.request_id, budget, generated, ratio, clip, block_size)
-        override = self._fdsched_policies.reserve_blocks_override(
-            request.request_id, budget, generated, ratio, clip, block_size
-        )
-        if override is not None:
-            return override  # a third-party hook answers for this request (outside the set's margin)
-        bound = client_bound(
-            getattr(request.sampling_params, "max_tokens", None), max_model_len, request.prompt_token_ids_len
-        )
-        fixed = self._fdsched_fixed
-        # Within an admission decision (_fdsched_total_reserve): a share of the running set's one margin;
-        # asked alone: the request with a margin of its own.
-        return adaptive.request_blocks(
-            RunningRequest(bound, budget, generated), ratio, clip, block_size,
-            0 if fixed.relaxed else fixed.current, self._fdsched_margin,
-        )
+        (view,) = self._fdsched_views((request,))
+        return self._fdsched_strategy.request_blocks(view)
+
+    def _reset_reserve_on_preemption(self):
+        self._fdsched_reestimate()
+
+    def _fdsched_reestimate(self, preemptions: int = 1) -> None:
+        self._fdsched_strategy.on_preemption(self._fdsched_views(with_phase=True), preemptions)
+        METRICS.ratio(self._fdsched_ratio.value, of=self)
 
     def fdsched_adaptive_state(self):
         """The adaptive estimator's state (:meth:`fdsched.core.adaptive.AdaptiveReserve.state`), or None when this
         scheduler does not run it."""
-        adaptive = self._fdsched_adaptive
-        return None if adaptive is None else adaptive.state()
+        return None
 
-    # ---- the adaptive estimator's samples -------------------------------------------------------
+
+class AdaptiveReserveMixin(RatioReserveMixin):
+    """The plugin's own estimator (:class:`AdaptiveStrategy`); every request that finishes running is a sample."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._fdsched_strategy  # noqa: B018 - built now, so `fdsched doctor` and the metrics see it from the start
+
+    def _fdsched_make_strategy(self):
+        s = self._fdsched_settings
+        adaptive = AdaptiveReserve(
+            window=s["tunables.adaptive_window"],
+            min_samples=s["tunables.adaptive_min_samples"],
+            k=s["tunables.adaptive_margin_k"],
+            k_step=s["tunables.adaptive_k_step"],
+            k_max=K_BOUND,
+            k_decay=s["tunables.adaptive_k_decay"],
+        )
+        track_live(adaptive)
+        METRICS.adaptive_samples(adaptive.state(), of=self)
+        return AdaptiveStrategy(
+            self._fdsched_ratio,
+            s["host_tunables.FD_CLIP_MAX_NEW_TOKENS"],
+            self.config.cache_config.block_size,
+            s["tunables.ratio_reestimate_extra_blocks"],
+            self._fdsched_policies.reserve_blocks_override,
+            adaptive,
+            self._fdsched_fixed,
+            decodes=self._fdsched_decodes(),
+        )
+
+    @property
+    def _fdsched_adaptive(self) -> AdaptiveReserve:
+        return self._fdsched_strategy.adaptive
+
+    def _fdsched_reestimate(self, preemptions: int = 1) -> None:
+        super()._fdsched_reestimate(preemptions)
+        METRICS.adaptive_samples(self._fdsched_adaptive.state(), of=self)
+
+    def fdsched_adaptive_state(self):
+        return self._fdsched_adaptive.state()
+
     def finish_requests(self, request_ids):
-        adaptive = self._fdsched_adaptive
-        if adaptive is None or self.config.scheduler_config.splitwise_role == "prefill":
+        if not self._fdsched_decodes():
             # A prefill node's requests leave after their first token: not a sample of the output length.
             return super().finish_requests(request_ids)
         request_ids, ids = finished_ids(request_ids)  # read here and by the host
         running = self._fdsched_running_statuses()
         max_model_len = self.config.model_config.max_model_len
+        adaptive = self._fdsched_adaptive
         with self.lock:
             for request_id in ids:
                 request = self.requests.get(request_id)
@@ -398,81 +407,166 @@ class RatioReserveMixin(PluginBase):
             return (statuses.RUNNING_PREFILL, statuses.RUNNING_DECODE)
         return (statuses.RUNNING,)
 
-    def _fdsched_is_running_prefill(self, request) -> bool:
-        statuses = self._fdsched_host.request_status
-        running = statuses.RUNNING_PREFILL if self._fdsched_host.split_status else statuses.RUNNING
-        return request.status == running and request.num_computed_tokens < request.need_prefill_tokens
 
-    # ---- preemption ----------------------------------------------------------------------------------
+class _OldHostGuard(_BudgetedReserve):
+    """The old host checks a running chunk against its own blocks only, and has no per-preemption seam: the
+    budget is asked for the chunk in ``get_new_block_nums``; a refused chunk's check is refused (a signal keyed
+    to it) and its preemption call declined; the ratio is re-estimated after a ``_trigger_preempt`` call that
+    preempted."""
+
+    def get_new_block_nums(self, request, num_new_tokens):
+        blocks = super().get_new_block_nums(request, num_new_tokens)
+        budget = self._fdsched_budget()
+        if budget is None or not self._fdsched_is_running_prefill(request):
+            return blocks
+        if self.cache_manager.can_allocate_gpu_blocks(self._fdsched_threshold(blocks)):
+            return blocks
+        METRICS.admission_blocked(of=self)
+        block_checks(self.cache_manager).expect(REFUSE_RUNNING_CHUNK, blocks)
+        budget.declined.add(request.request_id)
+        return blocks
+
     def _trigger_preempt(self, request, num_new_blocks, preempted_reqs, scheduled_reqs):
-        impl = self._fdsched_impl["ratio_reserve"]
-        this_pass = self._fdsched_pass
-        if this_pass is not None and request.request_id in this_pass.declines:
-            # Old host: the guard refused this running chunk. Decline without preempting; a non-empty
-            # list makes the host skip its waiting pass, as upstream does after a refused chunk.
-            this_pass.declines.discard(request.request_id)
+        budget = self._fdsched_budget()
+        if budget is not None and request.request_id in budget.declined:
+            # The guard refused this running chunk. Decline without preempting; a non-empty list makes the
+            # host skip its waiting pass, as upstream does after a refused chunk.
+            budget.declined.discard(request.request_id)
             preempted_reqs.append(request)
             return False
         already = len(preempted_reqs)
         result = super()._trigger_preempt(request, num_new_blocks, preempted_reqs, scheduled_reqs)
-        if not host_defines(self, "_reset_reserve_on_preemption"):
-            # Old host: no per-preemption seam; its loop reset the fixed reservation at the end of every call.
-            if impl == "plugin" and len(preempted_reqs) > already:
-                self._fdsched_reestimate(len(preempted_reqs) - already)
-            elif impl == "host":
-                self._fdsched_reset_host_fixed_reserve()  # also when change 2 replaced that loop
-        if impl == "off":
-            self._fdsched_fixed.on_preemption()  # pre-change: at the end of every call, as the old host did
+        if len(preempted_reqs) > already:
+            self._fdsched_reestimate(len(preempted_reqs) - already)
+        return result
+
+
+class RatioReserveOldHostMixin(_OldHostGuard, RatioReserveMixin):
+    """Upstream's ratio formula on the old host (with the guard)."""
+
+
+class AdaptiveReserveOldHostMixin(_OldHostGuard, AdaptiveReserveMixin):
+    """The adaptive estimator on the old host (with the guard)."""
+
+
+def _plugin_variant(host_has: bool, settings):
+    adaptive = settings is not None and settings["tunables.reserve_estimator"] == "adaptive"
+    if host_has:
+        return AdaptiveReserveMixin if adaptive else RatioReserveMixin
+    return AdaptiveReserveOldHostMixin if adaptive else RatioReserveOldHostMixin
+
+
+# ---- impl "off" (a host that has the change): the pre-change policy and running pass -----------------------
+class _PreChangePass(AdmissionBudget):
+    """The budget of a pre-change pass, with what the pre-change running pass does that 7783's does not: a
+    running chunk short of blocks preempts (into lists of the plugin's own, added to the pass's task list at
+    its end, right before the chunk's task), and a pass that preempted admits nobody (the waiting queue is
+    held back until the pass ends)."""
+
+    def __init__(self, strategy, slack):
+        super().__init__(strategy, slack)
+        self.running_chunk = None  # (request id, blocks): the next threshold is that running chunk's
+        self.preemptions: list = []  # (the running chunk, its preempt tasks), in order
+        self.held_waiting = None  # the waiting queue, held back for the rest of the pass
+        self.finished = False  # the pass's end seam ran
+
+    def has_open_work(self) -> bool:
+        return bool(self.preemptions) or self.held_waiting is not None
+
+
+class PreChangeReserveMixin(_BudgetedReserve):
+    """``off`` on a host that has 7783: the fixed-block policy (:class:`FixedBlockStrategy`) and the pre-change
+    running pass (a running chunk short of blocks preempts instead of waiting)."""
+
+    def _fdsched_make_strategy(self):
+        return FixedBlockStrategy(self._fdsched_fixed)
+
+    def _fdsched_new_budget(self) -> AdmissionBudget:
+        return _PreChangePass(self._fdsched_strategy, self._fdsched_speculative_slack)
+
+    def get_new_block_nums(self, request, num_new_tokens):
+        blocks = super().get_new_block_nums(request, num_new_tokens)
+        budget = self._fdsched_budget()
+        if budget is not None and self._fdsched_is_running_prefill(request):
+            self._fdsched_pre_change_running_chunk(budget, request, blocks)
+        return blocks
+
+    def _fdsched_pre_change_running_chunk(self, budget: _PreChangePass, request, blocks) -> None:
+        budget.running_chunk = (request.request_id, blocks)  # before 7783 it needed only its own blocks
+        if self.cache_manager.can_allocate_gpu_blocks(blocks):
+            return
+        preempted, tasks = [], []
+        can_schedule = self._trigger_preempt(request, blocks, preempted, tasks)
+        if tasks:
+            budget.preemptions.append((request, tasks))
+        if preempted and budget.held_waiting is None:
+            # Before 7783 a pass that preempted admitted nobody: hold the queue back until the pass ends. The
+            # scheduler lock is held for the whole pass, so nothing else reads or fills the queue meanwhile.
+            budget.held_waiting, self.waiting = self.waiting, type(self.waiting)()
+        if not can_schedule:
+            # The host then stops its running pass (and, as before 7783, admits nobody in this step).
+            block_checks(self.cache_manager).expect(REFUSE_RUNNING_CHUNK, blocks)
+
+    def _get_can_schedule_prefill_threshold_block(self, num_chunk_new_block):
+        budget = self._fdsched_budget()
+        if budget is not None and budget.running_chunk is not None and budget.running_chunk[1] == num_chunk_new_block:
+            budget.running_chunk = None
+            # pre-change: a running chunk needed only its own blocks
+            block_checks(self.cache_manager).expect(COUNT_REFUSAL, num_chunk_new_block)
+            return num_chunk_new_block
+        return super()._get_can_schedule_prefill_threshold_block(num_chunk_new_block)
+
+    def _trigger_preempt(self, request, num_new_blocks, preempted_reqs, scheduled_reqs):
+        result = super()._trigger_preempt(request, num_new_blocks, preempted_reqs, scheduled_reqs)
+        self._fdsched_strategy.on_preemption()  # pre-change: at the end of every call, as the old host did
         return result
 
     def _reset_reserve_on_preemption(self):
-        impl = self._fdsched_impl["ratio_reserve"]
-        if impl == "plugin":
-            self._fdsched_reestimate()
-        elif impl == "host":
-            super()._reset_reserve_on_preemption()
-        # off: the fixed reservation is reset at the end of the _trigger_preempt call (see there), as before 7783
+        """Nothing: before 7783 the reservation was reset at the end of the ``_trigger_preempt`` call."""
 
-    def _fdsched_reset_host_fixed_reserve(self) -> None:
-        """The old host's fixed-block reservation after a preemption call (what its own loop does at its end)."""
-        if hasattr(self, "init_reserve_output_block_num"):
-            self.current_reserve_output_block_num = self.init_reserve_output_block_num
-            self.current_reserve_output_block_num_float = self.init_reserve_output_block_num
-            self.can_relax_prefill_strategy = False
+    def _log_console_scheduler_metrics(self, scheduled_reqs):
+        budget = self._fdsched_budget()
+        if budget is not None and not budget.finished:
+            self._fdsched_finish_pass(budget, scheduled_reqs)
+        return super()._log_console_scheduler_metrics(scheduled_reqs)
 
-    def _fdsched_reestimate(self, preemptions: int = 1) -> None:
-        adaptive = self._fdsched_adaptive
-        if adaptive is not None:
-            # The reservation was too small: widen the margin; the warm-up fallback resets like the legacy policy.
-            adaptive.observe_preemption(preemptions)
-            self._fdsched_fixed.on_preemption()
-            METRICS.adaptive_samples(adaptive.state(), of=self)
-        max_model_len = self.config.model_config.max_model_len
-        generated, budgets, decoding = [], [], 0
-        for r in self.running:
-            generated.append(len(r.output_token_ids))
-            budgets.append(_output_budget(r, max_model_len))
-            decoding += self._fdsched_is_decoding(r)
-        value = self._fdsched_ratio.on_preemption(
-            generated,
-            budgets,
-            decoding,
-            self.config.cache_config.block_size,
-            self._fdsched_settings["tunables.ratio_reestimate_extra_blocks"],
-        )
-        METRICS.ratio(value, of=self)
+    def _fdsched_finish_pass(self, budget: _PreChangePass, scheduled_reqs) -> None:
+        """Give the pass back what the plugin held for it: the waiting queue, and its preempt tasks in order."""
+        budget.finished = True
+        if budget.held_waiting is not None:
+            arrived = self.waiting  # empty: the lock was held since the queue was set aside
+            self.waiting, budget.held_waiting = budget.held_waiting, None
+            self.waiting.extend(arrived)
+        for chunk, tasks in budget.preemptions:
+            # Before 7783 the preempt tasks went into the pass's list right before the chunk's own task.
+            at = next((i for i, task in enumerate(scheduled_reqs) if task is chunk), len(scheduled_reqs))
+            scheduled_reqs[at:at] = tasks
+        budget.preemptions = []
 
-
-def _output_budget(request, max_model_len: int) -> int:
-    """A running request's output budget (max_tokens, else what the context leaves)."""
-    return max_new_tokens_of(
-        getattr(request.sampling_params, "max_tokens", None), max_model_len, request.prompt_token_ids_len
-    )
+    def _fdsched_end_pass(self, budget: _PreChangePass, scheduled_reqs) -> None:
+        logger = host_global(RM, "llm_logger")
+        if budget.has_open_work():
+            # The host's pass never reached its end seam: close it here, and say so.
+            METRICS.signal_unconsumed(PASS_END, of=self)
+            logger.warning(
+                "[fdsched] the schedule() pass ended without calling _log_console_scheduler_metrics: the plugin's "
+                "running-chunk preemptions are added to the pass's tasks after it and the waiting queue is put back "
+                "only now (see `fdsched patches`, ratio_reserve, relies on pass-end)"
+            )
+            self._fdsched_finish_pass(budget, scheduled_reqs if scheduled_reqs is not None else [])
+        if budget.running_chunk is not None:
+            METRICS.signal_unconsumed(THRESHOLD_FOR_RUNNING_CHUNK, of=self)
+            logger.warning(
+                f"[fdsched] no threshold was computed for running chunk {budget.running_chunk[0]} "
+                f"({budget.running_chunk[1]} blocks) after its block count"
+            )
+        super()._fdsched_end_pass(budget, scheduled_reqs)
 
 
+# ---- the cache manager's side ----------------------------------------------------------------------------
 class RatioReserveCacheMixin(PluginBase):
     """The host's block check, seen by the scheduler: a keyed refusal of one check (evicting nothing), and a
-    refused threshold check counted for the metrics."""
+    refused threshold check counted for the metrics (signals: :class:`fdsched.patches._base.BlockCheckSignals`)."""
 
     def can_allocate_gpu_blocks(self, num_blocks, try_free_gpu_blocks=True):
         signals = self.__dict__.get("_fdsched_block_checks")
@@ -570,7 +664,7 @@ SPEC = PatchSpec(
     hosts_needing="2.6 before PR 7783 (old host e7c8dc2)",
     switch="FDSCHED_RATIO_RESERVE",
     delete_when="every supported host carries 7783 and exposes the re-estimate term and cap as settings",
-    mixins={"ResourceManagerV1": RatioReserveMixin, "PrefixCacheManager": RatioReserveCacheMixin},
+    mixins={"ResourceManagerV1": ReservationMixin, "PrefixCacheManager": RatioReserveCacheMixin},
     host_has=_has_ratio_reserve,
     relies_on=(
         Reliance("running-chunk-check", "the running pass checks a running chunk's blocks right after "
@@ -586,5 +680,18 @@ SPEC = PatchSpec(
                  _finish_seam, when=("plugin",)),
     ),
     host_has_as_selected=_as_selected,
-    applies=("host", "plugin", "off"),
+    variants={
+        "host": {"ResourceManagerV1": Variant(
+            lambda host_has, settings: HostReserveMixin if host_has else HostReserveOldHostMixin,
+            (HostReserveMixin, HostReserveOldHostMixin),
+        )},
+        "plugin": {
+            "ResourceManagerV1": Variant(_plugin_variant, (
+                RatioReserveMixin, AdaptiveReserveMixin, RatioReserveOldHostMixin, AdaptiveReserveOldHostMixin,
+            )),
+            "PrefixCacheManager": RatioReserveCacheMixin,
+        },
+        # only on a host that has the change (elsewhere off is the host's own code: impl "host")
+        "off": {"ResourceManagerV1": PreChangeReserveMixin, "PrefixCacheManager": RatioReserveCacheMixin},
+    },
 )

@@ -242,7 +242,7 @@ def _arm_class(front, target: str, host_cls, common: dict, arm: Arm, impl: dict,
     from fdsched.patches import TARGETS, mixins_for
     from fdsched.patches._base import InitGuard, RequestOutcomesMixin
 
-    mixins = mixins_for(target, impl)  # outermost first; tests/unit/test_catalogue.py pins the order and why
+    mixins = mixins_for(target, impl, common["_fdsched_host"].has, arm.settings)  # outermost first; tests/unit/test_catalogue.py pins the order and why
     if target == "ResourceManagerV1" and hasattr(host_cls, "finish_requests"):
         mixins = (RequestOutcomesMixin,) + mixins  # measurement only (every arm, every profile); without the seam: none
     changes = ", ".join(m.__name__ for m in mixins) or "none: the host's own code"

@@ -47,7 +47,7 @@ def test_finished_running_requests_are_samples_and_the_set_shares_one_margin(ada
     # = 85.4 -> 86 tokens -> 22 blocks; upstream's ratio (0.7 x 56 = 39 tokens -> 10 blocks each, 30) caps above.
     for rid in "abc":
         _place(rm, rid, 8, generated=0, computed=8, max_tokens=None)
-    assert rm._fdsched_total_reserve() == 22
+    assert rm.fdsched_running_reserve() == 22
     # A margin per request would keep 3 x ceil(ceil(19 + sqrt(269)) / 4) = 3 x 9 = 27 blocks.
     assert 22 < 3 * math.ceil(math.ceil(19 + math.sqrt(269)) / 4) == 27
     assert METRICS.adaptive["expected_tokens"] == pytest.approx(57)
@@ -72,7 +72,7 @@ def test_warm_up_unbounded_requests_use_the_legacy_fixed_blocks(adaptive_rm):
     rm = adaptive_rm()
     _place(rm, "a", 8, generated=2, max_tokens=None)
     _place(rm, "b", 8, generated=2, max_tokens=None)
-    assert rm._fdsched_total_reserve() == 0  # the legacy reservation is relaxed until a preemption
+    assert rm.fdsched_running_reserve() == 0  # the legacy reservation is relaxed until a preemption
     assert METRICS.adaptive["fallback_requests"] == 2
     _drain_pool(rm)
     rm._trigger_preempt(rm.running[0], 1, [], [])
@@ -83,7 +83,7 @@ def test_warm_up_unbounded_requests_use_the_legacy_fixed_blocks(adaptive_rm):
     fixed = rm._fdsched_fixed.current
     by_ratio = reserve_blocks_for_request(56, 2, rm._fdsched_ratio.value, 4096, 4)
     assert fixed == 16 and [r.request_id for r in rm.running] == ["a"]
-    assert rm._fdsched_total_reserve() == min(fixed, by_ratio) > 0
+    assert rm.fdsched_running_reserve() == min(fixed, by_ratio) > 0
 
 
 def test_a_bounded_client_is_learned_relative_to_its_max_tokens(adaptive_rm):
@@ -109,7 +109,7 @@ def test_a_third_party_hook_still_answers_first(adaptive_rm):
     try:
         _place(rm, "mine", 8, generated=2, max_tokens=None)
         _place(rm, "other", 8, generated=2, max_tokens=None)
-        assert rm._fdsched_total_reserve() == 3 + 0  # "other": warm-up fallback, legacy relaxed
+        assert rm.fdsched_running_reserve() == 3 + 0  # "other": warm-up fallback, legacy relaxed
     finally:
         policies.pm.unregister(name="three")
         policies.refresh()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 import random
+import threading
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -387,11 +388,24 @@ def _matched_tokens(rm, prompt):
 PROMPT = [3000 + i for i in range(6 * BS)]
 
 
+def _on_another_thread(func, *args):
+    out = []
+    thread = threading.Thread(target=lambda: out.append(func(*args)))
+    thread.start()
+    thread.join()
+    return out[0]
+
+
+@pytest.mark.parametrize("preallocation_thread", ["same", "another"])
 @pytest.mark.parametrize("mode, matched_before_prefill", [("safe", 0), ("upstream", 6 * BS)])
-def test_second_request_matches_only_written_kv(mode, matched_before_prefill, install_profile, make_manager, clock):
+def test_second_request_matches_only_written_kv(mode, matched_before_prefill, preallocation_thread, install_profile,
+                                                 make_manager, clock):
+    """In the engine the preallocation runs on another thread than schedule(): the gate tells the host's
+    preallocation record from its chunk records by the request, so either thread gives the same answer."""
     install_profile("pd_prefill_cache", FDSCHED_PD_PREFILL_CACHE_MODE=mode)
     rm = make_manager(**dict(SHAPE, splitwise_role="prefill"))
-    first = _preallocate(rm, _p_request("first", PROMPT))
+    request = _p_request("first", PROMPT)
+    first = _preallocate(rm, request) if preallocation_thread == "same" else _on_another_thread(_preallocate, rm, request)
     assert first.num_computed_tokens == 0
     # The first request's prefill has not run: no KV is written for its prompt yet.
     assert _matched_tokens(rm, PROMPT) == matched_before_prefill

@@ -8,6 +8,7 @@ them, and, on a host that has 7783, against the host's own methods.
 from __future__ import annotations
 
 import logging
+import threading
 
 import pytest
 
@@ -138,7 +139,7 @@ def test_reserve_estimate_max_tokens_none_remaining_negative_and_clip(rm_with):
     _place(rm, "over", 8, generated=12, max_tokens=10)
     # plain: (30 - 4) * 0.5 = 13 tokens -> ceil(13 / 4) = 4 blocks
     _place(rm, "plain", 8, generated=4, max_tokens=30)
-    assert rm._fdsched_total_reserve() == 5 + 0 + 4
+    assert rm.fdsched_running_reserve() == 5 + 0 + 4
     assert rm._get_can_schedule_prefill_threshold_block(3) == 3 + 9
     if hasattr(rm, "_get_running_request_reserve_blocks"):  # the host's own 7783 code agrees
         rm.new_token_ratio, rm.clip_max_new_tokens = 0.5, 40
@@ -217,6 +218,48 @@ def test_guard_stops_running_chunk_and_blocks_admission(rm_with):
     assert list(rm.waiting) == [waiting], "no waiting request may be admitted in that step"
     assert rm.to_be_rescheduled_request_id_set == set(), "the guard never preempts"
     assert METRICS.admissions_blocked >= 1
+
+
+def test_a_block_check_from_another_thread_mid_pass_neither_takes_nor_is_bent_by_the_pass_signals(rm_with):
+    """In the engine the cache manager is also called from other threads (token processor, transfer receiver,
+    PD preallocation) while a schedule() pass is open. Right after the scheduler expects a signal for its next
+    block check (old host: the guard's refusal of the running chunk; new host: the refusal count of a
+    threshold), another thread checks exactly that many blocks: it must get the pool's true answer, leave the
+    signal pending, and the scheduler's own check must still be the one that takes it."""
+    from fdsched.patches._base import block_checks
+
+    rm = rm_with("recommended")
+    chunk, waiting = _guard_scene(rm)
+    before = chunk.num_computed_tokens
+    signals = block_checks(rm.cache_manager)
+    seen = []
+
+    def check_from_another_thread():
+        pending = signals.pending()
+        for expected in pending:
+            answer = []
+            thread = threading.Thread(target=lambda n=expected.num_blocks: answer.append(
+                rm.cache_manager.can_allocate_gpu_blocks(n)))
+            thread.start()
+            thread.join()
+            seen.append((expected.kind, expected.num_blocks, answer[0], len(rm.cache_manager.gpu_free_block_list)))
+        assert signals.pending() == pending, "another thread's check took the scheduler's signal"
+
+    for name in ("get_new_block_nums", "_get_can_schedule_prefill_threshold_block"):
+        def wrapped(*args, _real=getattr(rm, name), **kwargs):
+            result = _real(*args, **kwargs)
+            check_from_another_thread()
+            return result
+
+        setattr(rm, name, wrapped)  # on the instance: the host's self.<name>(...) calls find it first
+    rm.schedule()
+    assert seen, "the pass expected no signal: the scene no longer exercises the guard"
+    for kind, num_blocks, answer, free in seen:
+        assert answer == (free >= num_blocks), f"the other thread's check of {num_blocks} blocks was bent by {kind}"
+    assert chunk.num_computed_tokens == before, "the scheduler's own check of the chunk must still be refused"
+    assert list(rm.waiting) == [waiting]
+    assert METRICS.admissions_blocked >= 1
+    assert METRICS.unconsumed_signals == {}, "every signal was taken by the check it was for"
 
 
 def test_without_the_change_the_running_chunk_goes_ahead(rm_with):
@@ -316,7 +359,8 @@ def test_a_signal_no_host_check_consumes_is_dropped_and_reported_at_the_end_of_t
     from fdsched.patches._base import block_checks
 
     rm = rm_with("recommended")
-    block_checks(rm.cache_manager).expect("refuse-running-chunk", "ghost", 12345)  # no check is ever for 12345
+    block_checks(rm.cache_manager).focus("ghost")
+    block_checks(rm.cache_manager).expect("refuse-running-chunk", 12345)  # no check is ever for 12345
     llm_logger.propagate, saved = True, llm_logger.propagate
     try:
         with caplog.at_level(logging.WARNING):

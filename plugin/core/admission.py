@@ -1,0 +1,227 @@
+"""Change 3's admission decision: one budget per ``schedule()`` pass, with the reservation policy behind it.
+
+The host admits a prefill chunk (a new request's, or the next chunk of a running one) when
+``cache_manager.can_allocate_gpu_blocks(threshold)`` holds, where the threshold is the chunk's own blocks plus
+what the running requests keep free for the tokens they will still generate. This module is that decision,
+in plain values (nothing here imports FastDeploy):
+
+* a **strategy** says how many blocks the running set keeps free: :class:`FixedBlockStrategy` (the
+  pre-change policy, ``FD_RESERVE_*_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL``), :class:`RatioStrategy`
+  (upstream's new_token_ratio formula, PR 7444/7783) and :class:`AdaptiveStrategy` (the plugin's learned
+  remainder plus one margin for the whole set). A strategy also carries its state between passes: what
+  a pass that scheduled something does (:meth:`after_pass`) and what a preemption does (:meth:`on_preemption`).
+* an :class:`AdmissionBudget` is opened by the scheduler at the start of every ``schedule()`` pass, asked by
+  every admission in it (:meth:`AdmissionBudget.threshold`) and closed at the pass's end. It is the model of
+  SGLang's ``PrefillAdder`` (one object per pass that every admission asks), except that it recomputes the
+  running set's reservation at each ask instead of keeping a running offset: within a pass the running set
+  changes as requests are admitted and preempted, and the host's own threshold (which decisions must match
+  byte for byte) is recomputed the same way.
+
+The scheduler side (``fdsched.patches.ratio_reserve``) turns host requests into :class:`RunningView` values
+and applies the answers at the host's seams.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Sequence
+
+from fdsched.core.adaptive import AdaptiveReserve, RunningRequest, SetMargin
+from fdsched.core.metrics import METRICS
+from fdsched.core.policies import FixedBlockReserve, NewTokenRatio
+
+__all__ = [
+    "RunningView",
+    "FixedBlockStrategy",
+    "RatioStrategy",
+    "AdaptiveStrategy",
+    "AdmissionBudget",
+]
+
+
+@dataclass(frozen=True)
+class RunningView:
+    """What a strategy knows about one running request."""
+
+    request_id: str
+    budget: int  # its output budget: max_tokens, else what the context leaves
+    generated: int  # output tokens so far
+    max_tokens: Optional[int]  # the client's bound (fdsched.core.adaptive.client_bound), None when it says nothing
+    decoding: bool
+
+
+class FixedBlockStrategy:
+    """The pre-change policy: ``current`` blocks per running request after a preemption, decaying by ``decay``
+    per pass that scheduled something; once at 0 the reservation is off ("relaxed") until the next preemption
+    (:class:`fdsched.core.policies.FixedBlockReserve`)."""
+
+    def __init__(self, fixed: FixedBlockReserve) -> None:
+        self.fixed = fixed
+
+    @property
+    def relaxed(self) -> bool:
+        """Nothing is reserved, and the threshold is the chunk itself (no speculative slack either)."""
+        return self.fixed.relaxed
+
+    def set_blocks(self, running: Sequence[RunningView]) -> int:
+        return 0 if self.fixed.relaxed else len(running) * self.fixed.current
+
+    def after_pass(self, scheduled_anything: bool) -> None:
+        self.fixed.after_schedule(scheduled_anything)
+
+    def on_preemption(self, running: Sequence[RunningView] = (), count: int = 1) -> None:
+        self.fixed.on_preemption()
+
+    def report(self, of=None) -> None:
+        """Its state's gauges (none: the budget's reserved figure says it)."""
+
+    def report_decision(self, of=None) -> None:
+        """What the last :meth:`set_blocks` decided, beyond the reserved figure (nothing here)."""
+
+
+class RatioStrategy:
+    """Upstream's formula: each running request keeps ``ceil(min(budget - generated, clip) x ratio / block)``
+    blocks (``estimate``: the ``fdsched_estimate_reserve_blocks`` hook, whose default is that formula); the
+    ratio decays after every pass that scheduled something and is re-estimated after a preemption
+    (:class:`fdsched.core.policies.NewTokenRatio`). ``decodes=False`` (a prefill node, whose requests leave
+    after their first token) reserves nothing; the ratio still moves."""
+
+    relaxed = False
+
+    def __init__(
+        self,
+        ratio: NewTokenRatio,
+        clip: int,
+        block_size: int,
+        extra_blocks_per_decode: int,
+        estimate: Callable,
+        decodes: bool = True,
+    ) -> None:
+        self.ratio = ratio
+        self.clip = clip
+        self.block_size = block_size
+        self.extra_blocks_per_decode = extra_blocks_per_decode
+        self.estimate = estimate
+        self.decodes = decodes
+
+    def request_blocks(self, view: RunningView) -> int:
+        """What one running request keeps free, asked alone."""
+        if not self.decodes:
+            return 0
+        return self.estimate(view.request_id, view.budget, view.generated, self.ratio.value, self.clip, self.block_size)
+
+    def set_blocks(self, running: Sequence[RunningView]) -> int:
+        return sum(self.request_blocks(view) for view in running)
+
+    def after_pass(self, scheduled_anything: bool) -> None:
+        self.ratio.after_schedule(scheduled_anything)
+
+    def on_preemption(self, running: Sequence[RunningView] = (), count: int = 1) -> None:
+        """Re-estimate the ratio from what the running requests did (back to init when nothing runs)."""
+        self.ratio.on_preemption(
+            [view.generated for view in running],
+            [view.budget for view in running],
+            sum(view.decoding for view in running),
+            self.block_size,
+            self.extra_blocks_per_decode,
+        )
+
+    def report(self, of=None) -> None:
+        METRICS.ratio(self.ratio.value, of=of)
+
+    def report_decision(self, of=None) -> None:
+        """What the last :meth:`set_blocks` decided, beyond the reserved figure (nothing here)."""
+
+
+class AdaptiveStrategy(RatioStrategy):
+    """The plugin's own: each running request's expected remainder learned from finished requests, plus one
+    margin ``k x sqrt(sum of variances)`` for the running set (:class:`fdsched.core.adaptive.AdaptiveReserve`),
+    never more than upstream's formula gives the same requests. Until a kind has enough samples a request
+    falls back (:func:`fdsched.core.adaptive.warmup_reserve_blocks`, with ``fixed``'s current amount for an
+    unbounded one). A third-party ``fdsched_estimate_reserve_blocks`` answer (``override``) counts for its
+    request outside the set's margin. A preemption raises k and resets ``fixed``."""
+
+    def __init__(
+        self,
+        ratio: NewTokenRatio,
+        clip: int,
+        block_size: int,
+        extra_blocks_per_decode: int,
+        override: Callable,
+        adaptive: AdaptiveReserve,
+        fixed: FixedBlockReserve,
+        decodes: bool = True,
+    ) -> None:
+        super().__init__(ratio, clip, block_size, extra_blocks_per_decode, override, decodes)
+        self.adaptive = adaptive
+        self.fixed = fixed
+        self.last_margin: Optional[SetMargin] = None
+
+    def request_blocks(self, view: RunningView, margin: Optional[SetMargin] = None) -> int:
+        """One running request's blocks: alone (``margin`` None) with a margin of its own, or its share of
+        ``margin``'s running set."""
+        if not self.decodes:
+            return 0
+        override = self.estimate(view.request_id, view.budget, view.generated, self.ratio.value, self.clip, self.block_size)
+        if override is not None:
+            return override
+        fixed = self.fixed
+        return self.adaptive.request_blocks(
+            RunningRequest(view.max_tokens, view.budget, view.generated), self.ratio.value, self.clip,
+            self.block_size, 0 if fixed.relaxed else fixed.current, margin,
+        )
+
+    def set_blocks(self, running: Sequence[RunningView]) -> int:
+        margin = self.last_margin = SetMargin()
+        return sum(self.request_blocks(view, margin) for view in running)
+
+    def after_pass(self, scheduled_anything: bool) -> None:
+        super().after_pass(scheduled_anything)
+        self.fixed.after_schedule(scheduled_anything)  # the warm-up fallback for unbounded requests
+
+    def on_preemption(self, running: Sequence[RunningView] = (), count: int = 1) -> None:
+        # The reservation was too small: widen the margin; the warm-up fallback resets like the legacy policy.
+        self.adaptive.observe_preemption(count)
+        self.fixed.on_preemption()
+        super().on_preemption(running, count)
+
+    def report_decision(self, of=None) -> None:
+        margin = self.last_margin
+        if margin is not None:
+            k = self.adaptive.k
+            METRICS.adaptive_decision(margin.mean, k * math.sqrt(max(margin.variance, 0.0)), k, margin.fallbacks, of=of)
+
+
+@dataclass
+class AdmissionBudget:
+    """One ``schedule()`` pass's admission decision: opened at the pass's start, asked by every admission,
+    closed at its end.
+
+    ``slack`` is what a speculative-decoding engine adds to a threshold that reserves something (one block,
+    within the per-sequence maximum). ``declined`` (the old host's guard) holds the running chunks the budget
+    refused in this pass: the scheduler declines their preemption call instead of preempting.
+    """
+
+    strategy: object
+    slack: Callable[[int], int] = lambda blocks: blocks
+    declined: set = field(default_factory=set)
+    reserved: Optional[int] = None  # the running set's blocks at the last ask
+    asks: int = 0
+    closed: bool = False
+
+    def threshold(self, chunk_blocks: int, running: Sequence[RunningView]) -> int:
+        """Blocks that must be free for a chunk of ``chunk_blocks`` to be admitted now."""
+        if self.closed:
+            raise RuntimeError("AdmissionBudget: asked after its schedule() pass was closed")
+        self.asks += 1
+        strategy = self.strategy
+        self.reserved = strategy.set_blocks(running)
+        total = chunk_blocks + self.reserved
+        return total if strategy.relaxed else self.slack(total)
+
+    def close(self) -> set:
+        """End the pass; returns the declines nobody consumed (the host did not call what the guard relies on)."""
+        self.closed = True
+        left, self.declined = self.declined, set()
+        return left
