@@ -363,7 +363,7 @@ class _DriveInputs:
     """What one arm's run is fixed to before its first step (set by :func:`run_profile`).
 
     ``outputs``: request id -> tokens it produces on this node; ``role``: the engine's
-    ``splitwise_role``; ``check_every``: run the block invariants every N steps (0: only at the end);
+    ``splitwise_role``; ``check_every``: run the block invariants every N steps (0: only once, when the run drains);
     ``progress``: called after each step with the number of requests finished so far (or None);
     ``cost``: the step-cost model that moves the modelled clock; ``policies``: the installed plugin's
     :class:`fdsched.core.hooks.Policies` (the driver's decode test).
