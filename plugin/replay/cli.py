@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 from fdsched.replay.trace import ENGINE_KEYS, TraceError, check_engine, load_trace, resolve_trace, shipped_traces
 
@@ -415,64 +417,151 @@ def _check_out_dir(value: str) -> Path:
     return out
 
 
+@dataclass(frozen=True)
+class _ReplayPlan:
+    """What one ``fdsched replay`` call runs, checked before any arm starts (:func:`_replay_plan`).
+
+    ``path``: the trace file; ``engine``: the trace's engine shape with the command line's overrides;
+    ``profiles``: the arms in order (with ``--dp-arms``: each rank's profile); ``dp_arms``: rank -> profile,
+    or None without ``--dp-arms``; ``out``: the output directory (already made).
+    """
+
+    path: Path
+    trace: object
+    engine: dict
+    profiles: list
+    dp_arms: Optional[dict]
+    out: Path
+
+
 def cmd_replay(args) -> int:
-    from fdsched.install.probe import HOW_TO_POINT, HostNotFound
-    from fdsched.install.installer import InstallError
-    from fdsched.core.costmodel import resolve_cost_model
-    from fdsched.core.settings import SettingsError, load_settings
+    """``fdsched replay``: check the inputs, replay the trace once per arm with the host's messages sent
+    to ``host.log``, then write ``report.json`` (and ``replay.png``) and print the table and verdicts.
+    Exit code: EXIT_OK; EXIT_ERROR on bad input or an invariant violation; EXIT_NO_HOST without the host."""
+    from fdsched.core.settings import SettingsError
 
-    from fdsched.replay.report import (
-        INSTALL_HINT, build_report, format_bounds, format_header, format_table, format_verdicts, report_json, trace_info,
-        write_plot,
-    )
-    from fdsched.replay.runner import DEFAULT_MAX_STEPS, run_dp_arms, run_replay
-
-    profiles = args.profiles or list(DEFAULT_PROFILES)
-    dp_arms = None
     try:
-        if args.dp_arms is not None:
-            from fdsched.core.settings import parse_dp_arms
-
-            if args.profiles:
-                raise SettingsError("--dp-arms: bad value with --profile; allowed: one of --dp-arms or --profile")
-            dp_arms = parse_dp_arms(args.dp_arms, origin="--dp-arms")
-            if len(dp_arms) < 1:
-                raise SettingsError(f"--dp-arms: bad value {args.dp_arms!r}; allowed: RANK=PROFILE,... (one or more)")
-            profiles = list(dp_arms.values())
-        path = resolve_trace(args.trace)
-        trace = load_trace(path)
-        overrides = {
-            "block_size": args.block_size,
-            "num_gpu_blocks": args.num_gpu_blocks,
-            "max_num_seqs": args.max_num_seqs,
-            "max_num_batched_tokens": args.max_num_batched_tokens,
-            "max_model_len": args.max_model_len,
-        }
-        engine = trace.engine_with(overrides)
-        check_engine(trace, engine)
-        if args.cost_model is not None:
-            resolve_cost_model(args.cost_model, "--cost-model")
-        for profile in profiles if dp_arms is None else ():  # every profile must load before anything runs
-            load_settings(environ=None if args.inherit_env else {}, profile=profile)
-        for rank, profile in (dp_arms or {}).items():  # every arm too, and an error names its rank
-            from fdsched.core.settings import _resolve_profile
-
-            _resolve_profile(profile, f"--dp-arms, rank {rank}")
-            try:
-                load_settings(environ=None if args.inherit_env else {}, profile=profile)
-            except SettingsError as exc:
-                raise SettingsError(f"--dp-arms, rank {rank} (profile {profile}): {exc}") from None
-        out = _check_out_dir(args.out)
+        plan = _replay_plan(args)
     except (TraceError, SettingsError) as exc:
         print(f"fdsched: {exc}", file=sys.stderr)
         return EXIT_ERROR
+    tqdm = _progress_module(args)
+    runs, error, note = _run_arms_logged(args, plan, tqdm)
+    if error is not None:
+        return _report_run_error(error)
+    return _write_and_print_report(args, plan, runs, note)
 
-    tqdm = None
-    if not args.no_progress:
+
+def _replay_plan(args) -> _ReplayPlan:
+    """Everything the command line names, loaded and checked so a mistake fails now, not after the first
+    arm (minutes later): the --dp-arms / --profile choice, the trace and its engine shape, the cost model,
+    every profile, and the output directory. Raises TraceError or SettingsError."""
+    from fdsched.core.costmodel import resolve_cost_model
+
+    profiles = args.profiles or list(DEFAULT_PROFILES)
+    dp_arms = _parse_dp_arms(args)
+    if dp_arms is not None:
+        profiles = list(dp_arms.values())
+    path = resolve_trace(args.trace)
+    trace = load_trace(path)
+    engine = trace.engine_with({
+        "block_size": args.block_size,
+        "num_gpu_blocks": args.num_gpu_blocks,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len,
+    })
+    check_engine(trace, engine)
+    if args.cost_model is not None:
+        resolve_cost_model(args.cost_model, "--cost-model")
+    _check_profiles(args, profiles, dp_arms)
+    out = _check_out_dir(args.out)
+    return _ReplayPlan(path=path, trace=trace, engine=engine, profiles=profiles, dp_arms=dp_arms, out=out)
+
+
+def _parse_dp_arms(args) -> Optional[dict]:
+    """``--dp-arms`` as rank -> profile (None when not given). Raises SettingsError when it is given with
+    ``--profile`` or names no arm."""
+    from fdsched.core.settings import SettingsError
+
+    if args.dp_arms is None:
+        return None
+    from fdsched.core.settings import parse_dp_arms
+
+    if args.profiles:
+        raise SettingsError("--dp-arms: bad value with --profile; allowed: one of --dp-arms or --profile")
+    dp_arms = parse_dp_arms(args.dp_arms, origin="--dp-arms")
+    if len(dp_arms) < 1:
+        raise SettingsError(f"--dp-arms: bad value {args.dp_arms!r}; allowed: RANK=PROFILE,... (one or more)")
+    return dp_arms
+
+
+def _check_profiles(args, profiles: list, dp_arms: Optional[dict]) -> None:
+    """Load every arm's settings once, before anything runs (with --dp-arms an error names the rank).
+    Raises SettingsError."""
+    from fdsched.core.settings import SettingsError, load_settings
+
+    environ = None if args.inherit_env else {}
+    for profile in profiles if dp_arms is None else ():
+        load_settings(environ=environ, profile=profile)
+    for rank, profile in (dp_arms or {}).items():
+        from fdsched.core.settings import _resolve_profile
+
+        _resolve_profile(profile, f"--dp-arms, rank {rank}")
         try:
-            from tqdm import tqdm
-        except ImportError:
-            print(f"fdsched: tqdm is not installed: no progress bar (install with {INSTALL_HINT})", file=sys.stderr)
+            load_settings(environ=environ, profile=profile)
+        except SettingsError as exc:
+            raise SettingsError(f"--dp-arms, rank {rank} (profile {profile}): {exc}") from None
+
+
+def _progress_module(args):
+    """tqdm's class for the progress bars, or None (``--no-progress``, or tqdm missing: said on stderr)."""
+    from fdsched.replay.report import INSTALL_HINT
+
+    if args.no_progress:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        print(f"fdsched: tqdm is not installed: no progress bar (install with {INSTALL_HINT})", file=sys.stderr)
+        return None
+    return tqdm
+
+
+def _run_arms_logged(args, plan: _ReplayPlan, tqdm):
+    """Run every arm with the host's import-time and run-time messages in ``<out>/host.log`` (started
+    afresh) rather than between the bar and the table (``-v``: on the terminal). Returns ``(runs, error,
+    note)``: the runs, or the error that stopped them (HostNotFound, SettingsError, InstallError,
+    TraceError), and the note about the log to print with the report (or None)."""
+    from fdsched.install.probe import HostNotFound
+    from fdsched.install.installer import InstallError
+    from fdsched.core.settings import SettingsError
+    from fdsched.tools.quiet import host_output_to, log_note
+
+    log_path = plan.out / "host.log"
+    if log_path.is_file():
+        log_path.unlink()
+    runs, error = None, None
+    with host_output_to(log_path, verbose=args.verbose) as host_log:
+        try:
+            _import_host()  # before the first bar: its time estimate is the replay's, not the host import's
+            runs = _run_arms(args, plan, _progress_factory(tqdm, plan.profiles, host_log.terminal))
+        except (HostNotFound, SettingsError, InstallError, TraceError) as exc:
+            error = exc
+    return runs, error, log_note(host_log)
+
+
+def _progress_factory(tqdm, profiles: list, stream):
+    """The runner's ``progress_factory``: one bar per arm, labelled "arm i/n <profile>" (None without tqdm)."""
+    if tqdm is None:
+        return None
+    arms = iter(range(1, len(profiles) + 1))
+    return lambda profile, total: _Bar(tqdm, f"arm {next(arms)}/{len(profiles)} {profile}", total, stream)
+
+
+def _run_arms(args, plan: _ReplayPlan, progress_factory) -> list:
+    """One ProfileRun per arm: per --dp-arms rank on its share of the trace, else per profile on the whole."""
+    from fdsched.replay.runner import DEFAULT_MAX_STEPS, run_dp_arms, run_replay
 
     cost_overrides = {
         "model": args.cost_model,
@@ -480,55 +569,57 @@ def cmd_replay(args) -> int:
         "per_prefill_token_ms": args.cost_prefill_token_ms,
         "per_decode_request_ms": args.cost_decode_request_ms,
     }
-    from fdsched.tools.quiet import host_output_to, log_note
+    max_steps = args.max_steps or DEFAULT_MAX_STEPS
+    if plan.dp_arms is not None:
+        return run_dp_arms(
+            plan.trace, plan.dp_arms, plan.engine, args.dp_seed, cost_overrides, max_steps,
+            progress_factory=progress_factory, inherit_env=args.inherit_env, check_every=args.check_every,
+        )
+    return run_replay(
+        plan.trace, plan.profiles, plan.engine, cost_overrides, max_steps,
+        progress_factory=progress_factory, inherit_env=args.inherit_env, check_every=args.check_every,
+    )
 
-    log_path = out / "host.log"
-    if log_path.is_file():
-        log_path.unlink()
-    error = None
-    # the host's import-time and run-time messages go to host.log, not between the bar and the table (-v: here)
-    with host_output_to(log_path, verbose=args.verbose) as host_log:
-        try:
-            _import_host()  # before the first bar: its time estimate is the replay's, not the host import's
-            progress_factory = None
-            if tqdm is not None:
-                arms = iter(range(1, len(profiles) + 1))
-                progress_factory = lambda profile, total: _Bar(  # noqa: E731
-                    tqdm, f"arm {next(arms)}/{len(profiles)} {profile}", total, host_log.terminal)
-            if dp_arms is not None:
-                runs = run_dp_arms(
-                    trace, dp_arms, engine, args.dp_seed, cost_overrides, args.max_steps or DEFAULT_MAX_STEPS,
-                    progress_factory=progress_factory, inherit_env=args.inherit_env, check_every=args.check_every,
-                )
-            else:
-                runs = run_replay(
-                    trace, profiles, engine, cost_overrides, args.max_steps or DEFAULT_MAX_STEPS,
-                    progress_factory=progress_factory, inherit_env=args.inherit_env, check_every=args.check_every,
-                )
-        except (HostNotFound, SettingsError, InstallError, TraceError) as exc:
-            error = exc
-    note = log_note(host_log)
+
+def _report_run_error(error: Exception) -> int:
+    """Say why the arms did not run; EXIT_NO_HOST when the host is missing (with how to point at one),
+    else EXIT_ERROR."""
+    from fdsched.install.probe import HOW_TO_POINT, HostNotFound
+
     if isinstance(error, HostNotFound):
         message = str(error)
         if HOW_TO_POINT not in message:
             message += f"; {HOW_TO_POINT}"
         print(f"fdsched replay: needs the FastDeploy host: {message}", file=sys.stderr)
         return EXIT_NO_HOST
-    if error is not None:
-        print(f"fdsched: {error}", file=sys.stderr)
-        return EXIT_ERROR
+    print(f"fdsched: {error}", file=sys.stderr)
+    return EXIT_ERROR
 
-    info = trace_info(trace, path)
-    if dp_arms is not None:
+
+def _trace_section(args, plan: _ReplayPlan, runs: list) -> dict:
+    """The report's ``trace`` section; with --dp-arms it also says how the trace was split."""
+    from fdsched.replay.report import trace_info
+
+    info = trace_info(plan.trace, plan.path)
+    if plan.dp_arms is not None:
         from fdsched.replay.trace import DP_SPLIT_RULE
 
         info["dp_arms"] = {
-            "arms": {str(rank): profile for rank, profile in sorted(dp_arms.items())},
+            "arms": {str(rank): profile for rank, profile in sorted(plan.dp_arms.items())},
             "seed": args.dp_seed,
             "split": DP_SPLIT_RULE,
             "requests_per_rank": {run.profile: len(run.requests) for run in runs},
         }
-    report = build_report(info, engine, runs)
+    return info
+
+
+def _write_and_print_report(args, plan: _ReplayPlan, runs: list, note: Optional[str]) -> int:
+    """Write ``report.json``, print the header, table and bounds, the host-log note, the plot (unless
+    ``--no-plot``) and, last, the verdicts. EXIT_ERROR when any arm broke an invariant, else EXIT_OK."""
+    from fdsched.replay.report import build_report, format_bounds, format_header, format_table, format_verdicts, report_json
+
+    out = plan.out
+    report = build_report(_trace_section(args, plan, runs), plan.engine, runs)
     (out / "report.json").write_text(report_json(report), encoding="utf-8")
     print(format_header(report))
     print(format_table(report))
@@ -538,12 +629,7 @@ def cmd_replay(args) -> int:
     if note:
         print(note)
     if not args.no_plot:
-        try:
-            write_plot(report, str(out / "replay.png"), title=f"trace {trace.name}")
-        except ImportError:
-            print(f"fdsched: matplotlib is not installed: no plot (install with {INSTALL_HINT})", file=sys.stderr)
-        else:
-            print(f"plot:   {out / 'replay.png'}")
+        _write_plot(report, out, plan.trace.name)
     if format_verdicts(report):  # last: what the reader acts on
         print("\n" + format_verdicts(report))
     violations = sum(p["figures"]["invariant_violations"] for p in report["profiles"])
@@ -552,3 +638,15 @@ def cmd_replay(args) -> int:
               file=sys.stderr)
         return EXIT_ERROR
     return EXIT_OK
+
+
+def _write_plot(report: dict, out: Path, trace_name: str) -> None:
+    """``<out>/replay.png``, and its path on stdout; without matplotlib, say so on stderr instead."""
+    from fdsched.replay.report import INSTALL_HINT, write_plot
+
+    try:
+        write_plot(report, str(out / "replay.png"), title=f"trace {trace_name}")
+    except ImportError:
+        print(f"fdsched: matplotlib is not installed: no plot (install with {INSTALL_HINT})", file=sys.stderr)
+    else:
+        print(f"plot:   {out / 'replay.png'}")

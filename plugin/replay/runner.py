@@ -27,6 +27,7 @@ import os
 import time
 from collections import Counter, deque
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
 from fdsched.core.costmodel import cost_from_settings, prefill_context_tokens, row_step_ms
@@ -324,8 +325,9 @@ def run_profile(
             if getattr(reservation, "watches_candidate", False):  # PeakOracle, PeakAdmissionHook
                 _watch_candidate(manager, manager_ref)
             try:
-                _drive(run, trace, manager, outputs, role, max_steps, stall_steps, every, progress, cost,
-                       reservation, report.policies)
+                inputs = _DriveInputs(trace, manager, outputs, role, max_steps, stall_steps, every, progress, cost,
+                                      report.policies)
+                _drive(run, inputs)
             finally:
                 close_manager(manager)
     finally:
@@ -356,128 +358,254 @@ def _check_unbounded(run: ProfileRun) -> None:
         )
 
 
-def _drive(run, trace, manager, outputs, role, max_steps, stall_steps, check_every, progress, cost, reservation,
-           policies) -> None:
-    from fdsched.replay.engine import Driver, make_request
+@dataclass(frozen=True)
+class _DriveInputs:
+    """What one arm's run is fixed to before its first step (set by :func:`run_profile`).
 
-    driver = Driver(manager, output_lengths=dict(outputs), policies=policies)
-    cache = manager.cache_manager
-    pool = _CountingPool(cache.node_id_pool)
-    cache.node_id_pool = pool
-    rows = {row.id: row for row in run.requests}
-    feed = trace.in_feed_order()
-    timed = trace.time_based
-    arrival_ms = [r.arrival_s * 1000.0 for r in feed] if timed else None
-    objects = {}
-    finish_counts: Counter = Counter()
-    finished_once = 0
-    p_queue: deque = deque()
-    next_index = 0
-    quiet = 0
-    evicted_before = 0
-    now_ms = 0.0  # modelled time at the start of the step
+    ``outputs``: request id -> tokens it produces on this node; ``role``: the engine's
+    ``splitwise_role``; ``check_every``: run the block invariants every N steps (0: only once, when the run drains);
+    ``progress``: called after each step with the number of requests finished so far (or None);
+    ``cost``: the step-cost model that moves the modelled clock; ``policies``: the installed plugin's
+    :class:`fdsched.core.hooks.Policies` (the driver's decode test).
+    """
 
-    for step in range(max_steps):
-        step_cpu = time.thread_time()
-        gap = 0.0
-        if timed and next_index < len(feed) and not p_queue and driver.idle() and arrival_ms[next_index] > now_ms:
-            gap = arrival_ms[next_index] - now_ms  # nothing runs: skip to the next arrival
-            now_ms = arrival_ms[next_index]
-        fed = 0
-        while next_index < len(feed) and (arrival_ms[next_index] <= now_ms if timed else feed[next_index].arrival <= step):
-            tr = feed[next_index]
-            request = make_request(tr.id, tr.prompt_tokens(), tr.max_tokens)
-            objects[tr.id] = request
-            if role == "prefill":
-                p_queue.append(request)
-            else:
-                driver.add(request, outputs[tr.id])
-                fed += 1
-            next_index += 1
-        while p_queue and driver.add_in_p(p_queue[0], outputs[p_queue[0].request_id]):
-            p_queue.popleft()
-            fed += 1
+    trace: Trace
+    manager: object
+    outputs: dict
+    role: str
+    max_steps: int
+    stall_steps: int
+    check_every: int
+    progress: Optional[Callable[[int], None]]
+    cost: object
+    policies: object
 
-        record = driver.step()
-        row = StepRow(
-            step=step,
-            prefill_tokens=record.scheduled_prefill_tokens,
-            decode_tokens=record.decode_tokens,
-            first_tokens=len(record.first_tokens),
-            preempted=[(rid, phase) for rid, phase in record.preempted],
-            finished=len(record.finished),
-            running=record.running,
-            waiting=record.waiting + len(manager.to_be_rescheduled_request_id_set) + len(p_queue),
-            blocks_used=record.blocks_used,
-            schedule_cpu_s=record.schedule_cpu_seconds,
-            schedule_wall_s=record.schedule_seconds,
-            gap_ms=gap,
-        )
-        _set_step_context(row, record)
-        now_ms += row_step_ms(cost, row)
-        for rid, start, end in record.prefill_chunks:
-            r = rows[rid]
-            r.prefill_tokens += end - start
-            if r.first_chunk_start is None:
-                r.first_chunk_start = start
-                r.cache_hit_tokens = _host_hit(objects[rid])
-        for rid in record.produced:
-            rows[rid].token_steps.append(step)
-        for rid in record.first_tokens:
-            if rows[rid].first_token_step is None:
-                rows[rid].first_token_step = step
-        for rid, _ in record.preempted:
-            rows[rid].preemptions += 1
-        for rid in record.finished:
-            finish_counts[rid] += 1
-            if finish_counts[rid] == 1:
-                finished_once += 1
-            rows[rid].finish_count += 1
-            rows[rid].finish_step = step
-            request = objects[rid]
-            rows[rid].output_tokens = len(request.output_token_ids)
 
-        live = manager.requests.values()
-        held = request_held_blocks(live)
-        row.blocks_held = len({b for ids in held.values() for b in ids})
-        row.evicted = pool.returned - evicted_before
-        evicted_before = pool.returned
-        remaining = len(feed) - finished_once
-        done = next_index == len(feed) and not p_queue and driver.idle() and remaining == 0
-        if check_every and (step % check_every == 0 or done):
-            row.violations = check_blocks(cache.num_gpu_blocks, cache.gpu_free_block_list, held, cache_held_blocks(cache))
-        run.steps.append(row)
-        if progress is not None:
-            progress(finished_once)
-        row.replay_cpu_s = time.thread_time() - step_cpu - record.schedule_cpu_seconds
+@dataclass
+class _DriveState:
+    """Where a run stands between two steps (owned by :func:`_drive`, changed by its helpers).
 
-        if done:
-            run.drained = True
-            break
-        active = fed or record.scheduled_prefill_tokens or record.decode_tokens or record.first_tokens
-        active = active or record.preempted or record.finished
-        quiet = 0 if (active or next_index < len(feed)) else quiet + 1
-        if quiet >= stall_steps:
-            run.stall = _stall_detail(manager, p_queue, remaining)
-            held_all = run.stall["running_with_all_blocks"]
-            run.stop_reason = (
-                f"stalled: nothing fed, scheduled, produced or finished for {stall_steps} steps with "
-                f"{remaining} request(s) left (running {run.stall['running']}, of which {held_all} already hold every "
-                f"block their prefill needs; waiting {run.stall['waiting']}; not admitted {run.stall['not_admitted']}; "
-                f"free blocks {run.stall['free_blocks']})"
-            )
+    ``feed``: the trace's requests in feed order, ``next_index`` the first not fed yet;
+    ``arrival_ms``: their arrival on the modelled clock (time-based traces; None otherwise);
+    ``p_queue``: on a prefill node, requests made but not admitted by ``preallocate_resource_in_p`` yet;
+    ``objects``: request id -> the host ``Request`` the replay made; ``rows``: request id -> its report row;
+    ``finish_counts`` / ``finished_once``: how often each request finished, and how many finished at least
+    once; ``quiet``: consecutive steps in which nothing happened (the stall counter); ``evicted_before``:
+    the cache's evictions counted up to the previous step; ``now_ms``: modelled time at the start of the step.
+    """
+
+    driver: object
+    cache: object
+    pool: _CountingPool
+    rows: dict
+    feed: list
+    arrival_ms: Optional[list]
+    objects: dict = field(default_factory=dict)
+    finish_counts: Counter = field(default_factory=Counter)
+    finished_once: int = 0
+    p_queue: deque = field(default_factory=deque)
+    next_index: int = 0
+    quiet: int = 0
+    evicted_before: int = 0
+    now_ms: float = 0.0
+
+    @property
+    def timed(self) -> bool:
+        return self.arrival_ms is not None
+
+    def all_fed(self) -> bool:
+        """Every request of the trace was made, and (prefill node) admitted."""
+        return self.next_index == len(self.feed) and not self.p_queue
+
+    def remaining(self) -> int:
+        """Requests that have not finished yet."""
+        return len(self.feed) - self.finished_once
+
+
+def _drive(run: ProfileRun, inputs: _DriveInputs) -> None:
+    """Step the scheduler until every request has finished, the run stalls, or ``max_steps`` is reached;
+    each step's row goes into ``run.steps``, each request's figures into ``run.requests``, and
+    ``run.drained`` / ``run.stop_reason`` / ``run.stall`` / ``run.request_violations`` say how it ended."""
+    state = _start_drive(run, inputs)
+    for step in range(inputs.max_steps):
+        if _one_step(run, inputs, state, step):
             break
     else:
-        run.stop_reason = f"max_steps={max_steps} reached"
+        run.stop_reason = f"max_steps={inputs.max_steps} reached"
+    _finish_drive(run, inputs, state)
 
-    for rid, request in objects.items():
-        rows[rid].output_tokens = len(request.output_token_ids)
-    if run.drained and not check_every:
+
+def _start_drive(run: ProfileRun, inputs: _DriveInputs) -> _DriveState:
+    """The driver around the manager, and the prefix cache's node pool swapped for one that counts evictions."""
+    from fdsched.replay.engine import Driver
+
+    driver = Driver(inputs.manager, output_lengths=dict(inputs.outputs), policies=inputs.policies)
+    cache = inputs.manager.cache_manager
+    pool = _CountingPool(cache.node_id_pool)
+    cache.node_id_pool = pool
+    feed = inputs.trace.in_feed_order()
+    arrival_ms = [r.arrival_s * 1000.0 for r in feed] if inputs.trace.time_based else None
+    return _DriveState(driver=driver, cache=cache, pool=pool, rows={row.id: row for row in run.requests}, feed=feed,
+                       arrival_ms=arrival_ms)
+
+
+def _one_step(run: ProfileRun, inputs: _DriveInputs, state: _DriveState, step: int) -> bool:
+    """Feed what has arrived, run one engine step and record it. True when the run ends here
+    (drained or stalled)."""
+    step_cpu = time.thread_time()
+    gap = _skip_to_next_arrival(state)
+    fed = _feed_arrivals(inputs, state, step)
+    record = state.driver.step()
+    row = _step_row(step, record, inputs.manager, state, gap)
+    state.now_ms += row_step_ms(inputs.cost, row)
+    _record_requests(state, record, step)
+    done = _account_blocks(row, inputs, state, step)
+    run.steps.append(row)
+    if inputs.progress is not None:
+        inputs.progress(state.finished_once)
+    row.replay_cpu_s = time.thread_time() - step_cpu - record.schedule_cpu_seconds
+    if done:
+        run.drained = True
+        return True
+    return _stalled(run, inputs, state, record, fed)
+
+
+def _skip_to_next_arrival(state: _DriveState) -> float:
+    """On a time-based trace, when nothing runs, waits or is queued and the next arrival is later, jump the
+    modelled clock to it. Returns the idle time skipped (ms; 0.0 when none)."""
+    i = state.next_index
+    if (state.timed and i < len(state.feed) and not state.p_queue and state.driver.idle()
+            and state.arrival_ms[i] > state.now_ms):
+        gap = state.arrival_ms[i] - state.now_ms
+        state.now_ms = state.arrival_ms[i]
+        return gap
+    return 0.0
+
+
+def _arrived(state: _DriveState, step: int) -> bool:
+    """Whether the next request in feed order is due at this step (by modelled time, or by step number)."""
+    if state.timed:
+        return state.arrival_ms[state.next_index] <= state.now_ms
+    return state.feed[state.next_index].arrival <= step
+
+
+def _feed_arrivals(inputs: _DriveInputs, state: _DriveState, step: int) -> int:
+    """Make a host request for every request due now and hand it to the scheduler: ``add_request`` on a
+    mixed node; on a prefill node, queue it and admit from the queue's head, first come first served,
+    until a preallocation fails (the rest wait for the next step). Returns how many were handed over."""
+    from fdsched.replay.engine import make_request
+
+    fed = 0
+    while state.next_index < len(state.feed) and _arrived(state, step):
+        tr = state.feed[state.next_index]
+        request = make_request(tr.id, tr.prompt_tokens(), tr.max_tokens)
+        state.objects[tr.id] = request
+        if inputs.role == "prefill":
+            state.p_queue.append(request)
+        else:
+            state.driver.add(request, inputs.outputs[tr.id])
+            fed += 1
+        state.next_index += 1
+    p_queue = state.p_queue
+    while p_queue and state.driver.add_in_p(p_queue[0], inputs.outputs[p_queue[0].request_id]):
+        p_queue.popleft()
+        fed += 1
+    return fed
+
+
+def _step_row(step: int, record, manager, state: _DriveState, gap: float) -> StepRow:
+    """The step's row from the driver's record (the block figures are added by :func:`_account_blocks`)."""
+    row = StepRow(
+        step=step,
+        prefill_tokens=record.scheduled_prefill_tokens,
+        decode_tokens=record.decode_tokens,
+        first_tokens=len(record.first_tokens),
+        preempted=[(rid, phase) for rid, phase in record.preempted],
+        finished=len(record.finished),
+        running=record.running,
+        waiting=record.waiting + len(manager.to_be_rescheduled_request_id_set) + len(state.p_queue),
+        blocks_used=record.blocks_used,
+        schedule_cpu_s=record.schedule_cpu_seconds,
+        schedule_wall_s=record.schedule_seconds,
+        gap_ms=gap,
+    )
+    _set_step_context(row, record)
+    return row
+
+
+def _record_requests(state: _DriveState, record, step: int) -> None:
+    """Add the step's events to each request's row: prefill chunks (and, at the first, where it started
+    and the host's cache hit), tokens produced, first token, preemptions, finishes."""
+    rows = state.rows
+    for rid, start, end in record.prefill_chunks:
+        r = rows[rid]
+        r.prefill_tokens += end - start
+        if r.first_chunk_start is None:
+            r.first_chunk_start = start
+            r.cache_hit_tokens = _host_hit(state.objects[rid])
+    for rid in record.produced:
+        rows[rid].token_steps.append(step)
+    for rid in record.first_tokens:
+        if rows[rid].first_token_step is None:
+            rows[rid].first_token_step = step
+    for rid, _ in record.preempted:
+        rows[rid].preemptions += 1
+    for rid in record.finished:
+        state.finish_counts[rid] += 1
+        if state.finish_counts[rid] == 1:
+            state.finished_once += 1
+        rows[rid].finish_count += 1
+        rows[rid].finish_step = step
+        rows[rid].output_tokens = len(state.objects[rid].output_token_ids)
+
+
+def _account_blocks(row: StepRow, inputs: _DriveInputs, state: _DriveState, step: int) -> bool:
+    """Fill the row's blocks held and evicted, and check the block invariants when due (every
+    ``check_every`` steps, and at the last). Returns whether the run has drained: everything fed, nothing
+    running or waiting, every request finished."""
+    cache = state.cache
+    held = request_held_blocks(inputs.manager.requests.values())
+    row.blocks_held = len({b for ids in held.values() for b in ids})
+    row.evicted = state.pool.returned - state.evicted_before
+    state.evicted_before = state.pool.returned
+    done = state.all_fed() and state.driver.idle() and state.remaining() == 0
+    if inputs.check_every and (step % inputs.check_every == 0 or done):
+        row.violations = check_blocks(cache.num_gpu_blocks, cache.gpu_free_block_list, held, cache_held_blocks(cache))
+    return done
+
+
+def _stalled(run: ProfileRun, inputs: _DriveInputs, state: _DriveState, record, fed: int) -> bool:
+    """Count the step as quiet when nothing was fed, scheduled, produced, preempted or finished and no
+    request is still to arrive; after ``stall_steps`` quiet steps in a row, record the stall and return True."""
+    active = fed or record.scheduled_prefill_tokens or record.decode_tokens or record.first_tokens
+    active = active or record.preempted or record.finished
+    state.quiet = 0 if (active or state.next_index < len(state.feed)) else state.quiet + 1
+    if state.quiet < inputs.stall_steps:
+        return False
+    remaining = state.remaining()
+    run.stall = _stall_detail(inputs.manager, state.p_queue, remaining)
+    held_all = run.stall["running_with_all_blocks"]
+    run.stop_reason = (
+        f"stalled: nothing fed, scheduled, produced or finished for {inputs.stall_steps} steps with "
+        f"{remaining} request(s) left (running {run.stall['running']}, of which {held_all} already hold every "
+        f"block their prefill needs; waiting {run.stall['waiting']}; not admitted {run.stall['not_admitted']}; "
+        f"free blocks {run.stall['free_blocks']})"
+    )
+    return True
+
+
+def _finish_drive(run: ProfileRun, inputs: _DriveInputs, state: _DriveState) -> None:
+    """After the last step: each request's final output count, the block check of a drained run that was
+    not checked on the way, and the request bookkeeping checks."""
+    manager, cache = inputs.manager, state.cache
+    for rid, request in state.objects.items():
+        state.rows[rid].output_tokens = len(request.output_token_ids)
+    if run.drained and not inputs.check_every:
         run.steps[-1].violations = check_blocks(
             cache.num_gpu_blocks, cache.gpu_free_block_list, request_held_blocks(manager.requests.values()),
             cache_held_blocks(cache)
         )
-    run.request_violations = check_requests([r.id for r in trace.requests], finish_counts, run.drained)
+    run.request_violations = check_requests([r.id for r in inputs.trace.requests], state.finish_counts, run.drained)
     if run.drained and manager.requests:
         run.request_violations.append(f"the scheduler still tracks finished requests: {sorted(manager.requests)[:8]}")
 
