@@ -2,7 +2,8 @@
 
 Every setting is one row of ``SCHEMA``: its YAML key path, its environment variable, its type,
 its default and what it is for. The host's own tunables keep their FastDeploy names (``FD_*``) both
-as environment variables and as keys under ``host_tunables:`` in a profile.
+as environment variables and as keys under ``host_tunables:`` in a profile. A profile's ``changes.others``
+sets every change switch the profile does not name (see :func:`load_settings`).
 
 Bad input raises one :class:`SettingsError` in one format, ``<where>: bad value <value>[ (why)]; allowed:
 <what>``, where ``<where>`` is ``environment variable <VAR>`` or ``profile <file>, key <key path>``. It is
@@ -596,7 +597,9 @@ def profile_description(path: Path) -> str:
 def load_settings(environ: Optional[Mapping[str, str]] = None, profile: Optional[str] = None) -> Settings:
     """Build the frozen settings: defaults < profile < environment.
 
-    ``profile`` overrides ``FDSCHED_PROFILE`` (the replay uses it to run several profiles).
+    ``profile`` overrides ``FDSCHED_PROFILE`` (the replay uses it to run several profiles). The profile's
+    ``changes.others`` (auto | on | off) sets each switch the profile does not name; its source is then
+    ``profile <name> via changes.others``.
     Raises :class:`SettingsError` on the first bad input, naming where it came from.
     """
     environ = os.environ if environ is None else environ
