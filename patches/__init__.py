@@ -30,7 +30,6 @@ def _load_catalogue() -> tuple:
     from fdsched.patches import (
         decode_only_preempt,
         deferred_recycle,
-        noop_probe,
         nonpolling_transfer,
         pd_prefill_cache,
         ratio_reserve,
@@ -42,7 +41,6 @@ def _load_catalogue() -> tuple:
         ratio_reserve.SPEC,
         pd_prefill_cache.SPEC,
         nonpolling_transfer.SPEC,
-        noop_probe.SPEC,
     )
 
 

@@ -58,7 +58,6 @@ CHANGES: tuple[tuple[str, str], ...] = (
     ("ratio_reserve", "new_token_ratio KV reservation and chunked-prefill guard (PR 7444/7783)."),
     ("pd_prefill_cache", "record prefill-node blocks in the radix tree (PR 7364/7387)."),
     ("nonpolling_transfer", "wait on a blocking queue for CPU-cache transfer results (idea of PR 7520)."),
-    ("noop_probe", "THROWAWAY: count add_request calls (the walk of CONTRIBUTING.md)."),
 )
 CHANGE_IDS = tuple(change_id for change_id, _ in CHANGES)
 # A profile's ``changes.others`` sets every switch that profile does not name (e.g. baseline: ``others: "off"``),
