@@ -2,7 +2,8 @@
 
 Every setting is one row of ``SCHEMA``: its YAML key path, its environment variable, its type,
 its default and what it is for. The host's own tunables keep their FastDeploy names (``FD_*``) both
-as environment variables and as keys under ``host_tunables:`` in a profile.
+as environment variables and as keys under ``host_tunables:`` in a profile. A profile's ``changes.others``
+sets every change switch the profile does not name (see :func:`load_settings`).
 
 Bad input raises one :class:`SettingsError` in one format, ``<where>: bad value <value>[ (why)]; allowed:
 <what>``, where ``<where>`` is ``environment variable <VAR>`` or ``profile <file>, key <key path>``. It is
@@ -24,7 +25,9 @@ from fdsched.core.adaptive import K_BOUND, K_DECAY, K_DEFAULT, K_STEP
 from fdsched.core.common import SettingsError, read_utf8
 
 __all__ = [
+    "CHANGES",
     "CHANGE_IDS",
+    "OTHERS_KEY",
     "SWITCH_VALUES",
     "PROFILE_ENV",
     "DP_PROFILE_ENV",
@@ -45,14 +48,21 @@ DP_PROFILE_ENV = "FDSCHED_PROFILE_BY_DP_RANK"
 MAX_DP_RANK = 1023  # a bound on typos (FastDeploy's data-parallel sizes are single or double digits)
 SWITCH_VALUES = ("auto", "on", "off")
 
-# The five upstream changes, in catalogue order. Ids are used as YAML keys under ``changes:``.
-CHANGE_IDS = (
-    "deferred_recycle",
-    "decode_only_preempt",
-    "ratio_reserve",
-    "pd_prefill_cache",
-    "nonpolling_transfer",
+# The upstream changes, in catalogue order: (id, what it does). One line per change; the id is the YAML key
+# under ``changes:``, ``FDSCHED_<ID>`` its variable and ``<ID>`` the name of its module in ``fdsched.patches``.
+# The list lives here, not in ``fdsched.patches``, because the core layer must not import the patches
+# (tests/unit/test_layers.py); tests/unit/test_catalogue.py checks that the catalogue has the same ids, in order.
+CHANGES: tuple[tuple[str, str], ...] = (
+    ("deferred_recycle", "recycle evicted GPU blocks in one batch after the LRU loop (PR 7885/7886)."),
+    ("decode_only_preempt", "preempt only decoding requests, LIFO (PR 7444/7783)."),
+    ("ratio_reserve", "new_token_ratio KV reservation and chunked-prefill guard (PR 7444/7783)."),
+    ("pd_prefill_cache", "record prefill-node blocks in the radix tree (PR 7364/7387)."),
+    ("nonpolling_transfer", "wait on a blocking queue for CPU-cache transfer results (idea of PR 7520)."),
 )
+CHANGE_IDS = tuple(change_id for change_id, _ in CHANGES)
+# A profile's ``changes.others`` sets every switch that profile does not name (e.g. baseline: ``others: "off"``),
+# so a new change needs no line in the profiles that mean "every change off" or "every change on".
+OTHERS_KEY = "changes.others"
 
 
 # --------------------------------------------------------------------------------------------
@@ -167,23 +177,20 @@ class Setting:
     doc: str
 
 
-def _change(change_id: str, doc: str) -> Setting:
+def _change(number: int, change_id: str, doc: str) -> Setting:
+    """The switch of change ``number``: ``changes.<id>`` / ``FDSCHED_<ID>`` = auto | on | off."""
     return Setting(
         key=f"changes.{change_id}",
         env=f"FDSCHED_{change_id.upper()}",
         parse=_switch,
         default="auto",
         allowed="auto | on | off",
-        doc=doc,
+        doc=f"Change {number}: {doc}",
     )
 
 
 SCHEMA: tuple[Setting, ...] = (
-    _change("deferred_recycle", "Change 1: recycle evicted GPU blocks in one batch after the LRU loop (PR 7885/7886)."),
-    _change("decode_only_preempt", "Change 2: preempt only decoding requests, LIFO (PR 7444/7783)."),
-    _change("ratio_reserve", "Change 3: new_token_ratio KV reservation and chunked-prefill guard (PR 7444/7783)."),
-    _change("pd_prefill_cache", "Change 4: record prefill-node blocks in the radix tree (PR 7364/7387)."),
-    _change("nonpolling_transfer", "Change 5: wait on a blocking queue for CPU-cache transfer results (idea of PR 7520)."),
+    *(_change(number, change_id, doc) for number, (change_id, doc) in enumerate(CHANGES, start=1)),
     Setting(
         "pd_prefill_cache.mode",
         "FDSCHED_PD_PREFILL_CACHE_MODE",
@@ -434,7 +441,8 @@ class Settings:
     """The effective settings of one process. Read with ``settings[key]``."""
 
     values: Mapping[str, Any]
-    sources: Mapping[str, str]  # key -> "default" | "profile <name>" | "env <VAR>"
+    # key -> "default" | "profile <name>" | "profile <name> via changes.others" | "env <VAR>"
+    sources: Mapping[str, str]
     profile: Optional[str]
     profile_path: Optional[str]
 
@@ -528,7 +536,10 @@ def _parent_path(text: str, line: int) -> str:
 
 
 def read_profile(path: Path) -> dict[str, Any]:
-    """Parse one profile file into ``{key path: raw value}``; unknown and duplicate keys are errors."""
+    """Parse one profile file into ``{key path: raw value}``; unknown and duplicate keys are errors.
+
+    The keys are those written in the file, ``changes.others`` included (:func:`load_settings` gives its
+    value to every switch the file does not name)."""
     text = read_utf8(path, "profile", "a YAML mapping (see fdsched profiles baseline)", SettingsError)
     try:
         document = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
@@ -568,8 +579,8 @@ def read_profile(path: Path) -> dict[str, Any]:
             raise SettingsError(f"profile {path}, key {top}: bad value {value!r}; allowed: a mapping of settings")
         for sub, raw in value.items():
             key = f"{top}.{sub}"
-            if key not in _BY_KEY:
-                allowed = sorted(k.split(".", 1)[1] for k in _BY_KEY if k.startswith(top + "."))
+            if key not in _BY_KEY and key != OTHERS_KEY:
+                allowed = sorted(k.split(".", 1)[1] for k in (*_BY_KEY, OTHERS_KEY) if k.startswith(top + "."))
                 raise SettingsError(f"profile {path}, key {key}: unknown key; allowed under {top}: {', '.join(allowed)}")
             flat[key] = raw
     return flat
@@ -586,7 +597,9 @@ def profile_description(path: Path) -> str:
 def load_settings(environ: Optional[Mapping[str, str]] = None, profile: Optional[str] = None) -> Settings:
     """Build the frozen settings: defaults < profile < environment.
 
-    ``profile`` overrides ``FDSCHED_PROFILE`` (the replay uses it to run several profiles).
+    ``profile`` overrides ``FDSCHED_PROFILE`` (the replay uses it to run several profiles). The profile's
+    ``changes.others`` (auto | on | off) sets each switch the profile does not name; its source is then
+    ``profile <name> via changes.others``.
     Raises :class:`SettingsError` on the first bad input, naming where it came from.
     """
     environ = os.environ if environ is None else environ
@@ -598,13 +611,20 @@ def load_settings(environ: Optional[Mapping[str, str]] = None, profile: Optional
     if requested is not None and requested.strip() != "":
         profile_name, path = _resolve_profile(requested, PROFILE_ENV if profile is None else "profile")
         profile_path = str(path)
-        for key, raw in read_profile(path).items():
-            setting = _BY_KEY[key]
+        written = read_profile(path)
+        for key, raw in written.items():
+            parse = _switch if key == OTHERS_KEY else _BY_KEY[key].parse
             try:
-                values[key] = setting.parse(raw)
+                value = parse(raw)
             except ValueError as exc:
                 raise SettingsError(f"profile {path}, key {key}: bad value {raw!r}; allowed: {exc}") from None
-            sources[key] = f"profile {profile_name}"
+            if key != OTHERS_KEY:
+                values[key], sources[key] = value, f"profile {profile_name}"
+                continue
+            for change_id in CHANGE_IDS:  # every switch the profile does not name
+                if f"changes.{change_id}" not in written:
+                    values[f"changes.{change_id}"] = value
+                    sources[f"changes.{change_id}"] = f"profile {profile_name} via {OTHERS_KEY}"
 
     for setting in SCHEMA:
         if setting.env is None or setting.env not in environ:
@@ -626,8 +646,8 @@ def _where(key: str, sources: Mapping[str, str], profile_path: Optional[str] = N
     if source.startswith("env "):
         return f"environment variable {setting.env}"
     if source.startswith("profile "):
-        name = source[len("profile "):]
-        return f"profile {profile_path or name}, key {key}"
+        name, _, via = source[len("profile "):].partition(" via ")  # a switch the profile set with changes.others
+        return f"profile {profile_path or name}, key {key}" + (f" (from {via})" if via else "")
     return f"{key} (default)"
 
 

@@ -162,19 +162,14 @@ def _workload_fingerprint(make_manager):
 
 def test_schedules_exactly_as_host_when_every_change_runs_host_code(install_profile, make_manager, host_info):
     """All changes resolving to the host's own code: identical decisions, step by step."""
+    from fdsched.core.settings import CHANGE_IDS
+
     host_run = _workload_fingerprint(make_manager)
-    # deferred_recycle and nonpolling_transfer are plugin-only, so `off` is the host's code on every host;
-    # the scheduler changes run the host's code under `off` on the old host and `auto` on the new one.
-    mode = "auto" if host_info.has["decode_only_preempt"] else "off"
-    report = install_profile(
-        None,
-        FDSCHED_DEFERRED_RECYCLE="off",
-        FDSCHED_NONPOLLING_TRANSFER="off",
-        FDSCHED_DECODE_ONLY_PREEMPT=mode,
-        FDSCHED_RATIO_RESERVE=mode,
-        FDSCHED_PD_PREFILL_CACHE=mode,
-        FDSCHED_PD_PREFILL_CACHE_MODE="upstream",
-    )
+    # A change runs the host's code under `off` where the host lacks it (the old host: every change; the new
+    # host: deferred_recycle and nonpolling_transfer) and under `auto` where the host has it (the new host's
+    # decode_only_preempt, ratio_reserve and pd_prefill_cache; pd_prefill_cache in upstream's mode).
+    switches = {f"FDSCHED_{cid.upper()}": "auto" if host_info.has[cid] else "off" for cid in CHANGE_IDS}
+    report = install_profile(None, **switches, FDSCHED_PD_PREFILL_CACHE_MODE="upstream")
     assert {d.impl for d in report.decisions.values()} == {"host"}
     plugin_run = _workload_fingerprint(make_manager)
     assert plugin_run == host_run

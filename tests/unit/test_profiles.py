@@ -9,6 +9,24 @@ from fdsched.core.settings import CHANGE_IDS, load_settings, profile_description
 
 PROFILES = shipped_profiles()
 SINGLE_CHANGE_PROFILES = [name for name in PROFILES if name in CHANGE_IDS]
+# "recommended + one thing": every change on, like recommended.
+ALL_ON_PROFILES = [name for name in PROFILES if name != "baseline" and name not in CHANGE_IDS]
+
+# What each shipped profile resolved the five original switches to when the profiles spelled out every
+# switch (main at fcfbbd3), before `changes.others` replaced those lines. Written out, not derived, so that
+# a profile edit that changes a switch fails here. A change added later is checked by the rule-based tests below.
+ON, OFF = "on", "off"
+PINNED_SWITCHES = {
+    "baseline": (OFF, OFF, OFF, OFF, OFF),
+    "deferred_recycle": (ON, OFF, OFF, OFF, OFF),
+    "decode_only_preempt": (OFF, ON, OFF, OFF, OFF),
+    "ratio_reserve": (OFF, OFF, ON, OFF, OFF),
+    "pd_prefill_cache": (OFF, OFF, OFF, ON, OFF),
+    "nonpolling_transfer": (OFF, OFF, OFF, OFF, ON),
+    **{name: (ON, ON, ON, ON, ON) for name in (
+        "recommended", "oracle", "adaptive", "unbounded", "optimism", "upstream-clip", "sglang-retract")},
+}
+PINNED_IDS = ("deferred_recycle", "decode_only_preempt", "ratio_reserve", "pd_prefill_cache", "nonpolling_transfer")
 
 
 def switches(name: str) -> dict:
@@ -29,15 +47,32 @@ def test_every_shipped_profile_loads(name):
     s = load_settings(environ={}, profile=name)
     assert s.profile == name
     assert s.profile_path == str(PROFILES[name])
-    for change_id in CHANGE_IDS:
-        assert s.sources[f"changes.{change_id}"] == f"profile {name}"  # every profile spells out every switch
+    for change_id in CHANGE_IDS:  # every profile sets every switch, by name or with changes.others: none is left auto
+        assert s.sources[f"changes.{change_id}"] in (f"profile {name}", f"profile {name} via changes.others")
 
 
 @pytest.mark.parametrize("name", list(PROFILES))
 def test_every_shipped_profile_has_a_description(name):
     assert profile_description(PROFILES[name])
-    document = yaml.safe_load(PROFILES[name].read_text(encoding="utf-8"))
-    assert set(document["changes"]) == set(CHANGE_IDS)
+
+
+@pytest.mark.parametrize("name", list(PROFILES))
+def test_shipped_profiles_name_only_the_switches_unlike_their_others(name):
+    """`others` sets the rest, so a new change needs no line in an existing profile."""
+    changes = yaml.safe_load(PROFILES[name].read_text(encoding="utf-8"))["changes"]
+    others = changes.pop("others")
+    assert others in ("on", "off")
+    assert all(value != others for value in changes.values()), changes
+
+
+@pytest.mark.parametrize("name", list(PINNED_SWITCHES))
+def test_shipped_profile_resolves_to_its_pinned_switches(name):
+    s = load_settings(environ={}, profile=name)
+    assert tuple(s.change_mode(change_id) for change_id in PINNED_IDS) == PINNED_SWITCHES[name]
+
+
+def test_the_pins_cover_every_shipped_profile_but_the_later_single_change_ones():
+    assert set(PROFILES) - set(PINNED_SWITCHES) == set(CHANGE_IDS) - set(PINNED_IDS)
 
 
 def test_baseline_has_every_change_off():
@@ -57,8 +92,8 @@ def test_pd_prefill_cache_profile_uses_the_default_safe_mode():
     assert s.sources["pd_prefill_cache.mode"] == "default"
 
 
-@pytest.mark.parametrize("name", ["recommended", "oracle"])
-def test_recommended_and_oracle_turn_every_change_on(name):
+@pytest.mark.parametrize("name", ALL_ON_PROFILES)
+def test_recommended_and_the_profiles_built_on_it_turn_every_change_on(name):
     assert switches(name) == {change_id: "on" for change_id in CHANGE_IDS}
 
 

@@ -123,7 +123,7 @@ def test_env_beats_a_shipped_profile():
     assert s.change_mode("deferred_recycle") == "on"
     assert s.sources["changes.deferred_recycle"] == "env FDSCHED_DEFERRED_RECYCLE"
     assert s.change_mode("decode_only_preempt") == "off"
-    assert s.sources["changes.decode_only_preempt"] == "profile baseline"
+    assert s.sources["changes.decode_only_preempt"] == "profile baseline via changes.others"
 
 
 def test_profile_env_with_a_shipped_name():
@@ -131,7 +131,7 @@ def test_profile_env_with_a_shipped_name():
     assert s.profile == "recommended"
     assert s.profile_path == str(shipped_profiles()["recommended"])
     assert s.change_mode("ratio_reserve") == "on"
-    assert s.sources["changes.ratio_reserve"] == "profile recommended"
+    assert s.sources["changes.ratio_reserve"] == "profile recommended via changes.others"
 
 
 def test_profile_env_with_a_yaml_path(write_profile):
@@ -240,10 +240,64 @@ def test_every_shipped_profile_sets_what_its_file_says_and_nothing_else():
         s = load_settings(environ={}, profile=name)
         written = read_profile(path)  # raises on a key given twice
         assert written, name
+        others = written.pop("changes.others", None)
         for key, value in written.items():
             assert s.sources[key] == f"profile {name}", (name, key)
             assert s[key] == SCHEMA_BY_KEY[key].parse(value), (name, key)
-        assert {k for k, src in s.sources.items() if src.startswith("profile")} == set(written), name
+        via_others = {f"changes.{cid}" for cid in CHANGE_IDS} - set(written) if others is not None else set()
+        for key in via_others:
+            assert s.sources[key] == f"profile {name} via changes.others", (name, key)
+            assert s[key] == others, (name, key)
+        assert {k for k, src in s.sources.items() if src.startswith("profile")} == set(written) | via_others, name
+
+
+# --------------------------------------------------------------------------------------------
+# changes.others: one key for every switch a profile does not name
+# --------------------------------------------------------------------------------------------
+def test_others_sets_only_the_switches_the_profile_does_not_name(write_profile):
+    path = write_profile('changes:\n  others: "off"\n  ratio_reserve: "on"\n', name="mine.yaml")
+    s = load_settings(environ={}, profile=path)
+    for change_id in CHANGE_IDS:
+        expected = "on" if change_id == "ratio_reserve" else "off"
+        assert s.change_mode(change_id) == expected, change_id
+        source = "profile mine" if change_id == "ratio_reserve" else "profile mine via changes.others"
+        assert s.sources[f"changes.{change_id}"] == source, change_id
+    assert "changes.others" not in s.values  # not a setting: it only fills the switches
+
+
+@pytest.mark.parametrize("raw, expected", [('"auto"', "auto"), ("on", "on"), ("off", "off"), ('" ON "', "on")])
+def test_others_takes_the_values_of_a_switch(write_profile, raw, expected):
+    path = write_profile(f"changes:\n  others: {raw}\n")
+    s = load_settings(environ={}, profile=path)
+    assert {s.change_mode(change_id) for change_id in CHANGE_IDS} == {expected}
+
+
+@pytest.mark.parametrize("raw", ['"maybe"', "1", "null", "[on]"])
+def test_others_with_a_bad_value_is_one_error_naming_the_key(write_profile, raw):
+    path = write_profile(f"changes:\n  ratio_reserve: \"on\"\n  others: {raw}\n")
+    msg = settings_error(profile=path)
+    assert msg.startswith(f"profile {path}, key changes.others: bad value ")
+    assert msg.endswith("; allowed: one of auto, on, off")
+    assert "\n" not in msg
+
+
+def test_an_environment_variable_beats_others(write_profile):
+    path = write_profile('changes:\n  others: "on"\n', name="mine.yaml")
+    s = load_settings(environ={"FDSCHED_RATIO_RESERVE": "off"}, profile=path)
+    assert s.change_mode("ratio_reserve") == "off"
+    assert s.sources["changes.ratio_reserve"] == "env FDSCHED_RATIO_RESERVE"
+    assert s.change_mode("deferred_recycle") == "on"
+
+
+def test_a_contradiction_with_a_switch_set_by_others_names_both_keys():
+    msg = settings_error(environ={"FDSCHED_RESERVE_ESTIMATOR": "adaptive"}, profile="baseline")
+    assert "key changes.ratio_reserve (from changes.others)='off'" in msg
+
+
+def test_others_is_a_key_of_changes_only(write_profile):
+    path = write_profile("tunables:\n  others: 1\n")
+    msg = settings_error(profile=path)
+    assert "key tunables.others: unknown key" in msg and "others" not in msg.split("allowed under tunables:")[1]
 
 
 def test_unknown_top_level_key(write_profile):
@@ -262,7 +316,7 @@ def test_unknown_nested_key(write_profile):
     assert path in msg
     assert "changes.ratio_reserv" in msg
     assert "allowed under changes" in msg
-    for change_id in CHANGE_IDS:
+    for change_id in (*CHANGE_IDS, "others"):
         assert change_id in msg
 
 
