@@ -316,17 +316,30 @@ class RatioReserveMixin(PluginBase):
         adaptive = self._fdsched_adaptive
         if adaptive is None:
             return sum(self._get_running_request_reserve_blocks(r) for r in self.running)
-        # One admission decision: the per-request answers of the seam telescope to the running set's
-        # expected remainder plus one margin (SetMargin), opened here and closed after the last request.
-        margin = self._fdsched_margin = SetMargin()
-        try:
-            total = sum(self._get_running_request_reserve_blocks(r) for r in self.running)
-        finally:
-            self._fdsched_margin = None
+        # One admission decision: the whole running set at once (order-independent, issue 18). A request a
+        # third-party hook answers for is summed outside the set; a prefill node reserves nothing.
+        max_model_len = self.config.model_config.max_model_len
+        ratio, clip = self._fdsched_ratio.value, self._fdsched_settings["host_tunables.FD_CLIP_MAX_NEW_TOKENS"]
+        block_size = self.config.cache_config.block_size
+        outside, learned = 0, []
+        if self.config.scheduler_config.splitwise_role != "prefill":
+            for r in self.running:
+                budget, generated = _output_budget(r, max_model_len), len(r.output_token_ids)
+                override = self._fdsched_policies.reserve_blocks_override(
+                    r.request_id, budget, generated, ratio, clip, block_size
+                )
+                if override is not None:
+                    outside += override
+                    continue
+                max_tokens = getattr(r.sampling_params, "max_tokens", None)
+                bound = client_bound(max_tokens, max_model_len, r.prompt_token_ids_len)
+                learned.append(RunningRequest(bound, budget, generated))
+        fixed = self._fdsched_fixed
+        answer = adaptive.set_reservation(learned, ratio, clip, block_size, 0 if fixed.relaxed else fixed.current)
         METRICS.adaptive_decision(
-            margin.mean, adaptive.k * math.sqrt(max(margin.variance, 0.0)), adaptive.k, margin.fallbacks, of=self
+            answer.mean, adaptive.k * math.sqrt(max(answer.variance, 0.0)), adaptive.k, answer.fallbacks, of=self
         )
-        return total
+        return outside + answer.blocks
 
     def _get_running_request_reserve_blocks(self, request) -> int:
         if self._fdsched_impl["ratio_reserve"] != "plugin":

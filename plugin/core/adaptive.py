@@ -16,7 +16,8 @@ reserves the sum of those means plus ``k x sqrt(sum of the variances)``: one mar
 (the remainders of many requests add up far more tightly than their per-request worst cases do). The
 default ``k`` is negative (-2): the set never needs all of its remainder at once, because a request that
 finishes gives its blocks back while the others still grow. The set never keeps more free than its
-budgets allow, nor more than upstream's ratio formula would for the same requests (:class:`SetMargin`).
+budgets allow, nor more than upstream's ratio formula would for the same requests, and its answer depends on
+the set, not on the order of its requests (:meth:`AdaptiveReserve.set_reservation`).
 
 * **Warm-up**: until a distribution holds ``min_samples`` samples, requests of that kind fall back
   (:func:`warmup_reserve_blocks`): a request whose client bounded its length to upstream's ratio formula
@@ -58,6 +59,7 @@ __all__ = [
     "AdaptiveReserve",
     "RunningRequest",
     "SetMargin",
+    "SetReservation",
     "RELATIVE_SCALE",
     "K_DEFAULT",
     "K_BOUND",
@@ -269,13 +271,27 @@ class RunningRequest:
     generated: int
 
 
-class SetMargin:
-    """Telescoping block counts for a running set seen one request at a time.
+@dataclass(frozen=True)
+class SetReservation:
+    """One running set's adaptive reservation, computed over the whole set at once
+    (:meth:`AdaptiveReserve.set_reservation`)."""
 
-    ``add(mean, variance, k, block_size, left, cap_blocks)`` returns how many blocks to add for this
-    request so that, after the last request of the set, the answers sum to ``min(ceil(min(sum of means +
-    k sqrt(sum of variances), sum of lefts) / block_size), sum of cap_blocks)``; ``reset()`` starts a new
-    set. The caps: the set never reserves more than its budgets still allow (a margin above that is air,
+    blocks: int  # what the set keeps free: the learned part plus every fallback, never negative
+    mean: float  # expected remaining tokens of the learned requests (sum)
+    variance: float  # variance of that sum
+    fallbacks: int  # requests answered by the warm-up fallback
+
+
+class SetMargin:
+    """Block counts for a running set seen one request at a time. ORDER-DEPENDENT (issue 18): change 3 no longer
+    uses it; the whole set's answer is :meth:`AdaptiveReserve.set_reservation`.
+
+    ``add(mean, variance, k, block_size, left, cap_blocks)`` returns how many blocks to add for this request:
+    the set's formula over the requests seen so far, ``min(ceil(min(sum of means + k sqrt(sum of variances),
+    sum of lefts) / block_size), sum of cap_blocks)``, minus what the earlier answers gave, never less than 0.
+    The answers therefore sum to the largest of that formula over the prefixes of the order the requests came
+    in, not to the formula over the whole set (with a negative ``k`` a prefix can give more than the whole, and
+    which prefix depends on the order); ``reset()`` starts a new set. The caps: the set never reserves more than its budgets still allow (a margin above that is air,
     and for a lone request in a small pool it could refuse its own next chunk for good, since nothing
     would then change the state), nor more than upstream's ratio formula would for the same requests
     (``cap_blocks``: where clients bound their lengths closely, upstream's ratio already counts on
@@ -315,9 +331,8 @@ class SetMargin:
 
 class AdaptiveReserve:
     """The estimator. Feed it events (:meth:`observe_finished`, :meth:`observe_preemption`); ask it
-    for one running request's reservation (:meth:`request_blocks`, alone or within a running set's
-    :class:`SetMargin`), a whole set's (:meth:`reserve_blocks`) or one request's remainder
-    (:meth:`remainder`)."""
+    for one running request's reservation (:meth:`request_blocks`), a whole set's (:meth:`set_reservation`,
+    :meth:`set_blocks`) or one request's remainder (:meth:`remainder`)."""
 
     def __init__(
         self,
@@ -400,11 +415,12 @@ class AdaptiveReserve:
         fixed_blocks: int,
         margin: Optional[SetMargin] = None,
     ) -> int:
-        """Blocks one running request reserves: the engine path (change 3's seam), the replay and the tests
-        all ask this.
+        """Blocks one running request reserves when it is asked about alone (change 3's per-request seam);
+        it equals :meth:`set_blocks` of the set of that one request. An admission decision asks
+        :meth:`set_reservation` for the whole running set instead.
 
-        Learned: its share of ``margin``'s running set (:meth:`SetMargin.add`), or, asked alone (``margin``
-        None), :func:`margin_blocks` with a margin of its own; either way never more than upstream's ratio
+        Learned: :func:`margin_blocks` with a margin of its own (or, with the order-dependent ``margin``, its
+        share of that :class:`SetMargin`, kept for callers not yet moved); either way never more than upstream's ratio
         formula gives it. Not learned (warm-up, or beyond every sample): :func:`warmup_reserve_blocks` with
         ``fixed_blocks`` (the legacy policy's current amount), counted in ``fallbacks`` (and the set's).
         """
@@ -422,6 +438,57 @@ class AdaptiveReserve:
             return margin.add(estimate.mean, estimate.variance, self.k, block_size, estimate.left, cap_blocks=by_ratio)
         return margin_blocks(estimate.mean, estimate.variance, self.k, block_size, estimate.left, by_ratio)
 
+    def set_reservation(
+        self,
+        requests: Iterable[RunningRequest],
+        ratio: float,
+        clip_max_new_tokens: int,
+        block_size: int,
+        fixed_blocks: int,
+    ) -> SetReservation:
+        """The whole running set's reservation at once; it depends on the set, not on the order of its requests.
+
+        Requests the estimator cannot answer for (warm-up, or beyond every sample) reserve
+        :func:`warmup_reserve_blocks` each, as :meth:`request_blocks` gives them (counted in ``fallbacks``).
+        The others together reserve :func:`margin_blocks` over their sums: ``ceil((sum of expected remainders +
+        k sqrt(sum of variances)) / block_size)``, never more than their budgets still allow, never more than
+        upstream's ratio formula gives them, never less than 0. Every fallback is at most upstream's formula
+        too, so the whole set never keeps more than upstream's formula would for the same requests.
+        The sums are exact (:func:`math.fsum`): no order of the requests rounds differently.
+        """
+        means, variances, lefts, caps = [], [], [], 0
+        fallback_blocks = fallbacks = 0
+        for request in requests:
+            estimate = self.remainder(request.max_tokens, request.budget, request.generated)
+            if estimate is None:
+                fallbacks += 1
+                fallback_blocks += warmup_reserve_blocks(
+                    request.max_tokens, request.budget, request.generated, ratio, clip_max_new_tokens, block_size,
+                    fixed_blocks,
+                )
+                continue
+            means.append(estimate.mean)
+            variances.append(estimate.variance)
+            lefts.append(estimate.left)
+            caps += reserve_blocks_for_request(
+                request.budget, request.generated, ratio, clip_max_new_tokens, block_size
+            )
+        self.fallbacks += fallbacks
+        mean, variance = math.fsum(means), math.fsum(variances)
+        learned = margin_blocks(mean, variance, self.k, block_size, math.fsum(lefts), caps) if means else 0
+        return SetReservation(int(learned) + fallback_blocks, mean, variance, fallbacks)
+
+    def set_blocks(
+        self,
+        requests: Iterable[RunningRequest],
+        ratio: float,
+        clip_max_new_tokens: int,
+        block_size: int,
+        fixed_blocks: int,
+    ) -> int:
+        """Blocks the whole running set keeps free (:meth:`set_reservation`'s ``blocks``)."""
+        return self.set_reservation(requests, ratio, clip_max_new_tokens, block_size, fixed_blocks).blocks
+
     def reserve_blocks(
         self,
         running: Iterable[RunningRequest],
@@ -430,10 +497,8 @@ class AdaptiveReserve:
         clip_max_new_tokens: int,
         fixed_blocks: int,
     ) -> int:
-        """Blocks to keep free for a running set: :meth:`request_blocks` of each request within one
-        :class:`SetMargin` (what change 3 sums in one admission decision)."""
-        margin = SetMargin()
-        return sum(self.request_blocks(r, ratio, clip_max_new_tokens, block_size, fixed_blocks, margin) for r in running)
+        """Blocks to keep free for a running set (:meth:`set_blocks`, with the arguments in this older order)."""
+        return self.set_blocks(running, ratio, clip_max_new_tokens, block_size, fixed_blocks)
 
     def state(self) -> dict:
         """Samples, the current estimates and the margin (plain values, for metrics and reports)."""
