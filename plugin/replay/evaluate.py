@@ -456,13 +456,19 @@ def format_comparison(comparison: dict, markdown: bool = False, rel_tol: float =
         ok = [r["arm"] for r in t["rows"] if r["within_all"]]
         per_trace.append(f"  {t['trace']}: {', '.join(ok) if ok else 'none'}")
     everywhere = comparison["within_everywhere"]
+    counts = []
+    for arm in comparison["arms"]:
+        cells = [c for t in comparison["traces"] for r in t["rows"] if r["arm"] == arm for c in r["cells"].values()]
+        inside = sum(1 for c in cells if c[2])
+        counts.append(f"{arm} {inside}/{len(cells)}")
     return (
         table + "\n"
         + f"value (value / best shippable arm's); {directions}; within = at least {1 - rel_tol:g}x the best throughput, "
         f"at most {1 + rel_tol:g}x the best of the others, or for the counts per 1k requests at most "
         f"{abs_tol_per_1k:g} per 1k above the best; * = outside; bounds ({', '.join(BOUND_ARMS)}) are shown, never "
         "the best\nwithin on every figure, per trace:\n" + "\n".join(per_trace) + "\n"
-        + f"within on every figure of every trace: {', '.join(everywhere) if everywhere else 'none'}"
+        + f"within on every figure of every trace: {', '.join(everywhere) if everywhere else 'none'}\n"
+        + f"figures within, over every trace (arm within/cells): {', '.join(counts)}"
     )
 
 

@@ -101,5 +101,6 @@ def test_the_printed_table_marks_what_is_outside():
     baseline_line = next(line for line in text.splitlines() if " baseline " in line)
     assert baseline_line.count("*") == 1 and baseline_line.rstrip().endswith("no")
     assert "within on every figure of every trace: adaptive" in text
+    assert "(arm within/cells): baseline 5/6, adaptive 6/6" in text
     md = format_comparison(compare_arms(results), markdown=True)
     assert md.splitlines()[0].startswith("| trace | arm | thr |")
