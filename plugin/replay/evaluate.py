@@ -415,7 +415,7 @@ def compare_arms(results: Sequence[tuple], shippable: Sequence[str] = SHIPPABLE_
                 within_all = within_all and ok
             bound = arm in bounds
             rows.append({"arm": arm, "bound": bound, "cells": cells, "within_all": None if bound else within_all})
-        traces.append({"trace": trace_name, "rows": rows})
+        traces.append({"trace": trace_name, "rows": rows, "best": best})
     everywhere = [
         a for a in present
         if all(any(r["arm"] == a for r in t["rows"]) for t in traces)
@@ -461,6 +461,21 @@ def format_comparison(comparison: dict, markdown: bool = False, rel_tol: float =
         cells = [c for t in comparison["traces"] for r in t["rows"] if r["arm"] == arm for c in r["cells"].values()]
         inside = sum(1 for c in cells if c[2])
         counts.append(f"{arm} {inside}/{len(cells)}")
+    worst_lines = []
+    for arm in comparison["arms"]:
+        parts = []
+        for name, _, higher, per_1k in COMPARE_FIGURES:
+            if per_1k:
+                gaps = [t["best"][name] is not None and r["cells"][name][0] is not None
+                        and r["cells"][name][0] - t["best"][name] for t in comparison["traces"] for r in t["rows"]
+                        if r["arm"] == arm]
+                gaps = [g for g in gaps if g is not False]
+                parts.append(f"{name} +{max(gaps):.1f}" if gaps else f"{name} n/a")
+            else:
+                ratios = [r["cells"][name][1] for t in comparison["traces"] for r in t["rows"]
+                          if r["arm"] == arm and r["cells"][name][1] is not None]
+                parts.append(f"{name} {(min(ratios) if higher else max(ratios)):.3f}" if ratios else f"{name} n/a")
+        worst_lines.append(f"  {arm}: " + ", ".join(parts))
     return (
         table + "\n"
         + f"value (value / best shippable arm's); {directions}; within = at least {1 - rel_tol:g}x the best throughput, "
@@ -468,7 +483,8 @@ def format_comparison(comparison: dict, markdown: bool = False, rel_tol: float =
         f"{abs_tol_per_1k:g} per 1k above the best; * = outside; bounds ({', '.join(BOUND_ARMS)}) are shown, never "
         "the best\nwithin on every figure, per trace:\n" + "\n".join(per_trace) + "\n"
         + f"within on every figure of every trace: {', '.join(everywhere) if everywhere else 'none'}\n"
-        + f"figures within, over every trace (arm within/cells): {', '.join(counts)}"
+        + f"figures within, over every trace (arm within/cells): {', '.join(counts)}\n"
+        + "worst over the traces (ratio to the best; per 1k: above the best):\n" + "\n".join(worst_lines)
     )
 
 

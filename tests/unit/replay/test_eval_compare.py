@@ -102,5 +102,6 @@ def test_the_printed_table_marks_what_is_outside():
     assert baseline_line.count("*") == 1 and baseline_line.rstrip().endswith("no")
     assert "within on every figure of every trace: adaptive" in text
     assert "(arm within/cells): baseline 5/6, adaptive 6/6" in text
+    assert "  baseline: thr 1.000, TTFT p50 1.000, E2E p99 1.000, stall p99 1.000, preempt/1k +10.0" in text
     md = format_comparison(compare_arms(results), markdown=True)
     assert md.splitlines()[0].startswith("| trace | arm | thr |")
