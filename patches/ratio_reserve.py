@@ -95,8 +95,9 @@ pure code in :mod:`fdsched.core.adaptive`). Through the same seam, each running 
 remaining output ``E[L - g | L > g]`` learned from the engine's own finished requests (samples taken in
 the host's ``finish_requests`` seam, before the host forgets the request: its output length and, where
 the client bounded it, its ``max_tokens``); one margin, ``k x sqrt(sum of variances)``, covers the running
-set: the budget asks the strategy for the whole set, whose per-request answers telescope to
-``ceil((sum of means + margin) / block_size)`` (:class:`fdsched.core.adaptive.SetMargin`), never more than upstream's ratio formula gives
+set: the budget asks the strategy for the whole set at once, ``ceil((sum of means + margin) / block_size)``
+(:meth:`fdsched.core.adaptive.AdaptiveReserve.set_reservation`: order-independent, never negative), never more
+than upstream's ratio formula gives
 the same requests (``k`` defaults to -2: see fdsched.core.adaptive). A preemption raises ``k`` (and resets the
 warm-up fallback); a preempted or still-running request is never a sample. Until a kind (bounded /
 unbounded) has enough samples it answers with :func:`fdsched.core.adaptive.warmup_reserve_blocks`. A third-party

@@ -16,7 +16,8 @@ reserves the sum of those means plus ``k x sqrt(sum of the variances)``: one mar
 (the remainders of many requests add up far more tightly than their per-request worst cases do). The
 default ``k`` is negative (-2): the set never needs all of its remainder at once, because a request that
 finishes gives its blocks back while the others still grow. The set never keeps more free than its
-budgets allow, nor more than upstream's ratio formula would for the same requests (:class:`SetMargin`).
+budgets allow, nor more than upstream's ratio formula would for the same requests, and its answer depends on
+the set, not on the order of its requests (:meth:`AdaptiveReserve.set_reservation`).
 
 * **Warm-up**: until a distribution holds ``min_samples`` samples, requests of that kind fall back
   (:func:`warmup_reserve_blocks`): a request whose client bounded its length to upstream's ratio formula
@@ -57,7 +58,7 @@ __all__ = [
     "RemainderEstimate",
     "AdaptiveReserve",
     "RunningRequest",
-    "SetMargin",
+    "SetReservation",
     "RELATIVE_SCALE",
     "K_DEFAULT",
     "K_BOUND",
@@ -100,7 +101,7 @@ def margin_blocks(mean: float, variance: float, k: float, block_size: int, left:
                   cap_blocks: float = math.inf) -> int:
     """The one reservation formula: blocks for remainders of total ``mean`` and ``variance`` with a margin of
     ``k`` standard deviations, ``ceil(min(mean + k sqrt(variance), left) / block_size)``, never more than
-    ``cap_blocks`` nor less than 0. One request alone and a running set (:class:`SetMargin`) both use it."""
+    ``cap_blocks`` nor less than 0. One request alone and a running set (:meth:`AdaptiveReserve.set_reservation`) both use it."""
     tokens = min(mean + k * math.sqrt(max(variance, 0.0)), left)
     return max(min(ceil_div(int(math.ceil(tokens)), block_size), cap_blocks), 0)
 
@@ -269,55 +270,21 @@ class RunningRequest:
     generated: int
 
 
-class SetMargin:
-    """Telescoping block counts for a running set seen one request at a time.
+@dataclass(frozen=True)
+class SetReservation:
+    """One running set's adaptive reservation, computed over the whole set at once
+    (:meth:`AdaptiveReserve.set_reservation`)."""
 
-    ``add(mean, variance, k, block_size, left, cap_blocks)`` returns how many blocks to add for this
-    request so that, after the last request of the set, the answers sum to ``min(ceil(min(sum of means +
-    k sqrt(sum of variances), sum of lefts) / block_size), sum of cap_blocks)``; ``reset()`` starts a new
-    set. The caps: the set never reserves more than its budgets still allow (a margin above that is air,
-    and for a lone request in a small pool it could refuse its own next chunk for good, since nothing
-    would then change the state), nor more than upstream's ratio formula would for the same requests
-    (``cap_blocks``: where clients bound their lengths closely, upstream's ratio already counts on
-    finishing requests giving blocks back; a learned remainder without that discount would hold back
-    admissions upstream makes).
-    """
-
-    def __init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        self.mean = 0.0
-        self.variance = 0.0
-        self.left = 0.0
-        self.cap = 0.0
-        self.blocks = 0
-        self.fallbacks = 0  # requests of this set answered by the warm-up fallback (see AdaptiveReserve.request_blocks)
-
-    def add(
-        self,
-        mean: float,
-        variance: float,
-        k: float,
-        block_size: int,
-        left: Optional[float] = None,
-        cap_blocks: Optional[int] = None,
-    ) -> int:
-        self.mean += mean
-        self.variance += variance
-        self.left += math.inf if left is None else left
-        self.cap += math.inf if cap_blocks is None else cap_blocks
-        total = margin_blocks(self.mean, self.variance, k, block_size, self.left, self.cap)
-        delta = max(total - self.blocks, 0)
-        self.blocks += delta
-        return delta
+    blocks: int  # what the set keeps free: the learned part plus every fallback, never negative
+    mean: float  # expected remaining tokens of the learned requests (sum)
+    variance: float  # variance of that sum
+    fallbacks: int  # requests answered by the warm-up fallback
 
 
 class AdaptiveReserve:
     """The estimator. Feed it events (:meth:`observe_finished`, :meth:`observe_preemption`); ask it
-    for one running request's reservation (:meth:`request_blocks`, alone or within a running set's
-    :class:`SetMargin`), a whole set's (:meth:`reserve_blocks`) or one request's remainder
-    (:meth:`remainder`)."""
+    for one running request's reservation (:meth:`request_blocks`), a whole set's (:meth:`set_reservation`,
+    :meth:`set_blocks`) or one request's remainder (:meth:`remainder`)."""
 
     def __init__(
         self,
@@ -398,29 +365,75 @@ class AdaptiveReserve:
         clip_max_new_tokens: int,
         block_size: int,
         fixed_blocks: int,
-        margin: Optional[SetMargin] = None,
     ) -> int:
-        """Blocks one running request reserves: the engine path (change 3's seam), the replay and the tests
-        all ask this.
+        """Blocks one running request reserves when it is asked about alone (change 3's per-request seam);
+        it equals :meth:`set_blocks` of the set of that one request. An admission decision asks
+        :meth:`set_reservation` for the whole running set instead.
 
-        Learned: its share of ``margin``'s running set (:meth:`SetMargin.add`), or, asked alone (``margin``
-        None), :func:`margin_blocks` with a margin of its own; either way never more than upstream's ratio
-        formula gives it. Not learned (warm-up, or beyond every sample): :func:`warmup_reserve_blocks` with
-        ``fixed_blocks`` (the legacy policy's current amount), counted in ``fallbacks`` (and the set's).
+        Learned: :func:`margin_blocks` with a margin of its own, never more than upstream's ratio formula gives
+        it. Not learned (warm-up, or beyond every sample): :func:`warmup_reserve_blocks` with ``fixed_blocks``
+        (the legacy policy's current amount), counted in ``fallbacks``.
         """
         estimate = self.remainder(request.max_tokens, request.budget, request.generated)
         if estimate is None:
             self.fallbacks += 1
-            if margin is not None:
-                margin.fallbacks += 1
             return warmup_reserve_blocks(
                 request.max_tokens, request.budget, request.generated, ratio, clip_max_new_tokens, block_size,
                 fixed_blocks,
             )
         by_ratio = reserve_blocks_for_request(request.budget, request.generated, ratio, clip_max_new_tokens, block_size)
-        if margin is not None:
-            return margin.add(estimate.mean, estimate.variance, self.k, block_size, estimate.left, cap_blocks=by_ratio)
         return margin_blocks(estimate.mean, estimate.variance, self.k, block_size, estimate.left, by_ratio)
+
+    def set_reservation(
+        self,
+        requests: Iterable[RunningRequest],
+        ratio: float,
+        clip_max_new_tokens: int,
+        block_size: int,
+        fixed_blocks: int,
+    ) -> SetReservation:
+        """The whole running set's reservation at once; it depends on the set, not on the order of its requests.
+
+        Requests the estimator cannot answer for (warm-up, or beyond every sample) reserve
+        :func:`warmup_reserve_blocks` each, as :meth:`request_blocks` gives them (counted in ``fallbacks``).
+        The others together reserve :func:`margin_blocks` over their sums: ``ceil((sum of expected remainders +
+        k sqrt(sum of variances)) / block_size)``, never more than their budgets still allow, never more than
+        upstream's ratio formula gives them, never less than 0. Every fallback is at most upstream's formula
+        too, so the whole set never keeps more than upstream's formula would for the same requests.
+        The sums are exact (:func:`math.fsum`): no order of the requests rounds differently.
+        """
+        means, variances, lefts, caps = [], [], [], 0
+        fallback_blocks = fallbacks = 0
+        for request in requests:
+            estimate = self.remainder(request.max_tokens, request.budget, request.generated)
+            if estimate is None:
+                fallbacks += 1
+                fallback_blocks += warmup_reserve_blocks(
+                    request.max_tokens, request.budget, request.generated, ratio, clip_max_new_tokens, block_size,
+                    fixed_blocks,
+                )
+                continue
+            means.append(estimate.mean)
+            variances.append(estimate.variance)
+            lefts.append(estimate.left)
+            caps += reserve_blocks_for_request(
+                request.budget, request.generated, ratio, clip_max_new_tokens, block_size
+            )
+        self.fallbacks += fallbacks
+        mean, variance = math.fsum(means), math.fsum(variances)
+        learned = margin_blocks(mean, variance, self.k, block_size, math.fsum(lefts), caps) if means else 0
+        return SetReservation(int(learned) + fallback_blocks, mean, variance, fallbacks)
+
+    def set_blocks(
+        self,
+        requests: Iterable[RunningRequest],
+        ratio: float,
+        clip_max_new_tokens: int,
+        block_size: int,
+        fixed_blocks: int,
+    ) -> int:
+        """Blocks the whole running set keeps free (:meth:`set_reservation`'s ``blocks``)."""
+        return self.set_reservation(requests, ratio, clip_max_new_tokens, block_size, fixed_blocks).blocks
 
     def reserve_blocks(
         self,
@@ -430,10 +443,8 @@ class AdaptiveReserve:
         clip_max_new_tokens: int,
         fixed_blocks: int,
     ) -> int:
-        """Blocks to keep free for a running set: :meth:`request_blocks` of each request within one
-        :class:`SetMargin` (what change 3 sums in one admission decision)."""
-        margin = SetMargin()
-        return sum(self.request_blocks(r, ratio, clip_max_new_tokens, block_size, fixed_blocks, margin) for r in running)
+        """Blocks to keep free for a running set (:meth:`set_blocks`, with the arguments in this older order)."""
+        return self.set_blocks(running, ratio, clip_max_new_tokens, block_size, fixed_blocks)
 
     def state(self) -> dict:
         """Samples, the current estimates and the margin (plain values, for metrics and reports)."""

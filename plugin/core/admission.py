@@ -27,7 +27,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
-from fdsched.core.adaptive import AdaptiveReserve, RunningRequest, SetMargin
+from fdsched.core.adaptive import AdaptiveReserve, RunningRequest, SetReservation
 from fdsched.core.metrics import METRICS
 from fdsched.core.policies import FixedBlockReserve, NewTokenRatio
 
@@ -156,25 +156,34 @@ class AdaptiveStrategy(RatioStrategy):
         super().__init__(ratio, clip, block_size, extra_blocks_per_decode, override, decodes)
         self.adaptive = adaptive
         self.fixed = fixed
-        self.last_margin: Optional[SetMargin] = None
+        self.last: Optional[SetReservation] = None  # the last set_blocks' answer (for the metrics)
 
-    def request_blocks(self, view: RunningView, margin: Optional[SetMargin] = None) -> int:
-        """One running request's blocks: alone (``margin`` None) with a margin of its own, or its share of
-        ``margin``'s running set."""
-        if not self.decodes:
-            return 0
-        override = self.estimate(view.request_id, view.budget, view.generated, self.ratio.value, self.clip, self.block_size)
-        if override is not None:
-            return override
-        fixed = self.fixed
-        return self.adaptive.request_blocks(
-            RunningRequest(view.max_tokens, view.budget, view.generated), self.ratio.value, self.clip,
-            self.block_size, 0 if fixed.relaxed else fixed.current, margin,
-        )
+    def _fixed_blocks(self) -> int:
+        return 0 if self.fixed.relaxed else self.fixed.current
+
+    def request_blocks(self, view: RunningView) -> int:
+        """One running request's blocks, asked alone: the set of that one request."""
+        return self.set_blocks((view,))
 
     def set_blocks(self, running: Sequence[RunningView]) -> int:
-        margin = self.last_margin = SetMargin()
-        return sum(self.request_blocks(view, margin) for view in running)
+        """The whole running set at once (:meth:`fdsched.core.adaptive.AdaptiveReserve.set_reservation`: it
+        depends on the set, not on the order of its requests); a request a third party answers for counts
+        outside the set."""
+        if not self.decodes:
+            return 0
+        outside, learned = 0, []
+        for view in running:
+            override = self.estimate(
+                view.request_id, view.budget, view.generated, self.ratio.value, self.clip, self.block_size
+            )
+            if override is not None:
+                outside += override
+            else:
+                learned.append(RunningRequest(view.max_tokens, view.budget, view.generated))
+        self.last = self.adaptive.set_reservation(
+            learned, self.ratio.value, self.clip, self.block_size, self._fixed_blocks()
+        )
+        return outside + self.last.blocks
 
     def after_pass(self, scheduled_anything: bool) -> None:
         super().after_pass(scheduled_anything)
@@ -187,10 +196,10 @@ class AdaptiveStrategy(RatioStrategy):
         super().on_preemption(running, count)
 
     def report_decision(self, of=None) -> None:
-        margin = self.last_margin
-        if margin is not None:
+        last = self.last
+        if last is not None:
             k = self.adaptive.k
-            METRICS.adaptive_decision(margin.mean, k * math.sqrt(max(margin.variance, 0.0)), k, margin.fallbacks, of=of)
+            METRICS.adaptive_decision(last.mean, k * math.sqrt(max(last.variance, 0.0)), k, last.fallbacks, of=of)
 
 
 @dataclass

@@ -113,3 +113,28 @@ def test_a_third_party_hook_still_answers_first(adaptive_rm):
     finally:
         policies.pm.unregister(name="three")
         policies.refresh()
+
+
+def test_the_running_sets_reservation_does_not_depend_on_the_order_of_running(adaptive_rm):
+    # Issue 18: the set is summed at once (AdaptiveReserve.set_reservation), not as a running maximum of
+    # per-request shares. Samples: four of 2 tokens, four of 50. A request that generated 30 expects 20 more
+    # with almost no spread (5 blocks alone at k = -2); fresh ones expect 26 and 25 with a spread of 24 each
+    # (nothing alone). The set: 71 - 2 x sqrt(2 x 576) = 3.1 tokens = 1 block, in every order. The
+    # per-request shares kept 5 blocks whenever the 30-token request was asked first.
+    import itertools
+
+    rm = adaptive_rm(FDSCHED_ADAPTIVE_MARGIN_K="-2")
+    for i, length in enumerate([2] * 4 + [50] * 4):
+        _finish(rm, f"f{i}", 8, generated=length)
+    for rid, generated in (("a", 0), ("b", 30), ("c", 1)):
+        _place(rm, rid, 8, generated=generated, computed=8, max_tokens=None)
+    answers = set()
+    original = list(rm.running)
+    try:
+        for order in itertools.permutations(original):
+            rm.running[:] = list(order)
+            answers.add(rm.fdsched_running_reserve())
+    finally:
+        rm.running[:] = original
+    assert len(answers) == 1, f"the set's reservation depends on the order of running: {answers}"
+    assert answers == {1}

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from fdsched.core.adaptive import AdaptiveReserve, LengthHistogram, RunningRequest, SetMargin
+from fdsched.core.adaptive import AdaptiveReserve, LengthHistogram, RunningRequest, margin_blocks
 from fdsched.core.policies import reserve_blocks_for_request
 
 
@@ -86,15 +86,6 @@ def test_one_margin_for_the_set_is_tighter_than_a_margin_per_request():
     blocks = est.reserve_blocks(running, 16, 0.7, 4096, fixed_blocks=0)
     assert math.ceil(mean_total / 16) < blocks < per_request / 16
     assert blocks == math.ceil((mean_total + 2.0 * math.sqrt(sum(e.variance for e in estimates))) / 16)
-
-
-def test_set_margin_answers_sum_to_the_set_reservation():
-    margin = SetMargin()
-    parts = [margin.add(m, v, 2.0, 16) for m, v in [(100, 400), (30, 900), (5, 25), (250, 10000)]]
-    assert all(p >= 0 for p in parts)
-    assert sum(parts) == math.ceil((385 + 2.0 * math.sqrt(11325)) / 16)
-    margin.reset()
-    assert margin.add(16, 0, 2.0, 16) == 1
 
 
 def test_sliding_window_forgets_old_samples():
@@ -210,9 +201,8 @@ def test_same_events_same_answers():
 
 
 def test_the_set_never_reserves_more_than_its_budgets_allow():
-    margin = SetMargin()
     # A lone request with 20 tokens left and a huge spread: k x std would be 6 x 20 tokens of air.
-    assert margin.add(10, 400, 6.0, 4, left=20) == 5  # capped at 20 tokens = 5 blocks
+    assert margin_blocks(10, 400, 6.0, 4, left=20) == 5  # capped at 20 tokens = 5 blocks
     est = AdaptiveReserve(min_samples=2, k=6.0)
     for length in (1, 200, 3, 150):
         est.observe_finished(None, length)
@@ -225,36 +215,26 @@ def test_warm_up_unbounded_never_reserves_more_than_upstream():
 
 
 
-def test_set_margin_never_reserves_more_than_upstreams_ratio_would():
+def test_the_set_never_reserves_more_than_upstreams_ratio_would():
     # Clients that bound their lengths exactly: the learned remainder is the whole remainder (no spread),
     # upstream's ratio keeps 0.5 of it; the set keeps the smaller, summed over the set.
-    margin, total = SetMargin(), 0
-    for remaining in (300, 200, 100):
-        by_ratio = reserve_blocks_for_request(remaining, 0, 0.5, 8192, 16)
-        total += margin.add(float(remaining), 0.0, 2.0, 16, float(remaining), cap_blocks=by_ratio)
-    assert total == sum(reserve_blocks_for_request(r, 0, 0.5, 8192, 16) for r in (300, 200, 100)) == 10 + 7 + 4
+    caps = sum(reserve_blocks_for_request(r, 0, 0.5, 8192, 16) for r in (300, 200, 100))
+    assert caps == 10 + 7 + 4
+    assert margin_blocks(600.0, 0.0, 2.0, 16, 600.0, cap_blocks=caps) == caps
     # ... and without a cap (or a loose one) the learned amount stands
-    margin, loose = SetMargin(), 0
-    for remaining in (300, 200, 100):
-        loose += margin.add(float(remaining), 0.0, 2.0, 16, float(remaining), cap_blocks=1000)
-    assert loose == math.ceil(600 / 16)
+    assert margin_blocks(600.0, 0.0, 2.0, 16, 600.0, cap_blocks=1000) == math.ceil(600 / 16)
 
 
 def test_a_negative_margin_keeps_less_than_the_expected_remainder_and_never_goes_below_zero():
-    margin, total = SetMargin(), 0
-    for _ in range(10):
-        total += margin.add(100.0, 50.0 ** 2, -2.0, 16, 4000.0)
-    assert total == math.ceil((1000 - 2 * 50 * math.sqrt(10)) / 16)
-    margin, total = SetMargin(), 0
-    total += margin.add(10.0, 100.0 ** 2, -6.0, 16, 4000.0)
-    assert total == 0
+    assert margin_blocks(1000.0, 10 * 50.0 ** 2, -2.0, 16, 40000.0) == math.ceil((1000 - 2 * 50 * math.sqrt(10)) / 16)
+    assert margin_blocks(10.0, 100.0 ** 2, -6.0, 16, 4000.0) == 0
 
 
 # ---- one formula: alone, within a set, and the whole set ---------------------------------------------
 from fdsched.core.adaptive import K_BOUND, K_DECAY, K_DEFAULT, K_STEP, margin_blocks  # noqa: E402
 
 
-def test_a_request_alone_is_a_set_of_one_and_the_set_sums_its_shares():
+def test_a_request_alone_is_a_set_of_one():
     rnd = random.Random(3)
     est = _learned([rnd.randint(1, 600) for _ in range(300)], k=1.0)
     running = [RunningRequest(None, 4000, g) for g in (0, 40, 90, 300)] + [RunningRequest(700, 700, 5)]
@@ -265,10 +245,9 @@ def test_a_request_alone_is_a_set_of_one_and_the_set_sums_its_shares():
         if e is not None:
             cap = reserve_blocks_for_request(r.budget, r.generated, 0.7, 4096, 16)
             assert alone == margin_blocks(e.mean, e.variance, 1.0, 16, e.left, cap)
-    margin = SetMargin()
-    shares = [est.request_blocks(r, 0.7, 4096, 16, 4, margin) for r in running]
-    assert sum(shares) == est.reserve_blocks(running, 16, 0.7, 4096, fixed_blocks=4)
-    assert margin.fallbacks == 1  # the relative kind is not learned: the bounded request fell back
+    whole = est.set_reservation(running, 0.7, 4096, 16, fixed_blocks=4)
+    assert whole.blocks == est.reserve_blocks(running, 16, 0.7, 4096, fixed_blocks=4)
+    assert whole.fallbacks == 1  # the relative kind is not learned: the bounded request fell back
 
 
 def test_margin_blocks_caps_and_never_goes_negative():
