@@ -342,11 +342,10 @@ class AdaptiveReserveMixin(RatioReserveMixin):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._fdsched_strategy  # noqa: B018 - built now, so `fdsched doctor` and the metrics see it from the start
-
-    def _fdsched_make_strategy(self):
         s = self._fdsched_settings
-        adaptive = AdaptiveReserve(
+        # Built now (it needs nothing of the host's config), so `fdsched doctor` and the metrics see it from the
+        # start; the strategy around it is built on first use, as every arm's is.
+        self._fdsched_adaptive = AdaptiveReserve(
             window=s["tunables.adaptive_window"],
             min_samples=s["tunables.adaptive_min_samples"],
             k=s["tunables.adaptive_margin_k"],
@@ -354,22 +353,21 @@ class AdaptiveReserveMixin(RatioReserveMixin):
             k_max=K_BOUND,
             k_decay=s["tunables.adaptive_k_decay"],
         )
-        track_live(adaptive)
-        METRICS.adaptive_samples(adaptive.state(), of=self)
+        track_live(self._fdsched_adaptive)
+        METRICS.adaptive_samples(self._fdsched_adaptive.state(), of=self)
+
+    def _fdsched_make_strategy(self):
+        s = self._fdsched_settings
         return AdaptiveStrategy(
             self._fdsched_ratio,
             s["host_tunables.FD_CLIP_MAX_NEW_TOKENS"],
             self.config.cache_config.block_size,
             s["tunables.ratio_reestimate_extra_blocks"],
             self._fdsched_policies.reserve_blocks_override,
-            adaptive,
+            self._fdsched_adaptive,
             self._fdsched_fixed,
             decodes=self._fdsched_decodes(),
         )
-
-    @property
-    def _fdsched_adaptive(self) -> AdaptiveReserve:
-        return self._fdsched_strategy.adaptive
 
     def _fdsched_reestimate(self, preemptions: int = 1) -> None:
         super()._fdsched_reestimate(preemptions)
