@@ -210,34 +210,51 @@ def _check_only(plan: EvalPlan, only, include_shipped: bool) -> Optional[set]:
     return set(only)
 
 
+def _eval_reports(dirs: Sequence, flag: str):
+    """``(directory, path, trace name, parsed report)`` for every ``<trace>.report.json`` in ``dirs``, in order.
+    Raises TraceError naming ``flag`` when a directory has none or a file is not JSON."""
+    import json
+
+    for d in dirs:
+        reports = sorted(Path(d).glob("*.report.json")) if Path(d).is_dir() else []
+        if not reports:
+            raise TraceError(f"{flag}: bad value {str(d)!r} (no <trace>.report.json in it); allowed: an "
+                             "--out directory of fdsched eval")
+        for path in reports:
+            try:
+                report = json.loads(path.read_text(encoding="utf-8"))
+            except (OSError, ValueError) as exc:
+                raise TraceError(_not_a_report(flag, path, exc)) from None
+            yield d, path, path.name[: -len(".report.json")], report
+
+
+def _not_a_report(flag: str, path, exc) -> str:
+    return f"{flag}: {path}: not a report.json of fdsched eval ({exc})"
+
+
+def _in_plan_order(found, order: Sequence[str], wanted: Optional[set]) -> list:
+    """The trace names of ``found``: the plan's first, in its order, then the others sorted; only ``wanted``."""
+    names = [n for n in order if n in found] + sorted(n for n in found if n not in order)
+    return names if wanted is None else [n for n in names if n in wanted]
+
+
 def load_results(dirs: Sequence, plan: Optional[EvalPlan] = None, only=None) -> tuple:
     """``(results, cost models, hosts)`` from the ``<trace>.report.json`` files earlier ``fdsched eval`` runs wrote
     to ``dirs`` (a later directory's report of a trace replaces an earlier one's), in the plan's trace order; the
     cost-model names and host commits found. Raises TraceError when a directory has no report or a report is
     unreadable."""
-    import json
-
     plan = plan or load_windows()
     order = plan_trace_names(plan)
     wanted = _check_only(plan, only, True)
     found = {}
-    for d in dirs:
-        reports = sorted(Path(d).glob("*.report.json")) if Path(d).is_dir() else []
-        if not reports:
-            raise TraceError(f"--table-from: bad value {str(d)!r} (no <trace>.report.json in it); allowed: an "
-                             "--out directory of fdsched eval")
-        for path in reports:
-            name = path.name[: -len(".report.json")]
-            try:
-                report = json.loads(path.read_text(encoding="utf-8"))
-                profiles = [{"profile": p["profile"], "figures": p["figures"], "cost_model": p.get("cost_model") or {}}
-                            for p in report["profiles"]]
-            except (OSError, ValueError, KeyError, TypeError) as exc:
-                raise TraceError(f"--table-from: {path}: not a report.json of fdsched eval ({exc})") from None
-            found[name] = (profiles, report.get("host") or {})
-    names = [n for n in order if n in found] + sorted(n for n in found if n not in order)
-    if wanted is not None:
-        names = [n for n in names if n in wanted]
+    for _, path, name, report in _eval_reports(dirs, "--table-from"):
+        try:
+            profiles = [{"profile": p["profile"], "figures": p["figures"], "cost_model": p.get("cost_model") or {}}
+                        for p in report["profiles"]]
+        except (KeyError, TypeError) as exc:
+            raise TraceError(_not_a_report("--table-from", path, exc)) from None
+        found[name] = (profiles, report.get("host") or {})
+    names = _in_plan_order(found, order, wanted)
     results = [(n, [{"profile": p["profile"], "figures": p["figures"]} for p in found[n][0]]) for n in names]
     models = sorted({str(p["cost_model"].get("model") or p["cost_model"].get("name") or "?") for n in names for p in found[n][0]})
     hosts = sorted({str(found[n][1].get("commit") or found[n][1].get("label") or "?") for n in names})
@@ -314,34 +331,23 @@ def load_arm_results(dirs: Sequence, only=None) -> list:
     an earlier one's, the other arms stay (so an arm re-run alone joins the earlier runs of the rest). Returns
     ``[(trace, [{"profile", "figures", "host", "cost_model", "dir"}])]`` in the plan's trace order. Raises
     TraceError as :func:`load_results` does, and when one trace's arms ran under different cost models."""
-    import json
-
     plan = load_windows()
     order = plan_trace_names(plan)
     wanted = _check_only(plan, only, True)
     found: dict = {}
-    for d in dirs:
-        reports = sorted(Path(d).glob("*.report.json")) if Path(d).is_dir() else []
-        if not reports:
-            raise TraceError(f"--compare: bad value {str(d)!r} (no <trace>.report.json in it); allowed: an "
-                             "--out directory of fdsched eval")
-        for path in reports:
-            name = path.name[: -len(".report.json")]
-            try:
-                report = json.loads(path.read_text(encoding="utf-8"))
-                host = report.get("host") or {}
-                for p in report["profiles"]:
-                    model = p.get("cost_model") or {}
-                    found.setdefault(name, {})[p["profile"]] = {
-                        "profile": p["profile"], "figures": p["figures"], "dir": str(d),
-                        "host": str(host.get("commit") or host.get("label") or "?"),
-                        "cost_model": str(model.get("model") or model.get("name") or "?"),
-                    }
-            except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-                raise TraceError(f"--compare: {path}: not a report.json of fdsched eval ({exc})") from None
-    names = [n for n in order if n in found] + sorted(n for n in found if n not in order)
-    if wanted is not None:
-        names = [n for n in names if n in wanted]
+    for d, path, name, report in _eval_reports(dirs, "--compare"):
+        try:
+            host = report.get("host") or {}
+            for p in report["profiles"]:
+                model = p.get("cost_model") or {}
+                found.setdefault(name, {})[p["profile"]] = {
+                    "profile": p["profile"], "figures": p["figures"], "dir": str(d),
+                    "host": str(host.get("commit") or host.get("label") or "?"),
+                    "cost_model": str(model.get("model") or model.get("name") or "?"),
+                }
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise TraceError(_not_a_report("--compare", path, exc)) from None
+    names = _in_plan_order(found, order, wanted)
     results = []
     for name in names:
         arms = list(found[name].values())
