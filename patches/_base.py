@@ -157,8 +157,8 @@ class BlockCheckSignals:
 def block_checks(cache_manager) -> BlockCheckSignals:
     """The signals pending for ``cache_manager``'s block checks (created on first use)."""
     signals = cache_manager.__dict__.get("_fdsched_block_checks")
-    if signals is None:
-        signals = cache_manager.__dict__["_fdsched_block_checks"] = BlockCheckSignals()
+    if signals is None:  # setdefault: two threads' first use gets one object
+        signals = cache_manager.__dict__.setdefault("_fdsched_block_checks", BlockCheckSignals())
     return signals
 
 

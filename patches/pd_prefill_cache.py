@@ -57,8 +57,8 @@ _ALLOWED = {
 def preallocating(cache_manager) -> set:
     """Ids of the requests whose preallocation is under way on ``cache_manager`` (created on first use)."""
     marks = cache_manager.__dict__.get("_fdsched_preallocating")
-    if marks is None:
-        marks = cache_manager.__dict__["_fdsched_preallocating"] = set()
+    if marks is None:  # setdefault: two threads' first use (preallocation, scheduling) gets one set
+        marks = cache_manager.__dict__.setdefault("_fdsched_preallocating", set())
     return marks
 
 

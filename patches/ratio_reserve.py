@@ -202,7 +202,7 @@ class _BudgetedReserve(ReservationMixin):
             s.reestimate_cap,
         )
         self._fdsched_fixed = FixedBlockReserve(*(s[key] for key in _FIXED))
-        self._fdsched_open = None  # (thread id, the pass's budget) while a pass is open
+        self._fdsched_open: dict = {}  # thread id -> the budget of the schedule() pass that thread has open
 
     @functools.cached_property
     def _fdsched_strategy(self):
@@ -216,19 +216,24 @@ class _BudgetedReserve(ReservationMixin):
         return AdmissionBudget(self._fdsched_strategy, self._fdsched_speculative_slack)
 
     def _fdsched_budget(self):
-        """The open pass's budget when this thread opened it, else None."""
-        opened = self._fdsched_open
-        return opened[1] if opened is not None and opened[0] == threading.get_ident() else None
+        """The budget of the pass this thread has open, else None."""
+        return self._fdsched_open.get(threading.get_ident())
 
     # ---- the pass ---------------------------------------------------------------------------------
     def schedule(self):
-        budget, outer = self._fdsched_new_budget(), self._fdsched_open
-        self._fdsched_open = (threading.get_ident(), budget)
+        # Keyed by thread: a second thread calling schedule() (it then waits for the host's lock) neither
+        # replaces nor sees this pass's budget.
+        thread, budget = threading.get_ident(), self._fdsched_new_budget()
+        outer = self._fdsched_open.get(thread)
+        self._fdsched_open[thread] = budget
         result = None
         try:
             result = super().schedule()
         finally:
-            self._fdsched_open = outer
+            if outer is None:
+                del self._fdsched_open[thread]
+            else:
+                self._fdsched_open[thread] = outer
             with self.lock:
                 self._fdsched_end_pass(budget, result[0] if result else None)
         with self.lock:

@@ -262,6 +262,37 @@ def test_a_block_check_from_another_thread_mid_pass_neither_takes_nor_is_bent_by
     assert METRICS.unconsumed_signals == {}, "every signal was taken by the check it was for"
 
 
+def test_a_second_thread_entering_schedule_mid_pass_does_not_take_the_open_pass_budget(rm_with):
+    """The pass's admission budget belongs to the thread that opened it: another thread that calls schedule()
+    while a pass is open (it then waits for the host's lock) must not replace the budget the open pass's
+    admissions ask (on the old host the guard needs it to refuse the running chunk)."""
+    import time
+
+    rm = rm_with("recommended")
+    chunk, waiting = _guard_scene(rm)
+    before = chunk.num_computed_tokens
+    other = threading.Thread(target=rm.schedule)
+    real = rm.get_new_block_nums
+
+    def wrapped(*args, **kwargs):
+        if not other.is_alive() and other.ident is None:
+            other.start()
+            deadline = time.monotonic() + 10
+            while len(rm._fdsched_open) < 2 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert len(rm._fdsched_open) == 2, "the second thread never opened its pass"
+        return real(*args, **kwargs)
+
+    rm.get_new_block_nums = wrapped  # on the instance: the host's self.get_new_block_nums(...) finds it first
+    rm.schedule()
+    other.join(timeout=30)
+    assert not other.is_alive()
+    assert chunk.num_computed_tokens == before, "the open pass's check of the chunk must still be refused"
+    assert list(rm.waiting) == [waiting]
+    assert rm.to_be_rescheduled_request_id_set == set(), "the guard never preempts"
+    assert rm._fdsched_open == {}
+
+
 def test_without_the_change_the_running_chunk_goes_ahead(rm_with):
     rm = rm_with("baseline")
     chunk, _ = _guard_scene(rm)
