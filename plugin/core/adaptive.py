@@ -366,23 +366,11 @@ class AdaptiveReserve:
         block_size: int,
         fixed_blocks: int,
     ) -> int:
-        """Blocks one running request reserves when it is asked about alone (change 3's per-request seam);
-        it equals :meth:`set_blocks` of the set of that one request. An admission decision asks
-        :meth:`set_reservation` for the whole running set instead.
-
-        Learned: :func:`margin_blocks` with a margin of its own, never more than upstream's ratio formula gives
-        it. Not learned (warm-up, or beyond every sample): :func:`warmup_reserve_blocks` with ``fixed_blocks``
-        (the legacy policy's current amount), counted in ``fallbacks``.
-        """
-        estimate = self.remainder(request.max_tokens, request.budget, request.generated)
-        if estimate is None:
-            self.fallbacks += 1
-            return warmup_reserve_blocks(
-                request.max_tokens, request.budget, request.generated, ratio, clip_max_new_tokens, block_size,
-                fixed_blocks,
-            )
-        by_ratio = reserve_blocks_for_request(request.budget, request.generated, ratio, clip_max_new_tokens, block_size)
-        return margin_blocks(estimate.mean, estimate.variance, self.k, block_size, estimate.left, by_ratio)
+        """Blocks one running request reserves when it is asked about alone: the set of that one request
+        (:meth:`set_blocks`), i.e. :func:`margin_blocks` with a margin of its own when learned, else
+        :func:`warmup_reserve_blocks` with ``fixed_blocks`` (counted in ``fallbacks``); never more than
+        upstream's ratio formula gives it."""
+        return self.set_blocks((request,), ratio, clip_max_new_tokens, block_size, fixed_blocks)
 
     def set_reservation(
         self,
