@@ -412,6 +412,17 @@ SCHEMA: tuple[Setting, ...] = (
         "the reference ceiling under the same cost model).",
     ),
     Setting(
+        "replay.fetch",
+        None,
+        _choice("all", "engine"),
+        "all",
+        "all | engine",
+        "Replay only: how arrived requests reach the scheduler's waiting queue. all: each as it arrives (the "
+        "replay's model so far); engine: as the host's own engine hands them over on a mixed node (new host: one "
+        "request, and only when the waiting queue is empty; old host: every arrived request while a batch slot is "
+        "free), the rest queued first come first served in front of it (docs/evaluation.md).",
+    ),
+    Setting(
         "replay.retract_order",
         None,
         _choice("default", "sglang"),

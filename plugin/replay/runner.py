@@ -44,6 +44,8 @@ DEFAULT_STALL_STEPS = 200
 # Block invariants: every step for traces up to this many requests, else every AUTO_CHECK_EVERY steps.
 AUTO_CHECK_ALL_UP_TO = 2000
 AUTO_CHECK_EVERY = 32
+# replay.fetch, as the driver applies it (engine_fetch_rule): every arrival at once, or a host engine's rule.
+FETCH_ALL, FETCH_ONE_WHEN_EMPTY, FETCH_WHILE_SLOTS = "all", "one-when-empty", "while-slots"
 
 
 def auto_check_every(requests: int) -> int:
@@ -326,7 +328,7 @@ def run_profile(
                 _watch_candidate(manager, manager_ref)
             try:
                 inputs = _DriveInputs(trace, manager, outputs, role, max_steps, stall_steps, every, progress, cost,
-                                      report.policies)
+                                      report.policies, engine_fetch_rule(settings["replay.fetch"], role))
                 _drive(run, inputs)
             finally:
                 close_manager(manager)
@@ -379,6 +381,7 @@ class _DriveInputs:
     progress: Optional[Callable[[int], None]]
     cost: object
     policies: object
+    fetch: str = FETCH_ALL  # how arrivals reach the waiting queue (:func:`engine_fetch_rule`)
 
 
 @dataclass
@@ -404,6 +407,7 @@ class _DriveState:
     finish_counts: Counter = field(default_factory=Counter)
     finished_once: int = 0
     p_queue: deque = field(default_factory=deque)
+    m_queue: deque = field(default_factory=deque)  # replay.fetch engine: arrived, not yet handed to the scheduler
     next_index: int = 0
     quiet: int = 0
     evicted_before: int = 0
@@ -415,7 +419,7 @@ class _DriveState:
 
     def all_fed(self) -> bool:
         """Every request of the trace was made, and (prefill node) admitted."""
-        return self.next_index == len(self.feed) and not self.p_queue
+        return self.next_index == len(self.feed) and not self.p_queue and not self.m_queue
 
     def remaining(self) -> int:
         """Requests that have not finished yet."""
@@ -474,7 +478,7 @@ def _skip_to_next_arrival(state: _DriveState) -> float:
     """On a time-based trace, when nothing runs, waits or is queued and the next arrival is later, jump the
     modelled clock to it. Returns the idle time skipped (ms; 0.0 when none)."""
     i = state.next_index
-    if (state.timed and i < len(state.feed) and not state.p_queue and state.driver.idle()
+    if (state.timed and i < len(state.feed) and not state.p_queue and not state.m_queue and state.driver.idle()
             and state.arrival_ms[i] > state.now_ms):
         gap = state.arrival_ms[i] - state.now_ms
         state.now_ms = state.arrival_ms[i]
@@ -491,26 +495,66 @@ def _arrived(state: _DriveState, step: int) -> bool:
 
 def _feed_arrivals(inputs: _DriveInputs, state: _DriveState, step: int) -> int:
     """Make a host request for every request due now and hand it to the scheduler: ``add_request`` on a
-    mixed node; on a prefill node, queue it and admit from the queue's head, first come first served,
-    until a preallocation fails (the rest wait for the next step). Returns how many were handed over."""
+    mixed node (with ``replay.fetch: engine``, as the host's engine hands them over: :func:`_engine_fetch`); on a
+    prefill node, queue it and admit from the queue's head, first come first served, until a preallocation fails
+    (the rest wait for the next step). A timed trace's request carries its arrival on the modelled clock
+    (``metrics.arrival_time``, seconds). Returns how many were handed over."""
     from fdsched.replay.engine import make_request
 
     fed = 0
     while state.next_index < len(state.feed) and _arrived(state, step):
         tr = state.feed[state.next_index]
         request = make_request(tr.id, tr.prompt_tokens(), tr.max_tokens)
+        if state.timed:
+            request.metrics.arrival_time = state.arrival_ms[state.next_index] / 1000.0
         state.objects[tr.id] = request
         if inputs.role == "prefill":
             state.p_queue.append(request)
-        else:
+        elif inputs.fetch == FETCH_ALL:
             state.driver.add(request, inputs.outputs[tr.id])
             fed += 1
+        else:
+            state.m_queue.append(request)
         state.next_index += 1
+    if state.m_queue:
+        fed += _engine_fetch(inputs, state)
     p_queue = state.p_queue
     while p_queue and state.driver.add_in_p(p_queue[0], inputs.outputs[p_queue[0].request_id]):
         p_queue.popleft()
         fed += 1
     return fed
+
+
+def engine_fetch_rule(fetch: str, role: str) -> str:
+    """``replay.fetch`` as this host's engine hands requests to a mixed node's scheduler.
+
+    * New host (d38eeb8: ``fastdeploy/engine/common_engine_prepare_mixin.py``, ``_fetch_request_mixed``): a fetch
+      thread asks the request scheduler only while ``resource_manager.waiting`` is empty, for ``min(free batch
+      slots, MAX_PREFILL_NUM)`` requests, and the request scheduler (``LocalScheduler.get_requests``, chunked
+      prefill with ``max_num_partial_prefills`` 1) returns one: one request per step, when the queue is empty.
+    * Old host (e7c8dc2: ``common_engine.py``, ``_fetch_request`` in ``_schedule_request_to_worker_v1``): a fetch
+      runs whenever the previous one ended, whatever the waiting queue holds; between two engine steps it hands
+      over every arrived request while a batch slot is free (``resource_manager.available_batch()`` > 0).
+    """
+    if fetch == FETCH_ALL or role != "mixed":
+        return FETCH_ALL
+    import importlib.util
+
+    new_host = importlib.util.find_spec("fastdeploy.engine.common_engine_prepare_mixin") is not None
+    return FETCH_ONE_WHEN_EMPTY if new_host else FETCH_WHILE_SLOTS
+
+
+def _engine_fetch(inputs: _DriveInputs, state: _DriveState) -> int:
+    """Hand queued arrivals to the scheduler by the host engine's rule (:func:`engine_fetch_rule`)."""
+    manager = inputs.manager
+    if inputs.fetch == FETCH_ONE_WHEN_EMPTY:
+        count = 1 if not manager.waiting and int(manager.available_batch()) > 0 else 0
+    else:
+        count = len(state.m_queue) if int(manager.available_batch()) > 0 else 0
+    for _ in range(count):
+        request = state.m_queue.popleft()
+        state.driver.add(request, inputs.outputs[request.request_id])
+    return count
 
 
 def _step_row(step: int, record, manager, state: _DriveState, gap: float) -> StepRow:

@@ -16,6 +16,7 @@ host tier (so CI runs it on both hosts).
 
 from __future__ import annotations
 
+import fnmatch
 import json
 import os
 import subprocess
@@ -252,6 +253,56 @@ def run_suite(
     return result
 
 
+# Shared-memory files the host's own tests leave in /dev/shm (FastDeploy's IPC locks and signals, named by port):
+# about 64 per CI run over both hosts before this sweep.
+SHM_DIR = "/dev/shm"
+SHM_PATTERNS = ("fd_lock_gpu_cache_lock.*", "fmq_ctrl_w2e_rank*_*.ipc", "need_block_num_signal.*")
+
+
+def _shm_names(shm_dir: str) -> set:
+    try:
+        return {name for name in os.listdir(shm_dir) if any(fnmatch.fnmatch(name, p) for p in SHM_PATTERNS)}
+    except OSError:
+        return set()
+
+
+def _open_paths() -> set:
+    """Paths some live process holds open or mapped (read from /proc; what this user may read)."""
+    held = set()
+    for pid in (entry for entry in os.listdir("/proc") if entry.isdigit()) if os.path.isdir("/proc") else ():
+        try:
+            for fd in os.listdir(f"/proc/{pid}/fd"):
+                try:
+                    held.add(os.readlink(f"/proc/{pid}/fd/{fd}"))
+                except OSError:
+                    pass
+            with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as fh:
+                held.update(line.split(None, 5)[5].strip() for line in fh if len(line.split(None, 5)) == 6)
+        except OSError:
+            continue
+    return held
+
+
+def sweep_shm(before: set, shm_dir: str = SHM_DIR) -> list:
+    """Remove the host tests' shared-memory files that appeared since ``before`` (:func:`_shm_names`) and that no
+    live process holds open; returns the names removed. A file another process still uses is left."""
+    new = sorted(_shm_names(shm_dir) - before)
+    if not new:
+        return []
+    held = _open_paths()
+    removed = []
+    for name in new:
+        path = os.path.join(shm_dir, name)
+        if path in held:
+            continue
+        try:
+            os.unlink(path)
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
+
+
 def _run_process(tree: str, host: str, run: str, files: list, last: tuple, timeout: float) -> tuple:
     """(results data, seconds, output tail) of one pytest process over ``files``."""
     with tempfile.TemporaryDirectory(prefix="fdsched-hostsuite-") as scratch:
@@ -263,6 +314,7 @@ def _run_process(tree: str, host: str, run: str, files: list, last: tuple, timeo
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "fdsched.tools.hostsuite_pytest",
                    "-o", "addopts=", *files]
         started = time.monotonic()
+        shm_before = _shm_names(SHM_DIR)
         try:
             # A session of its own: the host's tests/engine/test_common_engine.py patches os.killpg, and threads its
             # tests leave running can call the real one after the patch is gone; in our process group that would
@@ -272,6 +324,7 @@ def _run_process(tree: str, host: str, run: str, files: list, last: tuple, timeo
         except subprocess.TimeoutExpired as exc:
             raise HostSuiteError(f"{host} host, run {run}: pytest did not finish in {timeout:.0f} s ({' '.join(files)})") from exc
         seconds = time.monotonic() - started
+        sweep_shm(shm_before)
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-40:])
         if not os.path.isfile(results):
             raise HostSuiteError(f"{host} host, run {run}: pytest wrote no results (exit {proc.returncode}):\n{tail}")
