@@ -282,16 +282,21 @@ class _BudgetedReserve(ReservationMixin):
     def _fdsched_views(self, requests=None, with_phase: bool = False) -> list:
         """``requests`` (default: the running ones) as the strategy sees them (``with_phase``: whether each is
         decoding, asked only where it is used: the hook may be a third party's)."""
+        # Built for every running request at every admission decision: names are bound once per call.
         max_model_len = self.config.model_config.max_model_len
+        is_decoding = self._fdsched_is_decoding if with_phase else None
+        view, budget_of, bound_of = RunningView, max_new_tokens_of, client_bound
         views = []
+        append = views.append
         for r in self.running if requests is None else requests:
             max_tokens = getattr(r.sampling_params, "max_tokens", None)
-            views.append(RunningView(
+            prompt_len = r.prompt_token_ids_len
+            append(view(
                 r.request_id,
-                max_new_tokens_of(max_tokens, max_model_len, r.prompt_token_ids_len),
+                budget_of(max_tokens, max_model_len, prompt_len),
                 len(r.output_token_ids),
-                client_bound(max_tokens, max_model_len, r.prompt_token_ids_len),
-                self._fdsched_is_decoding(r) if with_phase else None,
+                bound_of(max_tokens, max_model_len, prompt_len),
+                is_decoding(r) if with_phase else None,
             ))
         return views
 

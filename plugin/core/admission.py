@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
-from fdsched.core.adaptive import AdaptiveReserve, RunningRequest, SetReservation
+from fdsched.core.adaptive import AdaptiveReserve, SetReservation
 from fdsched.core.metrics import METRICS
 from fdsched.core.policies import FixedBlockReserve, NewTokenRatio
 
@@ -40,9 +40,12 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class RunningView:
-    """What a strategy knows about one running request."""
+class RunningView(NamedTuple):
+    """What a strategy knows about one running request.
+
+    A named tuple rather than a frozen dataclass: the scheduler builds one per running request at every
+    admission decision, and a frozen dataclass's ``__init__`` (one ``object.__setattr__`` per field) costs
+    several times a tuple's construction; it is as immutable and reads the same."""
 
     request_id: str
     budget: int  # its output budget: max_tokens, else what the context leaves
@@ -171,18 +174,17 @@ class AdaptiveStrategy(RatioStrategy):
         outside the set."""
         if not self.decodes:
             return 0
+        # The views go to the estimator as they are (it reads max_tokens, budget and generated): asked at every
+        # admission for every running request, a copy per request and ask would cost more than the answer.
+        estimate, ratio, clip, block_size = self.estimate, self.ratio.value, self.clip, self.block_size
         outside, learned = 0, []
         for view in running:
-            override = self.estimate(
-                view.request_id, view.budget, view.generated, self.ratio.value, self.clip, self.block_size
-            )
+            override = estimate(view.request_id, view.budget, view.generated, ratio, clip, block_size)
             if override is not None:
                 outside += override
             else:
-                learned.append(RunningRequest(view.max_tokens, view.budget, view.generated))
-        self.last = self.adaptive.set_reservation(
-            learned, self.ratio.value, self.clip, self.block_size, self._fixed_blocks()
-        )
+                learned.append(view)
+        self.last = self.adaptive.set_reservation(learned, ratio, clip, block_size, self._fixed_blocks())
         return outside + self.last.blocks
 
     def after_pass(self, scheduled_anything: bool) -> None:
