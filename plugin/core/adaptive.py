@@ -406,8 +406,8 @@ class AdaptiveReserve:
         call :meth:`forget_terms` when that changes.
         """
         terms_of = self._terms_for(ratio, clip_max_new_tokens, block_size, fixed_blocks)
-        means, variances, lefts = [], [], []
-        caps = fallback_blocks = fallbacks = 0
+        learned_terms = []
+        fallback_blocks = fallbacks = 0
         for request in requests:
             key = (request.max_tokens, request.budget, request.generated)
             terms = terms_of.get(key)
@@ -415,18 +415,17 @@ class AdaptiveReserve:
                 terms = terms_of[key] = self._request_terms(
                     key[0], key[1], key[2], ratio, clip_max_new_tokens, block_size, fixed_blocks
                 )
-            mean, variance, left, blocks = terms
-            if mean is None:
+            if terms[0] is None:
                 fallbacks += 1
-                fallback_blocks += blocks
-                continue
-            means.append(mean)
-            variances.append(variance)
-            lefts.append(left)
-            caps += blocks
+                fallback_blocks += terms[3]
+            else:
+                learned_terms.append(terms)
         self.fallbacks += fallbacks
+        if not learned_terms:
+            return SetReservation(fallback_blocks, 0.0, 0.0, fallbacks)
+        means, variances, lefts, caps = zip(*learned_terms)
         mean, variance = math.fsum(means), math.fsum(variances)
-        learned = margin_blocks(mean, variance, self.k, block_size, math.fsum(lefts), caps) if means else 0
+        learned = margin_blocks(mean, variance, self.k, block_size, math.fsum(lefts), sum(caps))
         return SetReservation(int(learned) + fallback_blocks, mean, variance, fallbacks)
 
     # Kept terms beyond this many (requests x the tokens they generate between two changes of the stamp) are

@@ -160,6 +160,7 @@ class AdaptiveStrategy(RatioStrategy):
         self.adaptive = adaptive
         self.fixed = fixed
         self.last: Optional[SetReservation] = None  # the last set_blocks' answer (for the metrics)
+        self.last_k: float = adaptive.k  # the margin factor that answer used
 
     def _fixed_blocks(self) -> int:
         return 0 if self.fixed.relaxed else self.fixed.current
@@ -184,7 +185,8 @@ class AdaptiveStrategy(RatioStrategy):
                 outside += override
             else:
                 learned.append(view)
-        self.last = self.adaptive.set_reservation(learned, ratio, clip, block_size, self._fixed_blocks())
+        adaptive = self.adaptive
+        self.last, self.last_k = adaptive.set_reservation(learned, ratio, clip, block_size, self._fixed_blocks()), adaptive.k
         return outside + self.last.blocks
 
     def after_pass(self, scheduled_anything: bool) -> None:
@@ -200,7 +202,7 @@ class AdaptiveStrategy(RatioStrategy):
     def report_decision(self, of=None) -> None:
         last = self.last
         if last is not None:
-            k = self.adaptive.k
+            k = self.last_k  # as decided: a preemption since (which raises k) does not rewrite the figures
             METRICS.adaptive_decision(last.mean, k * math.sqrt(max(last.variance, 0.0)), k, last.fallbacks, of=of)
 
 
@@ -218,6 +220,9 @@ class AdmissionBudget:
     slack: Callable[[int], int] = lambda blocks: blocks
     declined: set = field(default_factory=set)
     reserved: Optional[int] = None  # the running set's blocks at the last ask
+    # The scheduler's views of this pass's running requests, by request id (request, generated, view): a pass
+    # asks once per admission, and a request that generated nothing since the last ask is seen as it was.
+    views: dict = field(default_factory=dict)
     asks: int = 0
     closed: bool = False
 
