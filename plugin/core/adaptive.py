@@ -51,7 +51,7 @@ import math
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, NamedTuple, Optional
 
 from fdsched.core.common import ceil_div
 from fdsched.core.policies import reserve_blocks_for_request
@@ -257,9 +257,10 @@ class LengthHistogram:
         return count, total, squares, c, low, high
 
 
-@dataclass(frozen=True)
-class RemainderEstimate:
-    """Expected remaining output tokens of one running request, and their variance."""
+class RemainderEstimate(NamedTuple):
+    """Expected remaining output tokens of one running request, and their variance (a named tuple: one is
+    made per running request whose output grew, at a pass's first admission decision, and a frozen
+    dataclass's ``__init__`` costs several times a tuple's)."""
 
     mean: float
     variance: float
