@@ -103,7 +103,8 @@ warm-up fallback); a preempted or still-running request is never a sample. Until
 unbounded) has enough samples it answers with :func:`fdsched.core.adaptive.warmup_reserve_blocks`. A third-party
 ``fdsched_estimate_reserve_blocks`` hook still answers first, per request (outside the set's margin). Cost per running request and
 decision: O(1) amortised (a bucket's tail sums are cached until the next finished request), O(log buckets)
-at worst.
+at worst; within a pass, a request that generated nothing since the last ask is neither viewed nor estimated
+again (the budget keeps its view, the estimator its terms), and the gauges are set once, at the pass's end.
 
 Beyond upstream: on a prefill node (``splitwise_role == "prefill"``) running requests reserve nothing:
 such a node never decodes, and upstream's reservation there stalls it for good (a chunk that needs no
