@@ -185,8 +185,8 @@ class AdaptiveStrategy(RatioStrategy):
                 outside += override
             else:
                 learned.append(view)
-        adaptive = self.adaptive
-        self.last, self.last_k = adaptive.set_reservation(learned, ratio, clip, block_size, self._fixed_blocks()), adaptive.k
+        self.last = self.adaptive.set_reservation(learned, ratio, clip, block_size, self._fixed_blocks())
+        self.last_k = self.adaptive.k
         return outside + self.last.blocks
 
     def after_pass(self, scheduled_anything: bool) -> None:
