@@ -317,6 +317,7 @@ class AdaptiveReserve:
         # (max_tokens, budget, generated) -> that request's terms in set_reservation, valid while _terms_stamp holds
         self._terms: dict = {}
         self._terms_stamp: tuple = ()
+        self._terms_asked = 0  # requests in the last set_reservation call
 
     # ---- events -------------------------------------------------------------------------------
     def observe_finished(self, max_tokens: Optional[int], output_tokens: int) -> None:
@@ -422,6 +423,7 @@ class AdaptiveReserve:
             else:
                 learned_terms.append(terms)
         self.fallbacks += fallbacks
+        self._terms_asked = fallbacks + len(learned_terms)
         if not learned_terms:
             return SetReservation(fallback_blocks, 0.0, 0.0, fallbacks)
         means, variances, lefts, caps = zip(*learned_terms)
@@ -429,18 +431,17 @@ class AdaptiveReserve:
         learned = margin_blocks(mean, variance, self.k, block_size, math.fsum(lefts), sum(caps))
         return SetReservation(int(learned) + fallback_blocks, mean, variance, fallbacks)
 
-    # Kept terms beyond this many (requests x the tokens they generate between two changes of the stamp) are
-    # dropped: a long quiet stretch (ratio at its minimum, nothing finishing) does not grow the table for good.
-    _TERMS_LIMIT = 1 << 16
-
     def _terms_for(self, ratio: float, clip_max_new_tokens: int, block_size: int, fixed_blocks: int) -> dict:
-        """The kept per-request terms for these arguments and the current samples (emptied when either changed)."""
+        """The kept per-request terms for these arguments and the current samples (emptied when either changed,
+        and when they hold more than twice the last call's requests: a decoding request's key moves with every
+        token, so what the passes before kept is mostly dead, and a table that grows for long (ratio at its
+        minimum, nothing finishing) costs more in memory traffic and collections than it saves)."""
         stamp = (
             ratio, clip_max_new_tokens, block_size, fixed_blocks, self.min_samples,
             self.absolute, self.absolute.version, self.relative, self.relative.version,
         )
         terms = self._terms
-        if stamp != self._terms_stamp or len(terms) > self._TERMS_LIMIT:
+        if stamp != self._terms_stamp or len(terms) > 2 * self._terms_asked + 64:
             terms.clear()
             self._terms_stamp = stamp
         return terms

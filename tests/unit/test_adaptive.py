@@ -354,3 +354,15 @@ def test_a_subclass_with_state_of_its_own_forgets_the_kept_terms():
 
 
 from fdsched.core.adaptive import RemainderEstimate  # noqa: E402
+
+
+def test_the_kept_terms_stay_about_one_pass_large_while_outputs_grow():
+    # Ratio at its minimum and nothing finishing: the stamp never changes, but every decoding request's key moves
+    # with each token. The table must not keep every key it ever saw.
+    est = AdaptiveReserve(min_samples=2)
+    for length in (50, 500, 900):
+        est.observe_finished(None, length)
+    running = [RunningRequest(None, 4000 + i, 3 * i) for i in range(200)]  # no two share a key
+    for step in range(50):
+        est.set_reservation([RunningRequest(None, r.budget, r.generated + step) for r in running], 0.1, 4096, 16, 0)
+        assert len(est._terms) <= 3 * len(running) + 64, f"step {step}: {len(est._terms)} kept"
