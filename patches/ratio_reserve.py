@@ -103,7 +103,8 @@ warm-up fallback); a preempted or still-running request is never a sample. Until
 unbounded) has enough samples it answers with :func:`fdsched.core.adaptive.warmup_reserve_blocks`. A third-party
 ``fdsched_estimate_reserve_blocks`` hook still answers first, per request (outside the set's margin). Cost per running request and
 decision: O(1) amortised (a bucket's tail sums are cached until the next finished request), O(log buckets)
-at worst.
+at worst; within a pass, a request that generated nothing since the last ask is neither viewed nor estimated
+again (the budget keeps its view, the estimator its terms), and the gauges are set once, at the pass's end.
 
 Beyond upstream: on a prefill node (``splitwise_role == "prefill"``) running requests reserve nothing:
 such a node never decodes, and upstream's reservation there stalls it for good (a chunk that needs no
@@ -242,6 +243,8 @@ class _BudgetedReserve(ReservationMixin):
         return result
 
     def _fdsched_end_pass(self, budget: AdmissionBudget, scheduled_reqs) -> None:
+        if budget.asks:
+            self._fdsched_report(budget)
         logger = host_global(RM, "llm_logger")
         for request_id in sorted(budget.close()):
             METRICS.signal_unconsumed(DECLINE_PREEMPTION, of=self)
@@ -261,11 +264,20 @@ class _BudgetedReserve(ReservationMixin):
         return threshold
 
     def _fdsched_threshold(self, chunk_blocks: int) -> int:
-        budget = self._fdsched_budget() or self._fdsched_new_budget()
+        budget = self._fdsched_budget()
+        if budget is not None:
+            # The pass's figures go to the metrics once, when it ends (_fdsched_end_pass): a pass may ask once
+            # per admission, and the gauges' updates cost a fair part of an ask.
+            return budget.threshold(chunk_blocks, self._fdsched_views(kept=budget.views))
+        budget = self._fdsched_new_budget()  # asked outside a pass: a budget of its own, reported now
         threshold = budget.threshold(chunk_blocks, self._fdsched_views())
+        self._fdsched_report(budget)
+        return threshold
+
+    def _fdsched_report(self, budget: AdmissionBudget) -> None:
+        """The running set's blocks at ``budget``'s last ask, and the strategy's last decision, to the metrics."""
         METRICS.reserved(budget.reserved, of=self)
         self._fdsched_strategy.report_decision(of=self)
-        return threshold
 
     def fdsched_running_reserve(self) -> int:
         """The blocks the running set keeps free now (what an admission's threshold adds to its chunk); the
@@ -279,20 +291,42 @@ class _BudgetedReserve(ReservationMixin):
             return min(threshold + 1, self.config.cache_config.max_block_num_per_seq)
         return threshold
 
-    def _fdsched_views(self, requests=None, with_phase: bool = False) -> list:
+    def _fdsched_views(self, requests=None, with_phase: bool = False, kept: dict = None) -> list:
         """``requests`` (default: the running ones) as the strategy sees them (``with_phase``: whether each is
-        decoding, asked only where it is used: the hook may be a third party's)."""
+        decoding, asked only where it is used: the hook may be a third party's).
+
+        ``kept``: the open pass's views by request id (:attr:`fdsched.core.admission.AdmissionBudget.views`): a
+        request found there, the same object with as many output tokens, is seen as it was at the pass's last
+        ask (its client bound and prompt do not change while the scheduler holds its lock; its output grows
+        when the token processor appends, and then it is seen afresh). Not with ``with_phase``.
+        """
+        # Built for every running request at every admission decision: names are bound once per call.
         max_model_len = self.config.model_config.max_model_len
+        is_decoding = self._fdsched_is_decoding if with_phase else None
+        if with_phase:
+            kept = None
+        view, budget_of, bound_of = RunningView, max_new_tokens_of, client_bound
         views = []
+        append = views.append
         for r in self.running if requests is None else requests:
+            generated = len(r.output_token_ids)
+            if kept is not None:
+                seen = kept.get(r.request_id)
+                if seen is not None and seen[0] is r and seen[1] == generated:
+                    append(seen[2])
+                    continue
             max_tokens = getattr(r.sampling_params, "max_tokens", None)
-            views.append(RunningView(
+            prompt_len = r.prompt_token_ids_len
+            made = view(
                 r.request_id,
-                max_new_tokens_of(max_tokens, max_model_len, r.prompt_token_ids_len),
-                len(r.output_token_ids),
-                client_bound(max_tokens, max_model_len, r.prompt_token_ids_len),
-                self._fdsched_is_decoding(r) if with_phase else None,
-            ))
+                budget_of(max_tokens, max_model_len, prompt_len),
+                generated,
+                bound_of(max_tokens, max_model_len, prompt_len),
+                is_decoding(r) if with_phase else None,
+            )
+            if kept is not None:
+                kept[r.request_id] = (r, generated, made)
+            append(made)
         return views
 
     def _fdsched_is_running_prefill(self, request) -> bool:

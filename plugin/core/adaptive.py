@@ -36,7 +36,10 @@ the set, not on the order of its requests (:meth:`AdaptiveReserve.set_reservatio
 * **Determinism**: the state is a function of the sequence of events (finished samples,
   preemptions), nothing else; no clock, no randomness.
 * **Cost**: lengths go into log-spaced buckets (``buckets_per_octave`` per doubling) whose count,
-  sum and sum of squares are kept in Fenwick trees: a sample or a query is O(log buckets).
+  sum and sum of squares are kept in Fenwick trees: a sample or a query is O(log buckets). A running set's
+  reservation is asked at every admission of a ``schedule()`` pass; each request's terms (its remainder, or its
+  fallback, and its cap) are kept until a sample arrives or the ratio, clip, block size or fallback amount
+  changes (:meth:`AdaptiveReserve.set_reservation`), so the asks after a pass's first cost a lookup per request.
 
 The query within the bucket that holds ``g`` assumes the samples are spread evenly across it; with 8
 buckets per doubling that bucket is about 9 % wide.
@@ -48,7 +51,7 @@ import math
 import weakref
 from collections import deque
 from dataclasses import dataclass
-from typing import Iterable, Optional
+from typing import Iterable, NamedTuple, Optional
 
 from fdsched.core.common import ceil_div
 from fdsched.core.policies import reserve_blocks_for_request
@@ -196,6 +199,7 @@ class LengthHistogram:
         self._sum = _Fenwick(self.buckets)
         self._sumsq = _Fenwick(self.buckets)
         self.n = 0.0  # total weight
+        self.version = 0  # bumped by every add: answers computed from this histogram are valid while it stands
         # bucket -> its tail aggregates, valid until the next add: queries between two finished requests
         # (every running request at every admission decision) mostly hit a few buckets, O(1) each then.
         self._tails: dict = {}
@@ -217,6 +221,7 @@ class LengthHistogram:
         self._sum.add(index, weight * value)
         self._sumsq.add(index, weight * value * value)
         self.n += weight
+        self.version += 1
         self._tails.clear()
 
     def _slot(self, index: int) -> tuple:
@@ -252,9 +257,10 @@ class LengthHistogram:
         return count, total, squares, c, low, high
 
 
-@dataclass(frozen=True)
-class RemainderEstimate:
-    """Expected remaining output tokens of one running request, and their variance."""
+class RemainderEstimate(NamedTuple):
+    """Expected remaining output tokens of one running request, and their variance (a named tuple: one is
+    made per running request whose output grew, at a pass's first admission decision, and a frozen
+    dataclass's ``__init__`` costs several times a tuple's)."""
 
     mean: float
     variance: float
@@ -308,6 +314,10 @@ class AdaptiveReserve:
         self.finished = 0
         self.preemptions = 0
         self.fallbacks = 0  # requests answered with the ratio formula (warm-up or beyond the tail)
+        # (max_tokens, budget, generated) -> that request's terms in set_reservation, valid while _terms_stamp holds
+        self._terms: dict = {}
+        self._terms_stamp: tuple = ()
+        self._terms_asked = 0  # requests in the last set_reservation call
 
     # ---- events -------------------------------------------------------------------------------
     def observe_finished(self, max_tokens: Optional[int], output_tokens: int) -> None:
@@ -389,28 +399,79 @@ class AdaptiveReserve:
         upstream's ratio formula gives them, never less than 0. Every fallback is at most upstream's formula
         too, so the whole set never keeps more than upstream's formula would for the same requests.
         The sums are exact (:func:`math.fsum`): no order of the requests rounds differently.
+
+        A request is read through its ``max_tokens``, ``budget`` and ``generated`` only (a
+        :class:`RunningRequest`, or any value with those attributes: the scheduler's views are passed as they
+        are). Its terms (remainder or fallback, and cap) are a function of those three, the other arguments
+        and the samples: they are kept (:meth:`_request_terms`) and reused by later calls, so a pass that asks
+        several times computes each request once. A subclass whose :meth:`remainder` reads anything else must
+        call :meth:`forget_terms` when that changes.
         """
-        means, variances, lefts, caps = [], [], [], 0
+        terms_of = self._terms_for(ratio, clip_max_new_tokens, block_size, fixed_blocks)
+        learned_terms = []
         fallback_blocks = fallbacks = 0
         for request in requests:
-            estimate = self.remainder(request.max_tokens, request.budget, request.generated)
-            if estimate is None:
-                fallbacks += 1
-                fallback_blocks += warmup_reserve_blocks(
-                    request.max_tokens, request.budget, request.generated, ratio, clip_max_new_tokens, block_size,
-                    fixed_blocks,
+            key = (request.max_tokens, request.budget, request.generated)
+            terms = terms_of.get(key)
+            if terms is None:
+                terms = terms_of[key] = self._request_terms(
+                    key[0], key[1], key[2], ratio, clip_max_new_tokens, block_size, fixed_blocks
                 )
-                continue
-            means.append(estimate.mean)
-            variances.append(estimate.variance)
-            lefts.append(estimate.left)
-            caps += reserve_blocks_for_request(
-                request.budget, request.generated, ratio, clip_max_new_tokens, block_size
-            )
+            if terms[0] is None:
+                fallbacks += 1
+                fallback_blocks += terms[3]
+            else:
+                learned_terms.append(terms)
         self.fallbacks += fallbacks
+        self._terms_asked = fallbacks + len(learned_terms)
+        if not learned_terms:
+            return SetReservation(fallback_blocks, 0.0, 0.0, fallbacks)
+        means, variances, lefts, caps = zip(*learned_terms)
         mean, variance = math.fsum(means), math.fsum(variances)
-        learned = margin_blocks(mean, variance, self.k, block_size, math.fsum(lefts), caps) if means else 0
+        learned = margin_blocks(mean, variance, self.k, block_size, math.fsum(lefts), sum(caps))
         return SetReservation(int(learned) + fallback_blocks, mean, variance, fallbacks)
+
+    def _terms_for(self, ratio: float, clip_max_new_tokens: int, block_size: int, fixed_blocks: int) -> dict:
+        """The kept per-request terms for these arguments and the current samples (emptied when either changed,
+        and when they hold more than twice the last call's requests: a decoding request's key moves with every
+        token, so what the passes before kept is mostly dead, and a table that grows for long (ratio at its
+        minimum, nothing finishing) costs more in memory traffic and collections than it saves)."""
+        stamp = (
+            ratio, clip_max_new_tokens, block_size, fixed_blocks, self.min_samples,
+            self.absolute, self.absolute.version, self.relative, self.relative.version,
+        )
+        terms = self._terms
+        if stamp != self._terms_stamp or len(terms) > 2 * self._terms_asked + 64:
+            terms.clear()
+            self._terms_stamp = stamp
+        return terms
+
+    def forget_terms(self) -> None:
+        """Drop the kept per-request terms (:meth:`set_reservation`); the next call computes them afresh."""
+        self._terms.clear()
+        self._terms_stamp = ()
+
+    def _request_terms(
+        self,
+        max_tokens: Optional[int],
+        budget: int,
+        generated: int,
+        ratio: float,
+        clip_max_new_tokens: int,
+        block_size: int,
+        fixed_blocks: int,
+    ) -> tuple:
+        """One request's part of :meth:`set_reservation`: ``(mean, variance, left, cap)`` when learned (cap:
+        upstream's ratio formula for it), ``(None, None, None, blocks)`` when it falls back (blocks:
+        :func:`warmup_reserve_blocks`)."""
+        estimate = self.remainder(max_tokens, budget, generated)
+        if estimate is None:
+            blocks = warmup_reserve_blocks(
+                max_tokens, budget, generated, ratio, clip_max_new_tokens, block_size, fixed_blocks
+            )
+            return None, None, None, blocks
+        cap = reserve_blocks_for_request(budget, generated, ratio, clip_max_new_tokens, block_size)
+        return estimate.mean, estimate.variance, estimate.left, cap
 
     def set_blocks(
         self,

@@ -25,9 +25,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
-from fdsched.core.adaptive import AdaptiveReserve, RunningRequest, SetReservation
+from fdsched.core.adaptive import AdaptiveReserve, SetReservation
 from fdsched.core.metrics import METRICS
 from fdsched.core.policies import FixedBlockReserve, NewTokenRatio
 
@@ -40,9 +40,12 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
-class RunningView:
-    """What a strategy knows about one running request."""
+class RunningView(NamedTuple):
+    """What a strategy knows about one running request.
+
+    A named tuple rather than a frozen dataclass: the scheduler builds one per running request at every
+    admission decision, and a frozen dataclass's ``__init__`` (one ``object.__setattr__`` per field) costs
+    several times a tuple's construction; it is as immutable and reads the same."""
 
     request_id: str
     budget: int  # its output budget: max_tokens, else what the context leaves
@@ -157,6 +160,7 @@ class AdaptiveStrategy(RatioStrategy):
         self.adaptive = adaptive
         self.fixed = fixed
         self.last: Optional[SetReservation] = None  # the last set_blocks' answer (for the metrics)
+        self.last_k: float = adaptive.k  # the margin factor that answer used
 
     def _fixed_blocks(self) -> int:
         return 0 if self.fixed.relaxed else self.fixed.current
@@ -171,18 +175,18 @@ class AdaptiveStrategy(RatioStrategy):
         outside the set."""
         if not self.decodes:
             return 0
+        # The views go to the estimator as they are (it reads max_tokens, budget and generated): asked at every
+        # admission for every running request, a copy per request and ask would cost more than the answer.
+        estimate, ratio, clip, block_size = self.estimate, self.ratio.value, self.clip, self.block_size
         outside, learned = 0, []
         for view in running:
-            override = self.estimate(
-                view.request_id, view.budget, view.generated, self.ratio.value, self.clip, self.block_size
-            )
+            override = estimate(view.request_id, view.budget, view.generated, ratio, clip, block_size)
             if override is not None:
                 outside += override
             else:
-                learned.append(RunningRequest(view.max_tokens, view.budget, view.generated))
-        self.last = self.adaptive.set_reservation(
-            learned, self.ratio.value, self.clip, self.block_size, self._fixed_blocks()
-        )
+                learned.append(view)
+        self.last = self.adaptive.set_reservation(learned, ratio, clip, block_size, self._fixed_blocks())
+        self.last_k = self.adaptive.k
         return outside + self.last.blocks
 
     def after_pass(self, scheduled_anything: bool) -> None:
@@ -198,7 +202,7 @@ class AdaptiveStrategy(RatioStrategy):
     def report_decision(self, of=None) -> None:
         last = self.last
         if last is not None:
-            k = self.adaptive.k
+            k = self.last_k  # as decided: a preemption since (which raises k) does not rewrite the figures
             METRICS.adaptive_decision(last.mean, k * math.sqrt(max(last.variance, 0.0)), k, last.fallbacks, of=of)
 
 
@@ -216,6 +220,9 @@ class AdmissionBudget:
     slack: Callable[[int], int] = lambda blocks: blocks
     declined: set = field(default_factory=set)
     reserved: Optional[int] = None  # the running set's blocks at the last ask
+    # The scheduler's views of this pass's running requests, by request id (request, generated, view): a pass
+    # asks once per admission, and a request that generated nothing since the last ask is seen as it was.
+    views: dict = field(default_factory=dict)
     asks: int = 0
     closed: bool = False
 

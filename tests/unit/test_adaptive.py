@@ -272,3 +272,97 @@ def test_the_constants_are_the_settings_defaults_and_bounds():
         load_settings(environ={"FDSCHED_ADAPTIVE_K_DECAY": "1.5"})
     est = AdaptiveReserve()
     assert (est.k, est.k_step, est.k_max, est.k_decay) == (K_DEFAULT, K_STEP, K_BOUND, K_DECAY)
+
+
+# ---- a pass's asks: each request's terms are kept until something they depend on changes ----------------
+class _Counting(AdaptiveReserve):
+    """Counts the remainders it computes (set_reservation keeps each request's terms between calls)."""
+
+    def __init__(self, **kw) -> None:
+        super().__init__(**kw)
+        self.computed = 0
+
+    def remainder(self, max_tokens, budget, generated):
+        self.computed += 1
+        return super().remainder(max_tokens, budget, generated)
+
+
+def _replayed(events, **kw):
+    """A fresh estimator (nothing kept) that saw ``events``: ("finished", max_tokens, length) / ("preempted",)."""
+    est = AdaptiveReserve(**kw)
+    for event in events:
+        if event[0] == "finished":
+            est.observe_finished(event[1], event[2])
+        else:
+            est.observe_preemption()
+    return est
+
+
+def test_a_passs_later_asks_compute_no_request_twice():
+    est = _Counting(min_samples=4)
+    for length in (30, 60, 90, 120, 400):
+        est.observe_finished(None, length)
+    running = [RunningRequest(None, 4000, g) for g in (0, 10, 20, 10)]  # two share (max_tokens, budget, generated)
+    first = est.set_reservation(running, 0.7, 4096, 16, 0)
+    assert est.computed == 3
+    running.append(RunningRequest(None, 4000, 35))  # admitted within the pass
+    second = est.set_reservation(list(reversed(running)), 0.7, 4096, 16, 0)
+    assert est.computed == 4  # only the newcomer
+    assert second.mean > first.mean and second.fallbacks == first.fallbacks == 0
+    running[0] = RunningRequest(None, 4000, 1)  # it generated a token: a different request as far as terms go
+    est.set_reservation(running, 0.7, 4096, 16, 0)
+    assert est.computed == 5
+
+
+def test_kept_terms_give_what_a_fresh_estimator_gives_as_samples_ratio_and_fallback_move():
+    # Whatever the kept terms, every answer equals that of an estimator built afresh from the same events.
+    rnd = random.Random(11)
+    events, est = [], AdaptiveReserve(min_samples=6)
+    running = [RunningRequest(rnd.choice((None, 300, 900)), 900, rnd.randint(0, 400)) for _ in range(40)]
+    for step in range(120):
+        if step % 7 == 3:
+            event = ("finished", rnd.choice((None, 300)), rnd.randint(1, 900))
+            est.observe_finished(event[1], event[2])
+            events.append(event)
+        if step % 31 == 5:
+            est.observe_preemption()
+            events.append(("preempted",))
+        ratio = (0.7, 0.55, 0.4)[step // 20 % 3]  # held for stretches: samples alone must drop the kept terms
+        fixed = (0, 16, 8)[step // 13 % 3]
+        order = running[:]
+        rnd.shuffle(order)
+        kept = est.set_reservation(order, ratio, 4096, 16, fixed)
+        fresh = _replayed(events, min_samples=6).set_reservation(running, ratio, 4096, 16, fixed)
+        assert kept == fresh, f"step {step}"
+        running[rnd.randrange(len(running))] = RunningRequest(None, 900, rnd.randint(0, 400))
+
+
+def test_a_subclass_with_state_of_its_own_forgets_the_kept_terms():
+    class Given(AdaptiveReserve):
+        answer = 100.0
+
+        def remainder(self, max_tokens, budget, generated):
+            return RemainderEstimate(self.answer, 0.0, float(budget - generated))
+
+    est = Given(k=0.0)
+    running = [RunningRequest(None, 4000, 0)]
+    assert est.set_blocks(running, 0.7, 4096, 16, 0) == math.ceil(100 / 16)
+    est.answer = 300.0
+    assert est.set_blocks(running, 0.7, 4096, 16, 0) == math.ceil(100 / 16)  # kept: nothing it knows changed
+    est.forget_terms()
+    assert est.set_blocks(running, 0.7, 4096, 16, 0) == math.ceil(300 / 16)
+
+
+from fdsched.core.adaptive import RemainderEstimate  # noqa: E402
+
+
+def test_the_kept_terms_stay_about_one_pass_large_while_outputs_grow():
+    # Ratio at its minimum and nothing finishing: the stamp never changes, but every decoding request's key moves
+    # with each token. The table must not keep every key it ever saw.
+    est = AdaptiveReserve(min_samples=2)
+    for length in (50, 500, 900):
+        est.observe_finished(None, length)
+    running = [RunningRequest(None, 4000 + i, 3 * i) for i in range(200)]  # no two share a key
+    for step in range(50):
+        est.set_reservation([RunningRequest(None, r.budget, r.generated + step) for r in running], 0.1, 4096, 16, 0)
+        assert len(est._terms) <= 3 * len(running) + 64, f"step {step}: {len(est._terms)} kept"
