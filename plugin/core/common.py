@@ -11,7 +11,7 @@ import math
 import os
 from typing import Iterable, Optional, Sequence
 
-__all__ = ["SettingsError", "EXIT_OK", "EXIT_ERROR", "EXIT_NO_HOST", "read_utf8", "ceil_div", "blocks_for_tokens", "percentile", "mean", "text_table"]
+__all__ = ["SettingsError", "EXIT_OK", "EXIT_ERROR", "EXIT_NO_HOST", "read_utf8", "remove_files", "ceil_div", "blocks_for_tokens", "percentile", "mean", "text_table"]
 
 
 class SettingsError(ValueError):
@@ -57,6 +57,19 @@ def read_utf8(path, what: str, allowed: str, error: type = ValueError) -> str:
             f"(convert it: iconv -f LATIN1 -t UTF-8 {name} > {name}.utf8)"
         ) from None
     return text
+
+
+def remove_files(names: Iterable[str], directory: str) -> list:
+    """Remove each of ``names`` from ``directory`` (one already gone or not removable is skipped); returns the
+    names removed (the /dev/shm sweeps of the served engine and of the host's test suites)."""
+    removed = []
+    for name in names:
+        try:
+            os.remove(os.path.join(directory, name))
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
 
 
 def ceil_div(numerator: int, denominator: int) -> int:

@@ -26,6 +26,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Optional
 
+from fdsched.core.common import remove_files
+
 
 PORT_RANGE = (18000, 18999)
 PORTS_PER_RANK = 6  # api, metrics, engine-worker-queue, cache-queue, pd-comm, rdma
@@ -470,15 +472,7 @@ def sweep_shm(ports, shm_dir: str = "/dev/shm") -> list:
     if not ports or not os.path.isdir(shm_dir):
         return []
     pattern = re.compile(r"(?<!\d)(" + "|".join(str(p) for p in ports) + r")(?!\d)")
-    removed = []
-    for name in os.listdir(shm_dir):
-        if pattern.search(name):
-            try:
-                os.remove(os.path.join(shm_dir, name))
-                removed.append(name)
-            except OSError:
-                pass
-    return removed
+    return remove_files([name for name in os.listdir(shm_dir) if pattern.search(name)], shm_dir)
 
 
 # ----------------------------------------------------------------------------------------------- CLI

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from fdsched.core.common import EXIT_ERROR, EXIT_OK, text_table
+from fdsched.core.common import EXIT_ERROR, EXIT_OK, remove_files, text_table
 
 import yaml
 
@@ -269,7 +269,8 @@ def _shm_names(shm_dir: str) -> set:
 def _open_paths() -> set:
     """Paths some live process holds open or mapped (read from /proc; what this user may read)."""
     held = set()
-    for pid in (entry for entry in os.listdir("/proc") if entry.isdigit()) if os.path.isdir("/proc") else ():
+    pids = [entry for entry in os.listdir("/proc") if entry.isdigit()] if os.path.isdir("/proc") else []
+    for pid in pids:
         try:
             for fd in os.listdir(f"/proc/{pid}/fd"):
                 try:
@@ -277,30 +278,25 @@ def _open_paths() -> set:
                 except OSError:
                     pass
             with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as fh:
-                held.update(line.split(None, 5)[5].strip() for line in fh if len(line.split(None, 5)) == 6)
+                for line in fh:
+                    fields = line.split(None, 5)  # address perms offset dev inode [path]
+                    if len(fields) == 6:
+                        held.add(fields[5].strip())
         except OSError:
             continue
     return held
 
 
-def sweep_shm(before: set, shm_dir: str = SHM_DIR) -> list:
+def sweep_new_shm(before: set, shm_dir: str = SHM_DIR) -> list:
     """Remove the host tests' shared-memory files that appeared since ``before`` (:func:`_shm_names`) and that no
-    live process holds open; returns the names removed. A file another process still uses is left."""
+    live process holds open; returns the names removed. A file another process still uses is left. (The served
+    engine's :func:`fdsched.serve.launcher.sweep_shm` removes by its stack's ports; the host's tests pick their
+    own ports, so here the selection is by what appeared.)"""
     new = sorted(_shm_names(shm_dir) - before)
     if not new:
         return []
     held = _open_paths()
-    removed = []
-    for name in new:
-        path = os.path.join(shm_dir, name)
-        if path in held:
-            continue
-        try:
-            os.unlink(path)
-            removed.append(name)
-        except OSError:
-            pass
-    return removed
+    return remove_files([name for name in new if os.path.join(shm_dir, name) not in held], shm_dir)
 
 
 def _run_process(tree: str, host: str, run: str, files: list, last: tuple, timeout: float) -> tuple:
@@ -324,7 +320,7 @@ def _run_process(tree: str, host: str, run: str, files: list, last: tuple, timeo
         except subprocess.TimeoutExpired as exc:
             raise HostSuiteError(f"{host} host, run {run}: pytest did not finish in {timeout:.0f} s ({' '.join(files)})") from exc
         seconds = time.monotonic() - started
-        sweep_shm(shm_before)
+        sweep_new_shm(shm_before)
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-40:])
         if not os.path.isfile(results):
             raise HostSuiteError(f"{host} host, run {run}: pytest wrote no results (exit {proc.returncode}):\n{tail}")

@@ -182,7 +182,7 @@ def test_each_host_suite_process_gets_its_own_engine_queue_ports(tmp_path, monke
 
 
 def test_sweep_removes_only_new_host_shm_files_that_no_process_holds(tmp_path):
-    from fdsched.tools.hostsuites import _shm_names, sweep_shm
+    from fdsched.tools.hostsuites import _shm_names, sweep_new_shm
 
     (tmp_path / "fd_lock_gpu_cache_lock.1000").write_text("")  # there before the run: kept
     before = _shm_names(str(tmp_path))
@@ -190,7 +190,7 @@ def test_sweep_removes_only_new_host_shm_files_that_no_process_holds(tmp_path):
                  "someone_elses_segment", "fd_lock_gpu_cache_lock.3000"):
         (tmp_path / name).write_text("")
     with open(tmp_path / "fd_lock_gpu_cache_lock.3000", encoding="utf-8"):  # held open by a live process: kept
-        removed = sweep_shm(before, str(tmp_path))
+        removed = sweep_new_shm(before, str(tmp_path))
     assert removed == ["fd_lock_gpu_cache_lock.2000", "fmq_ctrl_w2e_rank0_2001.ipc", "need_block_num_signal.2002"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "fd_lock_gpu_cache_lock.1000", "fd_lock_gpu_cache_lock.3000", "someone_elses_segment"]
