@@ -45,7 +45,6 @@ __all__ = [
     "BlockCheckSignals",
     "finished_ids",
     "host_global",
-    "host_defines",
     "init_signature",
     "dp_rank_of",
 ]
@@ -68,11 +67,6 @@ def code_names(func) -> frozenset:
 def host_global(module_name: str, name: str):
     """A name from a loaded host module's globals (logger, envs, trace helpers)."""
     return getattr(sys.modules[module_name], name)
-
-
-def host_defines(obj, method: str) -> bool:
-    """Whether the host class ``obj``'s plugin class replaced defines ``method`` (a host seam)."""
-    return hasattr(obj._fdsched_host_class, method)
 
 
 @dataclass(frozen=True)

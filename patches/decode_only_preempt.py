@@ -26,6 +26,18 @@ there is no victim and resets the reservation through its ``_reset_reserve_on_pr
 change 3 owns). On the old host the plugin runs the loop itself; with no victim it gives up (the host's
 caller then stops the running pass) and warns once per episode. Reservation state, the host's or the
 plugin's, is change 3's business on both hosts: this module never touches it.
+
+The arm's class holds one mixin per impl and host (``SPEC.variants``), chosen once when the class is built; no
+method asks which host it runs on:
+
+=============  ==============================================  ===========================================
+impl           host with the seam (has the change)             host without it
+=============  ==============================================  ===========================================
+host           ``HostPreemptMixin`` (counts the seam's picks)  ``HostPreemptOldHostMixin`` (counts the
+                                                               host loop's victims)
+plugin         ``PolicyPreemptMixin`` (answers the seam)       ``PolicyPreemptOldHostMixin`` (the loop)
+off            ``PreChangePreemptMixin`` (any phase)           (the host's own code: impl ``host``)
+=============  ==============================================  ===========================================
 """
 
 from __future__ import annotations
@@ -35,8 +47,8 @@ import logging
 from fdsched.core.metrics import METRICS
 from fdsched.core.policies import NoVictimWarning, VictimCandidate
 
-from fdsched.patches._spec import PatchSpec, Reliance
-from fdsched.patches._base import PluginBase, host_defines, host_global
+from fdsched.patches._spec import PatchSpec, Reliance, Variant
+from fdsched.patches._base import PluginBase, host_global
 
 RM = "fastdeploy.engine.sched.resource_manager_v1"
 
@@ -64,7 +76,8 @@ class DecodeOnlyPreemptMixin(PluginBase):
 
 
 class HostPreemptMixin(DecodeOnlyPreemptMixin):
-    """impl ``host``: the host's own victim choice, its victims counted by phase for the metrics."""
+    """impl ``host`` on a host with the seam: the host's own victim choice, its victims counted by phase for the
+    metrics (the host's own loop asks this seam for each victim)."""
 
     def _select_preempt_candidate(self):
         """The new host's seam: ``(victim, its index in running)``, or ``(None, -1)`` when none qualifies."""
@@ -73,14 +86,11 @@ class HostPreemptMixin(DecodeOnlyPreemptMixin):
             self._fdsched_count_victim(victim, self._fdsched_is_decoding(victim))
         return victim, index
 
-    def _trigger_preempt(self, request, num_new_blocks, preempted_reqs, scheduled_reqs):
-        if host_defines(self, "_select_preempt_candidate"):
-            # New host: its own loop, which asks _select_preempt_candidate (above) for each victim.
-            return super()._trigger_preempt(request, num_new_blocks, preempted_reqs, scheduled_reqs)
-        return self._fdsched_host_preempt(request, num_new_blocks, preempted_reqs, scheduled_reqs)
 
-    def _fdsched_host_preempt(self, request, num_new_blocks, preempted_reqs, scheduled_reqs):
-        """The old host's own preemption, with the victims counted by phase for the metrics."""
+class HostPreemptOldHostMixin(DecodeOnlyPreemptMixin):
+    """impl ``host`` on a host without the seam: the host's own preemption, its victims counted by phase."""
+
+    def _trigger_preempt(self, request, num_new_blocks, preempted_reqs, scheduled_reqs):
         phase_before = {r.request_id: self._fdsched_is_decoding(r) for r in self.running}
         computed_before = {r.request_id: _computed(r) for r in self.running}
         already = len(preempted_reqs)
@@ -95,8 +105,9 @@ class HostPreemptMixin(DecodeOnlyPreemptMixin):
 
 
 class PolicyPreemptMixin(DecodeOnlyPreemptMixin):
-    """impl ``plugin`` (decode-only) and ``off`` (any phase, the pre-change choice): the victim from the policy
-    (hook ``fdsched_select_preemption_victim``)."""
+    """impl ``plugin`` (decode-only) and, through :class:`PreChangePreemptMixin`, ``off`` (any phase, the
+    pre-change choice) on a host with the seam: the victim from the policy (hook
+    ``fdsched_select_preemption_victim``); the host's own loop preempts it."""
 
     _fdsched_decode_only = True
 
@@ -110,17 +121,17 @@ class PolicyPreemptMixin(DecodeOnlyPreemptMixin):
         self._fdsched_count_victim(victim, candidates[chosen].decoding)
         return victim, chosen
 
+
+class PolicyPreemptOldHostMixin(DecodeOnlyPreemptMixin):
+    """impl ``plugin`` on a host without the seam: the host's loop, paraphrased, with the decoding victim from the
+    policy (hook ``fdsched_select_preemption_victim``)."""
+
     def _trigger_preempt(self, request, num_new_blocks, preempted_reqs, scheduled_reqs):
-        if host_defines(self, "_select_preempt_candidate"):
-            # New host: its own loop, which asks _select_preempt_candidate (above) for each victim.
-            return super()._trigger_preempt(request, num_new_blocks, preempted_reqs, scheduled_reqs)
-        # Old host, no seam: the loop, paraphrased, with the victim from the policy.
-        decode_only = self._fdsched_decode_only
         while not self.cache_manager.can_allocate_gpu_blocks(num_new_blocks):
             candidates = self._fdsched_candidates()
-            index = self._fdsched_policies.select_victim(candidates, decode_only)
+            index = self._fdsched_policies.select_victim(candidates, True)
             if index is None:
-                if decode_only and self._fdsched_no_victim.should_warn():
+                if self._fdsched_no_victim.should_warn():
                     host_global(RM, "llm_logger").warning(
                         "[fdsched] Preemption is triggered while no preemptable (decoding) request can be "
                         f"found, scheduler may be hung! Waiting for {num_new_blocks} blocks for request "
@@ -219,9 +230,18 @@ SPEC = PatchSpec(
     switch="FDSCHED_DECODE_ONLY_PREEMPT",
     delete_when="every supported host carries 7783 and the pre-change choice is no longer A/B tested",
     mixins={"ResourceManagerV1": DecodeOnlyPreemptMixin},
+    # The host's preemption seam and its split running status came together (7783): a host that has the change
+    # has the seam; one that lacks it gets the loop paraphrased, which needs no seam (chosen once, by the class).
     variants={
-        "host": {"ResourceManagerV1": HostPreemptMixin},
-        "plugin": {"ResourceManagerV1": PolicyPreemptMixin},
+        "host": {"ResourceManagerV1": Variant(
+            lambda host_has, settings: HostPreemptMixin if host_has else HostPreemptOldHostMixin,
+            (HostPreemptMixin, HostPreemptOldHostMixin),
+        )},
+        "plugin": {"ResourceManagerV1": Variant(
+            lambda host_has, settings: PolicyPreemptMixin if host_has else PolicyPreemptOldHostMixin,
+            (PolicyPreemptMixin, PolicyPreemptOldHostMixin),
+        )},
+        # only on a host that has the change (elsewhere off is the host's own code: impl "host")
         "off": {"ResourceManagerV1": PreChangePreemptMixin},
     },
     host_has=_has_decode_only,

@@ -82,8 +82,25 @@ def test_each_impl_gets_only_its_own_mixins(change_id):
     assert SPECS["nonpolling_transfer"].mixin_of("EngineCacheQueue", "host") is None
     assert SPECS["pd_prefill_cache"].mixin_of("ResourceManagerV1", "host") is None
     dop = SPECS["decode_only_preempt"]
-    assert dop.mixin_of("ResourceManagerV1", "plugin")._fdsched_decode_only is True
-    assert dop.mixin_of("ResourceManagerV1", "off")._fdsched_decode_only is False
+    assert dop.mixin_of("ResourceManagerV1", "plugin", host_has=True)._fdsched_decode_only is True
+    assert dop.mixin_of("ResourceManagerV1", "off", host_has=True)._fdsched_decode_only is False
+
+
+def test_preemption_mixins_are_chosen_by_the_host_not_asked_per_call():
+    """Change 2's class for a host with the preemption seam answers the seam and leaves the host's loop alone; for a
+    host without it, it runs the loop and defines no seam the host would not call (chosen once, by the class)."""
+    from fdsched.patches import decode_only_preempt as dop
+
+    spec = SPECS["decode_only_preempt"]
+    for impl in ("host", "plugin"):
+        with_seam = spec.mixin_of("ResourceManagerV1", impl, host_has=True)
+        without = spec.mixin_of("ResourceManagerV1", impl, host_has=False)
+        assert with_seam is not without
+        defined = lambda cls: {n for k in cls.__mro__ if k.__module__ == dop.__name__ for n in vars(k)}  # noqa: E731
+        assert "_select_preempt_candidate" in defined(with_seam) and "_trigger_preempt" not in defined(with_seam)
+        assert "_trigger_preempt" in defined(without) and "_select_preempt_candidate" not in defined(without)
+    assert spec.mixin_of("ResourceManagerV1", "plugin", host_has=False) is dop.PolicyPreemptOldHostMixin
+    assert "host_defines" not in vars(dop)  # no method asks which host it runs on
 
 
 def test_generated_classes_say_where_they_come_from():
