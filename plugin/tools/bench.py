@@ -9,7 +9,9 @@ every variant (chains of ``--chain`` blocks, one node per block).
 
 ``schedule``: ``schedule()`` CPU time per step with R running decode requests (and a queue of
 waiting requests that the reservation keeps out), host code vs the plugin, interleaved repetitions,
-median and mean per-step time and the ratios.
+median and mean per-step time and the ratios, and the ratio of the summed per-step minima (each step's least
+disturbed repetition: the figure that holds still on a shared machine, where the medians move by 10-50%), also
+split into the steps that admit a prefill chunk (either variant) and the others.
 
 Both first grow the process to what a served engine holds (``--heap-objects``, default
 ``ENGINE_HEAP_OBJECTS``: GC-tracked objects, measured in a served LLMEngine) and time each variant with
@@ -227,10 +229,13 @@ def _schedule_setup(running: int, waiting: int, block_size: int):
 
 def bench_schedule(running: int, waiting: int, steps: int, repeat: int, block_size: int, profile: str,
                    gc_modes=GC_MODES) -> dict:
-    """{(variant, gc mode): {"median": s, "mean": s}} of schedule() CPU per step, interleaved repetitions."""
+    """{(variant, gc mode): {"median": s, "mean": s, "minima": [s per step], "admitting": {step index}}} of
+    schedule() CPU per step, interleaved repetitions. ``minima``: each step's least time over the repetitions;
+    ``admitting``: the steps in which that variant scheduled a prefill chunk (the same in every repetition)."""
     from fdsched.replay.engine import close_manager, logical_clock
 
-    per = {(v, m): [] for v in ("host", "plugin") for m in gc_modes}
+    runs = {(v, m): [] for v in ("host", "plugin") for m in gc_modes}
+    admitting = {key: set() for key in runs}
     for _ in range(repeat):
         for mode in gc_modes:
             for variant in ("host", "plugin"):
@@ -240,13 +245,38 @@ def bench_schedule(running: int, waiting: int, steps: int, repeat: int, block_si
                     gc.collect()
 
                     def run(driver=driver):  # the driver plays worker and token processor; only schedule() is timed
-                        return [driver.step().schedule_cpu_seconds for _ in range(steps)]
+                        return [driver.step() for _ in range(steps)]
 
-                    _, times, _ = _timed(run, {"on": True, "due": "due", "off": False}[mode])
+                    _, records, _ = _timed(run, {"on": True, "due": "due", "off": False}[mode])
                     close_manager(rm)
-                per[(variant, mode)].extend(times)
+                runs[(variant, mode)].append([r.schedule_cpu_seconds for r in records])
+                admitting[(variant, mode)].update(i for i, r in enumerate(records) if r.prefill_chunks)
     _install(None)
-    return {key: {"median": statistics.median(v), "mean": statistics.fmean(v)} for key, v in per.items()}
+    result = {}
+    for key, per_run in runs.items():
+        flat = [t for times in per_run for t in times]
+        result[key] = {
+            "median": statistics.median(flat),
+            "mean": statistics.fmean(flat),
+            "minima": [min(times[i] for times in per_run) for i in range(steps)],
+            "admitting": admitting[key],
+        }
+    return result
+
+
+def minima_ratios(host: dict, plugin: dict) -> dict:
+    """Plugin / host of the summed per-step minima (:func:`bench_schedule`): over every step, over the steps in
+    which either variant admitted a prefill chunk, and over the others (None where a part has no step)."""
+    steps = range(len(host["minima"]))
+    admitting = host["admitting"] | plugin["admitting"]
+    parts = {"all": list(steps), "admitting": [i for i in steps if i in admitting]}
+    parts["other"] = [i for i in steps if i not in admitting]
+
+    def ratio(indices):
+        spent = sum(host["minima"][i] for i in indices)
+        return sum(plugin["minima"][i] for i in indices) / spent if indices and spent > 0 else None
+
+    return {name: ratio(indices) for name, indices in parts.items()} | {"admitting_steps": len(parts["admitting"])}
 
 
 # ---- the process's heap ---------------------------------------------------------------------------------
@@ -360,11 +390,16 @@ def _run_schedule(args) -> int:
     print(f"schedule() CPU per step, {args.running} running + {args.waiting} waiting, {args.repeat} x {args.steps} "
           f"steps (plugin profile {args.profile}):")
     print(f"{'gc':<4} {'host median':>12} {'plugin median':>14} {'ratio':>6}   {'host mean':>10} {'plugin mean':>12} "
-          f"{'ratio':>6}")
+          f"{'ratio':>6}   {'minima ratio':>12} {'admitting':>9} {'other':>6}")
     for mode in modes:
         h, p = result[("host", mode)], result[("plugin", mode)]
+        m = minima_ratios(h, p)
+        shown = {k: "-" if m[k] is None else f"{m[k]:.3f}" for k in ("all", "admitting", "other")}
         print(f"{mode:<4} {h['median'] * 1e6:>9.1f} us {p['median'] * 1e6:>11.1f} us {p['median'] / h['median']:>6.3f}   "
-              f"{h['mean'] * 1e6:>7.1f} us {p['mean'] * 1e6:>9.1f} us {p['mean'] / h['mean']:>6.3f}")
+              f"{h['mean'] * 1e6:>7.1f} us {p['mean'] * 1e6:>9.1f} us {p['mean'] / h['mean']:>6.3f}   "
+              f"{shown['all']:>12} {shown['admitting']:>9} {shown['other']:>6}")
+    print("minima ratio: plugin / host of the per-step minima summed over the steps (each step's least disturbed "
+          f"repetition); admitting: the {m['admitting_steps']} steps in which either admitted a prefill chunk; other: the rest")
     return 0
 
 

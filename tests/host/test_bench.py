@@ -1,0 +1,20 @@
+"""``fdsched bench schedule`` on the real host classes, small: what it returns holds together (the bench prints
+numbers and asserts nothing; this checks its bookkeeping, not its speed)."""
+
+from __future__ import annotations
+
+
+def test_schedule_bench_keeps_each_steps_least_time_and_the_admitting_steps():
+    from fdsched.tools.bench import bench_schedule, minima_ratios
+
+    steps = 12
+    result = bench_schedule(running=8, waiting=4, steps=steps, repeat=2, block_size=64, profile="adaptive",
+                            gc_modes=("off",))
+    assert set(result) == {("host", "off"), ("plugin", "off")}
+    for figures in result.values():
+        assert len(figures["minima"]) == steps and all(t > 0 for t in figures["minima"])
+        assert min(figures["minima"]) <= figures["median"] <= max(figures["minima"]) * 1e3
+        # the waiting requests' long prompts are admitted in chunks within the first steps
+        assert figures["admitting"] and figures["admitting"] <= set(range(steps))
+    ratios = minima_ratios(result[("host", "off")], result[("plugin", "off")])
+    assert ratios["all"] > 0 and ratios["admitting"] > 0 and ratios["admitting_steps"] >= 1
