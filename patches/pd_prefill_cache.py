@@ -36,22 +36,28 @@ any other record the host makes is a chunk record (it records nowhere else: see 
 record through only when the selected behaviour records at that moment. The plugin's own records (the third
 moment) do not pass the gate: they call the host's recording directly
 (``cache_manager.fdsched_record_blocks``). Preallocation and scheduling run on different threads; nothing here
-depends on which thread calls. On every other role the gate is not there (no mixin narrows anything).
+depends on which thread calls. On every other role the gate lets everything through and the scheduler's side
+does nothing of its own.
+
+The arm's class holds one mixin pair per behaviour and host (``SPEC.variants``), chosen once when the class is
+built from the arm's ``pd_prefill_cache.mode``; no method asks which behaviour or host it runs:
+
+=====================  ================================  =======================================================
+behaviour (host)       gate (``PrefixCacheManager``)     scheduler (``ResourceManagerV1``)
+=====================  ================================  =======================================================
+safe (either)          ``PdPrefillCacheManagerMixin``    ``PdSafeMixin``: records the prompt at finish
+upstream (without it)  ``PdUpstreamCacheManagerMixin``   ``PdUpstreamOldHostMixin``: records it at preallocation
+upstream (with it)     ``PdUpstreamCacheManagerMixin``   ``PdPrefillCacheMixin``: marks only (the host records)
+off (with it)          ``PdPreChangeCacheManagerMixin``  ``PdPreChangeMixin``: records each scheduled chunk
+=====================  ================================  =======================================================
 """
 
 from __future__ import annotations
 
-from fdsched.patches._spec import PatchSpec, Reliance
+from fdsched.patches._spec import PatchSpec, Reliance, Variant
 from fdsched.patches._base import PluginBase
 
 PREALLOCATION, CHUNK = "preallocation", "chunk"
-
-# The host's moments at which each behaviour lets the host record (the plugin's own records are not gated).
-_ALLOWED = {
-    "off": {CHUNK},
-    "upstream": {PREALLOCATION},
-    "safe": set(),
-}
 
 
 def preallocating(cache_manager) -> set:
@@ -62,22 +68,16 @@ def preallocating(cache_manager) -> set:
     return marks
 
 
-class _Recording(PluginBase):
-    def _fdsched_recording(self) -> str:
-        """The behaviour this arm runs: the profile's mode ('upstream' or 'safe'); the ``off`` variant: 'off'."""
-        return self._fdsched_settings["pd_prefill_cache.mode"]
+# ---- the prefix cache's gate: which of the host's own records pass, per behaviour -----------------------------
+class PdPrefillCacheManagerMixin(PluginBase):
+    """The gate on a prefill node; the base and the ``safe`` behaviour: none of the host's records pass."""
 
+    _fdsched_allowed: frozenset = frozenset()  # the host's moments whose records pass
 
-class _PreChangeRecording(PluginBase):
-    def _fdsched_recording(self) -> str:
-        return "off"  # the pre-change recording, restored on a host that has the change
-
-
-class PdPrefillCacheManagerMixin(_Recording):
     def update_cache_blocks(self, task, block_size, num_computed_tokens):
         if getattr(self, "splitwise_role", None) == "prefill":
             moment = PREALLOCATION if task.request_id in preallocating(self) else CHUNK
-            if moment not in _ALLOWED[self._fdsched_recording()]:
+            if moment not in self._fdsched_allowed:
                 return None  # these blocks' KV is not written yet under the selected behaviour
         return super().update_cache_blocks(task, block_size, num_computed_tokens)
 
@@ -87,15 +87,28 @@ class PdPrefillCacheManagerMixin(_Recording):
         return super().update_cache_blocks(task, block_size, num_computed_tokens)
 
 
-class PdPrefillCacheMixin(_Recording):
-    def _fdsched_pd_behaviour(self):
-        if self.config.scheduler_config.splitwise_role != "prefill":
-            return None
-        return self._fdsched_recording()
+class PdUpstreamCacheManagerMixin(PdPrefillCacheManagerMixin):
+    """``upstream``: the host's preallocation record passes (the whole prompt, on a host that has the change)."""
+
+    _fdsched_allowed = frozenset({PREALLOCATION})
+
+
+class PdPreChangeCacheManagerMixin(PdPrefillCacheManagerMixin):
+    """``off`` on a host that has the change: the host's chunk records pass, as before it."""
+
+    _fdsched_allowed = frozenset({CHUNK})
+
+
+# ---- the scheduler's side: the marks the gate reads, and the plugin's own records -----------------------------
+class PdPrefillCacheMixin(PluginBase):
+    """The base, and ``upstream`` on a host that has the change (the host records; the plugin only marks each
+    preallocation for the gate)."""
+
+    def _fdsched_on_prefill_node(self) -> bool:
+        return self.config.scheduler_config.splitwise_role == "prefill"
 
     def preallocate_resource_in_p(self, request):
-        behaviour = self._fdsched_pd_behaviour()
-        if behaviour is None:
+        if not self._fdsched_on_prefill_node():
             return super().preallocate_resource_in_p(request)
         marks = preallocating(self.cache_manager)
         marks.add(request.request_id)
@@ -103,21 +116,12 @@ class PdPrefillCacheMixin(_Recording):
             allocated = super().preallocate_resource_in_p(request)
         finally:
             marks.discard(request.request_id)
-        host_records_here = self._fdsched_host.has["pd_prefill_cache"]
-        if allocated and behaviour == "upstream" and not host_records_here:
-            self._fdsched_record(request, request.need_prefill_tokens)
+        if allocated:
+            self._fdsched_preallocated(request)
         return allocated
 
-    def _free_blocks(self, request):
-        behaviour = self._fdsched_pd_behaviour()
-        if (
-            behaviour == "safe"
-            and request.status == self._fdsched_host.request_status.FINISHED
-            and request.num_computed_tokens >= request.need_prefill_tokens
-        ):
-            # The prefill has run (its first token came back): now its KV is written; record it.
-            self._fdsched_record(request, request.need_prefill_tokens, locked=True)
-        return super()._free_blocks(request)
+    def _fdsched_preallocated(self, request) -> None:
+        """After a successful preallocation on a prefill node: what this behaviour records itself (nothing)."""
 
     def _fdsched_record(self, request, num_tokens, locked=False):
         if not self.config.cache_config.enable_prefix_caching:
@@ -130,23 +134,54 @@ class PdPrefillCacheMixin(_Recording):
                 self.cache_manager.fdsched_record_blocks(request, block_size, num_tokens)
 
 
-class PdPrefillCacheManagerOffMixin(_PreChangeRecording, PdPrefillCacheManagerMixin):
-    """``off`` on a host that has the change: the pre-change recording."""
+class PdUpstreamOldHostMixin(PdPrefillCacheMixin):
+    """``upstream`` on a host without the change: the whole prompt recorded right after preallocation."""
+
+    def _fdsched_preallocated(self, request) -> None:
+        self._fdsched_record(request, request.need_prefill_tokens)
 
 
-class PdPrefillCacheOffMixin(_PreChangeRecording, PdPrefillCacheMixin):
+class PdSafeMixin(PdPrefillCacheMixin):
+    """``safe``: the whole prompt recorded once the prefill has run (its first token came back), before the
+    host releases the blocks."""
+
+    def _free_blocks(self, request):
+        if (
+            self._fdsched_on_prefill_node()
+            and request.status == self._fdsched_host.request_status.FINISHED
+            and request.num_computed_tokens >= request.need_prefill_tokens
+        ):
+            self._fdsched_record(request, request.need_prefill_tokens, locked=True)
+        return super()._free_blocks(request)
+
+
+class PdPreChangeMixin(PdPrefillCacheMixin):
     """``off`` on a host that has the change: the pre-change recording, which also recorded every running
     chunk of a prefill node (the new host records only a new request's first chunk there)."""
 
     def schedule(self):
         result = super().schedule()
-        if self._fdsched_pd_behaviour() is not None:  # impl "off" exists only on a host that has the change
+        if self._fdsched_on_prefill_node():
             from fastdeploy.engine.request import Request
 
             for task in result[0]:
                 if isinstance(task, Request):
                     self._fdsched_record(task, task.num_computed_tokens)
         return result
+
+
+def _mode(settings) -> str:
+    return "safe" if settings is None else settings["pd_prefill_cache.mode"]  # safe: the setting's default
+
+
+def _plugin_recording(host_has: bool, settings):
+    if _mode(settings) == "safe":
+        return PdSafeMixin
+    return PdPrefillCacheMixin if host_has else PdUpstreamOldHostMixin
+
+
+def _plugin_gate(host_has: bool, settings):
+    return PdPrefillCacheManagerMixin if _mode(settings) == "safe" else PdUpstreamCacheManagerMixin
 
 
 def _has_pd_record(info) -> bool:
@@ -197,8 +232,12 @@ SPEC = PatchSpec(
     host_has=_has_pd_record,
     host_has_as_selected=_as_selected,
     variants={
-        "plugin": {"ResourceManagerV1": PdPrefillCacheMixin, "PrefixCacheManager": PdPrefillCacheManagerMixin},
-        "off": {"ResourceManagerV1": PdPrefillCacheOffMixin, "PrefixCacheManager": PdPrefillCacheManagerOffMixin},
+        "plugin": {
+            "ResourceManagerV1": Variant(_plugin_recording, (PdPrefillCacheMixin, PdUpstreamOldHostMixin, PdSafeMixin)),
+            "PrefixCacheManager": Variant(_plugin_gate, (PdPrefillCacheManagerMixin, PdUpstreamCacheManagerMixin)),
+        },
+        # only on a host that has the change (elsewhere off is the host's own code: impl "host")
+        "off": {"ResourceManagerV1": PdPreChangeMixin, "PrefixCacheManager": PdPreChangeCacheManagerMixin},
     },
     relies_on=(
         Reliance("record-moments", "the host records blocks with update_cache_blocks only inside schedule() and "
