@@ -306,3 +306,27 @@ def test_mixins_wrap_shared_methods_in_the_pinned_order(key):
             if mixin in spec.classes(target) and method in methods_of(spec, target)
         )
         assert in_class == tuple(cid for cid in expected if cid in in_class)
+
+
+@pytest.mark.parametrize("mode", ["safe", "upstream"])
+def test_pd_recording_is_chosen_by_mode_and_host_not_read_per_call(mode):
+    """Change 4's class pair follows the arm's mode and the host once, when the class is built: the gate lets through
+    only that behaviour's moments, and only the behaviour that records itself carries the method that does."""
+    from fdsched.core.settings import load_settings
+    from fdsched.patches import pd_prefill_cache as pd
+
+    spec = SPECS["pd_prefill_cache"]
+    settings = load_settings(environ={"FDSCHED_PD_PREFILL_CACHE_MODE": mode}, profile="baseline")
+    for host_has in (False, True):
+        gate = spec.mixin_of("PrefixCacheManager", "plugin", host_has, settings)
+        scheduler = spec.mixin_of("ResourceManagerV1", "plugin", host_has, settings)
+        if mode == "safe":
+            assert gate._fdsched_allowed == frozenset() and scheduler is pd.PdSafeMixin
+        else:
+            assert gate._fdsched_allowed == {pd.PREALLOCATION}
+            # the host that has the change records at preallocation itself; the plugin records only where it lacks it
+            assert scheduler is (pd.PdPrefillCacheMixin if host_has else pd.PdUpstreamOldHostMixin)
+    assert spec.mixin_of("PrefixCacheManager", "off", True, settings)._fdsched_allowed == {pd.CHUNK}
+    assert spec.mixin_of("ResourceManagerV1", "off", True, settings) is pd.PdPreChangeMixin
+    source = inspect.getsource(pd)
+    assert "_fdsched_settings" not in source and ".has[" not in source  # no call reads the mode or the host
