@@ -40,6 +40,7 @@ __all__ = [
     "load_settings",
     "shipped_profiles",
     "read_profile",
+    "resolve_profile",
 ]
 
 PROFILE_ENV = "FDSCHED_PROFILE"
@@ -485,7 +486,9 @@ def shipped_profiles() -> dict[str, Path]:
     return dict(sorted(found.items()))
 
 
-def _resolve_profile(value: str, origin: str = PROFILE_ENV) -> tuple[str, Path]:
+def resolve_profile(value: str, origin: str = PROFILE_ENV) -> tuple[str, Path]:
+    """A profile named by ``value`` (a shipped profile's name, or a YAML file's path) as (name, file); a bad value
+    raises :class:`SettingsError` naming ``origin`` (the variable, option or key it came from) and what is allowed."""
     value = value.strip()
     looks_like_path = os.sep in value or value.endswith((".yaml", ".yml"))
     if looks_like_path:
@@ -620,7 +623,7 @@ def load_settings(environ: Optional[Mapping[str, str]] = None, profile: Optional
     profile_name = profile_path = None
     requested = profile if profile is not None else environ.get(PROFILE_ENV)
     if requested is not None and requested.strip() != "":
-        profile_name, path = _resolve_profile(requested, PROFILE_ENV if profile is None else "profile")
+        profile_name, path = resolve_profile(requested, PROFILE_ENV if profile is None else "profile")
         profile_path = str(path)
         written = read_profile(path)
         for key, raw in written.items():
@@ -780,7 +783,7 @@ def load_arm_settings(environ: Optional[Mapping[str, str]] = None) -> dict:
     loaded = {}
     for rank, profile in arms.items():
         where = f"environment variable {DP_PROFILE_ENV}, rank {rank}"
-        _resolve_profile(profile, where)  # unknown name / missing file: the rank is in the message
+        resolve_profile(profile, where)  # unknown name / missing file: the rank is in the message
         try:
             loaded[rank] = load_settings(environ, profile=profile)
         except SettingsError as exc:

@@ -505,9 +505,9 @@ def _check_profiles(args, profiles: list, dp_arms: Optional[dict]) -> None:
     for profile in profiles if dp_arms is None else ():
         load_settings(environ=environ, profile=profile)
     for rank, profile in (dp_arms or {}).items():
-        from fdsched.core.settings import _resolve_profile
+        from fdsched.core.settings import resolve_profile
 
-        _resolve_profile(profile, f"--dp-arms, rank {rank}")
+        resolve_profile(profile, f"--dp-arms, rank {rank}")
         try:
             load_settings(environ=environ, profile=profile)
         except SettingsError as exc:

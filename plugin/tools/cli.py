@@ -201,9 +201,9 @@ def cmd_profiles(args) -> int:
     profiles = shipped_profiles()
     reference = load_settings(environ={}, profile="baseline") if "baseline" in profiles else None
     if args.name:
-        from fdsched.core.settings import _resolve_profile
+        from fdsched.core.settings import resolve_profile
 
-        name, path = _resolve_profile(args.name, "argument NAME")  # SettingsError: one line, from main()
+        name, path = resolve_profile(args.name, "argument NAME")  # SettingsError: one line, from main()
         settings = load_settings(environ={}, profile=args.name)
         print(f"# {path}")
         print(read_utf8(path, "profile", "a YAML mapping", SettingsError), end="")
