@@ -20,6 +20,11 @@ class Variant:
     choose: Callable
     options: tuple
 
+    @classmethod
+    def by_host(cls, with_change, without_change) -> "Variant":
+        """The mixin ``with_change`` on a host that carries the change, else ``without_change``."""
+        return cls(lambda host_has, settings: with_change if host_has else without_change, (with_change, without_change))
+
 
 @dataclass(frozen=True)
 class Reliance:

@@ -233,14 +233,8 @@ SPEC = PatchSpec(
     # The host's preemption seam and its split running status came together (7783): a host that has the change
     # has the seam; one that lacks it gets the loop paraphrased, which needs no seam (chosen once, by the class).
     variants={
-        "host": {"ResourceManagerV1": Variant(
-            lambda host_has, settings: HostPreemptMixin if host_has else HostPreemptOldHostMixin,
-            (HostPreemptMixin, HostPreemptOldHostMixin),
-        )},
-        "plugin": {"ResourceManagerV1": Variant(
-            lambda host_has, settings: PolicyPreemptMixin if host_has else PolicyPreemptOldHostMixin,
-            (PolicyPreemptMixin, PolicyPreemptOldHostMixin),
-        )},
+        "host": {"ResourceManagerV1": Variant.by_host(HostPreemptMixin, HostPreemptOldHostMixin)},
+        "plugin": {"ResourceManagerV1": Variant.by_host(PolicyPreemptMixin, PolicyPreemptOldHostMixin)},
         # only on a host that has the change (elsewhere off is the host's own code: impl "host")
         "off": {"ResourceManagerV1": PreChangePreemptMixin},
     },

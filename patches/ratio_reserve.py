@@ -719,10 +719,7 @@ SPEC = PatchSpec(
     ),
     host_has_as_selected=_as_selected,
     variants={
-        "host": {"ResourceManagerV1": Variant(
-            lambda host_has, settings: HostReserveMixin if host_has else HostReserveOldHostMixin,
-            (HostReserveMixin, HostReserveOldHostMixin),
-        )},
+        "host": {"ResourceManagerV1": Variant.by_host(HostReserveMixin, HostReserveOldHostMixin)},
         "plugin": {
             "ResourceManagerV1": Variant(_plugin_variant, (
                 RatioReserveMixin, AdaptiveReserveMixin, RatioReserveOldHostMixin, AdaptiveReserveOldHostMixin,
