@@ -245,12 +245,15 @@ def bench_schedule(running: int, waiting: int, steps: int, repeat: int, block_si
                     gc.collect()
 
                     def run(driver=driver):  # the driver plays worker and token processor; only schedule() is timed
-                        return [driver.step() for _ in range(steps)]
+                        # per step, its CPU time and whether it admitted a chunk: the step's record is not kept
+                        # alive through the timed run (its lists would be objects for the collector to walk)
+                        return [(record.schedule_cpu_seconds, bool(record.prefill_chunks))
+                                for record in (driver.step() for _ in range(steps))]
 
-                    _, records, _ = _timed(run, {"on": True, "due": "due", "off": False}[mode])
+                    _, per_step, _ = _timed(run, {"on": True, "due": "due", "off": False}[mode])
                     close_manager(rm)
-                runs[(variant, mode)].append([r.schedule_cpu_seconds for r in records])
-                admitting[(variant, mode)].update(i for i, r in enumerate(records) if r.prefill_chunks)
+                runs[(variant, mode)].append([seconds for seconds, _ in per_step])
+                admitting[(variant, mode)].update(i for i, (_, admitted) in enumerate(per_step) if admitted)
     _install(None)
     result = {}
     for key, per_run in runs.items():
