@@ -420,12 +420,46 @@ def _h1_expert_service(module):
     module.ExpertService.start = start
 
 
+def _host_locks(rm, cm) -> list:
+    """The host's own locks in the host's order: the scheduler holds ``rm.lock`` when it calls into the cache
+    manager (allocation, release), which takes ``request_release_lock`` and, inside it, ``cache_status_lock``
+    (prefix match, ``cache_output_blocks``); the transfer receiver takes ``cache_status_lock`` alone to land a
+    swap result (``_handle_swap_result``: node status, node block id, recycled block). Held in this order, no
+    host thread can be half-way through any of those while the probe reads."""
+    found = [("resource_manager.lock", getattr(rm, "lock", None)),
+             ("cache_manager.request_release_lock", getattr(cm, "request_release_lock", None)),
+             ("cache_manager.cache_status_lock", getattr(cm, "cache_status_lock", None))]
+    return [(name, lock) for name, lock in found if lock is not None]
+
+
+LOCK_WAIT_S = 30.0  # a host thread holding one of its locks this long is stuck; the probe says so
+
+
 def engine_state(llm_engine) -> dict:
-    """The engine's own block accounting and the plugin's pending block-check signals (H1)."""
+    """The engine's own block accounting and the plugin's pending block-check signals (H1), read as one picture
+    under the host's locks (:func:`_host_locks`). A swap-out the host's eviction thread has in flight holds none of
+    those locks; its nodes show as ``in_transit`` and ``evicting`` is true until it lands."""
     rm = llm_engine.engine.resource_manager
     cm = rm.cache_manager
+    held = []
+    try:
+        for name, lock in _host_locks(rm, cm):
+            if not lock.acquire(timeout=LOCK_WAIT_S):
+                raise TimeoutError(f"the host held {name} for more than {LOCK_WAIT_S:.0f} s")
+            held.append(lock)
+        return _engine_state_locked(rm, cm)
+    finally:
+        for lock in reversed(held):
+            lock.release()
+
+
+def _future_running(future) -> bool:
+    return future is not None and not future.done()
+
+
+def _engine_state_locked(rm, cm) -> dict:
     free = list(cm.gpu_free_block_list)
-    tree, cpu_tree, other = [], [], []
+    tree, cpu_tree, other, nodes = [], [], [], []
     stack = [getattr(cm, "radix_tree_root", None)]
     while stack:
         node = stack.pop()
@@ -437,6 +471,8 @@ def engine_state(llm_engine) -> dict:
             # BlockNode); a node in transit (SWAP2CPU / SWAP2GPU) is reported apart
             (tree if status == "GPU" else cpu_tree if status == "CPU" else other).append(
                 node.block_id if status in ("GPU", "CPU") else f"{status}:{node.block_id}")
+            nodes.append({"node": getattr(node, "node_id", None), "status": status, "block": node.block_id,
+                          "shared": getattr(node, "shared_count", None)})
         stack.extend(getattr(node, "children", {}).values())
     held = []
     for req in list(getattr(rm, "requests", {}).values()):
@@ -447,10 +483,12 @@ def engine_state(llm_engine) -> dict:
         "total": int(cm.num_gpu_blocks), "free": free, "tree_blocks": tree, "request_blocks": held,
         "cpu_total": int(getattr(cm, "num_cpu_blocks", 0) or 0),
         "cpu_free": list(getattr(cm, "cpu_free_block_list", []) or []), "cpu_tree_blocks": cpu_tree,
-        "in_transit": other, "rpc_counts": dict(RPC_COUNTS), "time": time.monotonic(),
+        "in_transit": other, "tree_nodes": nodes, "rpc_counts": dict(RPC_COUNTS), "time": time.monotonic(),
         "schedule_times": schedule_time_summary(),
         "running": len(getattr(rm, "running", [])), "waiting": len(getattr(rm, "waiting", [])),
         "requests": len(getattr(rm, "requests", {})),
+        "evicting": _future_running(getattr(cm, "gpu_free_task_future", None))
+        or _future_running(getattr(cm, "cpu_free_future", None)),
         "pending_signals": [repr(p) for p in (pending.pending() if pending is not None else ())],
     }
 

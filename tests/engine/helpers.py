@@ -104,23 +104,42 @@ def metric(text: str, name: str, **labels) -> float:
     return total
 
 
+_POOLS = ("free", "tree_blocks", "cpu_free", "cpu_tree_blocks", "in_transit")
+
+
+def _busy(state: dict) -> bool:
+    return bool(state["requests"] or state["running"] or state["waiting"] or state["request_blocks"]
+                or state.get("in_transit") or state.get("evicting"))
+
+
 def settle(eng, rank: int = 0, timeout: float = 60.0) -> dict:
-    """Wait until the rank has no request left, then return its engine state."""
+    """Wait until the rank is quiet, then return its engine state: no request left, no swap in flight (the host's
+    eviction thread lands a swap-out after the last request is gone), and two reads half a second apart agree on
+    every pool. Each read is one picture under the host's locks (seam H1); on timeout the last read is returned
+    and the caller's assertions say what was still moving."""
     deadline = time.monotonic() + timeout
     state = eng.engine_state(rank)
-    while time.monotonic() < deadline and (state["requests"] or state["running"] or state["waiting"]
-                                           or state["request_blocks"]):
+    while time.monotonic() < deadline:
         time.sleep(0.5)
-        state = eng.engine_state(rank)
+        before, state = state, eng.engine_state(rank)
+        if not _busy(state) and all(sorted(map(str, before.get(k, []))) == sorted(map(str, state.get(k, [])))
+                                    for k in _POOLS):
+            break
     return state
+
+
+def _nodes_of(state: dict, blocks, status: str) -> list:
+    """The prefix-tree nodes (id, status, block, shared count) that hold any of ``blocks`` in ``status``."""
+    return [n for n in state.get("tree_nodes", []) if n["status"] == status and n["block"] in blocks]
 
 
 def assert_blocks_whole(state: dict) -> None:
     """free + used = total: every block free or cached in the prefix tree, none twice, none lost."""
     free, tree, held = state["free"], state["tree_blocks"], state["request_blocks"]
-    assert len(free) == len(set(free)), f"a block is free twice: {sorted(free)}"
-    assert not set(free) & set(tree), f"blocks both free and cached: {sorted(set(free) & set(tree))}"
     assert not held, f"blocks still held by finished requests: {held}"
+    assert len(free) == len(set(free)), f"a block is free twice: {sorted(free)}"
+    both = set(free) & set(tree)
+    assert not both, f"blocks both free and cached: {sorted(both)}; {_nodes_of(state, both, 'GPU')}"
     assert set(free) | set(tree) == set(range(state["total"])), (
         f"blocks lost: {sorted(set(range(state['total'])) - set(free) - set(tree))}")
     assert state["pending_signals"] == [], f"unconsumed one-shot block-check signals: {state['pending_signals']}"
