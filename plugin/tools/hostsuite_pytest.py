@@ -10,6 +10,7 @@ compares outcomes by test id without parsing pytest's text.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import threading
@@ -21,9 +22,53 @@ _outcomes: dict = {}
 _install: dict = {}
 _leaked: dict = {}
 _threads_before: set = set()
+_refused: list = []  # signals the guard refused: "killpg(1953, 15) in <test> from thread <name>"
+_current = {"test": "(collection)"}
+
+
+def signal_guard(kill, killpg, record) -> tuple:
+    """(kill, killpg) that refuse a signal to this process, its process group, or anything outside its session.
+
+    Why: the host's tests/engine/test_common_engine.py gives engines made-up worker and cache-manager pids
+    (``Mock(pid=1234)``, ``DummyCacheMgr(2001, ...)``, 12345, ...) and patches ``os.killpg`` while each test runs;
+    the engine's ``weakref.finalize(self, self._exit_sub_services)`` then runs whenever the collector gets to it,
+    patch or no patch, and calls ``os.killpg(os.getpgid(pid), SIGTERM)`` on those pids. On a machine whose pid
+    counter is near them (a fresh CI container: this pytest ran as pid 1953) a made-up pid is a real process, this
+    suite's own child or someone else's, and the whole group gets SIGTERM: CI saw the suite's pytest die mid-file
+    (exit -15, no results). The tests mean a pid that does not exist; the guard answers as for one
+    (``ProcessLookupError``) and records the call. Signals to the suite's own children in their own groups, and
+    signal 0 (is it alive?), go through unchanged.
+    """
+    own_pid, own_group, own_session = os.getpid(), os.getpgrp(), os.getsid(0)
+
+    def allowed(target: int, own: int) -> bool:
+        if target <= 0 or target == own or target == own_group:
+            return False
+        try:
+            return os.getsid(target) == own_session
+        except OSError:  # no such process (or a group whose leader is gone: whose it is cannot be told)
+            return False
+
+    def refuse(call: str):
+        record(f"{call} in {_current['test']} from thread {threading.current_thread().name}")
+        raise ProcessLookupError(errno.ESRCH, f"{call}: refused by fdsched's host-suite guard (not a process this "
+                                              "suite started)")
+
+    def guarded_kill(pid, sig):
+        if sig == 0 or (pid > 0 and allowed(pid, own_pid)) or (pid < -1 and allowed(-pid, own_group)):
+            return kill(pid, sig)
+        refuse(f"kill({pid}, {int(sig)})")
+
+    def guarded_killpg(pgid, sig):
+        if sig == 0 or allowed(pgid, own_group):
+            return killpg(pgid, sig)
+        refuse(f"killpg({pgid}, {int(sig)})")
+
+    return guarded_kill, guarded_killpg
 
 
 def pytest_configure(config):
+    os.kill, os.killpg = signal_guard(os.kill, os.killpg, _refused.append)
     from fastdeploy.plugins.model_register import load_model_register_plugins
 
     load_model_register_plugins()
@@ -53,6 +98,7 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 def pytest_runtest_setup(item):
+    _current["test"] = item.nodeid
     _threads_before.clear()
     _threads_before.update(threading.enumerate())
 
@@ -79,5 +125,6 @@ def pytest_sessionfinish(session, exitstatus):
     if not path:
         return
     with open(path, "w", encoding="utf-8") as fh:
-        json.dump({"install": _install, "outcomes": _outcomes, "exitstatus": int(exitstatus), "leaked_threads": _leaked},
+        json.dump({"install": _install, "outcomes": _outcomes, "exitstatus": int(exitstatus), "leaked_threads": _leaked,
+                   "refused_signals": _refused},
                   fh, indent=1, sort_keys=True)

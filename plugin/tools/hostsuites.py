@@ -162,6 +162,7 @@ class RunResult:
     output_tail: str = ""
     problems: list = field(default_factory=list)
     leaked_threads: dict = field(default_factory=dict)  # node id -> names of threads it left running
+    refused_signals: list = field(default_factory=list)  # what hostsuite_pytest.signal_guard refused
 
     def counts(self) -> dict:
         counts = {"passed": 0, "failed": 0, "skipped": 0}
@@ -235,11 +236,12 @@ def run_suite(
     if missing:
         raise HostSuiteError(f"the host tree {tree} has no {', '.join(missing)}; allowed: the files of host_suites.yaml")
     groups = [(list(only), ())] if only else _groups(files, expectations)
-    outcomes, leaked, installs, statuses, seconds, tails = {}, {}, [], [], 0.0, []
+    outcomes, leaked, refused, installs, statuses, seconds, tails = {}, {}, [], [], [], 0.0, []
     for group, last in groups:
         data, took, tail = _run_process(tree, host, run, group, last, timeout)
         outcomes.update(data["outcomes"])
         leaked.update(data.get("leaked_threads") or {})
+        refused.extend(data.get("refused_signals") or [])
         installs.append(data["install"])
         statuses.append(data["exitstatus"])
         seconds += took
@@ -249,7 +251,7 @@ def run_suite(
         problems.append(f"the processes of one run installed differently: {installs}")
     exitstatus = next((st for st in statuses if st not in (0, 1)), max(statuses))
     result = RunResult(host, run, outcomes, installs[0], exitstatus, seconds, "\n".join(tails)[-6000:],
-                       problems, leaked)
+                       problems, leaked, refused)
     return result
 
 
@@ -314,7 +316,9 @@ def _run_process(tree: str, host: str, run: str, files: list, last: tuple, timeo
         try:
             # A session of its own: the host's tests/engine/test_common_engine.py patches os.killpg, and threads its
             # tests leave running can call the real one after the patch is gone; in our process group that would
-            # kill this pytest and whatever started it (it ended a CI run here mid-way on the new host).
+            # kill this pytest and whatever started it (it ended a CI run here mid-way on the new host). Inside the
+            # session, hostsuite_pytest.signal_guard refuses signals to the suite's own group and to other sessions
+            # (the made-up pids of those tests can be real processes on a fresh machine).
             proc = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout,
                                   start_new_session=True)
         except subprocess.TimeoutExpired as exc:
@@ -413,6 +417,8 @@ def cmd_test(args) -> int:
         for node, threads in sorted(result.leaked_threads.items()):
             where = "own process" if node.split("::", 1)[0] in expectations.own_process else "SHARED process"
             print(f"  {run}: left threads running ({where}): {node}: {', '.join(threads)}")
+        for call in result.refused_signals:
+            print(f"  {run}: refused a signal to a process the suite did not start: {call}")
         for problem in problems:
             print(f"  {run}: {problem}")
         if problems:
