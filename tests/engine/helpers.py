@@ -128,18 +128,44 @@ def settle(eng, rank: int = 0, timeout: float = 60.0) -> dict:
     return state
 
 
-def _nodes_of(state: dict, blocks, status: str) -> list:
-    """The prefix-tree nodes (id, status, block, shared count) that hold any of ``blocks`` in ``status``."""
-    return [n for n in state.get("tree_nodes", []) if n["status"] == status and n["block"] in blocks]
+_BLOCK_EVENTS = ("allocate_gpu_blocks", "recycle_gpu_blocks", "SWAP2CPU", "SWAP2GPU", "free node", "issue transfer task")
+_BLOCK_ID = re.compile(r"[\[ ,(](\d+)(?=[,\])])")  # a block id inside one of the host's logged lists
 
 
-def assert_blocks_whole(state: dict) -> None:
-    """free + used = total: every block free or cached in the prefix tree, none twice, none lost."""
+def _lines(path: str) -> list:
+    if not os.path.isfile(path):
+        return []
+    with open(path, errors="replace") as fh:
+        return fh.read().splitlines()
+
+
+def block_history(log_dir: str, blocks, last: int = 60) -> str:
+    """The host's own cache-manager log lines (allocations, recycles, swaps, evictions) that name any of ``blocks``,
+    the last ``last`` of them, and the tails of the engine's error logs: what a failed pool check needs to be read
+    once the served engine's log directory is gone."""
+    ids = {int(b) for b in blocks}
+    named = [ln for ln in _lines(os.path.join(log_dir, "cache_manager.log"))
+             if any(e in ln for e in _BLOCK_EVENTS) and ids & {int(m) for m in _BLOCK_ID.findall(ln)}]
+    errors = [f"{name}: {ln}" for name in ("cache_manager_error.log", "fastdeploy_error.log")
+              for ln in _lines(os.path.join(log_dir, name))[-20:]]
+    return "\n".join([f"--- cache_manager.log lines naming blocks {sorted(ids)} (last {last}) ---", *named[-last:],
+                      "--- error logs (tails) ---", *errors])
+
+
+def assert_blocks_whole(state: dict, log_dir: str = "") -> None:
+    """free + used = total: every block free or cached in the prefix tree, none twice, none lost. A block free twice
+    or both free and cached is reported with the tree nodes that hold it and, given the rank's ``log_dir``, its
+    history in the host's own log (:func:`block_history`)."""
     free, tree, held = state["free"], state["tree_blocks"], state["request_blocks"]
     assert not held, f"blocks still held by finished requests: {held}"
-    assert len(free) == len(set(free)), f"a block is free twice: {sorted(free)}"
+    twice = {b for b in free if free.count(b) > 1}
     both = set(free) & set(tree)
-    assert not both, f"blocks both free and cached: {sorted(both)}; {_nodes_of(state, both, 'GPU')}"
+    if twice or both:
+        doubled = twice | both
+        nodes = [n for n in state.get("tree_nodes", []) if n["status"] == "GPU" and n["block"] in doubled]
+        what = f"a block is free twice: {sorted(free)}" if twice else f"blocks both free and cached: {sorted(both)}"
+        raise AssertionError(f"{what}; tree nodes holding them: {nodes}"
+                             + (f"\n{block_history(log_dir, doubled)}" if log_dir else ""))
     assert set(free) | set(tree) == set(range(state["total"])), (
         f"blocks lost: {sorted(set(range(state['total'])) - set(free) - set(tree))}")
     assert state["pending_signals"] == [], f"unconsumed one-shot block-check signals: {state['pending_signals']}"

@@ -49,7 +49,7 @@ def test_pressure_preempts_and_returns_every_block(served, profile):
     assert preemptions > 0, f"no preemption under KV pressure with {profile}"
     assert metric(text, "fastdeploy:fdsched_requests_finished_total", arm=profile, dp_rank="0") == N_REQUESTS
     assert metric(text, "fastdeploy:fdsched_unconsumed_signals_total") == 0
-    assert_blocks_whole(settle(eng))
+    assert_blocks_whole(settle(eng), eng.rank_log_dir(0))
 
 
 def test_disconnects_and_aborts_in_every_phase(served):
@@ -73,7 +73,7 @@ def test_disconnects_and_aborts_in_every_phase(served):
     log = eng.engine_log_text()
     aborted = log.count("Aborted request(s)")
     assert aborted >= len(drops), f"the host logged {aborted} aborts for {len(drops)} dropped clients"
-    assert_blocks_whole(state)
+    assert_blocks_whole(state, eng.rank_log_dir(0))
     assert complete(url, prompt_of_length(50, seed=9), 8)["finish_reason"] == "length"  # still serving
     text = eng.metrics_text(0)
     assert metric(text, "fastdeploy:fdsched_unconsumed_signals_total") == 0
@@ -85,7 +85,7 @@ def test_prompt_longer_than_max_model_len_is_one_clear_error(served):
     assert r["status"] != 200 or r["error"], r
     assert "max_model_len" in (r["error"] or "") or "256" in (r["error"] or ""), r["error"]
     assert complete(eng.urls[0], prompt_of_length(50), 8)["finish_reason"] == "length"
-    assert_blocks_whole(settle(eng))
+    assert_blocks_whole(settle(eng), eng.rank_log_dir(0))
 
 
 def test_online_ab_two_ranks_through_the_router(served, host_commit):
@@ -113,7 +113,7 @@ def test_online_ab_two_ranks_through_the_router(served, host_commit):
     if host_commit.startswith("e7c8dc2"):
         assert victims[0] > 0 and victims[1] == 0, victims
     for rank in range(2):
-        assert_blocks_whole(settle(eng, rank))
+        assert_blocks_whole(settle(eng, rank), eng.rank_log_dir(rank))
 
 
 # ---------------------------------------------------------------------------------------- bad input

@@ -14,7 +14,6 @@ blocks = all CPU blocks, nothing in transit, nothing held, nothing twice.
 from __future__ import annotations
 
 import ast
-import os
 import re
 import time
 
@@ -45,43 +44,8 @@ def _transfer_totals(eng) -> dict:
     return ast.literal_eval(found[-1]) if found else {}
 
 
-_BLOCK_EVENTS = ("allocate_gpu_blocks", "recycle_gpu_blocks", "SWAP2CPU", "SWAP2GPU", "free node", "issue transfer task")
-
-
-def block_history(log_dir: str, blocks, last: int = 60) -> str:
-    """The host's own cache-manager log lines (allocations, recycles, swaps, evictions) that name any of ``blocks``,
-    the last ``last`` of them, and the tails of the engine's error logs: what a failed pool check needs to be read."""
-    ids = {int(b) for b in blocks}
-    pattern = re.compile(r"[\[ ,(](\d+)(?=[,\])])")
-    lines, errors = [], []
-    for name in ("cache_manager.log", "cache_manager_error.log", "fastdeploy_error.log"):
-        path = os.path.join(log_dir, name)
-        if not os.path.isfile(path):
-            continue
-        with open(path, errors="replace") as fh:
-            text = fh.read().splitlines()
-        if name == "cache_manager.log":
-            lines = [ln for ln in text if any(e in ln for e in _BLOCK_EVENTS)
-                     and ids & {int(m) for m in pattern.findall(ln)}][-last:]
-        else:
-            errors += [f"{name}: {ln}" for ln in text[-20:]]
-    return "\n".join([f"--- cache_manager.log lines naming blocks {sorted(ids)} (last {last}) ---", *lines,
-                      "--- error logs (tails) ---", *errors])
-
-
-def _doubled(state: dict) -> set:
-    free, tree = state["free"], state["tree_blocks"]
-    return {b for b in free if free.count(b) > 1} | (set(free) & set(tree))
-
-
 def assert_pools_whole(state: dict, log_dir: str = "") -> None:
-    try:
-        assert_blocks_whole(state)  # the GPU pool (free + GPU-resident tree blocks), pending signals
-    except AssertionError as exc:
-        doubled = _doubled(state)
-        if not (log_dir and doubled):
-            raise
-        raise AssertionError(f"{exc}\n{block_history(log_dir, doubled)}") from None
+    assert_blocks_whole(state, log_dir)  # the GPU pool (free + GPU-resident tree blocks), pending signals
     assert state["in_transit"] == [], f"tree nodes still in transit: {state['in_transit']}"
     free, tree = state["cpu_free"], state["cpu_tree_blocks"]
     assert len(free) == len(set(free)), f"a CPU block is free twice: {sorted(free)}"
