@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from fdsched.patches._spec import PatchSpec, Reliance, Variant  # noqa: F401  (the catalogue's types, re-exported)
+from fdsched.patches._spec import PatchSpec, Reliance, Shapes, Variant, pick_shape  # noqa: F401  (the catalogue's types, re-exported)
 
-__all__ = ["PatchSpec", "Reliance", "Variant", "CATALOGUE", "TARGETS", "spec_for", "mixins_for"]
+__all__ = ["PatchSpec", "Reliance", "Shapes", "Variant", "CATALOGUE", "TARGETS", "spec_for", "mixins_for"]
 
 # Dotted paths of the three host classes the plugin subclasses.
 TARGETS = {
@@ -54,20 +54,28 @@ def spec_for(change_id: str) -> PatchSpec:
     raise KeyError(change_id)
 
 
-def mixins_for(target: str, impl: Optional[dict] = None, host_has: Optional[dict] = None, settings=None) -> tuple:
+def mixins_for(target: str, impl: Optional[dict] = None, host_has: Optional[dict] = None, settings=None,
+               host_cls=None) -> tuple:
     """The mixins of ``target``'s plugin class, outermost first: later catalogue entries wrap earlier ones.
 
     ``impl`` (change id -> "host" / "plugin" / "off": one arm's decisions) selects what that arm's class gets
     (:meth:`PatchSpec.mixin_of`, with ``host_has`` (change id -> the host carries it) and the arm's ``settings``
-    for a :class:`Variant`; a change whose impl gets no mixin is left out); without it, every change's
-    base mixin. Where two changes override the same method this order decides who sees whose calls; a unit
-    test pins it per shared method and says why it must be so.
+    for a :class:`Variant`; a change whose impl gets no mixin is left out); ``host_cls`` (the host's class)
+    picks each :class:`Shapes`' mixin for the host's method shapes, and leaves out a mixin whose overrides do not
+    fit it (the installer has declined such a change already; for impl "host" the mixin only counts). Without
+    ``impl``, every change's base mixin. Where two changes override the same method this order decides who sees
+    whose calls; a unit test pins it per shared method and says why it must be so.
     """
     if impl is None:
         return tuple(spec.mixins[target] for spec in reversed(CATALOGUE) if target in spec.mixins)
     has = host_has or {}
-    chosen = (
-        spec.mixin_of(target, impl[spec.change_id], bool(has.get(spec.change_id)), settings)
-        for spec in reversed(CATALOGUE)
-    )
-    return tuple(mixin for mixin in chosen if mixin is not None)
+    found = []
+    for spec in reversed(CATALOGUE):
+        chosen = spec.mixin_of(target, impl[spec.change_id], bool(has.get(spec.change_id)), settings)
+        if host_cls is not None:
+            chosen, _problem = pick_shape(chosen, host_cls)
+        elif isinstance(chosen, Shapes):
+            chosen = chosen[0]
+        if chosen is not None:
+            found.append(chosen)
+    return tuple(found)

@@ -8,7 +8,158 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-__all__ = ["PatchSpec", "Reliance", "Variant"]
+__all__ = ["PatchSpec", "Reliance", "Variant", "Shapes", "shape_of", "format_shape", "override_problem", "call_problem", "uses_problem", "pick_shape"]
+
+
+# ---- host signatures: what the plugin checks before it patches -----------------------------------------------
+_NO_DEFAULT = "<required>"
+
+
+def shape_of(func) -> Optional[tuple]:
+    """A function's parameters as the plugin compares them: ``(name, kind, default)`` per parameter, annotations
+    left out (``default`` is the repr of the default value, or ``<required>``). None when the signature cannot be
+    read. ``self`` is kept: it is the first positional parameter of every method."""
+    try:
+        params = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):
+        return None
+    return tuple(
+        (p.name, p.kind.name, _NO_DEFAULT if p.default is inspect.Parameter.empty else repr(p.default)) for p in params
+    )
+
+
+def format_shape(shape: tuple) -> str:
+    """``(self, a, b=1, *, c)`` for a :func:`shape_of` tuple."""
+    parts, star_done = [], False
+    for name, kind, default in shape:
+        if kind == "KEYWORD_ONLY" and not star_done:
+            parts.append("*")
+            star_done = True
+        text = {"VAR_POSITIONAL": f"*{name}", "VAR_KEYWORD": f"**{name}"}.get(kind, name)
+        if kind == "VAR_POSITIONAL":
+            star_done = True
+        parts.append(text if default == _NO_DEFAULT else f"{text}={default}")
+    return f"({', '.join(parts)})"
+
+
+def _is_plugin_class(cls) -> bool:
+    return cls.__module__.split(".", 1)[0] == "fdsched"
+
+
+def overridden_methods(mixin) -> dict:
+    """Host method name -> the plugin's function, for every method ``mixin`` (and the plugin classes it derives
+    from) defines in the host's name: not ``__init__`` (every mixin takes ``*args, **kwargs`` there and passes
+    them on), not the plugin's own ``_fdsched*`` / ``fdsched_*`` names, not dunders."""
+    found = {}
+    for cls in mixin.__mro__:  # the first definition along the MRO is the one that runs
+        if not _is_plugin_class(cls):
+            continue
+        for name, value in vars(cls).items():
+            if name.startswith(("_fdsched", "fdsched_", "__")) or not inspect.isfunction(value):
+                continue
+            found.setdefault(name, value)
+    return found
+
+
+def override_problem(mixin, host_cls) -> Optional[str]:
+    """Why ``mixin`` cannot sit on ``host_cls``: a method it overrides that the host lacks, or whose signature
+    differs from the one the plugin's override was written for (names, order, kinds, defaults). The host calls
+    the override as it calls its own method, and the override calls the host's with its own parameters, so
+    the two must be the same. None when every override matches."""
+    for name, func in sorted(overridden_methods(mixin).items()):
+        mine = shape_of(func)
+        if mine is not None and any(kind in ("VAR_POSITIONAL", "VAR_KEYWORD") for _, kind, _ in mine):
+            continue  # a pass-through wrapper: takes whatever the host's takes
+        host = inspect.getattr_static(host_cls, name, None)
+        if host is None or not callable(getattr(host_cls, name, None)):
+            return f"{host_cls.__name__}.{name} is missing (the plugin overrides it)"
+        theirs = shape_of(getattr(host_cls, name))
+        if theirs is None:
+            return f"{host_cls.__name__}.{name} has no readable signature"
+        if mine != theirs:
+            return f"{host_cls.__name__}.{name}{format_shape(theirs)} differs from the {format_shape(mine)} the plugin handles"
+    return None
+
+
+def call_problem(host_cls, method: str, args: tuple) -> Optional[str]:
+    """Why the plugin's call ``method(*args)`` (``args``: the parameter names it passes, by position) does not fit
+    the host's method: missing, a parameter at one of those positions named otherwise (another meaning), or a
+    required parameter left over. None when it fits."""
+    func = getattr(host_cls, method, None)
+    if func is None or not callable(func):
+        return f"{host_cls.__name__}.{method} is missing"
+    shape = shape_of(func)
+    if shape is None:
+        return f"{host_cls.__name__}.{method} has no readable signature"
+    positional = [p for p in shape[1:] if p[1] in ("POSITIONAL_ONLY", "POSITIONAL_OR_KEYWORD")]
+    have = tuple(p[0] for p in positional[: len(args)])
+    rest = [p for p in shape[1:] if p not in positional[: len(args)] and p[1] not in ("VAR_POSITIONAL", "VAR_KEYWORD")]
+    if have != tuple(args) or any(p[2] == _NO_DEFAULT for p in rest):
+        return f"{host_cls.__name__}.{method}{format_shape(shape)} does not take the plugin's call ({', '.join(args)})"
+    return None
+
+
+def declared(mixin, attr: str) -> dict:
+    """A mixin's ``fdsched_calls`` / ``fdsched_globals`` merged over the plugin classes it derives from."""
+    merged: dict = {}
+    for cls in reversed(mixin.__mro__):
+        if _is_plugin_class(cls):
+            merged.update(vars(cls).get(attr, {}))
+    return merged
+
+
+def uses_problem(mixin, target: str, host_classes: dict) -> Optional[str]:
+    """What ``mixin`` (written for ``target``) declares it uses of the host and the host lacks, or None.
+
+    ``fdsched_calls``: ``"Target.method" -> the parameter names the plugin passes, by position`` for every host
+    method the mixin calls without overriding it (:func:`call_problem`; a method the mixin overrides is checked
+    as an override). ``fdsched_globals``: ``module -> names`` the mixin reads from the host module's globals
+    (:func:`fdsched.patches._base.host_global`)."""
+    import sys
+
+    overridden = set(overridden_methods(mixin))
+    for target_method, args in sorted(declared(mixin, "fdsched_calls").items()):
+        called, method = target_method.split(".", 1)
+        host_cls = host_classes.get(called)
+        if host_cls is None or (called == target and method in overridden):
+            continue
+        problem = call_problem(host_cls, method, tuple(args))
+        if problem:
+            return problem
+    for module_name, names in sorted(declared(mixin, "fdsched_globals").items()):
+        module = sys.modules.get(module_name)
+        missing = [name for name in names if module is None or not hasattr(module, name)]
+        if missing:
+            return f"{module_name} has no {', '.join(missing)}"
+    return None
+
+
+class Shapes(tuple):
+    """One behaviour written for several shapes of the host's methods (e.g. a threshold seam that takes the
+    request too): the installer takes the first mixin whose overrides all match the host
+    (:func:`override_problem`); when none does, the change is declined with the first one's difference."""
+
+    def __new__(cls, *mixins):
+        return super().__new__(cls, mixins)
+
+    def pick(self, host_cls) -> tuple:
+        """(the mixin for ``host_cls``, None) or (None, why none fits)."""
+        first = None
+        for mixin in self:
+            problem = override_problem(mixin, host_cls)
+            if problem is None:
+                return mixin, None
+            first = first or problem
+        return None, first
+
+
+def pick_shape(chosen, host_cls) -> tuple:
+    """(mixin or None, problem or None) for a chosen mixin, :class:`Shapes` or None on ``host_cls``."""
+    if chosen is None:
+        return None, None
+    if isinstance(chosen, Shapes):
+        return chosen.pick(host_cls)
+    return chosen, override_problem(chosen, host_cls)
 
 
 @dataclass(frozen=True)
@@ -49,7 +200,6 @@ class PatchSpec:
     upstream_prs: tuple  # PR numbers: (main PR, 2.6 cherry-pick, ...)
     upstream_state: str  # merged / open / closed
     replaces: tuple  # "Target.method" for every host method a mixin of this change overrides
-    requires: dict  # "Target.method" -> parameter names the host method must have (probe)
     why: str
     how: str
     hosts_needing: str  # which host versions need it
@@ -77,20 +227,46 @@ class PatchSpec:
         return self.mixins.get(target) if impl in self.applies else None
 
     def classes(self, target: str) -> tuple:
-        """Every mixin class this change may put into ``target``'s plugin classes (its base and variants)."""
+        """Every mixin class this change may put into ``target``'s plugin classes (its base, variants, shapes)."""
         found = [self.mixins[target]] if target in self.mixins else []
         for by_target in (self.variants or {}).values():
             chosen = by_target.get(target)
-            for mixin in chosen.options if isinstance(chosen, Variant) else (chosen,) if chosen else ():
-                if mixin not in found:
-                    found.append(mixin)
+            for option in chosen.options if isinstance(chosen, Variant) else (chosen,) if chosen else ():
+                for mixin in option if isinstance(option, Shapes) else (option,):
+                    if mixin not in found:
+                        found.append(mixin)
         return tuple(found)
+
+    def choose(self, target: str, impl: str, host_cls, host_has: bool = False, settings=None) -> tuple:
+        """(the mixin this impl puts on ``host_cls`` or None, why it cannot or None): :meth:`mixin_of` with the
+        host's shape picked (:class:`Shapes`) and every override checked against the host's signature."""
+        return pick_shape(self.mixin_of(target, impl, host_has, settings), host_cls)
+
+    def shape_problem(self, host_classes: dict, impl: str, host_has: bool = False, settings=None) -> Optional[str]:
+        """Why this impl cannot run on the host, or None: every target's mixin checked (:meth:`choose`: the
+        methods it overrides), then what the chosen mixins declare they use of the host
+        (:func:`uses_problem`: the host methods they call, the host module globals they read)."""
+        chosen = []
+        for target, host_cls in host_classes.items():
+            mixin, problem = self.choose(target, impl, host_cls, host_has, settings)
+            if problem:
+                return problem
+            if mixin is not None:
+                chosen.append((target, mixin))
+        for target, mixin in chosen:
+            problem = uses_problem(mixin, target, host_classes)
+            if problem:
+                return problem
+        return None
 
     def check_reliances(self, info) -> dict:
         """Reliance name -> what differs on the probed host, for every assumption that does not hold."""
         found = {}
         for reliance in self.relies_on:
-            problem = reliance.check(info)
+            try:
+                problem = reliance.check(info)
+            except Exception as exc:  # noqa: BLE001 - a host the probe cannot read does not hold the assumption
+                problem = f"probing it failed ({type(exc).__name__}: {exc})"
             if problem:
                 found[reliance.name] = problem
         return found
@@ -100,21 +276,4 @@ class PatchSpec:
         for reliance in self.relies_on:
             if reliance.name in failed and impl in reliance.when:
                 return f"it relies on {reliance.name} ({reliance.text}), but {failed[reliance.name]}"
-        return None
-
-    def check_host(self, info) -> Optional[str]:
-        """Why this change cannot be applied to the probed host (methods and signatures), or None when it can."""
-        for target_method, params in self.requires.items():
-            target, method = target_method.split(".", 1)
-            cls = info.host_classes[target]
-            func = getattr(cls, method, None)
-            if func is None or not callable(func):
-                return f"{cls.__name__}.{method} is missing"
-            try:
-                have = list(inspect.signature(func).parameters)
-            except (TypeError, ValueError):
-                return f"{cls.__name__}.{method} has no readable signature"
-            missing = [p for p in params if p not in have]
-            if missing:
-                return f"{cls.__name__}.{method}{inspect.signature(func)} lacks parameter(s) {', '.join(missing)}"
         return None

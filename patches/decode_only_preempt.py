@@ -126,6 +126,18 @@ class PolicyPreemptOldHostMixin(DecodeOnlyPreemptMixin):
     """impl ``plugin`` on a host without the seam: the host's loop, paraphrased, with the decoding victim from the
     policy (hook ``fdsched_select_preemption_victim``)."""
 
+    # What the paraphrased loop uses of the host (checked before anything is patched: fdsched.patches._spec)
+    fdsched_calls = {
+        "PrefixCacheManager.can_allocate_gpu_blocks": ("num_blocks",),
+        "PrefixCacheManager.write_cache_to_storage": ("request",),
+        "PrefixCacheManager.write_cache_to_storage_decode": ("request",),
+        "ResourceManagerV1._free_blocks": ("request",),
+        "ResourceManagerV1._prepare_preempt_task": ("request",),
+        "ResourceManagerV1._info_each_block": (),
+        "ResourceManagerV1.info": (),
+    }
+    fdsched_globals = {RM: ("envs", "llm_logger", "trace_print", "LoggingEventName")}
+
     def _trigger_preempt(self, request, num_new_blocks, preempted_reqs, scheduled_reqs):
         while not self.cache_manager.can_allocate_gpu_blocks(num_new_blocks):
             candidates = self._fdsched_candidates()
@@ -217,12 +229,6 @@ SPEC = PatchSpec(
         "ResourceManagerV1._trigger_preempt",
         "ResourceManagerV1.schedule",
     ),
-    requires={
-        "ResourceManagerV1._trigger_preempt": ("request", "num_new_blocks", "preempted_reqs", "scheduled_reqs"),
-        "ResourceManagerV1.schedule": (),
-        "ResourceManagerV1._free_blocks": ("request",),
-        "ResourceManagerV1._prepare_preempt_task": ("request",),
-    },
     why="The host preempts the last running request whatever its phase, throwing away prefill work.",
     how="Victim = last decoding request without extend tables (hook fdsched_select_preemption_victim); "
     "no victim: give up for this step and warn once per episode.",

@@ -2,7 +2,9 @@
 
 Replaces:  PrefixCacheManager.free_block_ids_async (the path without a CPU tier),
            PrefixCacheManager.free_nodes_directly,
-           PrefixCacheManager.recycle_gpu_blocks (same contract, cheap for a batch)
+           PrefixCacheManager.recycle_gpu_blocks (same contract, cheap for a batch),
+           PrefixCacheManager._handle_free_gpu_node_without_cpu (the host's per-node step: inside the
+           plugin's eviction it collects the node's ids instead of recycling them)
 Why:       the host recycles each evicted node with two recycle_gpu_blocks calls (its reserved decode
            ids, then its block), each of which formats and logs the id list at INFO, sets two
            Prometheus gauges and heap-pushes each id: about 100 us per block, 2 s for 20k blocks.
@@ -12,9 +14,11 @@ Switch:    FDSCHED_DEFERRED_RECYCLE / changes.deferred_recycle = auto | on | off
            FDSCHED_RECYCLE_HEAPIFY_MIN_BATCH (64).
 Delete:    when upstream merges 7885/7886 into every supported host.
 
-How: the loop pops LRU leaves exactly as the host does, detaches each evicted node and collects
-its block id and its reserved decode ids (clearing the node's ``reverved_dec_block_ids``, host
-spelling, so no stale id survives node reuse); after the loop all ids go back through the host's
+How: the loop pops LRU leaves exactly as the host does and hands each evicted node to the host's
+per-node seam, ``_handle_free_gpu_node_without_cpu``; while the plugin's eviction is open on that
+thread, the plugin's override of the seam detaches the node as the host does and collects its block
+id and its reserved decode ids (clearing the node's ``reverved_dec_block_ids``, host spelling, so no
+stale id survives node reuse) instead of recycling them; after the loop all ids go back through the host's
 own seam, ``self.recycle_gpu_blocks(ids)``, in ONE call, as upstream's 7885/7886 does. Whatever
 observes or extends that method (a test or metrics hook that replaces it on the instance, a
 platform subclass) sees every freed id.
@@ -64,7 +68,7 @@ import time
 
 from fdsched.core.metrics import METRICS
 
-from fdsched.patches._spec import PatchSpec
+from fdsched.patches._spec import PatchSpec, Shapes
 from fdsched.patches._base import PluginBase, host_global
 
 PCM = "fastdeploy.cache_manager.prefix_cache_manager"
@@ -132,6 +136,8 @@ def merge_into_heap(heap: list, ids: list, heapify_min_batch: int) -> str:
 
 
 class DeferredRecycleMixin(PluginBase):
+    fdsched_globals = {PCM: ("CacheStatus", "PrefixTreeStatus", "envs", "logger", "main_process_metrics")}
+
     def free_block_ids_async(self, need_block_num):
         if not self._fdsched_deferred_path(need_block_num):
             return super().free_block_ids_async(need_block_num)
@@ -142,19 +148,18 @@ class DeferredRecycleMixin(PluginBase):
                 self.gpu_free_task_future.result()
                 self.gpu_free_task_future = None
             started = time.perf_counter()
-            freed = []
-            try:
-                self._fdsched_evict_lru(need_block_num, freed)
-                self.gpu_free_task_future = None
-            except Exception as exc:
-                self._fdsched_eviction_error("free_block_ids_async", exc)
-            finally:
-                self._fdsched_recycle_evicted(freed, started)
+            with self._fdsched_batch() as freed:
+                try:
+                    self._fdsched_evict_lru(need_block_num, freed)
+                    self.gpu_free_task_future = None
+                except Exception as exc:
+                    self._fdsched_eviction_error("free_block_ids_async", exc)
+                finally:
+                    self._fdsched_recycle_evicted(freed, started)
 
     def free_nodes_directly(self, node):
-        with self.request_release_lock:
+        with self.request_release_lock, self._fdsched_batch() as freed:
             started = time.perf_counter()
-            freed = []
             removed_from_heap = False
             try:
                 while node is not None and node is not self.radix_tree_root:
@@ -164,7 +169,10 @@ class DeferredRecycleMixin(PluginBase):
                         removed_from_heap = True
                     if node.shared_count != 0 or not node.is_gpu_leaf_node or node.is_persistent:
                         break
-                    parent = self._fdsched_evict_node(node, freed, host_global(PCM, "CacheStatus").CPU)
+                    self._handle_free_gpu_node_without_cpu(node)  # the host's per-node seam (collects, see below)
+                    parent = node.parent
+                    if parent.children.get(node.hash_value) is node:
+                        del parent.children[node.hash_value]
                     node = parent if not parent.children else None
             except Exception as exc:
                 self._fdsched_eviction_error("free_nodes_directly", exc)
@@ -172,6 +180,39 @@ class DeferredRecycleMixin(PluginBase):
                 if removed_from_heap:
                     heapq.heapify(self.gpu_lru_leaf_heap)  # list.remove broke the heap order
                 self._fdsched_recycle_evicted(freed, started)
+
+    def _handle_free_gpu_node_without_cpu(self, node):
+        """The host's per-node eviction step: inside one of the plugin's evictions the node is detached as the host
+        detaches it (status, node id, node map; its reserved decode ids cleared) but its ids are collected for
+        the eviction's one recycle call instead of recycled one node at a time; anywhere else, the host's own."""
+        freed = self.__dict__.get("_fdsched_evicting", _NO_BATCHES).get(threading.get_ident())
+        if freed is None:
+            return super()._handle_free_gpu_node_without_cpu(node)
+        node.cache_status = host_global(PCM, "CacheStatus").CPU  # see the module docstring
+        self.node_id_pool.append(node.node_id)
+        self.node_map.pop(node.node_id, None)
+        if node.reverved_dec_block_ids:
+            freed.extend(node.reverved_dec_block_ids)
+            node.reverved_dec_block_ids = []
+        freed.append(node.block_id)
+        return None
+
+    @contextlib.contextmanager
+    def _fdsched_batch(self):
+        """The calling thread's eviction batch: the list the per-node seam collects into while it is open."""
+        batches = self.__dict__.get("_fdsched_evicting")
+        if batches is None:  # setdefault: two threads' first eviction gets one dict
+            batches = self.__dict__.setdefault("_fdsched_evicting", {})
+        thread, freed = threading.get_ident(), []
+        outer = batches.get(thread)
+        batches[thread] = freed
+        try:
+            yield freed
+        finally:
+            if outer is None:
+                batches.pop(thread, None)
+            else:
+                batches[thread] = outer
 
     def recycle_gpu_blocks(self, gpu_block_ids, req_id=None):
         """The host's seam for returning GPU blocks, same contract, one heap merge per call."""
@@ -187,10 +228,9 @@ class DeferredRecycleMixin(PluginBase):
         heap is worked on as keyed tuples (see ``_fdsched_lru_heap``): same pops, same pushes, same
         final heap as the host's, without a Python ``BlockNode.__lt__`` call per comparison.
         """
-        cache_status = host_global(PCM, "CacheStatus")
-        gpu, cpu = cache_status.GPU, cache_status.CPU
+        gpu = host_global(PCM, "CacheStatus").GPU
         in_heap, root = self.gpu_lru_leaf_set, self.radix_tree_root
-        pool_append, node_map_pop, collect = self.node_id_pool.append, self.node_map.pop, freed.append
+        handle = self._handle_free_gpu_node_without_cpu
         pop, push = heapq.heappop, heapq.heappush
         evicted = 0
         with self._fdsched_lru_heap(need_block_num) as (heap, keyed):
@@ -201,13 +241,7 @@ class DeferredRecycleMixin(PluginBase):
                 in_heap.remove(node)
                 if node.shared_count != 0 or node.cache_status != gpu or (node.children and not node.is_gpu_leaf_node):
                     continue  # as the host: a node that is in use again leaves the heap
-                node.cache_status = cpu  # see the module docstring
-                pool_append(node.node_id)
-                node_map_pop(node.node_id, None)
-                if node.reverved_dec_block_ids:
-                    freed.extend(node.reverved_dec_block_ids)
-                    node.reverved_dec_block_ids = []
-                collect(node.block_id)
+                handle(node)  # the host's per-node seam: collects into ``freed`` (the batch is open)
                 evicted += 1
                 parent = node.parent
                 siblings = parent.children
@@ -259,21 +293,6 @@ class DeferredRecycleMixin(PluginBase):
         if getattr(envs, "FD_AS_ONLY_FLUSH", False) and self.kvcache_storage_backend == "attention_store":
             return False  # flush-only storage mode collects per-node flush info: the host's loop does it
         return True
-
-    def _fdsched_evict_node(self, node, freed: list, cpu_status):
-        """Detach one evicted leaf, collect its ids; return its parent (free_nodes_directly's step; the LRU
-        loop does the same inline)."""
-        node.cache_status = cpu_status  # CacheStatus.CPU: see the module docstring
-        self.node_id_pool.append(node.node_id)
-        self.node_map.pop(node.node_id, None)
-        if node.reverved_dec_block_ids:
-            freed.extend(node.reverved_dec_block_ids)
-            node.reverved_dec_block_ids = []
-        freed.append(node.block_id)
-        parent = node.parent
-        if parent.children.get(node.hash_value) is node:
-            del parent.children[node.hash_value]
-        return parent
 
     def _fdsched_eviction_error(self, where: str, exc: Exception) -> None:
         logger = host_global(PCM, "logger")
@@ -333,6 +352,16 @@ class DeferredRecycleMixin(PluginBase):
         return kept
 
 
+class DeferredRecycleNoReqIdMixin(DeferredRecycleMixin):
+    """:class:`DeferredRecycleMixin` on a host whose ``recycle_gpu_blocks`` takes the ids only (FastDeploy 2.4)."""
+
+    def recycle_gpu_blocks(self, gpu_block_ids):
+        ids = gpu_block_ids if isinstance(gpu_block_ids, list) else [gpu_block_ids]
+        self._fdsched_recycle_batch(ids, None)
+
+
+_NO_BATCHES: dict = {}
+
 SPEC = PatchSpec(
     change_id="deferred_recycle",
     title="Deferred batched block recycling in LRU eviction",
@@ -342,12 +371,8 @@ SPEC = PatchSpec(
         "PrefixCacheManager.free_block_ids_async",
         "PrefixCacheManager.free_nodes_directly",
         "PrefixCacheManager.recycle_gpu_blocks",
+        "PrefixCacheManager._handle_free_gpu_node_without_cpu",
     ),
-    requires={
-        "PrefixCacheManager.free_block_ids_async": ("need_block_num",),
-        "PrefixCacheManager.free_nodes_directly": ("node",),
-        "PrefixCacheManager.recycle_gpu_blocks": ("gpu_block_ids", "req_id"),
-    },
     why="One recycle_gpu_blocks call per evicted node: INFO log of the id list, two gauges, one push per id.",
     how=(
         "Collect the evicted nodes' block ids (block + reserved decode ids) and pass them to recycle_gpu_blocks "
@@ -357,5 +382,6 @@ SPEC = PatchSpec(
     switch="FDSCHED_DEFERRED_RECYCLE",
     delete_when="upstream merges PR 7885/7886 into every supported host",
     mixins={"PrefixCacheManager": DeferredRecycleMixin},
+    variants={"plugin": {"PrefixCacheManager": Shapes(DeferredRecycleMixin, DeferredRecycleNoReqIdMixin)}},
     host_has=lambda info: False,
 )

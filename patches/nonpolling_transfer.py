@@ -110,6 +110,7 @@ class _WaitableDoneLists(InstanceAttribute):
 
 class NonpollingCacheQueueMixin(PluginBase):
     tansfer_done_queue_init = _WaitableDoneLists()
+    fdsched_globals = {ECQ: ("logger",)}
 
     def get_transfer_done_signal(self):
         if self.__dict__.get("_fdsched_polling"):
@@ -151,12 +152,6 @@ SPEC = PatchSpec(
     upstream_prs=(7520,),
     upstream_state="closed",
     replaces=("EngineCacheQueue.tansfer_done_queue_init", "EngineCacheQueue.get_transfer_done_signal"),
-    requires={
-        "EngineCacheQueue.get_transfer_done_signal": (),
-        "EngineCacheQueue.result_queue_empty": (),
-        "EngineCacheQueue.put_transfer_done_signal": ("item",),
-        "PrefixCacheManager.recv_data_transfer_result": (),
-    },
     why="The receiver polls an RPC every millisecond even when idle, and a result waits for the next poll.",
     how="The server's done list can wait; the receiver's get blocks in the server for up to "
     "FDSCHED_TRANSFER_WAIT_SECONDS; a result being handled still counts as pending for reset().",

@@ -104,6 +104,8 @@ class PdPrefillCacheMixin(PluginBase):
     """The base, and ``upstream`` on a host that has the change (the host records; the plugin only marks each
     preallocation for the gate)."""
 
+    fdsched_calls = {"PrefixCacheManager.update_cache_blocks": ("task", "block_size", "num_computed_tokens")}
+
     def _fdsched_on_prefill_node(self) -> bool:
         return self.config.scheduler_config.splitwise_role == "prefill"
 
@@ -185,6 +187,8 @@ def _plugin_gate(host_has: bool, settings):
 
 
 def _has_pd_record(info) -> bool:
+    if not callable(getattr(info.rm_class, "preallocate_resource_in_p", None)):
+        return False  # a host without PD preallocation has neither behaviour
     from fdsched.patches._base import code_names
 
     return "update_cache_blocks" in code_names(info.rm_class.preallocate_resource_in_p)
@@ -216,12 +220,6 @@ SPEC = PatchSpec(
         "ResourceManagerV1._free_blocks",
         "PrefixCacheManager.update_cache_blocks",
     ),
-    requires={
-        "ResourceManagerV1.preallocate_resource_in_p": ("request",),
-        "ResourceManagerV1._free_blocks": ("request",),
-        "ResourceManagerV1.schedule": (),
-        "PrefixCacheManager.update_cache_blocks": ("task", "block_size", "num_computed_tokens"),
-    },
     why="Prefill nodes had a low prefix hit rate; upstream's fix records KV that is not computed yet.",
     how="upstream: record the whole prompt at preallocation; safe: the cache hit at preallocation, the rest "
     "once the prefill has run (at finish, before the blocks are released).",

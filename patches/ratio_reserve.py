@@ -123,7 +123,7 @@ from fdsched.core.admission import AdaptiveStrategy, AdmissionBudget, FixedBlock
 from fdsched.core.metrics import METRICS
 from fdsched.core.policies import FixedBlockReserve, NewTokenRatio, max_new_tokens_of
 
-from fdsched.patches._spec import PatchSpec, Reliance, Variant
+from fdsched.patches._spec import PatchSpec, Reliance, Shapes, Variant
 from fdsched.patches._base import PluginBase, block_checks, finished_ids, host_global
 
 RM = "fastdeploy.engine.sched.resource_manager_v1"
@@ -193,6 +193,8 @@ class _BudgetedReserve(ReservationMixin):
     guard), closed when the pass ends. The budget belongs to the thread that opened it: a threshold asked on
     another thread while the pass is open (the old host's PD preallocation) gets a budget of its own."""
 
+    fdsched_globals = {RM: ("llm_logger",)}
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         s = self._fdsched_settings
@@ -258,6 +260,10 @@ class _BudgetedReserve(ReservationMixin):
         return super().get_new_block_nums(request, num_new_tokens)
 
     def _get_can_schedule_prefill_threshold_block(self, num_chunk_new_block):
+        return self._fdsched_threshold_seam(num_chunk_new_block)
+
+    def _fdsched_threshold_seam(self, num_chunk_new_block: int) -> int:
+        """The answer at the host's threshold seam, whichever shape the host gives it."""
         threshold = self._fdsched_threshold(num_chunk_new_block)
         # Its caller checks the threshold with can_allocate_gpu_blocks next: count that check's refusal.
         block_checks(self.cache_manager).expect(COUNT_REFUSAL, threshold)
@@ -336,8 +342,8 @@ class _BudgetedReserve(ReservationMixin):
 
 
 # ---- impl "plugin": upstream's ratio formula, or the adaptive estimator -----------------------------------
-class RatioReserveMixin(_BudgetedReserve):
-    """The plugin's version of change 3 with upstream's ratio formula (:class:`RatioStrategy`)."""
+class _RatioCore(_BudgetedReserve):
+    """The plugin's version of change 3 with upstream's ratio formula (:class:`RatioStrategy`), on any host."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -359,13 +365,6 @@ class RatioReserveMixin(_BudgetedReserve):
         # preallocated requests hold the pool, and the ratio decays only after a pass that scheduled something.
         return self.config.scheduler_config.splitwise_role != "prefill"
 
-    def _get_running_request_reserve_blocks(self, request) -> int:
-        (view,) = self._fdsched_views((request,))
-        return self._fdsched_strategy.request_blocks(view)
-
-    def _reset_reserve_on_preemption(self):
-        self._fdsched_reestimate()
-
     def _fdsched_reestimate(self, preemptions: int = 1) -> None:
         self._fdsched_strategy.on_preemption(self._fdsched_views(with_phase=True), preemptions)
         METRICS.ratio(self._fdsched_ratio.value, of=self)
@@ -376,7 +375,7 @@ class RatioReserveMixin(_BudgetedReserve):
         return None
 
 
-class AdaptiveReserveMixin(RatioReserveMixin):
+class _AdaptiveCore(_RatioCore):
     """The plugin's own estimator (:class:`AdaptiveStrategy`); every request that finishes running is a sample."""
 
     def __init__(self, *args, **kwargs):
@@ -446,11 +445,32 @@ class AdaptiveReserveMixin(RatioReserveMixin):
         return (statuses.RUNNING,)
 
 
+class _NewHostSeams(ReservationMixin):
+    """The seams a host with 7783 calls: one running request's reserve, and the re-estimate after a preemption."""
+
+    def _get_running_request_reserve_blocks(self, request) -> int:
+        (view,) = self._fdsched_views((request,))
+        return self._fdsched_strategy.request_blocks(view)
+
+    def _reset_reserve_on_preemption(self):
+        self._fdsched_reestimate()
+
+
+class RatioReserveMixin(_NewHostSeams, _RatioCore):
+    """Upstream's ratio formula on a host with 7783 (through its seams)."""
+
+
+class AdaptiveReserveMixin(_NewHostSeams, _AdaptiveCore):
+    """The adaptive estimator on a host with 7783 (through its seams)."""
+
+
 class _OldHostGuard(_BudgetedReserve):
     """The old host checks a running chunk against its own blocks only, and has no per-preemption seam: the
     budget is asked for the chunk in ``get_new_block_nums``; a refused chunk's check is refused (a signal keyed
     to it) and its preemption call declined; the ratio is re-estimated after a ``_trigger_preempt`` call that
     preempted."""
+
+    fdsched_calls = {"PrefixCacheManager.can_allocate_gpu_blocks": ("num_blocks",)}
 
     def get_new_block_nums(self, request, num_new_tokens):
         blocks = super().get_new_block_nums(request, num_new_tokens)
@@ -479,19 +499,39 @@ class _OldHostGuard(_BudgetedReserve):
         return result
 
 
-class RatioReserveOldHostMixin(_OldHostGuard, RatioReserveMixin):
+class RatioReserveOldHostMixin(_OldHostGuard, _RatioCore):
     """Upstream's ratio formula on the old host (with the guard)."""
 
 
-class AdaptiveReserveOldHostMixin(_OldHostGuard, AdaptiveReserveMixin):
+class AdaptiveReserveOldHostMixin(_OldHostGuard, _AdaptiveCore):
     """The adaptive estimator on the old host (with the guard)."""
+
+
+class _ThresholdTakesRequest(ReservationMixin):
+    """The threshold seam where the host passes the request too, ``(request, num_chunk_new_block)`` (FastDeploy
+    2.4 and 2.5): the same answer; the request is not needed for it."""
+
+    def _get_can_schedule_prefill_threshold_block(self, request, num_chunk_new_block):
+        return self._fdsched_threshold_seam(num_chunk_new_block)
+
+
+class RatioReserveRequestArgMixin(_ThresholdTakesRequest, RatioReserveOldHostMixin):
+    """:class:`RatioReserveOldHostMixin` on a host whose threshold seam takes the request."""
+
+
+class AdaptiveReserveRequestArgMixin(_ThresholdTakesRequest, AdaptiveReserveOldHostMixin):
+    """:class:`AdaptiveReserveOldHostMixin` on a host whose threshold seam takes the request."""
+
+
+RATIO_OLD_HOST = Shapes(RatioReserveOldHostMixin, RatioReserveRequestArgMixin)
+ADAPTIVE_OLD_HOST = Shapes(AdaptiveReserveOldHostMixin, AdaptiveReserveRequestArgMixin)
 
 
 def _plugin_variant(host_has: bool, settings):
     adaptive = settings is not None and settings["tunables.reserve_estimator"] == "adaptive"
     if host_has:
         return AdaptiveReserveMixin if adaptive else RatioReserveMixin
-    return AdaptiveReserveOldHostMixin if adaptive else RatioReserveOldHostMixin
+    return ADAPTIVE_OLD_HOST if adaptive else RATIO_OLD_HOST
 
 
 # ---- impl "off" (a host that has the change): the pre-change policy and running pass -----------------------
@@ -515,6 +555,8 @@ class _PreChangePass(AdmissionBudget):
 class PreChangeReserveMixin(_BudgetedReserve):
     """``off`` on a host that has 7783: the fixed-block policy (:class:`FixedBlockStrategy`) and the pre-change
     running pass (a running chunk short of blocks preempts instead of waiting)."""
+
+    fdsched_calls = {"PrefixCacheManager.can_allocate_gpu_blocks": ("num_blocks",)}
 
     def _fdsched_make_strategy(self):
         return FixedBlockStrategy(self._fdsched_fixed)
@@ -607,15 +649,30 @@ class RatioReserveCacheMixin(PluginBase):
     refused threshold check counted for the metrics (signals: :class:`fdsched.patches._base.BlockCheckSignals`)."""
 
     def can_allocate_gpu_blocks(self, num_blocks, try_free_gpu_blocks=True):
+        kinds = self._fdsched_signals_for(num_blocks)
+        allowed = REFUSE_RUNNING_CHUNK not in kinds and super().can_allocate_gpu_blocks(num_blocks, try_free_gpu_blocks)
+        return self._fdsched_counted(kinds, allowed)
+
+    def _fdsched_signals_for(self, num_blocks) -> frozenset:
         signals = self.__dict__.get("_fdsched_block_checks")
-        kinds = signals.take(num_blocks) if signals is not None else ()
-        if REFUSE_RUNNING_CHUNK in kinds:
-            allowed = False
-        else:
-            allowed = super().can_allocate_gpu_blocks(num_blocks, try_free_gpu_blocks)
+        return signals.take(num_blocks) if signals is not None else frozenset()
+
+    def _fdsched_counted(self, kinds, allowed: bool) -> bool:
         if COUNT_REFUSAL in kinds and not allowed:
             METRICS.admission_blocked(of=self)
         return allowed
+
+
+class RatioReserveCacheOneArgMixin(RatioReserveCacheMixin):
+    """The block check where the host's takes the count only, ``(num_blocks)`` (FastDeploy 2.4 and 2.5)."""
+
+    def can_allocate_gpu_blocks(self, num_blocks):
+        kinds = self._fdsched_signals_for(num_blocks)
+        allowed = REFUSE_RUNNING_CHUNK not in kinds and super(RatioReserveCacheMixin, self).can_allocate_gpu_blocks(num_blocks)
+        return self._fdsched_counted(kinds, allowed)
+
+
+CACHE_SHAPES = Shapes(RatioReserveCacheMixin, RatioReserveCacheOneArgMixin)
 
 
 def _has_ratio_reserve(info) -> bool:
@@ -632,11 +689,11 @@ def _uses(func, names) -> str | None:
 
 
 def _running_chunk_check(info):
-    names = {"get_new_block_nums", "can_allocate_gpu_blocks", "preempted_reqs", "scheduled_reqs"}
+    names = {"get_new_block_nums", "can_allocate_gpu_blocks"}
     if _has_ratio_reserve(info):
         names.add("_get_can_schedule_prefill_threshold_block")
-    else:
-        names.add("_trigger_preempt")
+    else:  # the old host's guard declines the chunk's preemption call and relies on the pass's two lists
+        names |= {"_trigger_preempt", "preempted_reqs", "scheduled_reqs"}
     return _uses(info.rm_class.schedule, names)
 
 
@@ -687,15 +744,6 @@ SPEC = PatchSpec(
         "ResourceManagerV1.finish_requests",
         "PrefixCacheManager.can_allocate_gpu_blocks",
     ),
-    requires={
-        "PrefixCacheManager.can_allocate_gpu_blocks": ("num_blocks",),
-        "ResourceManagerV1.get_new_block_nums": ("request", "num_new_tokens"),
-        "ResourceManagerV1._get_can_schedule_prefill_threshold_block": ("num_chunk_new_block",),
-        "ResourceManagerV1._trigger_preempt": ("request", "num_new_blocks", "preempted_reqs", "scheduled_reqs"),
-        "ResourceManagerV1._log_console_scheduler_metrics": ("scheduled_reqs",),
-        "ResourceManagerV1.finish_requests": ("request_ids",),
-        "ResourceManagerV1.schedule": (),
-    },
     why="Fixed 16 blocks per running request ignore how much each request still has to generate.",
     how="Admit a prefill only if free >= chunk + sum(ceil(min(max_tokens - generated, clip) * ratio / block)); "
     "ratio decays per pass, re-estimated on preemption; a refused running chunk blocks admission for the step.",
@@ -722,9 +770,9 @@ SPEC = PatchSpec(
         "host": {"ResourceManagerV1": Variant.by_host(HostReserveMixin, HostReserveOldHostMixin)},
         "plugin": {
             "ResourceManagerV1": Variant(_plugin_variant, (
-                RatioReserveMixin, AdaptiveReserveMixin, RatioReserveOldHostMixin, AdaptiveReserveOldHostMixin,
+                RatioReserveMixin, AdaptiveReserveMixin, RATIO_OLD_HOST, ADAPTIVE_OLD_HOST,
             )),
-            "PrefixCacheManager": RatioReserveCacheMixin,
+            "PrefixCacheManager": CACHE_SHAPES,
         },
         # only on a host that has the change (elsewhere off is the host's own code: impl "host")
         "off": {"ResourceManagerV1": PreChangeReserveMixin, "PrefixCacheManager": RatioReserveCacheMixin},

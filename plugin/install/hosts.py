@@ -22,16 +22,27 @@ REGISTRY = "hosts.json"
 
 @dataclass(frozen=True)
 class KnownHost:
-    key: str  # short name used by tests and the host-suite expectations
+    key: str  # short name (old / new for the two fully tested 2.6 commits; else the line)
     commit: str
     what: str
+    line: str = ""  # the upstream line the commit belongs to
+    tier: str = "full"  # what CI runs on it: full (unit, host, engine tiers) / compat (set-up, doctor, suites, replay)
 
 
+# Every commit the project's CI runs (see .ci/run and docs/host.md's support table). A commit not listed here is an
+# "unknown commit": the plugin still probes it and applies only what fits, and says that nobody tested it.
 KNOWN_HOSTS = {
     host.commit: host
     for host in (
-        KnownHost("old", "e7c8dc2fe940ba2f50d932f17b41eab555846ecb", "FastDeploy 2.6 before PR 7387 and PR 7783"),
-        KnownHost("new", "d38eeb8334331b903fb34c9cd270ff0c58a48adf", "FastDeploy 2.6 with PR 7387 and PR 7783"),
+        KnownHost("old", "e7c8dc2fe940ba2f50d932f17b41eab555846ecb", "FastDeploy 2.6 before PR 7387 and PR 7783", "2.6"),
+        KnownHost("new", "d38eeb8334331b903fb34c9cd270ff0c58a48adf", "FastDeploy 2.6 with PR 7387 and PR 7783", "2.6"),
+        KnownHost("2.6-head", "7198b5883a0ebdc85b91a455aa07d0856911c9a7", "FastDeploy 2.6 branch head", "2.6", "compat"),
+        KnownHost("develop", "c1b7c083da606ed7f3ac35c2f905dc904f1163b2", "FastDeploy develop", "develop", "compat"),
+        KnownHost("2.5", "e9e128cdf23f0cf7e5bb63b5435edb70b2d0c116", "FastDeploy 2.5", "2.5", "compat"),
+        KnownHost("2.4", "f83673daac0a495afe239bc31d43a3f3398fb035", "FastDeploy 2.4", "2.4", "compat"),
+        KnownHost("2.2", "b3031d232428972a677f49454a4564e7e54c08c1", "FastDeploy 2.2", "2.2", "compat"),
+        KnownHost("2.0", "fd91da7b41cfa15c49cc4500e93f978ae7343812", "FastDeploy 2.0 (no V1 scheduler: refused)", "2.0",
+                  "refused"),
     )
 }
 
@@ -54,7 +65,8 @@ def known_host(commit: Optional[str]) -> Optional[KnownHost]:
 
 
 def host_key(commit: Optional[str]) -> Optional[str]:
-    """``old`` / ``new`` for a supported commit (a full hash or a prefix of at least 7), else None."""
+    """The short name of a commit CI runs (``old``, ``new``, ``develop``, ``2.5``, ...; a full hash or a prefix of
+    at least 7), else None."""
     host = known_host(commit)
     return host.key if host else None
 

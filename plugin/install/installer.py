@@ -86,7 +86,7 @@ class InstallReport:
     def summary(self) -> str:
         profile = self.settings.profile or "none"
         changes = "; ".join(d.line() for d in self.decisions.values())
-        text = f"fdsched installed (profile {profile}) on {self.host.label}: {changes}"
+        text = f"fdsched installed (profile {profile}) on {self.host.label} ({self.host.support}): {changes}"
         if self.arms:
             ranks = ", ".join(f"dp rank {rank}: {arm.label}" for rank, arm in sorted(self.arms.items()))
             text += f"; online A/B arms ({DP_PROFILE_ENV}): {ranks}; other ranks: {arm_label(self.settings)}"
@@ -119,9 +119,18 @@ def decide(settings: Settings, info) -> dict:
         if spec.host_has_as_selected is not None:
             has = spec.host_has_as_selected(settings, has_change)
         failed = getattr(info, "reliance_problems", {}).get(change_id, {})
-        # What stops the plugin from running its version (auto / on), or the pre-change code (off), here.
-        problem = info.problems.get(change_id) or spec.reliance_problem(failed, "plugin")
-        off_problem = info.problems.get(change_id) or spec.reliance_problem(failed, "off")
+        # What stops the plugin from running its version (auto / on), or the pre-change code (off), here: a host
+        # method it overrides or calls whose shape it does not handle, a host global it reads that is missing,
+        # or an assumption about the host's control flow that does not hold. Checked before anything is patched.
+        probe_failed = info.problems.get(change_id)
+        problem = (
+            probe_failed or _impl_problem(spec, info, "plugin", has_change, settings)
+            or spec.reliance_problem(failed, "plugin")
+        )
+        off_problem = (
+            (probe_failed or _impl_problem(spec, info, "off", has_change, settings) or spec.reliance_problem(failed, "off"))
+            if has_change else None
+        )
         if mode == "auto":
             if has:
                 d = Decision(change_id, mode, "host", "host", "host already has it")
@@ -156,6 +165,18 @@ def decide(settings: Settings, info) -> dict:
             "allowed: 0, or 1 with FDSCHED_DEFERRED_RECYCLE=on/auto"
         )
     return decisions
+
+
+def _impl_problem(spec, info, impl: str, host_has: bool, settings) -> Optional[str]:
+    """Why ``impl`` of ``spec``'s change cannot run on the probed host (see :meth:`PatchSpec.shape_problem`); a
+    probe that itself fails is a reason too, never an exception. A probe result that carries no host classes (a
+    plain object in the unit tests) has only the problems it lists."""
+    if getattr(info, "host_classes", None) is None:
+        return None
+    try:
+        return spec.shape_problem(info.host_classes, impl, host_has, settings)
+    except Exception as exc:  # noqa: BLE001 - an unreadable host is a reason to decline, not to crash
+        return f"probing the host's methods failed ({type(exc).__name__}: {exc})"
 
 
 def decide_arms(arm_settings: Mapping[int, Settings], info) -> dict:
@@ -241,9 +262,10 @@ def _arm_class(front, target: str, host_cls, common: dict, arm: Arm, impl: dict,
     """The class of one arm for one target: only the mixins that arm applies, its settings and decisions."""
     from fdsched.patches import TARGETS, mixins_for
     from fdsched.patches._base import InitGuard, RequestOutcomesMixin
+    from fdsched.patches._spec import override_problem
 
-    mixins = mixins_for(target, impl, common["_fdsched_host"].has, arm.settings)  # outermost first; tests/unit/test_catalogue.py pins the order and why
-    if target == "ResourceManagerV1" and hasattr(host_cls, "finish_requests"):
+    mixins = mixins_for(target, impl, common["_fdsched_host"].has, arm.settings, host_cls)  # outermost first; tests/unit/test_catalogue.py pins the order and why
+    if target == "ResourceManagerV1" and override_problem(RequestOutcomesMixin, host_cls) is None:
         mixins = (RequestOutcomesMixin,) + mixins  # measurement only (every arm, every profile); without the seam: none
     changes = ", ".join(m.__name__ for m in mixins) or "none: the host's own code"
     return type(host_cls.__name__, (InitGuard,) + mixins + (front,), dict(

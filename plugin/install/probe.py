@@ -94,12 +94,21 @@ class HostInfo:
         from fdsched.install.hosts import known_host
 
         version = "" if self.version.lower() == "unknown" else f" {self.version}"
-        commit = ""
-        if self.commit:
-            known = known_host(self.commit)
-            what = f" = {known.key} host: {known.what}" if known else ""
-            commit = f", commit {self.commit[:9]}{what}"
+        commit = f", commit {self.commit[:9]}" if self.commit else ""
         return f"FastDeploy{version}{commit}"
+
+    @property
+    def support(self) -> str:
+        """Whether the project tests this host, in words: its line and what CI runs on it, or an unknown commit."""
+        from fdsched.install.hosts import known_host
+
+        known = known_host(self.commit)
+        if known is None:
+            return ("an unknown commit (not one the project tests): each change is applied only where its checks "
+                    "pass on this host, else declined")
+        tiers = {"full": "tested in CI: unit, host and engine tiers", "compat": "tested in CI: compatibility tier",
+                 "refused": "refused"}
+        return f"{known.what} (line {known.line}; {tiers.get(known.tier, known.tier)})"
 
     @property
     def label(self) -> str:
@@ -149,14 +158,22 @@ def probe(environ: Optional[Mapping[str, str]] = None) -> HostInfo:
     from fdsched.patches import TARGETS
 
     location = find_host(environ)
-    from fastdeploy.engine.request import RequestStatus
-
-    host_classes = {}
-    for target, dotted in TARGETS.items():
-        module_name, class_name = dotted.rsplit(".", 1)
-        host_classes[target] = _original(getattr(importlib.import_module(module_name), class_name))
-
     version, commit = _host_version(location)
+    host_classes = {}
+    module_name = "fastdeploy.engine.request"
+    try:
+        RequestStatus = importlib.import_module(module_name).RequestStatus
+        for target, dotted in TARGETS.items():
+            module_name, class_name = dotted.rsplit(".", 1)
+            host_classes[target] = _original(getattr(importlib.import_module(module_name), class_name))
+    except Exception as exc:  # noqa: BLE001 - a host without these classes is one the plugin cannot serve
+        first = str(exc).splitlines()[0] if str(exc) else "?"
+        raise HostNotFound(
+            f"FastDeploy at {location}{f' (commit {commit[:9]})' if commit else ''} has no usable {module_name} "
+            f"({type(exc).__name__}: {first}); the plugin needs FastDeploy 2.x with the V1 scheduler "
+            "(fastdeploy/engine/sched/resource_manager_v1.py)"
+        ) from None
+
     info = HostInfo(
         location=location,
         version=version,
@@ -166,10 +183,11 @@ def probe(environ: Optional[Mapping[str, str]] = None) -> HostInfo:
         split_status=hasattr(RequestStatus, "RUNNING_PREFILL") and hasattr(RequestStatus, "RUNNING_DECODE"),
     )
     for spec in CATALOGUE:
-        info.has[spec.change_id] = spec.host_has(info)
-        problem = spec.check_host(info)
-        if problem:
-            info.problems[spec.change_id] = problem
+        try:
+            info.has[spec.change_id] = bool(spec.host_has(info))
+        except Exception as exc:  # noqa: BLE001 - a host the probe cannot read is declined, never a crash
+            info.has[spec.change_id] = False
+            info.problems[spec.change_id] = f"probing the host for it failed ({type(exc).__name__}: {exc})"
         info.reliance_problems[spec.change_id] = spec.check_reliances(info)
     return info
 

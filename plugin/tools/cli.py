@@ -48,6 +48,7 @@ def cmd_doctor(args) -> int:
     note = log_note(host_log)
     if not_found is None:
         print(f"host: {info.label}")
+        print(f"host support: {info.support}")
         print(f"host status enum: {'RUNNING_PREFILL/RUNNING_DECODE' if info.split_status else 'single RUNNING'}")
     else:
         print(f"host: NOT FOUND: {not_found}", file=sys.stderr)

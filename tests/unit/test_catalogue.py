@@ -13,7 +13,8 @@ from collections import defaultdict
 import pytest
 
 import fdsched.patches
-from fdsched.patches import CATALOGUE, TARGETS, PatchSpec, spec_for
+from fdsched.patches import CATALOGUE, TARGETS, PatchSpec, Shapes, spec_for
+from fdsched.patches._spec import declared
 from fdsched.core.settings import CHANGE_IDS, SCHEMA
 
 SCHEMA_BY_KEY = {s.key: s for s in SCHEMA}
@@ -75,8 +76,8 @@ def test_each_impl_gets_only_its_own_mixins(change_id):
     for target in spec.mixins:
         chosen = {impl: spec.mixin_of(target, impl) for impl in ("host", "plugin", "off")}
         assert chosen["plugin"] is not None
-        for impl, mixin in chosen.items():
-            if mixin is not None:
+        for impl, option in chosen.items():
+            for mixin in option if isinstance(option, Shapes) else (option,) if option is not None else ():
                 assert mixin in spec.classes(target) and issubclass(mixin, spec.mixins[target])
     assert SPECS["deferred_recycle"].mixin_of("PrefixCacheManager", "host") is None
     assert SPECS["nonpolling_transfer"].mixin_of("EngineCacheQueue", "host") is None
@@ -130,7 +131,8 @@ def test_generated_classes_say_where_they_come_from():
 def test_targets_and_requirements_name_known_host_classes(change_id):
     spec = SPECS[change_id]
     assert set(spec.mixins) <= set(TARGETS)
-    for name in list(spec.replaces) + list(spec.requires):
+    calls = [name for target in spec.mixins for mixin in spec.classes(target) for name in declared(mixin, "fdsched_calls")]
+    for name in list(spec.replaces) + calls:
         target, method = name.split(".", 1)
         assert target in TARGETS and method.isidentifier(), name
 

@@ -178,6 +178,15 @@ class _FakePCM:
     def __init__(self, config, tensor_parallel_size, splitwise_role="mixed", local_data_parallel_id=0):
         self.cache_task_queue = None
 
+    # the shapes change 1 overrides (its arm class is built only on a class that has them)
+    def free_block_ids_async(self, need_block_num): ...
+
+    def free_nodes_directly(self, node): ...
+
+    def recycle_gpu_blocks(self, gpu_block_ids, req_id=None): ...
+
+    def _handle_free_gpu_node_without_cpu(self, node): ...
+
 
 class _FakeECQ:
     def __init__(self, address=None, is_server=False, local_data_parallel_id=0):
@@ -192,9 +201,12 @@ def _classes(arms):
         has={}, problems={}, label="fake host", split_status=False, request_status=None,
         host_classes={"ResourceManagerV1": _FakeRM, "PrefixCacheManager": _FakePCM, "EngineCacheQueue": _FakeECQ},
     )
+    # Decided as a probe result without host classes (the fakes have none of the methods the changes check): this
+    # test is about which arm each instance takes, not about the host's shapes.
+    probed = types.SimpleNamespace(**{k: v for k, v in vars(info).items() if k != "host_classes"})
     default = load_settings({}, profile="ratio_reserve")
-    decided = decide_arms({r: load_settings({}, profile=p) for r, p in arms.items()}, info)
-    classes = _build(info, default, decide(default, info), Policies(make_plugin_manager({}, load_entry_points=False)),
+    decided = decide_arms({r: load_settings({}, profile=p) for r, p in arms.items()}, probed)
+    classes = _build(info, default, decide(default, probed), Policies(make_plugin_manager({}, load_entry_points=False)),
                      decided)
     return classes, decided
 

@@ -1,0 +1,114 @@
+"""Host shapes: the checks made before anything is patched (fdsched.patches._spec), on plain classes.
+
+The hosts' real shapes (2.4/2.5's threshold with the request, develop's ``batch_request``) are checked on the
+hosts themselves (tests/host); here each rule, with classes written for it.
+"""
+
+from __future__ import annotations
+
+import types
+
+from fdsched.entry import asked_for
+from fdsched.patches._spec import Shapes, call_problem, format_shape, override_problem, shape_of, uses_problem
+
+
+class Host:
+    def check(self, num_blocks, try_free=True):
+        return num_blocks
+
+    def threshold(self, request, num_chunk_new_block):
+        return num_chunk_new_block
+
+    def preempt(self, request, num_new_blocks, preempted_reqs, batch_request):
+        return True
+
+
+
+
+def plugin_class(name, **methods):
+    cls = types.new_class(name, (), {}, lambda ns: ns.update(methods))
+    cls.__module__ = "fdsched.tests_shapes"
+    return cls
+
+
+def test_a_matching_override_passes():
+    mixin = plugin_class("Ok", check=lambda self, num_blocks, try_free=True: 0)
+    assert override_problem(mixin, Host) is None
+
+
+def test_arity_differs_is_named_with_both_shapes():
+    mixin = plugin_class("OneArg", check=lambda self, num_blocks: 0)
+    problem = override_problem(mixin, Host)
+    assert problem == "Host.check(self, num_blocks, try_free=True) differs from the (self, num_blocks) the plugin handles"
+
+
+def test_a_default_or_a_name_that_differs_is_a_different_shape():
+    assert override_problem(plugin_class("D", check=lambda self, num_blocks, try_free=False: 0), Host)
+    assert override_problem(plugin_class("N", threshold=lambda self, num_chunk_new_block: 0), Host)
+    assert override_problem(plugin_class("K", check=lambda self, num_blocks, *, try_free=True: 0), Host)
+
+
+def test_a_method_the_host_lacks_is_named():
+    assert override_problem(plugin_class("M", seam=lambda self: 0), Host) == "Host.seam is missing (the plugin overrides it)"
+
+
+def test_plugin_names_and_pass_through_wrappers_are_not_checked():
+    mixin = plugin_class("W", _fdsched_helper=lambda self, x: 0, fdsched_calls={}, preempt=lambda self, *a, **k: 0)
+    assert override_problem(mixin, Host) is None
+
+
+def test_shapes_pick_the_first_that_fits_else_the_first_difference():
+    two = plugin_class("Two", check=lambda self, num_blocks, try_free=True: 0)
+    one = plugin_class("One", check=lambda self, num_blocks: 0)
+    assert Shapes(one, two).pick(Host) == (two, None)
+    OneArgHost = type("OneArgHost", (), {"check": lambda self, num_blocks: 0})
+    assert Shapes(two, one).pick(OneArgHost) == (one, None)
+    none_fit = Shapes(plugin_class("Three", check=lambda self, a, b, c: 0), two)
+    mixin, problem = none_fit.pick(OneArgHost)
+    assert mixin is None and problem.startswith("OneArgHost.check(self, num_blocks) differs from the (self, a, b, c)")
+
+
+def test_a_call_must_fit_by_position_name_and_leave_no_required_parameter():
+    assert call_problem(Host, "check", ("num_blocks",)) is None
+    assert call_problem(Host, "threshold", ("num_chunk_new_block",)) is not None  # the request comes first there
+    assert call_problem(Host, "preempt", ("request", "num_new_blocks", "preempted_reqs", "scheduled_reqs")) == (
+        "Host.preempt(self, request, num_new_blocks, preempted_reqs, batch_request) does not take the plugin's call "
+        "(request, num_new_blocks, preempted_reqs, scheduled_reqs)"
+    )
+    assert call_problem(Host, "preempt", ("request",)) is not None  # required parameters left over
+    assert call_problem(Host, "nothing", ()) == "Host.nothing is missing"
+
+
+def test_declared_calls_and_globals_are_checked_but_an_overridden_call_is_an_override():
+    import sys
+
+    module = types.ModuleType("fdsched_test_hostmod")
+    module.logger = object()
+    sys.modules[module.__name__] = module
+    try:
+        mixin = plugin_class(
+            "Uses", fdsched_calls={"Host.check": ("num_blocks",)}, fdsched_globals={module.__name__: ("logger",)}
+        )
+        assert uses_problem(mixin, "Host", {"Host": Host}) is None
+        missing = plugin_class("Missing", fdsched_globals={module.__name__: ("logger", "envs")})
+        assert uses_problem(missing, "Host", {"Host": Host}) == "fdsched_test_hostmod has no envs"
+        bad_call = plugin_class("BadCall", fdsched_calls={"Host.threshold": ("num_chunk_new_block",)})
+        assert "does not take the plugin's call" in uses_problem(bad_call, "Host", {"Host": Host})
+        overriding = plugin_class("Overriding", fdsched_calls={"Host.threshold": ("num_chunk_new_block",)},
+                                  threshold=lambda self, request, num_chunk_new_block: 0)
+        assert uses_problem(overriding, "Host", {"Host": Host}) is None
+    finally:
+        del sys.modules[module.__name__]
+
+
+def test_shapes_print_as_python_signatures():
+    assert format_shape(shape_of(lambda self, a, b=1, *args, c, d=None, **kw: 0)) == "(self, a, b=1, *args, c, d=None, **kw)"
+    assert format_shape(shape_of(lambda self, *, k: 0)) == "(self, *, k)"
+
+
+def test_the_plugin_acts_only_when_fd_plugins_names_it():
+    assert asked_for({"FD_PLUGINS": "fdsched"})
+    assert asked_for({"FD_PLUGINS": "other, fdsched"})
+    assert not asked_for({})  # unset: an old loader calls every plugin; this one does nothing then
+    assert not asked_for({"FD_PLUGINS": ""})
+    assert not asked_for({"FD_PLUGINS": "fdsched2,other"})
