@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from typing import Optional
 
-from fdsched.patches._spec import PatchSpec, Reliance, Shapes, Variant, pick_shape  # noqa: F401  (the catalogue's types, re-exported)
+from fdsched.patches._spec import AlteredTest, PatchSpec, Reliance, Shapes, Variant, pick_shape  # noqa: F401  (the catalogue's types, re-exported)
 
-__all__ = ["PatchSpec", "Reliance", "Shapes", "Variant", "CATALOGUE", "TARGETS", "spec_for", "mixins_for"]
+__all__ = ["AlteredTest", "PatchSpec", "Reliance", "Shapes", "Variant", "CATALOGUE", "TARGETS", "spec_for", "mixins_for"]
 
 # Dotted paths of the three host classes the plugin subclasses.
 TARGETS = {

@@ -8,7 +8,7 @@ import inspect
 from dataclasses import dataclass
 from typing import Callable, Optional
 
-__all__ = ["PatchSpec", "Reliance", "Variant", "Shapes", "shape_of", "format_shape", "override_problem", "call_problem", "uses_problem", "pick_shape"]
+__all__ = ["AlteredTest", "PatchSpec", "Reliance", "Variant", "Shapes", "shape_of", "format_shape", "override_problem", "call_problem", "uses_problem", "pick_shape"]
 
 
 # ---- host signatures: what the plugin checks before it patches -----------------------------------------------
@@ -178,6 +178,24 @@ class Variant:
 
 
 @dataclass(frozen=True)
+class AlteredTest:
+    """A host test whose assertion this change alters on purpose: it may pass without the plugin and fail with it.
+
+    ``test``: its pytest node id inside the host's tree; ``upstream_pr``: the PR whose behaviour change it asserts
+    against; ``on_host_with_change``: where it applies (False: only on a host that lacks the upstream change, where
+    the host's test still asserts the pre-change behaviour); it applies in a run that runs the plugin's version.
+    """
+
+    test: str
+    why: str
+    upstream_pr: int
+    on_host_with_change: bool = False
+
+    def applies(self, impl: str, host_has: bool) -> bool:
+        return impl == "plugin" and host_has == self.on_host_with_change
+
+
+@dataclass(frozen=True)
 class Reliance:
     """One assumption a patch makes about the host's control flow (beyond method names and signatures).
 
@@ -217,6 +235,7 @@ class PatchSpec:
     # do (a Variant where it also differs by host or by the arm's settings).
     applies: tuple = ("plugin",)
     variants: Optional[dict] = None
+    alters_tests: tuple = ()  # AlteredTest: the host's own tests this change alters on purpose (fdsched host test)
 
     def mixin_of(self, target: str, impl: str, host_has: bool = False, settings=None):
         """The mixin an arm whose decision for this change is ``impl`` gets for ``target``, or None

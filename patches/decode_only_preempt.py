@@ -47,7 +47,7 @@ import logging
 from fdsched.core.metrics import METRICS
 from fdsched.core.policies import NoVictimWarning, VictimCandidate
 
-from fdsched.patches._spec import PatchSpec, Reliance, Variant
+from fdsched.patches._spec import AlteredTest, PatchSpec, Reliance, Variant
 from fdsched.patches._base import PluginBase, host_global
 
 RM = "fastdeploy.engine.sched.resource_manager_v1"
@@ -245,6 +245,15 @@ SPEC = PatchSpec(
         "off": {"ResourceManagerV1": PreChangePreemptMixin},
     },
     host_has=_has_decode_only,
+    alters_tests=(
+        AlteredTest(
+            "tests/v1/test_resource_manager_v1.py::TestResourceManagerV1Additional::test_trigger_preempt_records_tasks",
+            "the host's test (before PR 7783) preempts the last running request, a prefill; decode-only preemption "
+            "never takes a prefill. PR 7783 rewrote this test for that behaviour; our version of the rewrite, for a "
+            "host with the single RUNNING status, is tests/host/test_cherry_pick_7783.py",
+            7783,
+        ),
+    ),
     relies_on=(
         Reliance("preempt-loop-seams", "the new host's _trigger_preempt preempts what _select_preempt_candidate "
                  "returns and calls _reset_reserve_on_preemption after each preemption", _preempt_loop_seams),

@@ -63,6 +63,7 @@ __all__ = [
 ]
 
 REQUIREMENTS = Path(__file__).with_name("host-requirements-cpu.txt")
+OPTIONAL_REQUIREMENTS = Path(__file__).with_name("host-requirements-optional.txt")
 NO_DEPS_REQUIREMENTS = ("paddleformers==1.1.1",)  # its own dependency list pulls GPU packages; the host needs none of them
 PUBLIC_ARCHIVE = "https://github.com/gongshaotian/FastDeploy/archive/{commit}.tar.gz"
 HOST_MODULES = (
@@ -205,8 +206,8 @@ def _unpack(path: Path, original: str, into: Path) -> tuple:
             missing = [m for m in HOST_MODULES + ("fastdeploy/__init__.py",) if f"{top}/{m}" not in names]
             if missing:
                 raise HostSetupError(
-                    f"{original}: the tree has no {', '.join(missing)}; allowed: a FastDeploy 2.x source archive "
-                    "(with its fastdeploy/ package)"
+                    f"{original}: the tree has no {', '.join(missing)}; allowed: a FastDeploy source archive with "
+                    "the V1 scheduler and prefix cache (FastDeploy 2.x from 2.2 on; 2.0 has neither)"
                 )
             try:
                 tar.extractall(into, filter="data")
@@ -236,6 +237,30 @@ def _pip(args: list, what: str) -> None:
         )
 
 
+def _requirement_name(line: str) -> Optional[str]:
+    """The normalised project name of one requirements.txt line (``Foo_Bar[x]>=1`` -> ``foo-bar``), or None."""
+    line = line.split("#", 1)[0].strip()
+    match = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)", line)
+    return re.sub(r"[-_.]+", "-", match.group(1)).lower() if match and not line.startswith("-") else None
+
+
+def optional_requirements(tree: Path, table: Path = OPTIONAL_REQUIREMENTS) -> list:
+    """What fdsched installs for this host beyond its CPU list: the table's packages whose host name the host's own
+    requirements.txt lists (derived from the host, so a line that does not need them does not get them)."""
+    host_file = tree / "requirements.txt"
+    if not host_file.is_file():
+        return []
+    wanted = {_requirement_name(line) for line in host_file.read_text(encoding="utf-8", errors="replace").splitlines()}
+    found = []
+    for line in table.read_text(encoding="utf-8").splitlines():
+        if "->" not in line or line.lstrip().startswith("#"):
+            continue
+        name, package = (part.strip() for part in line.split("->", 1))
+        if _requirement_name(name) in wanted:
+            found.append(package)
+    return found
+
+
 def _check_imports(tree: Path) -> None:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([str(tree)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
@@ -249,10 +274,20 @@ def _check_imports(tree: Path) -> None:
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
     if result.returncode != 0:
-        tail = "\n".join(result.stderr.strip().splitlines()[-5:])
+        lines = result.stderr.strip().splitlines()
+        missing = re.search(r"No module named '([^']+)'", result.stderr)
+        if missing:
+            raise HostSetupError(
+                f"the host's scheduler modules do not import from {tree}: it imports {missing.group(1)}, which "
+                "fdsched's CPU dependency lists do not install; install the package that provides it into this "
+                f"environment ({sys.executable} -m pip install ...), then run `fdsched host setup --no-deps` with "
+                "the same archive"
+            )
+        tail = "\n".join(lines[-5:])
         raise HostSetupError(
             f"the host's scheduler modules do not import from {tree}:\n{tail}\n"
-            "install its dependencies (run setup without --no-deps) or check the archive"
+            "if the error names a missing package, install it into this environment and run setup again with --no-deps; "
+            "otherwise check the archive"
         )
 
 
@@ -291,6 +326,9 @@ def setup_host(
         if install_deps:
             _pip(["-r", str(REQUIREMENTS)], f"the host's CPU dependencies ({REQUIREMENTS.name}, about 1 GB: a minute or two)")
             _pip(["--no-deps", *NO_DEPS_REQUIREMENTS], "packages taken without their dependencies")
+            extra = optional_requirements(tree)
+            if extra:
+                _pip(extra, "what this host's own requirements.txt adds (host-requirements-optional.txt)")
         _check_imports(tree)
         final = hosts_dir / full
         if final.exists():

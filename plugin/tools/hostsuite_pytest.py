@@ -71,11 +71,15 @@ def pytest_configure(config):
     os.kill, os.killpg = signal_guard(os.kill, os.killpg, _refused.append)
     from fastdeploy.plugins.model_register import load_model_register_plugins
 
-    load_model_register_plugins()
+    _install.clear()
+    try:
+        load_model_register_plugins()
+    except SystemExit as exc:  # a profile this host refuses: one line, nothing patched; no test is run then
+        _install.update(installed=False, refused=str(exc.code if exc.code is not None else exc))
+        return
     from fdsched.install.installer import current
 
     report = current()
-    _install.clear()
     if report is None:
         _install["installed"] = False
     else:
@@ -83,12 +87,17 @@ def pytest_configure(config):
             installed=True,
             profile=report.settings.profile,
             decisions={cid: d.impl for cid, d in report.decisions.items()},
+            has={cid: bool(v) for cid, v in report.host.has.items()},
             summary=report.summary(),
         )
 
 
 def pytest_collection_modifyitems(session, config, items):
-    """Move the tests named in FDSCHED_HOSTSUITE_LAST to the end (in that order): no other test runs after them."""
+    """Move the tests named in FDSCHED_HOSTSUITE_LAST to the end (in that order): no other test runs after them.
+    A refused profile runs no test (its run is only the refusal)."""
+    if _install.get("refused"):
+        items[:] = []
+        return
     last = [n for n in os.environ.get(LAST_ENV, "").splitlines() if n]
     if not last:
         return

@@ -1,17 +1,16 @@
-"""The host's own test suites, run with fdsched loaded through FastDeploy's loader: the cherry-pick tests.
+"""The host's own test suites, run with and without fdsched loaded through FastDeploy's loader: a differential test.
 
 For every *run* — ``no-plugin`` (``FD_PLUGINS`` unset: the host alone), ``default`` (``FD_PLUGINS=fdsched``,
-no profile) and each shipped profile — pytest runs the host tree's own test files (read from the host's
-source tree, never copied) in a fresh process inside that tree, with ``-p fdsched.tools.hostsuite_pytest``:
-that plugin calls FastDeploy's own ``load_model_register_plugins()`` before any test module is imported
-and records every test's outcome. :func:`compare` then holds the outcomes against the expectations table
-(``host_suites.yaml``, shipped with the package): each expected failure names the test, the hosts, the
-runs and its cause (the upstream PR whose behaviour change the test asserts, or the host failing on a CPU
-machine without the plugin). Anything else failing, an expected failure that passes, a run that did not
-install what it should, or a file that collected nothing is a problem.
+no profile) and each shipped profile — pytest runs the host tree's own test files that exist in that tree (read
+from the host's source tree, never copied) in a fresh process inside it, with ``-p fdsched.tools.hostsuite_pytest``:
+that plugin calls FastDeploy's own ``load_model_register_plugins()`` before any test module is imported and
+records every test's outcome and what was installed. :func:`compare` holds each run against the ``no-plugin`` run
+of the same tree: a test that passes without the plugin must pass with it, unless the catalogue declares that a
+change the run applies alters that test (:class:`fdsched.patches.AlteredTest`, by test id, with the reason and the
+upstream PR). A test that fails without the plugin is the host failing on this machine (a CPU, no model), counted
+and not judged. Nothing here is per commit, so it runs on any FastDeploy tree, one nobody has seen included.
 
-``fdsched host test`` runs it from the command line; ``tests/host/test_host_suites.py`` runs it in the
-host tier (so CI runs it on both hosts).
+``fdsched host test`` runs it from the command line; ``tests/host/test_host_suites.py`` runs it in the host tier.
 """
 
 from __future__ import annotations
@@ -32,53 +31,36 @@ from fdsched.core.common import EXIT_ERROR, EXIT_OK, remove_files, text_table
 import yaml
 
 __all__ = [
-    "EXPECTATIONS",
+    "SUITES",
     "NO_PLUGIN",
     "DEFAULT_RUN",
     "HostSuiteError",
-    "Expectations",
+    "SuiteTable",
     "RunResult",
-    "load_expectations",
+    "load_table",
     "run_names",
+    "suite_files",
     "run_suite",
     "compare",
+    "altered_tests",
 ]
 
-EXPECTATIONS = Path(__file__).with_name("host_suites.yaml")
+SUITES = Path(__file__).with_name("host_suites.yaml")
 NO_PLUGIN, DEFAULT_RUN = "no-plugin", "default"
 LAST_ENV = "FDSCHED_HOSTSUITE_LAST"  # node ids the pytest plugin moves to the end of the session, in this order
-HOST_KEYS = ("old", "new")
-CAUSES = ("plugin", "host")
 
 
 class HostSuiteError(RuntimeError):
-    """The expectations table is malformed, or a run could not be made."""
+    """The suite table is malformed, or a run could not be made."""
 
 
 @dataclass(frozen=True)
-class ExpectedFailure:
-    test: str
-    hosts: tuple
-    runs: tuple  # ("all",) or run names
-    cause: str
-    why: str
-    upstream_pr: Optional[int] = None
-    change: Optional[str] = None
-
-    def applies(self, host: str, run: str) -> bool:
-        return host in self.hosts and ("all" in self.runs or run in self.runs)
-
-
-@dataclass(frozen=True)
-class Expectations:
-    suites: dict  # host key -> tuple of files
-    excluded: dict  # file (or file@host) -> why
-    failures: tuple  # ExpectedFailure
+class SuiteTable:
+    candidates: tuple  # the host test files that reach the plugin's seams (run where the tree has them)
+    excluded: dict  # file -> why (every host); file@key -> why (the host of that key only)
+    only_on: dict  # file -> host keys: run only there
     # file -> (why, node ids that leave threads running, run last in that file's own process)
     own_process: dict = field(default_factory=dict)
-
-    def expected_failures(self, host: str, run: str) -> dict:
-        return {f.test: f for f in self.failures if f.applies(host, run)}
 
 
 def run_names() -> list:
@@ -87,68 +69,46 @@ def run_names() -> list:
     return [NO_PLUGIN, DEFAULT_RUN] + list(shipped_profiles())
 
 
-def _flatten(items) -> list:
-    out = []
-    for item in items:
-        out.extend(_flatten(item) if isinstance(item, list) else [item])
-    return out
-
-
-def load_expectations(path: Path = EXPECTATIONS) -> Expectations:
+def load_table(path: Path = SUITES) -> SuiteTable:
     """Read and check the table; a bad entry is one error naming its path in the file."""
     data = yaml.safe_load(path.read_text(encoding="utf-8"))
     where = str(path)
-    if not {"suites", "excluded", "expected_failures"} <= set(data) <= {"suites", "excluded", "expected_failures", "own_process"}:
-        raise HostSuiteError(f"{where}: top-level keys {sorted(data)}; allowed: suites, excluded, expected_failures, "
-                             "own_process")
-    suites = {}
-    for host in HOST_KEYS:
-        files = _flatten(data["suites"].get(host) or [])
-        if not files or not all(isinstance(f, str) and f.startswith("tests/") for f in files):
-            raise HostSuiteError(f"{where}: suites.{host}: {files!r}; allowed: a list of tests/... files")
-        suites[host] = tuple(files)
-    from fdsched.core.settings import CHANGE_IDS
-
-    names = set(run_names()) | {"all"}
-    failures = []
-    for i, entry in enumerate(data["expected_failures"]):
-        at = f"{where}: expected_failures[{i}]"
-        keys = set(entry)
-        allowed = {"test", "hosts", "runs", "cause", "why", "upstream_pr", "change"}
-        if not {"test", "hosts", "runs", "cause", "why"} <= keys <= allowed:
-            raise HostSuiteError(f"{at}: keys {sorted(keys)}; allowed: {', '.join(sorted(allowed))}")
-        runs = ("all",) if entry["runs"] == "all" else tuple(entry["runs"])
-        bad_runs = [r for r in runs if r not in names]
-        if bad_runs:
-            raise HostSuiteError(f"{at}.runs: {bad_runs}; allowed: all, {', '.join(sorted(names - {'all'}))}")
-        hosts = tuple(entry["hosts"])
-        if not hosts or any(h not in HOST_KEYS for h in hosts):
-            raise HostSuiteError(f"{at}.hosts: {list(hosts)}; allowed: old, new")
-        if entry["cause"] not in CAUSES:
-            raise HostSuiteError(f"{at}.cause: {entry['cause']!r}; allowed: plugin, host")
-        if (entry["cause"] == "plugin") != isinstance(entry.get("upstream_pr"), int):
-            raise HostSuiteError(f"{at}.upstream_pr: {entry.get('upstream_pr')!r}; allowed: a PR number iff cause is plugin")
-        if (entry["cause"] == "plugin") != (entry.get("change") in CHANGE_IDS):
-            raise HostSuiteError(f"{at}.change: {entry.get('change')!r}; allowed: one of {', '.join(CHANGE_IDS)} iff cause is plugin")
-        if entry["cause"] == "plugin" and NO_PLUGIN in runs + (("all",) if "all" in runs else ()):
-            raise HostSuiteError(f"{at}.runs: a plugin-caused failure cannot apply to the {NO_PLUGIN} run")
-        failures.append(
-            ExpectedFailure(
-                entry["test"], hosts, runs, entry["cause"], " ".join(str(entry["why"]).split()), entry.get("upstream_pr"),
-                entry.get("change"),
-            )
-        )
+    allowed = {"candidates", "excluded", "only_on", "own_process"}
+    if not isinstance(data, dict) or not {"candidates"} <= set(data) <= allowed:
+        raise HostSuiteError(f"{where}: top-level keys {sorted(data or {})}; allowed: {', '.join(sorted(allowed))}")
+    files = data["candidates"]
+    if not files or not all(isinstance(f, str) and f.startswith("tests/") for f in files):
+        raise HostSuiteError(f"{where}: candidates: {files!r}; allowed: a list of tests/... files")
+    only_on = {}
+    for path_, keys in (data.get("only_on") or {}).items():
+        if path_ not in files or not isinstance(keys, list) or not keys:
+            raise HostSuiteError(f"{where}: only_on.{path_}: {keys!r}; allowed: a candidate file -> a list of host keys")
+        only_on[path_] = tuple(str(k) for k in keys)
     own = {}
-    for path, entry in (data.get("own_process") or {}).items():
-        at = f"{where}: own_process.{path}"
+    for path_, entry in (data.get("own_process") or {}).items():
+        at = f"{where}: own_process.{path_}"
         if not isinstance(entry, dict) or set(entry) - {"why", "leaking_tests"} or "why" not in entry:
             raise HostSuiteError(f"{at}: {entry!r}; allowed: a mapping with why and leaking_tests (node ids)")
         nodes = tuple(entry.get("leaking_tests") or ())
-        bad = [n for n in nodes if not str(n).startswith(path + "::")]
+        bad = [n for n in nodes if not str(n).startswith(path_ + "::")]
         if bad:
-            raise HostSuiteError(f"{at}.leaking_tests: {bad}; allowed: node ids of {path}")
-        own[path] = (" ".join(str(entry["why"]).split()), nodes)
-    return Expectations(suites, dict(data["excluded"] or {}), tuple(failures), own)
+            raise HostSuiteError(f"{at}.leaking_tests: {bad}; allowed: node ids of {path_}")
+        own[path_] = (" ".join(str(entry["why"]).split()), nodes)
+    return SuiteTable(tuple(files), dict(data.get("excluded") or {}), only_on, own)
+
+
+def suite_files(tree: str, key: Optional[str], table: SuiteTable) -> list:
+    """The candidate files this tree has, less those excluded for every host or for this host's key."""
+    found = []
+    for path_ in table.candidates:
+        if not os.path.isfile(os.path.join(tree, path_)) or path_ in table.excluded:
+            continue
+        if key is not None and f"{path_}@{key}" in table.excluded:
+            continue
+        if path_ in table.only_on and key not in table.only_on[path_]:
+            continue
+        found.append(path_)
+    return found
 
 
 @dataclass
@@ -163,6 +123,7 @@ class RunResult:
     problems: list = field(default_factory=list)
     leaked_threads: dict = field(default_factory=dict)  # node id -> names of threads it left running
     refused_signals: list = field(default_factory=list)  # what hostsuite_pytest.signal_guard refused
+    files: list = field(default_factory=list)  # the host test files the run ran
 
     def counts(self) -> dict:
         counts = {"passed": 0, "failed": 0, "skipped": 0}
@@ -209,7 +170,7 @@ def _run_env(run: str, results: str, scratch: str) -> dict:
     return env
 
 
-def _groups(files: list, expectations: Expectations) -> list:
+def _groups(files: list, expectations: SuiteTable) -> list:
     """[(files, node ids to run last)]: the files that share a process, then one process per ``own_process`` file.
 
     Some of the host's test files leave threads running after their tests (tests/engine/test_common_engine.py:
@@ -226,19 +187,17 @@ def _groups(files: list, expectations: Expectations) -> list:
     return groups
 
 
-def run_suite(
-    tree: str, host: str, run: str, expectations: Expectations, timeout: float = 900, only: Optional[list] = None
-) -> RunResult:
-    """Run the host's files for ``host`` under ``run`` in fresh pytest processes inside ``tree`` (one for the
-    files that can share a process, one per ``own_process`` file); ``only``: just these node ids, in one process."""
-    files = [f for f in expectations.suites[host] if os.path.isfile(os.path.join(tree, f))]
-    missing = sorted(set(expectations.suites[host]) - set(files))
-    if missing:
-        raise HostSuiteError(f"the host tree {tree} has no {', '.join(missing)}; allowed: the files of host_suites.yaml")
-    groups = [(list(only), ())] if only else _groups(files, expectations)
+def run_suite(tree: str, key: Optional[str], run: str, table: SuiteTable, timeout: float = 900,
+              only: Optional[list] = None) -> RunResult:
+    """Run the host's files under ``run`` in fresh pytest processes inside ``tree`` (one for the files that can share
+    a process, one per ``own_process`` file); ``only``: just these node ids, in one process."""
+    files = suite_files(tree, key, table)
+    if not files and not only:
+        raise HostSuiteError(f"the host tree {tree} has none of the host test files the suites run")
+    groups = [(list(only), ())] if only else _groups(files, table)
     outcomes, leaked, refused, installs, statuses, seconds, tails = {}, {}, [], [], [], 0.0, []
     for group, last in groups:
-        data, took, tail = _run_process(tree, host, run, group, last, timeout)
+        data, took, tail = _run_process(tree, key or "?", run, group, last, timeout)
         outcomes.update(data["outcomes"])
         leaked.update(data.get("leaked_threads") or {})
         refused.extend(data.get("refused_signals") or [])
@@ -250,9 +209,8 @@ def run_suite(
     if any(install != installs[0] for install in installs[1:]):
         problems.append(f"the processes of one run installed differently: {installs}")
     exitstatus = next((st for st in statuses if st not in (0, 1)), max(statuses))
-    result = RunResult(host, run, outcomes, installs[0], exitstatus, seconds, "\n".join(tails)[-6000:],
-                       problems, leaked, refused)
-    return result
+    return RunResult(key or "?", run, outcomes, installs[0], exitstatus, seconds, "\n".join(tails)[-6000:],
+                     problems, leaked, refused, files)
 
 
 # Shared-memory files the host's own tests leave in /dev/shm (FastDeploy's IPC locks and signals, named by port):
@@ -333,64 +291,136 @@ def _run_process(tree: str, host: str, run: str, files: list, last: tuple, timeo
     return data, seconds, tail
 
 
-def compare(result: RunResult, expectations: Expectations) -> list:
-    """Every way the run differs from the table (empty when it matches)."""
+def altered_tests(install: dict) -> dict:
+    """node id -> (change id, :class:`fdsched.patches.AlteredTest`) for the tests the changes a run applied alter
+    on purpose (``install``: what the run's process installed: decisions and what the host has)."""
+    from fdsched.patches import CATALOGUE
+
+    found = {}
+    decisions, has = install.get("decisions") or {}, install.get("has") or {}
+    for spec in CATALOGUE:
+        for altered in spec.alters_tests:
+            if altered.applies(decisions.get(spec.change_id, "host"), bool(has.get(spec.change_id))):
+                found[altered.test] = (spec.change_id, altered)
+    return found
+
+
+def compare(result: RunResult, baseline: RunResult) -> tuple:
+    """(problems, altered): how ``result`` differs from the ``no-plugin`` run of the same tree. A test that passed
+    without the plugin and does not pass in ``result`` is a problem unless a change the run applied declares it
+    altered (then it is in ``altered``: node id -> why)."""
     problems = list(result.problems)
     install = result.install
+    if install.get("refused"):  # the profile is refused on this host, in one line, before anything is patched
+        return problems, {}
     if result.run == NO_PLUGIN:
         if install.get("installed"):
             problems.append(f"fdsched was installed although FD_PLUGINS was unset: {install.get('summary')}")
     elif not install.get("installed"):
-        problems.append("FastDeploy's loader did not install fdsched (FD_PLUGINS=fdsched)")
+        problems.append(f"FastDeploy's loader did not install fdsched (FD_PLUGINS=fdsched): {install.get('error') or 'no install'}")
     elif install.get("profile") != (None if result.run == DEFAULT_RUN else result.run):
         problems.append(f"installed with profile {install.get('profile')!r}, expected {result.run!r}")
     if result.exitstatus not in (0, 1):  # 2-4: interrupted, internal or usage error; 5: nothing collected
         problems.append(f"pytest exit status {result.exitstatus} (not a test failure: collection or usage error)")
-    for path in expectations.suites[result.host]:
-        if not any(node.split("::", 1)[0] == path for node in result.outcomes):
-            problems.append(f"{path}: no test ran")
-    expected = expectations.expected_failures(result.host, result.run)
-    for node, outcome in sorted(result.outcomes.items()):
-        if outcome == "failed" and node not in expected:
-            problems.append(f"unexpected failure: {node}")
-        elif outcome != "failed" and node in expected:
-            entry = expected[node]
-            problems.append(f"expected to fail ({entry.cause}{f', PR {entry.upstream_pr}' if entry.upstream_pr else ''}) but {outcome}: {node}")
-    for node in sorted(set(expected) - set(result.outcomes)):
-        problems.append(f"expected failure did not run: {node}")
-    return problems
+    for path_ in result.files:
+        if not any(node.split("::", 1)[0] == path_ for node in result.outcomes):
+            problems.append(f"{path_}: no test ran")
+    declared = altered_tests(install) if result.run != NO_PLUGIN else {}
+    altered = {}
+    for node, before in sorted(baseline.outcomes.items()):
+        after = result.outcomes.get(node)
+        if before != "passed" or after == "passed":
+            continue
+        if node in declared:
+            change_id, entry = declared[node]
+            altered[node] = f"{change_id} (PR {entry.upstream_pr}): {entry.why}"
+        else:
+            problems.append(f"passes without the plugin, {after or 'did not run'} with it: {node}")
+    return problems, altered
 
 
-def run_and_compare(tree: str, host: str, run: str, expectations: Expectations, timeout: float = 900) -> tuple:
-    """(result, problems): one run held against the table. No retry: a failure is a failure (the thread-leaking
-    files run in processes of their own, see :func:`_groups`)."""
-    result = run_suite(tree, host, run, expectations, timeout)
-    return result, compare(result, expectations)
+def run_and_compare(tree: str, key: Optional[str], run: str, table: SuiteTable, baseline: RunResult,
+                    timeout: float = 900) -> tuple:
+    """(result, problems, altered): one run held against the ``no-plugin`` run. No retry: a failure is a failure
+    (the thread-leaking files run in processes of their own, see :func:`_groups`)."""
+    result = baseline if run == NO_PLUGIN else run_suite(tree, key, run, table, timeout)
+    problems, altered = compare(result, baseline)
+    return result, problems, altered
+
+
+def check_loader(tree: str, plugins: Optional[str], timeout: float = 300) -> dict:
+    """What FastDeploy's own plugin loader does in a fresh process with ``FD_PLUGINS`` = ``plugins`` (None: unset):
+    ``{"installed": bool, "summary" / "error": ..., "exit": int}``. On a host whose loader loads every plugin when
+    ``FD_PLUGINS`` is unset (2.2, 2.3), the plugin must still do nothing then."""
+    code = (
+        "import json, sys\n"
+        "from fastdeploy.plugins.model_register import load_model_register_plugins\n"
+        "load_model_register_plugins()\n"
+        "from fdsched.install.installer import current\n"
+        "r = current()\n"
+        "print('FDSCHED_LOADER ' + json.dumps({'installed': r is not None, 'summary': r.summary() if r else None}))\n"
+    )
+    with tempfile.TemporaryDirectory(prefix="fdsched-loader-") as scratch:
+        env = _run_env(DEFAULT_RUN if plugins else NO_PLUGIN, os.path.join(scratch, "unused.json"), scratch)
+        env.pop("FD_PLUGINS", None)
+        if plugins is not None:
+            env["FD_PLUGINS"] = plugins
+        env["PYTHONPATH"] = os.pathsep.join([tree] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+        proc = subprocess.run([sys.executable, "-c", code], cwd=scratch, env=env, capture_output=True, text=True,
+                              timeout=timeout, start_new_session=True)
+    for line in proc.stdout.splitlines():
+        if line.startswith("FDSCHED_LOADER "):
+            data = json.loads(line.split(" ", 1)[1])
+            data["exit"] = proc.returncode
+            return data
+    tail = (proc.stderr.strip().splitlines() or ["?"])[-1]
+    return {"installed": False, "error": tail, "exit": proc.returncode}
+
+
+def most_applying_profile() -> Optional[str]:
+    """The shipped profile that applies the most changes on the probed host (plugin code in the most places; ties:
+    recommended first, then by name), None when every profile is refused there."""
+    from fdsched.core.settings import load_settings, shipped_profiles
+    from fdsched.install.installer import InstallError, decide
+    from fdsched.install.probe import probe
+
+    info = probe()
+    best, best_count = None, -1
+    for name in sorted(shipped_profiles(), key=lambda n: (n != "recommended", n)):
+        try:
+            decisions = decide(load_settings({}, profile=name), info)
+        except InstallError:
+            continue
+        count = sum(1 for d in decisions.values() if d.impl != "host")
+        if count > best_count:
+            best, best_count = name, count
+    return best
 
 
 # ---- CLI -----------------------------------------------------------------------------------------
 def add_command(host_sub) -> None:
     test = host_sub.add_parser(
         "test",
-        help="run the host's own test files with fdsched loaded, under every profile, against host_suites.yaml",
+        help="run the host's own test files without and with fdsched (per profile): no test that passes without it may fail with it",
     )
-    test.add_argument("--run", nargs="+", metavar="RUN", help=f"runs to make (default: all: {NO_PLUGIN}, {DEFAULT_RUN}, every profile)")
+    test.add_argument("--run", nargs="+", metavar="RUN",
+                      help=f"runs to make besides {NO_PLUGIN} (default: {DEFAULT_RUN} and the profile that applies the "
+                           "most changes on this host)")
+    test.add_argument("--all-profiles", action="store_true", help="every run: default and every shipped profile")
     test.add_argument("--timeout", type=float, default=900, help="seconds per run (default 900)")
     test.set_defaults(func=cmd_test)
 
 
 def host_tree_and_key() -> tuple:
-    """(source tree, old/new) of the host fdsched finds; raises HostSuiteError when it is not a supported tree."""
+    """(source tree, the host's short name or None for an unknown commit, label) of the host fdsched finds; raises
+    HostSuiteError when it is not a source tree with tests."""
     from fdsched.install.probe import probe
     from fdsched.install.hosts import host_key
 
     info = probe()
     if not os.path.isdir(os.path.join(info.location, "tests")):
         raise HostSuiteError(f"{info.label} has no tests/ folder: the host suites need a FastDeploy source tree (fdsched host setup)")
-    key = host_key(info.commit)
-    if key is None:
-        raise HostSuiteError(f"{info.label}: no expectations for this commit; allowed: the old (e7c8dc2) or new (d38eeb8) host")
-    return info.location, key, info.label
+    return info.location, host_key(info.commit), info.label
 
 
 def cmd_test(args) -> int:
@@ -400,30 +430,60 @@ def cmd_test(args) -> int:
         print("fdsched host test: error: pytest is not installed here; allowed: pip install pytest (or, in a checkout of this project: pip install '.[test]')",
               file=sys.stderr)
         return EXIT_ERROR
-    expectations = load_expectations()
-    tree, key, label = host_tree_and_key()
-    runs = args.run or run_names()
+    table = load_table()
+    from fdsched.install.probe import probe
+
+    info = probe()
+    tree, key, label = info.location, None, info.label
+    from fdsched.install.hosts import host_key
+
+    key = host_key(info.commit)
+    if args.all_profiles:
+        runs = run_names()[1:]
+    elif args.run:
+        runs = [r for r in args.run if r != NO_PLUGIN]
+    else:
+        runs = [DEFAULT_RUN] + [p for p in [most_applying_profile()] if p]
     unknown = [r for r in runs if r not in run_names()]
     if unknown:
         print(f"fdsched host test: error: --run {unknown}; allowed: {', '.join(run_names())}", file=sys.stderr)
         return EXIT_ERROR
-    print(f"host suites on {label} ({key} host): {len(expectations.suites[key])} files, {len(runs)} runs")
-    rows, failed = [], False
-    for run in runs:
-        result, problems = run_and_compare(tree, key, run, expectations, timeout=args.timeout)
+    failed = False
+    loader = {plugins: check_loader(tree, plugins, args.timeout) for plugins in (None, "fdsched")}
+    print(f"host suites on {label} ({info.support})")
+    print(f"  FastDeploy's loader, FD_PLUGINS unset: {'INSTALLED (wrong)' if loader[None]['installed'] else 'not installed'}"
+          f"; FD_PLUGINS=fdsched: {'installed' if loader['fdsched']['installed'] else 'not installed: ' + str(loader['fdsched'].get('error'))}")
+    if loader[None]["installed"] or loader[None]["exit"] != 0 or loader["fdsched"]["exit"] != 0:
+        failed = True
+        print(f"  loader problem: {loader}")
+    files = suite_files(tree, key, table) if os.path.isdir(os.path.join(tree, "tests")) else []
+    if not files:
+        print(f"  this tree has none of the host test files the suites run ({len(table.candidates)} candidates): "
+              "nothing to compare")
+        print("host suites: " + ("FAILED" if failed else "no suites in this tree; the loader checks passed"))
+        return EXIT_ERROR if failed else EXIT_OK
+    print(f"  {len(files)} files; runs: {NO_PLUGIN}, {', '.join(runs)}")
+    baseline = run_suite(tree, key, NO_PLUGIN, table, args.timeout)
+    rows = []
+    for run in [NO_PLUGIN] + runs:
+        result, problems, altered = run_and_compare(tree, key, run, table, baseline, timeout=args.timeout)
         counts = result.counts()
-        expected = sum(1 for node in expectations.expected_failures(key, run) if result.outcomes.get(node) == "failed")
-        rows.append((run, counts["passed"], counts["failed"], expected, counts["skipped"], len(problems), f"{result.seconds:.1f}"))
+        rows.append((run, counts["passed"], counts["failed"], counts["skipped"], len(altered), len(problems),
+                     f"{result.seconds:.1f}"))
         for node, threads in sorted(result.leaked_threads.items()):
-            where = "own process" if node.split("::", 1)[0] in expectations.own_process else "SHARED process"
+            where = "own process" if node.split("::", 1)[0] in table.own_process else "SHARED process"
             print(f"  {run}: left threads running ({where}): {node}: {', '.join(threads)}")
         for call in result.refused_signals:
             print(f"  {run}: refused a signal to a process the suite did not start: {call}")
+        if result.install.get("refused"):
+            print(f"  {run}: refused at load, nothing patched: {result.install['refused']}")
+        for node, why in altered.items():
+            print(f"  {run}: altered on purpose: {node}: {why}")
         for problem in problems:
             print(f"  {run}: {problem}")
         if problems:
             failed = True
             print(result.output_tail)
-    print(text_table(rows, ("run", "passed", "failed", "expected failures", "skipped", "problems", "seconds")))
-    print("host suites: " + ("FAILED" if failed else "all outcomes as expected"))
+    print(text_table(rows, ("run", "passed", "failed", "altered", "skipped", "problems", "seconds")))
+    print("host suites: " + ("FAILED" if failed else "no test that passes without the plugin fails with it"))
     return EXIT_ERROR if failed else 0

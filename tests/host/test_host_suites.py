@@ -1,16 +1,19 @@
-"""The host's own test files, run with fdsched loaded through FastDeploy's loader, held against the table.
+"""The host's own test files, run without and with fdsched loaded through FastDeploy's loader: a differential test.
 
-One test per run (``no-plugin``, ``default`` and every shipped profile): a fresh pytest process inside
-the host's source tree runs the files ``fdsched/host_suites.yaml`` lists for this host, and every
-outcome must match the table (see :mod:`fdsched.tools.hostsuites`). No retry: the host's thread-leaking files run in
-processes of their own (``own_process`` in the table), their leaking tests last, so outcomes do not depend on load.
+One ``no-plugin`` run (FD_PLUGINS unset: the host alone), then one test per run with the plugin (``default`` and
+every shipped profile): a fresh pytest process inside the host's source tree runs the files of
+``fdsched/tools/host_suites.yaml`` that the tree has, and no test that passes without the plugin may fail with it,
+unless a change the run applies declares it altered (see :mod:`fdsched.tools.hostsuites`). No retry: the host's
+thread-leaking files run in processes of their own, their leaking tests last, so outcomes do not depend on load.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from fdsched.tools.hostsuites import host_tree_and_key, load_expectations, run_and_compare, run_names
+from fdsched.tools.hostsuites import (
+    NO_PLUGIN, check_loader, host_tree_and_key, load_table, run_and_compare, run_names, run_suite,
+)
 
 
 @pytest.fixture(scope="module")
@@ -19,10 +22,28 @@ def host_tree():
     return tree, key
 
 
-@pytest.mark.parametrize("run", run_names())
-def test_host_suite_outcomes_match_the_table(host_tree, run):
+@pytest.fixture(scope="module")
+def baseline(host_tree):
     tree, key = host_tree
-    expectations = load_expectations()
-    result, problems = run_and_compare(tree, key, run, expectations)
+    return run_suite(tree, key, NO_PLUGIN, load_table())
+
+
+def test_the_host_alone_runs_the_suites(baseline):
+    assert not baseline.install.get("installed"), baseline.install
+    assert baseline.counts()["passed"] > 300  # the files really ran
+
+
+@pytest.mark.parametrize("run", run_names()[1:])
+def test_no_test_that_passes_without_the_plugin_fails_with_it(host_tree, baseline, run):
+    tree, key = host_tree
+    result, problems, _altered = run_and_compare(tree, key, run, load_table(), baseline)
     assert not problems, "\n".join(problems) + "\n--- pytest output (tail) ---\n" + result.output_tail
-    assert result.counts()["passed"] > 300  # the files really ran
+    assert result.install.get("installed") or result.install.get("refused")
+
+
+def test_fastdeploys_loader_installs_the_plugin_only_when_fd_plugins_names_it(host_tree):
+    tree, _key = host_tree
+    unset, named, other = (check_loader(tree, plugins) for plugins in (None, "fdsched", "someone_else"))
+    assert not unset["installed"] and unset["exit"] == 0, unset
+    assert named["installed"] and named["exit"] == 0 and "fdsched installed" in named["summary"], named
+    assert not other["installed"] and other["exit"] == 0, other

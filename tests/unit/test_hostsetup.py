@@ -196,3 +196,18 @@ def test_registry_is_json_with_the_record(tmp_path, home):
     data = json.loads((home / "hosts.json").read_text())
     assert data["active"] == COMMIT
     assert data["hosts"][COMMIT]["sha256"] == hashlib.sha256((tmp_path / f"FastDeploy-{COMMIT}.tar.gz").read_bytes()).hexdigest()
+
+
+def test_optional_requirements_follow_the_hosts_own_requirements(tmp_path):
+    """A line whose requirements.txt names an optional package gets fdsched's pinned CPU one; others get nothing."""
+    from fdsched.tools.hostsetup import _requirement_name, optional_requirements
+
+    assert _requirement_name("opentelemetry_Exporter.otlp[x]>=1.2 ; python_version>'3'") == "opentelemetry-exporter-otlp"
+    assert _requirement_name("# comment") is None and _requirement_name("-r other.txt") is None
+    table = tmp_path / "table.txt"
+    table.write_text("# comment\nfoo-bar -> foo-bar-cpu==1.0\nbaz -> baz==2\n", encoding="utf-8")
+    tree = tmp_path / "tree"
+    tree.mkdir()
+    assert optional_requirements(tree, table) == []  # no requirements.txt at all
+    (tree / "requirements.txt").write_text("numpy\nFoo_Bar>=0.1\n", encoding="utf-8")
+    assert optional_requirements(tree, table) == ["foo-bar-cpu==1.0"]

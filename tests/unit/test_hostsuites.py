@@ -7,130 +7,123 @@ import pytest
 from fdsched.tools.hostsuites import (
     DEFAULT_RUN,
     NO_PLUGIN,
+    SUITES,
     HostSuiteError,
     RunResult,
+    altered_tests,
     compare,
-    load_expectations,
+    load_table,
     run_names,
+    suite_files,
 )
 from fdsched.core.settings import shipped_profiles
 
-TABLE = load_expectations()
-PLUGIN_FAIL = "tests/v1/test_resource_manager_v1.py::TestResourceManagerV1Additional::test_trigger_preempt_records_tasks"
+TABLE = load_table()
+ALTERED = "tests/v1/test_resource_manager_v1.py::TestResourceManagerV1Additional::test_trigger_preempt_records_tasks"
+FILES = ["tests/a.py", "tests/b.py"]
 
 
 def test_runs_are_no_plugin_default_and_every_profile():
     assert run_names() == [NO_PLUGIN, DEFAULT_RUN] + list(shipped_profiles())
 
 
-def test_table_entries_name_their_cause():
-    assert TABLE.failures, "the table lists the known failures"
-    for entry in TABLE.failures:
-        assert entry.why
-        if entry.cause == "plugin":
-            assert isinstance(entry.upstream_pr, int)
-            assert NO_PLUGIN not in entry.runs and "all" not in entry.runs
-    plugin_caused = [e for e in TABLE.failures if e.cause == "plugin"]
-    assert [(e.test, e.hosts, e.upstream_pr) for e in plugin_caused] == [(PLUGIN_FAIL, ("old",), 7783)]
-    # the control set of the issue is in both hosts' suites; the transfer manager's only on the old host
-    assert "tests/cache_manager/test_prefix_cache_manager.py" in TABLE.suites["old"]
-    assert "tests/cache_manager/test_cache_transfer_manager.py" in TABLE.suites["old"]
-    assert "tests/cache_manager/test_cache_transfer_manager.py" not in TABLE.suites["new"]
+def test_suite_files_are_the_candidates_the_tree_has_less_exclusions(tmp_path):
+    for path in ("tests/v1/test_resource_manager_v1.py", "tests/cache_manager/test_cache_transfer_manager.py",
+                 "tests/engine/test_resource_manager_v1.py"):
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).write_text("")
+    assert suite_files(str(tmp_path), "old", TABLE) == [
+        "tests/v1/test_resource_manager_v1.py", "tests/cache_manager/test_cache_transfer_manager.py"]
+    # only_on: the transfer manager's file hangs on later hosts; an unknown commit (key None) does not run it
+    assert suite_files(str(tmp_path), "new", TABLE) == ["tests/v1/test_resource_manager_v1.py"]
+    assert suite_files(str(tmp_path), None, TABLE) == ["tests/v1/test_resource_manager_v1.py"]
+    assert suite_files(str(tmp_path / "nothing"), None, TABLE) == []
 
 
-def test_plugin_caused_entries_list_exactly_the_runs_that_apply_their_change():
-    """A new profile that switches the change on must be added to the entry (and one that does not, must not)."""
-    from fdsched.core.settings import load_settings
-
-    for entry in TABLE.failures:
-        if entry.cause != "plugin":
-            continue
-        applying = []
-        for run in run_names():
-            if run == NO_PLUGIN:
-                continue
-            settings = load_settings(environ={}, profile=None if run == DEFAULT_RUN else run)
-            # the hosts of these entries lack the change, so auto applies it as on does
-            if settings.change_mode(entry.change) in ("auto", "on"):
-                applying.append(run)
-        assert sorted(entry.runs) == sorted(applying), (
-            f"{entry.test}: runs {sorted(entry.runs)} but the runs that apply {entry.change} are {sorted(applying)}; "
-            "update plugin/tools/host_suites.yaml"
-        )
-
-
-def _result(run, outcomes, host="old", installed=True, profile="same"):
-    files = TABLE.suites[host]
-    base = {f"{path}::test_x": "passed" for path in files}
+def _result(run, outcomes, installed=True, profile="same", decisions=None, has=None):
+    base = {f"{path}::test_x": "passed" for path in FILES}
+    base[ALTERED] = "passed"
     base.update(outcomes)
     install = {"installed": installed}
     if installed:
         install["profile"] = (None if run == DEFAULT_RUN else run) if profile == "same" else profile
-    return RunResult(host, run, base, install, 1 if "failed" in base.values() else 0, 1.0)
+        install["decisions"] = decisions or {}
+        install["has"] = has or {}
+    return RunResult("old", run, base, install, 1 if "failed" in base.values() else 0, 1.0, files=list(FILES))
 
 
-def _expected_failures(host, run):
-    return {node: "failed" for node in TABLE.expected_failures(host, run)}
+BASELINE = _result(NO_PLUGIN, {"tests/a.py::test_host_fails": "failed"}, installed=False)
 
 
-def test_a_run_that_matches_has_no_problems():
-    for run in ("recommended", "baseline"):
-        result = _result(run, _expected_failures("old", run))
-        assert compare(result, TABLE) == []
-    assert compare(_result(NO_PLUGIN, _expected_failures("old", NO_PLUGIN), installed=False), TABLE) == []
+def test_a_run_like_the_baseline_has_no_problems():
+    assert compare(_result("recommended", {"tests/a.py::test_host_fails": "failed"}), BASELINE) == ([], {})
+    assert compare(BASELINE, BASELINE) == ([], {})
 
 
-def test_unexpected_failure_and_unexpected_pass_are_problems():
-    outcomes = _expected_failures("old", "recommended")
-    outcomes[PLUGIN_FAIL] = "passed"
-    outcomes["tests/engine/test_resource_manager.py::test_other"] = "failed"
-    problems = compare(_result("recommended", outcomes), TABLE)
-    assert any(p.startswith("expected to fail (plugin, PR 7783) but passed") for p in problems)
-    assert "unexpected failure: tests/engine/test_resource_manager.py::test_other" in problems
+def test_a_test_that_passes_without_the_plugin_and_fails_with_it_is_a_problem():
+    problems, _ = compare(_result("baseline", {"tests/b.py::test_x": "failed"}), BASELINE)
+    assert problems == ["passes without the plugin, failed with it: tests/b.py::test_x"]
+    missing = _result("baseline", {})
+    del missing.outcomes["tests/b.py::test_x"]
+    assert "passes without the plugin, did not run with it: tests/b.py::test_x" in compare(missing, BASELINE)[0]
 
 
-def test_the_plugin_failure_is_unexpected_under_baseline():
-    outcomes = _expected_failures("old", "baseline")
-    outcomes[PLUGIN_FAIL] = "failed"
-    assert compare(_result("baseline", outcomes), TABLE) == [f"unexpected failure: {PLUGIN_FAIL}"]
+def test_a_failure_the_host_has_without_the_plugin_is_not_judged():
+    assert compare(_result("baseline", {"tests/a.py::test_host_fails": "failed"}), BASELINE)[0] == []
+
+
+def test_a_declared_alteration_applies_only_where_the_change_runs_the_plugins_version_on_a_host_without_it():
+    failing = {ALTERED: "failed"}
+    applied = _result("recommended", failing, decisions={"decode_only_preempt": "plugin"}, has={"decode_only_preempt": False})
+    problems, altered = compare(applied, BASELINE)
+    assert problems == [] and list(altered) == [ALTERED] and "7783" in altered[ALTERED]
+    for decisions, has in (({"decode_only_preempt": "host"}, {}), ({"decode_only_preempt": "plugin"}, {"decode_only_preempt": True})):
+        problems, altered = compare(_result("recommended", failing, decisions=decisions, has=has), BASELINE)
+        assert problems == [f"passes without the plugin, failed with it: {ALTERED}"] and altered == {}
+    assert set(altered_tests({"decisions": {"decode_only_preempt": "plugin"}, "has": {}})) == {ALTERED}
 
 
 def test_install_mismatches_are_problems():
-    run = "recommended"
-    assert "FastDeploy's loader did not install fdsched" in compare(_result(run, _expected_failures("old", run), installed=False), TABLE)[0]
-    assert "expected 'recommended'" in compare(_result(run, _expected_failures("old", run), profile="baseline"), TABLE)[0]
-    assert "although FD_PLUGINS was unset" in compare(_result(NO_PLUGIN, _expected_failures("old", NO_PLUGIN)), TABLE)[0]
+    assert "FastDeploy's loader did not install fdsched" in compare(_result("recommended", {}, installed=False), BASELINE)[0][0]
+    assert "expected 'recommended'" in compare(_result("recommended", {}, profile="baseline"), BASELINE)[0][0]
+    assert "although FD_PLUGINS was unset" in compare(_result(NO_PLUGIN, {}), BASELINE)[0][0]
+
+
+def test_a_refused_profile_is_its_one_line_not_a_failure():
+    refused = RunResult("develop", "baseline", {}, {"installed": False, "refused": "[fdsched] ... cannot ..."}, 5, 1.0,
+                        files=list(FILES))
+    assert compare(refused, BASELINE) == ([], {})
 
 
 def test_a_file_that_ran_nothing_is_a_problem():
-    result = _result("baseline", _expected_failures("old", "baseline"))
-    result.outcomes = {k: v for k, v in result.outcomes.items() if not k.startswith("tests/engine/test_common_engine.py")}
-    assert "tests/engine/test_common_engine.py: no test ran" in compare(result, TABLE)
+    result = _result("baseline", {})
+    result.outcomes = {k: v for k, v in result.outcomes.items() if not k.startswith("tests/b.py")}
+    assert "tests/b.py: no test ran" in compare(result, BASELINE)[0]
 
 
 def test_bad_table_entries_are_named(tmp_path):
-    text = open(__import__("fdsched.tools.hostsuites", fromlist=["x"]).EXPECTATIONS, encoding="utf-8").read()
-    bad = text.replace("cause: plugin", "cause: sometimes", 1)
+    text = SUITES.read_text(encoding="utf-8")
     path = tmp_path / "t.yaml"
-    path.write_text(bad)
-    with pytest.raises(HostSuiteError, match=r"expected_failures\[0\]\.cause: 'sometimes'; allowed: plugin, host"):
-        load_expectations(path)
-    path.write_text(text.replace("runs: [default, adaptive,", "runs: [default, nosuch,", 1))
-    with pytest.raises(HostSuiteError, match=r"expected_failures\[0\]\.runs: \['nosuch'\]"):
-        load_expectations(path)
+    path.write_text(text.replace("tests/cache_manager/test_cache_transfer_manager.py: [old]",
+                                 "tests/nosuch.py: [old]", 1))
+    with pytest.raises(HostSuiteError, match=r"only_on\.tests/nosuch\.py"):
+        load_table(path)
+    path.write_text("candidates: [not_tests/x.py]\n")
+    with pytest.raises(HostSuiteError, match=r"candidates: \['not_tests/x.py'\]"):
+        load_table(path)
 
 
 def test_thread_leaking_files_run_in_their_own_process_leaking_tests_last():
-    from fdsched.tools.hostsuites import _groups, load_expectations
+    from fdsched.tools.hostsuites import _groups
 
-    table = load_expectations()
+    table = TABLE
     assert "tests/engine/test_common_engine.py" in table.own_process
-    for host in ("old", "new"):
-        groups = _groups(list(table.suites[host]), table)
-        shared, _ = groups[0]
-        assert "tests/engine/test_common_engine.py" not in shared
-        assert (["tests/engine/test_common_engine.py"], table.own_process["tests/engine/test_common_engine.py"][1]) in groups
-        assert sorted(f for files, _ in groups for f in files) == sorted(table.suites[host])  # every file, once
+    files = list(table.candidates)
+    groups = _groups(files, table)
+    shared, _ = groups[0]
+    assert "tests/engine/test_common_engine.py" not in shared
+    assert (["tests/engine/test_common_engine.py"], table.own_process["tests/engine/test_common_engine.py"][1]) in groups
+    assert sorted(f for files_, _ in groups for f in files_) == sorted(files)  # every file, once
 
 
 def test_no_retry_hides_a_failure():
@@ -153,15 +146,13 @@ def test_the_pytest_plugin_moves_leaking_tests_last(monkeypatch):
 
 
 def test_own_process_entries_are_checked(tmp_path):
-    from fdsched.tools.hostsuites import EXPECTATIONS, HostSuiteError, load_expectations
-
-    text = EXPECTATIONS.read_text(encoding="utf-8").replace(
+    text = SUITES.read_text(encoding="utf-8").replace(
         "      - tests/engine/test_common_engine.py::TestCommonEngineAdditionalCoverage::test_launch_components_dp_mode",
         "      - tests/other.py::test_x", 1)
     bad = tmp_path / "t.yaml"
     bad.write_text(text, encoding="utf-8")
     with pytest.raises(HostSuiteError, match="leaking_tests"):
-        load_expectations(bad)
+        load_table(bad)
 
 
 def test_each_host_suite_process_gets_its_own_engine_queue_ports(tmp_path, monkeypatch):
