@@ -55,7 +55,7 @@ def spec_for(change_id: str) -> PatchSpec:
 
 
 def mixins_for(target: str, impl: Optional[dict] = None, host_has: Optional[dict] = None, settings=None,
-               host_cls=None) -> tuple:
+               host_cls=None, host_classes: Optional[dict] = None) -> tuple:
     """The mixins of ``target``'s plugin class, outermost first: later catalogue entries wrap earlier ones.
 
     ``impl`` (change id -> "host" / "plugin" / "off": one arm's decisions) selects what that arm's class gets
@@ -63,7 +63,8 @@ def mixins_for(target: str, impl: Optional[dict] = None, host_has: Optional[dict
     for a :class:`Variant`; a change whose impl gets no mixin is left out); ``host_cls`` (the host's class)
     picks each :class:`Shapes`' mixin for the host's method shapes, and leaves out a mixin whose overrides do not
     fit it (the installer has declined such a change already; for impl "host" the mixin only counts). Without
-    ``impl``, every change's base mixin. Where two changes override the same method this order decides who sees
+    ``impl``, every change's base mixin. ``host_classes`` (every target's host class) lets a :class:`Shapes` pick
+    by the host methods and globals its mixins use too. Where two changes override the same method this order decides who sees
     whose calls; a unit test pins it per shared method and says why it must be so.
     """
     if impl is None:
@@ -73,7 +74,7 @@ def mixins_for(target: str, impl: Optional[dict] = None, host_has: Optional[dict
     for spec in reversed(CATALOGUE):
         chosen = spec.mixin_of(target, impl[spec.change_id], bool(has.get(spec.change_id)), settings)
         if host_cls is not None:
-            chosen, _problem = pick_shape(chosen, host_cls)
+            chosen, _problem = pick_shape(chosen, host_cls, target, host_classes)
         elif isinstance(chosen, Shapes):
             chosen = chosen[0]
         if chosen is not None:

@@ -100,12 +100,13 @@ def call_problem(host_cls, method: str, args: tuple) -> Optional[str]:
 
 
 def declared(mixin, attr: str) -> dict:
-    """A mixin's ``fdsched_calls`` / ``fdsched_globals`` merged over the plugin classes it derives from."""
+    """A mixin's ``fdsched_calls`` / ``fdsched_globals`` merged over the plugin classes it derives from (a subclass
+    entry of None removes an inherited one)."""
     merged: dict = {}
     for cls in reversed(mixin.__mro__):
         if _is_plugin_class(cls):
             merged.update(vars(cls).get(attr, {}))
-    return merged
+    return {key: value for key, value in merged.items() if value is not None}  # None: a subclass no longer uses it
 
 
 def uses_problem(mixin, target: str, host_classes: dict) -> Optional[str]:
@@ -142,23 +143,26 @@ class Shapes(tuple):
     def __new__(cls, *mixins):
         return super().__new__(cls, mixins)
 
-    def pick(self, host_cls) -> tuple:
-        """(the mixin for ``host_cls``, None) or (None, why none fits)."""
+    def pick(self, host_cls, target: Optional[str] = None, host_classes: Optional[dict] = None) -> tuple:
+        """(the mixin for ``host_cls``, None) or (None, why none fits): the first whose overrides match the host and,
+        given the ``target`` it is for and every target's ``host_classes``, whose declared uses the host has."""
         first = None
         for mixin in self:
             problem = override_problem(mixin, host_cls)
+            if problem is None and host_classes is not None:
+                problem = uses_problem(mixin, target, host_classes)
             if problem is None:
                 return mixin, None
             first = first or problem
         return None, first
 
 
-def pick_shape(chosen, host_cls) -> tuple:
+def pick_shape(chosen, host_cls, target: Optional[str] = None, host_classes: Optional[dict] = None) -> tuple:
     """(mixin or None, problem or None) for a chosen mixin, :class:`Shapes` or None on ``host_cls``."""
     if chosen is None:
         return None, None
     if isinstance(chosen, Shapes):
-        return chosen.pick(host_cls)
+        return chosen.pick(host_cls, target, host_classes)
     return chosen, override_problem(chosen, host_cls)
 
 
@@ -256,10 +260,12 @@ class PatchSpec:
                         found.append(mixin)
         return tuple(found)
 
-    def choose(self, target: str, impl: str, host_cls, host_has: bool = False, settings=None) -> tuple:
+    def choose(self, target: str, impl: str, host_cls, host_has: bool = False, settings=None,
+               host_classes: Optional[dict] = None) -> tuple:
         """(the mixin this impl puts on ``host_cls`` or None, why it cannot or None): :meth:`mixin_of` with the
-        host's shape picked (:class:`Shapes`) and every override checked against the host's signature."""
-        return pick_shape(self.mixin_of(target, impl, host_has, settings), host_cls)
+        host's shape picked (:class:`Shapes`, by overrides and, given ``host_classes``, declared uses) and every
+        override checked against the host's signature."""
+        return pick_shape(self.mixin_of(target, impl, host_has, settings), host_cls, target, host_classes)
 
     def shape_problem(self, host_classes: dict, impl: str, host_has: bool = False, settings=None) -> Optional[str]:
         """Why this impl cannot run on the host, or None: every target's mixin checked (:meth:`choose`: the
@@ -267,7 +273,7 @@ class PatchSpec:
         (:func:`uses_problem`: the host methods they call, the host module globals they read)."""
         chosen = []
         for target, host_cls in host_classes.items():
-            mixin, problem = self.choose(target, impl, host_cls, host_has, settings)
+            mixin, problem = self.choose(target, impl, host_cls, host_has, settings, host_classes)
             if problem:
                 return problem
             if mixin is not None:

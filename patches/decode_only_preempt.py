@@ -47,7 +47,7 @@ import logging
 from fdsched.core.metrics import METRICS
 from fdsched.core.policies import NoVictimWarning, VictimCandidate
 
-from fdsched.patches._spec import AlteredTest, PatchSpec, Reliance, Variant
+from fdsched.patches._spec import AlteredTest, PatchSpec, Reliance, Shapes, Variant
 from fdsched.patches._base import PluginBase, host_global
 
 RM = "fastdeploy.engine.sched.resource_manager_v1"
@@ -172,7 +172,7 @@ class PolicyPreemptOldHostMixin(DecodeOnlyPreemptMixin):
             self.requests.pop(victim.request_id, None)
             self.req_dict.pop(victim.request_id, None)
             if save_output:
-                self.cache_manager.write_cache_to_storage_decode(victim)
+                self._fdsched_save_decode_victim(victim)
             self._free_blocks(victim)
         else:
             if save_output:
@@ -189,6 +189,22 @@ class PolicyPreemptOldHostMixin(DecodeOnlyPreemptMixin):
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(f"[fdsched] preempted {victim.request_id} at idx {victim.idx}; {self.info()}")
             self._info_each_block()
+
+    def _fdsched_save_decode_victim(self, victim) -> None:
+        self.cache_manager.write_cache_to_storage_decode(victim)
+
+
+class PolicyPreemptNoDecodeSaveMixin(PolicyPreemptOldHostMixin):
+    """:class:`PolicyPreemptOldHostMixin` on a host whose loop drops a decode node's victim without saving its output
+    cache to storage (FastDeploy 2.5: no ``write_cache_to_storage_decode``)."""
+
+    fdsched_calls = {"PrefixCacheManager.write_cache_to_storage_decode": None}
+
+    def _fdsched_save_decode_victim(self, victim) -> None:
+        """Nothing: this host's own loop saves nothing for a decode node's victim."""
+
+
+OLD_HOST_LOOP = Shapes(PolicyPreemptOldHostMixin, PolicyPreemptNoDecodeSaveMixin)
 
 
 class PreChangePreemptMixin(PolicyPreemptMixin):
@@ -240,7 +256,7 @@ SPEC = PatchSpec(
     # has the seam; one that lacks it gets the loop paraphrased, which needs no seam (chosen once, by the class).
     variants={
         "host": {"ResourceManagerV1": Variant.by_host(HostPreemptMixin, HostPreemptOldHostMixin)},
-        "plugin": {"ResourceManagerV1": Variant.by_host(PolicyPreemptMixin, PolicyPreemptOldHostMixin)},
+        "plugin": {"ResourceManagerV1": Variant.by_host(PolicyPreemptMixin, OLD_HOST_LOOP)},
         # only on a host that has the change (elsewhere off is the host's own code: impl "host")
         "off": {"ResourceManagerV1": PreChangePreemptMixin},
     },

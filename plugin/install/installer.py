@@ -264,7 +264,8 @@ def _arm_class(front, target: str, host_cls, common: dict, arm: Arm, impl: dict,
     from fdsched.patches._base import InitGuard, RequestOutcomesMixin
     from fdsched.patches._spec import override_problem
 
-    mixins = mixins_for(target, impl, common["_fdsched_host"].has, arm.settings, host_cls)  # outermost first; tests/unit/test_catalogue.py pins the order and why
+    info = common["_fdsched_host"]
+    mixins = mixins_for(target, impl, info.has, arm.settings, host_cls, info.host_classes)  # outermost first; tests/unit/test_catalogue.py pins the order and why
     if target == "ResourceManagerV1" and override_problem(RequestOutcomesMixin, host_cls) is None:
         mixins = (RequestOutcomesMixin,) + mixins  # measurement only (every arm, every profile); without the seam: none
     changes = ", ".join(m.__name__ for m in mixins) or "none: the host's own code"

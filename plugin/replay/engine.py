@@ -94,8 +94,12 @@ def build_manager(shape: EngineShape, dp_rank: int = 0, dp_size: Optional[int] =
         num_gpu_blocks_override=shape.num_gpu_blocks,
         max_num_batched_tokens=shape.max_num_batched_tokens,
     )
-    # On a CPU paddle wheel EngineArgs turns the V1 scheduler off in the process environment.
+    # On a CPU paddle wheel EngineArgs turns the V1 scheduler off in the process environment, and on hosts whose
+    # envs module reads variables lazily it also assigns envs.ENABLE_V1_KVCACHE_SCHEDULER = 0, a module attribute
+    # that from then on hides the variable (2.5's FDConfig.check then asserts max_num_batched_tokens >=
+    # max_model_len, a V0-only rule). Undo both: the V1 scheduler is what is replayed.
     os.environ["ENABLE_V1_KVCACHE_SCHEDULER"] = v1_flag or "1"
+    _drop_cpu_v1_override()
     args = asdict(engine_args)
 
     cache = CacheConfig(args)
@@ -138,6 +142,16 @@ def build_manager(shape: EngineShape, dp_rank: int = 0, dp_size: Optional[int] =
         local_data_parallel_id=dp_rank,
     )
     return manager
+
+
+def _drop_cpu_v1_override() -> None:
+    """Remove an ``ENABLE_V1_KVCACHE_SCHEDULER`` attribute that EngineArgs assigned on the host's lazy ``envs``
+    module (a module-level ``__getattr__`` reads the environment only while no such attribute exists)."""
+    import sys
+
+    envs = sys.modules.get("fastdeploy.envs")
+    if envs is not None and "__getattr__" in vars(envs) and "ENABLE_V1_KVCACHE_SCHEDULER" in vars(envs):
+        delattr(envs, "ENABLE_V1_KVCACHE_SCHEDULER")
 
 
 def _private_signal_suffix(dp_rank: int = 0) -> int:
