@@ -146,15 +146,18 @@ class Shapes(tuple):
     def pick(self, host_cls, target: Optional[str] = None, host_classes: Optional[dict] = None) -> tuple:
         """(the mixin for ``host_cls``, None) or (None, why none fits): the first whose overrides match the host and,
         given the ``target`` it is for and every target's ``host_classes``, whose declared uses the host has."""
-        first = None
+        shape_problems, use_problems = [], []
         for mixin in self:
             problem = override_problem(mixin, host_cls)
-            if problem is None and host_classes is not None:
-                problem = uses_problem(mixin, target, host_classes)
+            if problem is not None:
+                shape_problems.append(problem)
+                continue
+            problem = uses_problem(mixin, target, host_classes) if host_classes is not None else None
             if problem is None:
                 return mixin, None
-            first = first or problem
-        return None, first
+            use_problems.append(problem)
+        # the closest miss: a shape that matched the host's methods but uses something the host lacks
+        return None, (use_problems or shape_problems)[0]
 
 
 def pick_shape(chosen, host_cls, target: Optional[str] = None, host_classes: Optional[dict] = None) -> tuple:

@@ -486,6 +486,27 @@ def shipped_profiles() -> dict[str, Path]:
     return dict(sorted(found.items()))
 
 
+def engine_profiles() -> dict[str, str]:
+    """Shipped profile name -> the shipped profile an engine runs identically, for every profile.
+
+    Profiles that differ only in ``replay.*`` keys (settings only the replay reads: ``oracle``, ``unbounded``,
+    ``sglang-retract`` are ``recommended`` in an engine) build the same classes with the same values, so a test of
+    the engine or of the host's suites proves the same thing for each; the representative of a group is the one
+    whose replay keys are all defaults (else the first by name)."""
+    groups: dict = {}
+    for name in shipped_profiles():
+        settings = load_settings({}, profile=name)
+        engine_view = tuple(sorted((k, repr(v)) for k, v in settings.values.items() if not k.startswith("replay.")))
+        groups.setdefault(engine_view, []).append(settings)
+    chosen = {}
+    for members in groups.values():
+        plain = [m for m in members if not any(src != "default" for k, src in m.sources.items() if k.startswith("replay."))]
+        representative = (plain or members)[0].profile
+        for member in members:
+            chosen[member.profile] = representative
+    return dict(sorted(chosen.items()))
+
+
 def resolve_profile(value: str, origin: str = PROFILE_ENV) -> tuple[str, Path]:
     """A profile named by ``value`` (a shipped profile's name, or a YAML file's path) as (name, file); a bad value
     raises :class:`SettingsError` naming ``origin`` (the variable, option or key it came from) and what is allowed."""

@@ -93,7 +93,7 @@ class HostInfo:
         """Version when known, commit, and which supported host it is (no location)."""
         from fdsched.install.hosts import known_host
 
-        version = "" if self.version.lower() == "unknown" else f" {self.version}"
+        version = "" if self.version.lower() in ("unknown", "none", "") else f" {self.version}"
         commit = f", commit {self.commit[:9]}" if self.commit else ""
         return f"FastDeploy{version}{commit}"
 

@@ -64,9 +64,11 @@ class SuiteTable:
 
 
 def run_names() -> list:
-    from fdsched.core.settings import shipped_profiles
+    """``no-plugin``, ``default`` and every shipped profile an engine runs differently (a profile that differs from
+    another only in replay-only keys runs the same classes: :func:`fdsched.core.settings.engine_profiles`)."""
+    from fdsched.core.settings import engine_profiles
 
-    return [NO_PLUGIN, DEFAULT_RUN] + list(shipped_profiles())
+    return [NO_PLUGIN, DEFAULT_RUN] + sorted(set(engine_profiles().values()))
 
 
 def load_table(path: Path = SUITES) -> SuiteTable:

@@ -28,9 +28,11 @@ OPTIMISTIC = {"FD_INIT_NEW_TOKEN_RATIO": "0.1", "FD_MIN_NEW_TOKEN_RATIO": "0.05"
 
 
 def _shipped_profiles():
-    from importlib import resources
+    """Every shipped profile an engine runs differently (oracle, unbounded and sglang-retract differ from
+    recommended only in replay-only keys: the same classes and values here)."""
+    from fdsched.core.settings import engine_profiles
 
-    return sorted(p.name[:-5] for p in resources.files("fdsched.configs").iterdir() if p.name.endswith(".yaml"))
+    return sorted(set(engine_profiles().values()))
 
 
 def _pressure(eng, url, n=N_REQUESTS, seed=0):

@@ -23,8 +23,19 @@ ALTERED = "tests/v1/test_resource_manager_v1.py::TestResourceManagerV1Additional
 FILES = ["tests/a.py", "tests/b.py"]
 
 
-def test_runs_are_no_plugin_default_and_every_profile():
-    assert run_names() == [NO_PLUGIN, DEFAULT_RUN] + list(shipped_profiles())
+def test_runs_are_no_plugin_default_and_every_profile_an_engine_runs_differently():
+    from fdsched.core.settings import load_settings
+
+    runs = run_names()
+    assert runs[:2] == [NO_PLUGIN, DEFAULT_RUN] and "recommended" in runs and "baseline" in runs
+    # oracle, unbounded and sglang-retract are recommended plus replay-only keys: the same classes in an engine
+    assert not {"oracle", "unbounded", "sglang-retract"} & set(runs)
+    engine_view = lambda name: {k: v for k, v in load_settings({}, profile=name).values.items()  # noqa: E731
+                                if not k.startswith("replay.")}
+    for name in ("oracle", "unbounded", "sglang-retract"):
+        assert engine_view(name) == engine_view("recommended")
+    assert sorted(runs[2:]) == sorted(set(runs[2:])) and set(runs[2:]) <= set(shipped_profiles())
+    assert len(runs[2:]) == len({tuple(sorted(engine_view(r).items(), key=str)) for r in runs[2:]})
 
 
 def test_suite_files_are_the_candidates_the_tree_has_less_exclusions(tmp_path):
