@@ -575,9 +575,9 @@ class PreChangeReserveMixin(_BudgetedReserve):
         budget.running_chunk = (request.request_id, blocks)  # before 7783 it needed only its own blocks
         if self.cache_manager.can_allocate_gpu_blocks(blocks):
             return
-        preempted, tasks = [], []
+        preempted, tasks = [], self._fdsched_task_list()
         can_schedule = self._trigger_preempt(request, blocks, preempted, tasks)
-        if tasks:
+        if len(tasks):
             budget.preemptions.append((request, tasks))
         if preempted and budget.held_waiting is None:
             # Before 7783 a pass that preempted admitted nobody: hold the queue back until the pass ends. The
@@ -619,9 +619,16 @@ class PreChangeReserveMixin(_BudgetedReserve):
             self.waiting.extend(arrived)
         for chunk, tasks in budget.preemptions:
             # Before 7783 the preempt tasks went into the pass's list right before the chunk's own task.
-            at = next((i for i, task in enumerate(scheduled_reqs) if task is chunk), len(scheduled_reqs))
-            scheduled_reqs[at:at] = tasks
+            self._fdsched_insert_before(scheduled_reqs, chunk, tasks)
         budget.preemptions = []
+
+    def _fdsched_task_list(self):
+        """An empty container of the kind the host's ``_trigger_preempt`` appends preempt tasks to (a list)."""
+        return []
+
+    def _fdsched_insert_before(self, scheduled_reqs, chunk, tasks) -> None:
+        at = next((i for i, task in enumerate(scheduled_reqs) if task is chunk), len(scheduled_reqs))
+        scheduled_reqs[at:at] = tasks
 
     def _fdsched_end_pass(self, budget: _PreChangePass, scheduled_reqs) -> None:
         logger = host_global(RM, "llm_logger")
@@ -641,6 +648,43 @@ class PreChangeReserveMixin(_BudgetedReserve):
                 f"({budget.running_chunk[1]} blocks) after its block count"
             )
         super()._fdsched_end_pass(budget, scheduled_reqs)
+
+
+class PreChangeReserveBatchMixin(PreChangeReserveMixin):
+    """:class:`PreChangeReserveMixin` on a host whose pass collects its tasks in a ``BatchRequest`` (develop:
+    ``_trigger_preempt(..., batch_request)``, ``_log_console_scheduler_metrics(batch_request)``): the plugin's own
+    preemptions go into a ``BatchRequest`` of their own, and at the pass's end into the pass's, right before the
+    chunk's task, with any swap / evict metadata they carry."""
+
+    fdsched_globals = {RM: ("llm_logger", "BatchRequest")}
+
+    def _trigger_preempt(self, request, num_new_blocks, preempted_reqs, batch_request):
+        result = super(PreChangeReserveMixin, self)._trigger_preempt(request, num_new_blocks, preempted_reqs, batch_request)
+        self._fdsched_strategy.on_preemption()  # pre-change: at the end of every call, as the old host did
+        return result
+
+    def _log_console_scheduler_metrics(self, batch_request):
+        budget = self._fdsched_budget()
+        if budget is not None and not budget.finished:
+            self._fdsched_finish_pass(budget, batch_request)
+        return super(PreChangeReserveMixin, self)._log_console_scheduler_metrics(batch_request)
+
+    def _fdsched_task_list(self):
+        return host_global(RM, "BatchRequest")()
+
+    def _fdsched_insert_before(self, batch_request, chunk, tasks) -> None:
+        if isinstance(batch_request, list):  # the pass ended without its own (see _fdsched_end_pass)
+            return super()._fdsched_insert_before(batch_request, chunk, list(tasks))
+        requests = batch_request.requests
+        at = next((i for i, task in enumerate(requests) if task is chunk), len(requests))
+        requests[at:at] = tasks.requests
+        if tasks.cache_swap_metadata:
+            batch_request.append_swap_metadata([tasks.cache_swap_metadata])
+        if tasks.cache_evict_metadata:
+            batch_request.append_evict_metadata([tasks.cache_evict_metadata])
+
+
+PRE_CHANGE_SHAPES = Shapes(PreChangeReserveMixin, PreChangeReserveBatchMixin)
 
 
 # ---- the cache manager's side ----------------------------------------------------------------------------
@@ -704,8 +748,8 @@ def _pass_end(info):
     if problem:
         return problem
     seam = getattr(info.rm_class, "_log_console_scheduler_metrics", None)
-    if seam is None or "scheduled_reqs" not in inspect.signature(seam).parameters:
-        return "ResourceManagerV1._log_console_scheduler_metrics no longer takes scheduled_reqs"
+    if seam is None or not {"scheduled_reqs", "batch_request"} & set(inspect.signature(seam).parameters):
+        return "ResourceManagerV1._log_console_scheduler_metrics takes neither scheduled_reqs nor batch_request"
     return None
 
 
@@ -775,6 +819,6 @@ SPEC = PatchSpec(
             "PrefixCacheManager": CACHE_SHAPES,
         },
         # only on a host that has the change (elsewhere off is the host's own code: impl "host")
-        "off": {"ResourceManagerV1": PreChangeReserveMixin, "PrefixCacheManager": RatioReserveCacheMixin},
+        "off": {"ResourceManagerV1": PRE_CHANGE_SHAPES, "PrefixCacheManager": CACHE_SHAPES},
     },
 )

@@ -377,9 +377,10 @@ def add_commands(sub) -> None:
     use = host_sub.add_parser("use", help="make a set-up host the active one")
     use.add_argument("commit", help="a commit (or unique prefix), or old / new")
     use.set_defaults(func=cmd_use)
-    from fdsched.tools import hostsuites
+    from fdsched.tools import hostsuites, support
 
     hostsuites.add_command(host_sub)
+    support.add_command(host_sub)
 
 
 def cmd_setup(args) -> int:
