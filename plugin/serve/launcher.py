@@ -87,6 +87,16 @@ class EngineConfig:
     env: dict = field(default_factory=dict)  # extra environment for the served stack
 
 
+def _overlap_schedule_off() -> list:
+    """The api_server flag that keeps the overlap schedule off: ``--no-enable-overlap-schedule`` where the host's
+    default is on (2.6 and later); nothing where the flag is a plain switch that is off unless given (2.5)."""
+    try:
+        from fastdeploy.engine.args_utils import EngineArgs
+    except Exception:  # noqa: BLE001 - the launch itself will say what is wrong with the host
+        return ["--no-enable-overlap-schedule"]
+    return ["--no-enable-overlap-schedule"] if getattr(EngineArgs, "enable_overlap_schedule", True) else []
+
+
 def check_host_modules() -> str:
     """The host source directory; ServeError naming what is missing."""
     import importlib.util
@@ -206,7 +216,7 @@ class ServedEngine:
             "--max-num-batched-tokens", str(c.max_num_batched_tokens),
             "--engine-worker-queue-port", joined(2), "--cache-queue-port", joined(3),
             "--pd-comm-port", joined(4), "--rdma-comm-ports", joined(5),
-            "--no-enable-overlap-schedule",
+            *_overlap_schedule_off(),
             "--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching",
         ]
         if c.num_cpu_blocks:
