@@ -63,7 +63,12 @@ _ORDER = {"2.0": 0, "2.2": 2, "2.3": 3, "2.4": 4, "2.5": 5, "2.6": 6, "develop":
 
 
 def _sorted(rows: list) -> list:
-    return sorted(rows, key=lambda r: (_ORDER.get(r["line"], 8), r["commit"]))
+    """By line, then in the order fdsched.install.hosts lists the commits (old, new, head), unknown ones last."""
+    from fdsched.install.hosts import KNOWN_HOSTS
+
+    known = list(KNOWN_HOSTS)
+    return sorted(rows, key=lambda r: (_ORDER.get(r["line"], 8), known.index(r["commit"]) if r["commit"] in known
+                                       else len(known), r["commit"]))
 
 
 def summary_table(rows: list) -> str:
