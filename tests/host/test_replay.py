@@ -80,23 +80,35 @@ def test_pressure_preempts_under_baseline_but_never_a_prefill_under_recommended(
 
 
 @pytest.mark.requires_host_change("ratio_reserve")
-def test_upstream_ratio_reservation_stalls_a_prefill_node_and_the_plugin_does_not(replays, replay_host, tmp_path):
-    """7783's reservation on a prefill node (the new host's own code, ``auto`` there) counts every running
-    prefill's future decode tokens although the node never decodes: preallocation has already taken the
-    pool, a refused chunk schedules nothing, and the ratio never decays. The plugin reserves nothing there."""
+def test_a_prefill_node_drains_under_the_plugin_and_as_the_host_drains_it_where_it_does(replays, replay_host, tmp_path):
+    """7783's reservation on a prefill node (the host's own code, ``auto`` there) counts every running prefill's
+    future decode tokens although the node never decodes: on the new host (d38eeb8) and develop, preallocation has
+    already taken the pool, a refused chunk schedules nothing, and the ratio never decays: it stalls. The plugin
+    reserves nothing there. A later host (the 2.6 branch head, 7198b58) skips the reservation for a prefill node's
+    running chunks itself: there the host drains the node, and the plugin must decide exactly as it does."""
+    from fdsched.replay.figures import compute_figures
+
     assert replay_host.has["ratio_reserve"]  # deselected on a host without it (see tests/host/conftest.py)
     host_code = tmp_path / "ratio-host-code.yaml"
     host_code.write_text('changes: {ratio_reserve: "auto", decode_only_preempt: "auto"}\n')
-    trace, stalled = replays("pd-prefill", str(host_code))
-    assert not stalled.drained and stalled.stop_reason.startswith("stalled")
-    stall = stalled.stall
-    # Every stuck request is a running prefill that already holds all its blocks: only the
-    # reservation threshold keeps it from running.
-    assert stall["running"] > 0 and stall["running_prefilling"] == stall["running"]
-    assert stall["running_with_all_blocks"] == stall["running"]
-    assert stall["waiting"] == 0
-    _, fixed = replays("pd-prefill", "recommended")
-    assert fixed.drained
+    trace, host_run = replays("pd-prefill", str(host_code))
+    _, plugin_run = replays("pd-prefill", "recommended")
+    assert plugin_run.drained, plugin_run.stop_reason
+    if not host_run.drained:  # a host without the prefill-node branch
+        assert host_run.stop_reason.startswith("stalled")
+        stall = host_run.stall
+        # Every stuck request is a running prefill that already holds all its blocks: only the
+        # reservation threshold keeps it from running.
+        assert stall["running"] > 0 and stall["running_prefilling"] == stall["running"]
+        assert stall["running_with_all_blocks"] == stall["running"]
+        assert stall["waiting"] == 0
+        return
+    # a host with it: the same admissions step for step
+    host_figures, plugin_figures = compute_figures(host_run), compute_figures(plugin_run)
+    for key in ("steps_to_drain", "requests_finished", "preemptions", "prefix_hit_rate"):
+        assert host_figures[key] == plugin_figures[key], key
+    step = lambda s: (s.prefill_tokens, s.first_tokens, s.running, s.waiting, s.blocks_used)  # noqa: E731
+    assert [step(s) for s in host_run.steps] == [step(s) for s in plugin_run.steps]
 
 
 @pytest.mark.parametrize("profile", PROFILES)
