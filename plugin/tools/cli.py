@@ -1,4 +1,4 @@
-"""fdsched: doctor, patches, profiles, host setup, and the replay, benchmark and A/B report commands."""
+"""fdsched: doctor, patches, profiles, explain, host setup, and the replay, benchmark and A/B report commands."""
 
 from __future__ import annotations
 
@@ -272,11 +272,13 @@ def _add_optional_commands(sub) -> None:
     """Commands that live in their own modules (replay, traces, benchmarks)."""
     from fdsched.tools import abreport
     from fdsched.tools import bench
+    from fdsched.tools import explain
     from fdsched.tools import hostsetup
 
     bench.add_commands(sub)
     hostsetup.add_commands(sub)
     abreport.add_command(sub)
+    explain.add_command(sub)
     from fdsched.serve import cli as serve_cli  # fdsched serve (issue 15)
 
     serve_cli.add_command(sub)
