@@ -269,6 +269,7 @@ def cmd_eval(args) -> int:
     try:
         plan = load_windows(args.windows)
         arms = tuple(args.arms or plan.arms)
+        _refuse_duplicate_arms(list(arms), "--arms")
         for profile in arms:
             load_settings(environ={}, profile=profile)
         if args.cost_model is not None:
@@ -529,20 +530,20 @@ def _check_profiles(args, profiles: list, dp_arms: Optional[dict]) -> None:
             raise SettingsError(f"--dp-arms, rank {rank} (profile {profile}): {exc}") from None
 
 
-def _refuse_duplicate_arms(profiles: list) -> None:
-    """Each --profile arm once: the same profile twice (by name or by file), or two files whose arms would carry
-    the same label in the report, is refused. Raises SettingsError."""
+def _refuse_duplicate_arms(profiles: list, flag: str = "--profile") -> None:
+    """Each arm once: the same profile twice (by name or by file), or two files whose arms would carry the same
+    label in the report, is refused, naming ``flag``. Raises SettingsError."""
     from fdsched.core.settings import SettingsError, resolve_profile
 
     seen_files, seen_labels = {}, {}
     for value in profiles:
-        label, path = resolve_profile(value, "--profile")
+        label, path = resolve_profile(value, flag)
         key = Path(path).resolve()
         if key in seen_files:
-            raise SettingsError(f"--profile: bad value {value!r} (the same profile as {seen_files[key]!r}, given "
+            raise SettingsError(f"{flag}: bad value {value!r} (the same profile as {seen_files[key]!r}, given "
                                 "twice); allowed: each profile once (an arm per profile)")
         if label in seen_labels:
-            raise SettingsError(f"--profile: bad value {value!r} (its arm would be labelled {label!r}, as "
+            raise SettingsError(f"{flag}: bad value {value!r} (its arm would be labelled {label!r}, as "
                                 f"{seen_labels[label]!r}'s); allowed: profiles with distinct names")
         seen_files[key], seen_labels[label] = value, value
 

@@ -111,12 +111,14 @@ def parse_columns(text: str) -> dict:
 def parse_max_tokens(text: str):
     if text in ("unset", "true"):
         return text
+    from fdsched.replay.trace import MAX_TOKENS
+
     try:
         value = int(text)
     except ValueError:
         value = 0
-    if value < 1:
-        raise ImportError_(f"--max-tokens {text!r}; allowed: unset, true, or an integer >= 1")
+    if not 1 <= value <= MAX_TOKENS:
+        raise ImportError_(f"--max-tokens {text!r}; allowed: unset, true, or an integer in [1, {MAX_TOKENS}]")
     return value
 
 

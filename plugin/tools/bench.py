@@ -26,7 +26,7 @@ import heapq
 import statistics
 import time
 
-from fdsched.core.common import bounded_int, percentile
+from fdsched.core.common import bounded_float, bounded_int, percentile
 
 
 def _install(profile):
@@ -308,16 +308,8 @@ def _print_heap(heap: dict) -> None:
           f"gc thresholds {gc.get_threshold()}")
 
 
-def _nonneg_int(text: str) -> int:
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: allowed: an integer >= 0")
-    return value
+# --heap-objects: an engine holds a few hundred thousand; a hundred million is already ~10 GB of Python objects.
+_nonneg_int = bounded_int(0, 100_000_000)
 
 
 def _add_heap_args(parser) -> None:
@@ -358,7 +350,7 @@ def add_commands(sub) -> None:
     transfer = which.add_parser("transfer", help="transfer-done receiver: idle RPC rate and latency, host vs plugin")
     transfer.add_argument("--idle-seconds", type=float, default=5.0, help="how long to count the idle receiver's RPCs (default 5)")
     transfer.add_argument("--count", type=bounded_int(1, 1_000_000), default=200, help="transfer-done signals to time (default 200)")
-    transfer.add_argument("--interval", type=float, default=0.02, help="seconds between signals")
+    transfer.add_argument("--interval", type=bounded_float(0.0, 60.0), default=0.02, help="seconds between signals")
     transfer.set_defaults(func=_run_transfer)
 
 
@@ -387,6 +379,10 @@ def _run_evict(args) -> int:
 
 
 def _run_schedule(args) -> int:
+    from fdsched.core.settings import load_settings, resolve_profile
+
+    resolve_profile(args.profile, "--profile")  # a bad --profile: one line now, not after the host import
+    load_settings(environ={}, profile=args.profile)
     _prepare(args)
     modes = _gc_modes(args)
     result = bench_schedule(args.running, args.waiting, args.steps, args.repeat, args.block_size, args.profile, modes)

@@ -87,6 +87,8 @@ FILES = {
     "description-list.yaml": b"description: [a, b]\n",
     "tunable-range.yaml": b"host_tunables: {FD_INIT_NEW_TOKEN_RATIO: 7}\n",
     "estimator.yaml": b"tunables: {reserve_estimator: magic}\n",
+    "huge-int.yaml": b"tunables: {adaptive_window: 99999999999999999999}\n",
+    "inf-cost.yaml": b"replay: {step_fixed_ms: .inf}\n",
     "not-a-tar.tar.gz": b"this is a text file, not an archive\n" * 4,
     "truncated.tar.gz": _tar(GOOD_TREE)[:60],
     "absolute.tar.gz": _tar({**GOOD_TREE, "/etc/evil": b"x"}),
@@ -156,6 +158,12 @@ def _cases() -> list:
     add("trace-import-rate-scale-huge", ["trace", "import", "{azure.csv}", "--format", "azure", "--out",
                                          "{tmp}/o.jsonl", "--rate-scale", "1e30"], "--rate-scale", 2)
     add("bench-evict-sizes-negative", ["bench", "evict", "--sizes", "-1"], "--sizes", 2)
+    add("eval-duplicate-arms", ["eval", "--arms", "baseline", "recommended", "baseline"], "given twice")
+    add("bench-schedule-unknown-profile", ["bench", "schedule", "--profile", "nosuch"], "--profile")
+    add("bench-evict-heap-huge", ["bench", "evict", "--heap-objects", "1" + "0" * 20], "--heap-objects", 2)
+    add("bench-transfer-interval-nan", ["bench", "transfer", "--interval", "nan"], "--interval", 2)
+    add("trace-import-max-tokens-huge", ["trace", "import", "{azure.csv}", "--format", "azure", "--out", "{tmp}/o.jsonl",
+                                         "--max-tokens", "1" + "0" * 20], "--max-tokens")
     add("bench-schedule-steps-huge", ["bench", "schedule", "--steps", "1" + "0" * 20], "--steps", 2)
     add("trace-generate-kind", ["trace", "generate", "--kind", "nosuch"], "--kind", 2)
     add("trace-generate-requests", ["trace", "generate", "--kind", "pressure", "--requests", "0"], "--requests", 2)
@@ -187,6 +195,9 @@ def _cases() -> list:
         ("FDSCHED_TRANSFER_WAIT_SECONDS", "0", "FDSCHED_TRANSFER_WAIT_SECONDS"),
         ("FDSCHED_TRANSFER_FORCE_DIRECT_RECYCLE", "2", "FDSCHED_TRANSFER_FORCE_DIRECT_RECYCLE"),
         ("FDSCHED_RECYCLE_HEAPIFY_MIN_BATCH", "0", "FDSCHED_RECYCLE_HEAPIFY_MIN_BATCH"),
+        ("FDSCHED_ADAPTIVE_WINDOW", "99999999999999999999", "at most 2147483647"),
+        ("FD_CLIP_MAX_NEW_TOKENS", "99999999999999999999", "FD_CLIP_MAX_NEW_TOKENS"),
+        ("FD_INIT_NEW_TOKEN_RATIO", "inf", "FD_INIT_NEW_TOKEN_RATIO"),
         ("FDSCHED_PROFILE", "nosuch", "nosuch"),
         ("FDSCHED_PROFILE", "/nonexistent/p.yaml", "no such profile file"),
         ("FDSCHED_PROFILE", "{tmp}/", "directory"),
@@ -206,6 +217,7 @@ def _cases() -> list:
         ("duplicate.yaml", "given twice"), ("syntax.yaml", "line"), ("utf16.yaml", "UTF-16"), ("binary.yaml", "binary"),
         ("latin1.yaml", "not UTF-8"), ("changes-scalar.yaml", "changes"), ("description-list.yaml", "description"),
         ("tunable-range.yaml", "FD_INIT_NEW_TOKEN_RATIO"), ("estimator.yaml", "reserve_estimator"),
+        ("huge-int.yaml", "tunables.adaptive_window"), ("inf-cost.yaml", "replay.step_fixed_ms"),
     ]:
         add(f"profile-{name}", ["profiles", "{%s}" % name], expect)
     add("replay-profile-empty", ["replay", "--profile", "{empty.yaml}"], "empty")
