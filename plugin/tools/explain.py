@@ -134,6 +134,19 @@ def explain_class(target: str, arm_cls: type, host_cls: type, change_mixins: Seq
 
 
 NOT_OVERRIDDEN = "not overridden by this change"
+TEXT_WIDTH = 100  # the text output's lines, where a chain allows (a class name is never split)
+
+
+def _wrap_chain(head: str, items: Sequence[str], width: int = TEXT_WIDTH) -> list:
+    """``head`` then ``a -> b -> c``, broken before an arrow when a line would pass ``width``."""
+    lines, line = [], head + items[0]
+    for item in items[1:]:
+        if len(line) + 4 + len(item) > width:
+            lines.append(line)
+            line = " " * (len(head) + 2) + "-> " + item
+        else:
+            line += " -> " + item
+    return lines + [line]
 
 
 def format_explanation(title: str, targets: Sequence[TargetExplanation], markdown: bool = False) -> str:
@@ -169,7 +182,7 @@ def format_explanation(title: str, targets: Sequence[TargetExplanation], markdow
             out.append(f"    {len(t.chain) + 1:>2}. the host's own bases: " + ", ".join(t.host_bases))
             out.append("  overridden host methods (definitions in the order they run):")
             for name, definers in t.overrides:
-                out.append(f"    {name}: " + " -> ".join(definers))
+                out += _wrap_chain(f"    {name}: ", definers)
             out.append("  per change (decision; mixin; host method: implemented by):")
             for row in t.changes:
                 out.append(f"    {row.change_id}: {row.detail}; mixin: {row.mixin or 'none'}")
@@ -297,8 +310,8 @@ def cmd_explain(args) -> int:
         return EXIT_ERROR
     if args.dp_rank is not None and args.profile is None and args.dp_rank not in arm_settings:
         ranks = ", ".join(str(r) for r in sorted(arm_settings)) or "none set"
-        print(f"note: dp rank {args.dp_rank} has no arm of its own in FDSCHED_PROFILE_BY_DP_RANK (ranks: {ranks}); "
-              "it runs the profile below", file=sys.stderr)
+        print(f"fdsched explain: note: dp rank {args.dp_rank} has no arm of its own in FDSCHED_PROFILE_BY_DP_RANK "
+              f"(ranks: {ranks}); it runs the profile below", file=sys.stderr)
     log_path = cache_dir() / "logs" / "explain-host.log"
     log_path.parent.mkdir(parents=True, exist_ok=True)
     error, result = None, None

@@ -136,3 +136,13 @@ def test_the_command_without_a_host_is_one_line(monkeypatch, capsys, tmp_path):
     assert main(["explain", "--profile", "nosuch"]) == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "nosuch" in err
+
+
+def test_long_chains_wrap_before_an_arrow():
+    from fdsched.tools.explain import TEXT_WIDTH, _wrap_chain
+
+    names = [f"ratio_reserve.SomeLongMixinName{i}" for i in range(6)] + ["host: ResourceManagerV1"]
+    lines = _wrap_chain("    schedule: ", names)
+    assert len(lines) > 1 and all(len(line) <= TEXT_WIDTH for line in lines)
+    assert all(line.lstrip().startswith("-> ") for line in lines[1:])
+    assert " ".join(line.strip() for line in lines) == "schedule: " + " -> ".join(names)
