@@ -178,7 +178,7 @@ VERDICT_CONTINUATION = "      "  # before its wrapped and noise lines
 
 def change_words(label: str, value, reference) -> str:
     """``TTFT p50 -55%``: the arm's value against the reference's as a signed percentage (``+183% (2.83x)``
-    from double up; ``same`` when it rounds to 0%; ``n/a`` when either is missing)."""
+    above :data:`VERDICT_DOMINANT_FACTOR`, where a time decides the verdict alone; ``same`` when it rounds to 0%; ``n/a`` when either is missing)."""
     r = ratio(value, reference)
     if r is None:
         if value == 0 and reference == 0:
@@ -189,7 +189,8 @@ def change_words(label: str, value, reference) -> str:
     pct = (r - 1.0) * 100.0
     if round(pct) == 0:
         return f"{label} same"
-    return f"{label} {pct:+.0f}%" + (f" ({r:.2f}x)" if r >= 2.0 else "")
+    # the factor is shown exactly where it decides the verdict (a time above VERDICT_DOMINANT_FACTOR: `worse`)
+    return f"{label} {pct:+.0f}%" + (f" ({r:.2f}x)" if r > VERDICT_DOMINANT_FACTOR else "")
 
 
 def _wrap(text: str, first: str, rest: str, width: int) -> list:

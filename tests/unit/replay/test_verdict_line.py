@@ -72,6 +72,7 @@ def test_change_words_edges():
     assert change_words("x", 12.5, 0) == "x 0 -> 12.50"
     assert change_words("x", None, 5.0) == "x n/a" and change_words("x", 5.0, None) == "x n/a"
     assert change_words("x", 300.0, 100.0) == "x +200% (3.00x)"
+    assert change_words("x", 200.0, 100.0) == "x +100%"  # the factor shows only where it decides the verdict
 
 
 def test_the_word_is_the_existing_classification():
