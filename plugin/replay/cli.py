@@ -297,6 +297,7 @@ def cmd_eval(args) -> int:
         print(f"cost model: {', '.join(models)}; host: {', '.join(hosts)}")
         print(fmt(results))
         return EXIT_OK
+    created = not Path(args.out).expanduser().exists()
     try:
         _check_out_dir(args.out)  # before the imports and arms run, not after
     except TraceError as exc:
@@ -326,6 +327,7 @@ def cmd_eval(args) -> int:
             error = exc
     note = log_note(host_log)
     if isinstance(error, HostNotFound):
+        _tidy_after_failure(Path(args.out).expanduser(), created)
         message = str(error)
         if HOW_TO_POINT not in message:
             message += f"; {HOW_TO_POINT}"
@@ -453,6 +455,7 @@ def cmd_replay(args) -> int:
     Exit code: EXIT_OK; EXIT_ERROR on bad input or an invariant violation; EXIT_NO_HOST without the host."""
     from fdsched.core.settings import SettingsError
 
+    created = not Path(args.out).expanduser().exists()
     try:
         plan = _replay_plan(args)
     except (TraceError, SettingsError) as exc:
@@ -461,6 +464,7 @@ def cmd_replay(args) -> int:
     tqdm = _progress_module(args)
     runs, error, note = _run_arms_logged(args, plan, tqdm)
     if error is not None:
+        _tidy_after_failure(plan.out, created)
         return _report_run_error(error)
     return _write_and_print_report(args, plan, runs, note)
 
@@ -613,6 +617,16 @@ def _run_arms(args, plan: _ReplayPlan, progress_factory) -> list:
         plan.trace, plan.profiles, plan.engine, cost_overrides, max_steps,
         progress_factory=progress_factory, inherit_env=args.inherit_env, check_every=args.check_every,
     )
+
+
+def _tidy_after_failure(out: Path, created: bool) -> None:
+    """Nothing half-written when no arm ran: an empty host.log goes, and so does the output directory when this
+    run made it and nothing else is in it (a host.log with the host's own messages stays: it says why)."""
+    log = out / "host.log"
+    if log.is_file() and log.stat().st_size == 0:
+        log.unlink()
+    if created and out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
 
 
 def _report_run_error(error: Exception) -> int:

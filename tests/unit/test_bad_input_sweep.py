@@ -378,3 +378,21 @@ def test_the_same_profile_by_name_and_by_path_is_one_arm(files, capsys, monkeypa
     err = capsys.readouterr().err.strip()
     assert code == 1 and len(err.splitlines()) == 1
     assert "given twice" in err and err.startswith("fdsched replay: error: --profile: ")
+
+
+def test_a_replay_that_cannot_start_leaves_no_output_behind(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    if "fastdeploy" in sys.modules or importlib.util.find_spec("fastdeploy") is not None:
+        pytest.skip("FastDeploy is importable in this run; the no-host path is checked where it is not")
+    monkeypatch.delenv("FDSCHED_HOST_SOURCE", raising=False)
+    monkeypatch.setenv("FDSCHED_HOME", str(tmp_path / "home"))
+    out = tmp_path / "new-out"
+    assert main(["replay", "--out", str(out), "--no-progress"]) == 2
+    assert "needs the FastDeploy host" in capsys.readouterr().err
+    assert not out.exists()  # made for the run, removed again: nothing half-written
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "report.json").write_text("{}", encoding="utf-8")
+    assert main(["replay", "--out", str(kept), "--no-progress"]) == 2
+    assert sorted(p.name for p in kept.iterdir()) == ["report.json"]  # an earlier report stays when this run fails
