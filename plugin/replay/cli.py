@@ -390,6 +390,8 @@ def _import_host() -> None:
 
 def _check_out_file(value: str) -> None:
     """An output file's path: not a directory, and no file where a folder on its way must be."""
+    if not value.strip():
+        raise TraceError(f"--out {value!r}: bad value (empty); allowed: a file path, or - (standard output)")
     out = Path(value).expanduser()
     if out.is_dir():
         raise TraceError(f"--out {value!r}: bad value (a directory); allowed: a file path")
@@ -403,6 +405,8 @@ def _check_out_file(value: str) -> None:
 
 def _check_out_dir(value: str) -> Path:
     """The output directory, made now: a bad --out must fail before the arms run, not after (minutes later)."""
+    if not value.strip():
+        raise TraceError(f"--out {value!r}: bad value (empty); allowed: a directory (it is made if missing)")
     out = Path(value).expanduser()
     if out.exists() and not out.is_dir():
         raise TraceError(f"--out {value!r}: bad value (an existing file, not a directory); allowed: a directory "

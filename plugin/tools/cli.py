@@ -203,7 +203,7 @@ def cmd_profiles(args) -> int:
     which is checked as the engine would load it)."""
     profiles = shipped_profiles()
     reference = load_settings(environ={}, profile="baseline") if "baseline" in profiles else None
-    if args.name:
+    if args.name is not None:
         from fdsched.core.settings import resolve_profile
 
         name, path = resolve_profile(args.name, "argument NAME")  # SettingsError: one line, from main()

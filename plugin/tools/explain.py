@@ -197,9 +197,10 @@ def format_explanation(title: str, targets: Sequence[TargetExplanation], markdow
 def _settings_for(profile: Optional[str], dp_rank: Optional[int]):
     """(settings, arm settings by rank, label) for the command: --profile alone, else the environment's
     profile and FDSCHED_PROFILE_BY_DP_RANK (the arm of --dp-rank)."""
-    from fdsched.core.settings import load_arm_settings, load_settings
+    from fdsched.core.settings import load_arm_settings, load_settings, resolve_profile
 
     if profile is not None:
+        resolve_profile(profile, "--profile")  # '' or a typo: one line naming the option
         return load_settings(environ={}, profile=profile), {}
     return load_settings(), load_arm_settings()
 

@@ -158,6 +158,13 @@ def _cases() -> list:
     add("trace-import-rate-scale-huge", ["trace", "import", "{azure.csv}", "--format", "azure", "--out",
                                          "{tmp}/o.jsonl", "--rate-scale", "1e30"], "--rate-scale", 2)
     add("bench-evict-sizes-negative", ["bench", "evict", "--sizes", "-1"], "--sizes", 2)
+    add("replay-out-empty", ["replay", "--out", ""], "(empty)")
+    add("eval-out-empty", ["eval", "--out", ""], "(empty)")
+    add("trace-generate-out-empty", ["trace", "generate", "--kind", "pressure", "--out", ""], "(empty)")
+    add("profiles-empty-name", ["profiles", ""], "unknown profile")
+    add("explain-profile-empty", ["explain", "--profile", ""], "--profile")
+    add("explain-profile-unknown", ["explain", "--profile", "nosuch"], "nosuch")
+    add("explain-dp-rank-huge", ["explain", "--dp-rank", "1" + "0" * 20], "--dp-rank", 2)
     add("eval-duplicate-arms", ["eval", "--arms", "baseline", "recommended", "baseline"], "given twice")
     add("bench-schedule-unknown-profile", ["bench", "schedule", "--profile", "nosuch"], "--profile")
     add("bench-evict-heap-huge", ["bench", "evict", "--heap-objects", "1" + "0" * 20], "--heap-objects", 2)
