@@ -57,7 +57,14 @@ def test_the_readme_first_screen_says_what_to_enable():
         assert re.search(rf"`{commit}` \| tested \|", table)
     enable = text.index("export FD_PLUGINS=fdsched")
     assert enable < text.index("## Which profile to run") < text.index("## Reference")
-    assert "gongshaotian/FastDeploy" in text[:text.index("## Reference")]
+    # the fork the README names is the one `fdsched host setup` downloads from, and "tested" means a known host
+    from fdsched.install.hosts import KNOWN_HOSTS
+    from fdsched.tools.hostsetup import PUBLIC_ARCHIVE
+
+    fork = re.search(r"github\.com/([\w.-]+/[\w.-]+)/archive", PUBLIC_ARCHIVE).group(1)
+    assert f"`{fork}`" in text[:text.index("## Reference")]
+    tested = set(re.findall(r"`([0-9a-f]{40})` \| tested \|", table))
+    assert tested and tested <= set(KNOWN_HOSTS)
 
 
 def test_every_relative_link_in_the_docs_resolves():

@@ -146,3 +146,21 @@ def test_long_chains_wrap_before_an_arrow():
     assert len(lines) > 1 and all(len(line) <= TEXT_WIDTH for line in lines)
     assert all(line.lstrip().startswith("-> ") for line in lines[1:])
     assert " ".join(line.strip() for line in lines) == "schedule: " + " -> ".join(names)
+
+
+def test_a_host_the_installer_cannot_build_on_is_one_line(monkeypatch, capsys, tmp_path):
+    """A host whose classes break the probe or the build (an AttributeError in a probe, say) is one line, exit 1."""
+    import fdsched.tools.explain as explain
+    from fdsched.tools.cli import main
+
+    def broken(*args, **kwargs):
+        raise AttributeError("type object 'ResourceManagerV1' has no attribute 'preallocate_resource_in_p'")
+
+    monkeypatch.setenv("FDSCHED_HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(explain, "explain_host", broken)
+    assert main(["explain", "--profile", "baseline"]) == 1
+    err = capsys.readouterr().err.strip()
+    assert err.splitlines() == [
+        "fdsched explain: error: cannot build the classes on this host: AttributeError: type object "
+        "'ResourceManagerV1' has no attribute 'preallocate_resource_in_p'"
+    ]
