@@ -241,7 +241,10 @@ def explain_host(settings, arm_settings: dict, dp_rank: Optional[int] = None, in
                                 f"`{class_name(server)}` here, whose done lists wait when any arm runs "
                                 "nonpolling_transfer.")
         targets.append(explanation)
-    where = f"dp rank {dp_rank}" if dp_rank is not None and dp_rank in arms else "every rank"
+    if dp_rank is not None and dp_rank in arms:
+        where = f"dp rank {dp_rank}"
+    else:
+        where = "the ranks without an arm of their own" if arms else "every rank"
     title = f"profile {arm.label} on {info.name} ({where})"
     return title, targets, arm.label
 
@@ -304,6 +307,11 @@ def cmd_explain(args) -> int:
     from fdsched.tools.hostsetup import cache_dir
     from fdsched.tools.quiet import host_output_to, log_note
 
+    if args.profile is not None and args.dp_rank is not None:
+        print(error_line("explain", f"--dp-rank {args.dp_rank}: bad value with --profile (one profile runs on every "
+                                    "rank); allowed: --profile P, or --dp-rank R with FDSCHED_PROFILE_BY_DP_RANK set"),
+              file=sys.stderr)
+        return EXIT_ERROR
     try:
         settings, arm_settings = _settings_for(args.profile, args.dp_rank)
     except SettingsError as exc:

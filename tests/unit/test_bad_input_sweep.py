@@ -164,6 +164,7 @@ def _cases() -> list:
     add("profiles-empty-name", ["profiles", ""], "unknown profile")
     add("explain-profile-empty", ["explain", "--profile", ""], "--profile")
     add("explain-profile-unknown", ["explain", "--profile", "nosuch"], "nosuch")
+    add("explain-profile-and-dp-rank", ["explain", "--profile", "baseline", "--dp-rank", "1"], "--dp-rank")
     add("explain-dp-rank-huge", ["explain", "--dp-rank", "1" + "0" * 20], "--dp-rank", 2)
     add("eval-duplicate-arms", ["eval", "--arms", "baseline", "recommended", "baseline"], "given twice")
     add("bench-schedule-unknown-profile", ["bench", "schedule", "--profile", "nosuch"], "--profile")
