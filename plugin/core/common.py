@@ -12,7 +12,7 @@ import math
 import os
 from typing import Iterable, Optional, Sequence
 
-__all__ = ["SettingsError", "EXIT_OK", "EXIT_ERROR", "EXIT_NO_HOST", "error_line", "bounded_int", "bounded_float", "read_utf8", "remove_files", "ceil_div", "blocks_for_tokens", "percentile", "mean", "text_table"]
+__all__ = ["SettingsError", "EXIT_OK", "EXIT_ERROR", "EXIT_NO_HOST", "error_line", "plural", "bounded_int", "bounded_float", "read_utf8", "remove_files", "ceil_div", "blocks_for_tokens", "percentile", "mean", "text_table"]
 
 
 class SettingsError(ValueError):
@@ -21,6 +21,12 @@ class SettingsError(ValueError):
 
 # Exit codes of every ``fdsched`` command: done / a bad input, setting or check / no FastDeploy host.
 EXIT_OK, EXIT_ERROR, EXIT_NO_HOST = 0, 1, 2
+
+
+def plural(count, noun: str) -> str:
+    """``1 request``, ``2 requests``: a count and its noun (regular plurals only)."""
+    shown = f"{count:g}" if isinstance(count, float) else str(count)
+    return f"{shown} {noun}" if count == 1 else f"{shown} {noun}s"
 
 
 def error_line(command: str, message) -> str:

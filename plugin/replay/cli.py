@@ -17,7 +17,7 @@ from typing import Optional
 
 from fdsched.replay.trace import ENGINE_KEYS, ENGINE_MAX, MAX_ARRIVAL_S, MAX_ARRIVAL_STEP, TraceError, check_engine, load_trace, resolve_trace, shipped_traces
 
-from fdsched.core.common import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK, bounded_float, bounded_int, error_line
+from fdsched.core.common import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK, bounded_float, bounded_int, error_line, plural
 
 DEFAULT_TRACE = "pressure"
 DEFAULT_PROFILES = ("baseline", "recommended")
@@ -189,7 +189,7 @@ def cmd_trace_generate(args) -> int:
                 "or - (standard output)")
             print(error_line("trace generate", detail), file=sys.stderr)
             return EXIT_ERROR
-        print(f"wrote {args.out}: {args.kind}, {n} requests, seed {args.seed}", file=sys.stderr)
+        print(f"wrote {args.out}: {args.kind}, {plural(n, 'request')}, seed {args.seed}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -203,7 +203,7 @@ def _trace_summary(trace, engine: dict) -> str:
         span = f"arrivals over steps 0..{max(r.arrival for r in requests)}"
     groups = sorted({r.prefix_group for r in requests if r.prefix_group})
     lines = [
-        f"{trace.name}: {len(requests)} requests, {span}, {prompt} prompt tokens, "
+        f"{trace.name}: {plural(len(requests), 'request')}, {span}, {plural(prompt, 'prompt token')}, "
         f"{out} output tokens" + (f", prefix groups: {', '.join(groups)}" if groups else ""),
         "engine: " + ", ".join(f"{k}={engine[k]}" for k in ENGINE_KEYS),
     ]

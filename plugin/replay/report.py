@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from fdsched.core.costmodel import row_step_ms
-from fdsched.core.common import text_table
+from fdsched.core.common import plural, text_table
 from fdsched.replay.figures import ProfileRun, compute_figures, latency_samples, measured_figures
 
 __all__ = [
@@ -239,7 +239,7 @@ def verdict_line(name: str, figures: dict, reference_name: str, reference: dict,
     noise = []
     counts = [n for n in (figures.get("requests_finished"), reference.get("requests_finished")) if n is not None]
     if counts and min(counts) < SMALL_REQUESTS:
-        noise.append(f"noise in the p99 figures: {min(counts):g} requests (under {SMALL_REQUESTS}), "
+        noise.append(f"noise in the p99 figures: {plural(min(counts), 'request')} (under {SMALL_REQUESTS}), "
                      "so a p99 is the slowest one or two")
     if mine is not None and theirs is not None and mine != theirs and max(mine, theirs) < SMALL_EVENTS:
         noise.append(f"noise in the prefill victims: {mine} vs {theirs} (under {SMALL_EVENTS} each) "
@@ -251,6 +251,7 @@ def verdict_line(name: str, figures: dict, reference_name: str, reference: dict,
 
 
 def _plural(count, noun: str) -> str:
+    """The noun alone, singular for 1 (the count is printed beside it)."""
     return noun if count == 1 else noun + "s"
 
 
@@ -477,7 +478,7 @@ def format_table(report: dict, measured: bool = True) -> str:
     for p in profiles:
         f = p["figures"]
         if not f["drained"]:
-            notes.append(f"{p['profile']}: NOT DRAINED after {f['steps']} steps ({f['stop_reason']})")
+            notes.append(f"{p['profile']}: NOT DRAINED after {plural(f['steps'], 'step')} ({f['stop_reason']})")
         if f["admissions_blocked"] is None:
             notes.append(f"{p['profile']}: admissions blocked n/a: the host's own reservation code decides")
     return text + ("\n" + "\n".join(notes) if notes else "")
@@ -488,7 +489,7 @@ def format_header(report: dict) -> str:
     between arms and the environment variables that were (not) applied."""
     trace, engine, host = report["trace"], report["engine"], report.get("host", {})
     lines = [
-        f"trace {trace['name']}: {trace['requests']} requests; engine "
+        f"trace {trace['name']}: {plural(trace['requests'], 'request')}; engine "
         + ", ".join(f"{k}={v}" for k, v in engine.items()),
     ]
     dp = trace.get("dp_arms")

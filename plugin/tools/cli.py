@@ -9,7 +9,7 @@ from typing import Optional
 from fdsched import __version__
 from fdsched.core.settings import CHANGE_IDS, PROFILE_ENV, SettingsError, load_settings, profile_description, shipped_profiles
 
-from fdsched.core.common import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK, error_line, read_utf8
+from fdsched.core.common import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK, error_line, plural, read_utf8
 from fdsched.core.common import text_table as _table
 
 
@@ -132,7 +132,7 @@ def _adaptive_state_line(state: dict) -> str:
         kind = state[key]
         mean = "-" if kind["mean"] is None else f"{kind['mean']:g}"
         phase = "learned" if kind["learned"] else "warm-up (fallback)"
-        parts.append(f"{label}: {kind['samples']} samples, mean {mean}, {phase}")
+        parts.append(f"{label}: {plural(kind['samples'], 'sample')}, mean {mean}, {phase}")
     return "; ".join(parts) + f"; k={state['k']:g}; preemptions seen {state['preemptions_seen']}"
 
 

@@ -404,3 +404,11 @@ def test_a_replay_that_cannot_start_leaves_no_output_behind(tmp_path, monkeypatc
     (kept / "report.json").write_text("{}", encoding="utf-8")
     assert main(["replay", "--out", str(kept), "--no-progress"]) == 2
     assert sorted(p.name for p in kept.iterdir()) == ["report.json"]  # an earlier report stays when this run fails
+
+
+def test_counts_read_as_words():
+    from fdsched.core.common import plural
+
+    assert [plural(1, "request"), plural(2, "request"), plural(0, "step")] == ["1 request", "2 requests", "0 steps"]
+    assert plural(1234567, "prompt token") == "1234567 prompt tokens"  # never 1.23457e+06
+    assert plural(24.0, "request") == "24 requests"
