@@ -178,7 +178,8 @@ VERDICT_CONTINUATION = "      "  # before its wrapped and noise lines
 
 def change_words(label: str, value, reference) -> str:
     """``TTFT p50 -55%``: the arm's value against the reference's as a signed percentage (``+183% (2.83x)``
-    above :data:`VERDICT_DOMINANT_FACTOR`, where a time decides the verdict alone; ``same`` when it rounds to 0%; ``n/a`` when either is missing)."""
+    above :data:`VERDICT_DOMINANT_FACTOR`, where a time decides the verdict alone; ``same`` when it rounds to 0%;
+    ``n/a`` when either is missing)."""
     r = ratio(value, reference)
     if r is None:
         if value == 0 and reference == 0:
