@@ -234,6 +234,8 @@ class OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str, prog: Optional[str] = None):
         prog = prog or self.prog
+        if message.endswith("expected one argument"):  # e.g. --dp-arms -1=baseline: argparse took the value for a flag
+            message += " (a value that starts with '-' goes as --option=VALUE)"
         self.exit(2, f"{prog}: error: {message} (usage: {prog} --help)\n")
 
     def parse_args(self, args=None, namespace=None):

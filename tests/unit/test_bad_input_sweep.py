@@ -158,6 +158,8 @@ def _cases() -> list:
     add("trace-import-rate-scale-huge", ["trace", "import", "{azure.csv}", "--format", "azure", "--out",
                                          "{tmp}/o.jsonl", "--rate-scale", "1e30"], "--rate-scale", 2)
     add("bench-evict-sizes-negative", ["bench", "evict", "--sizes", "-1"], "--sizes", 2)
+    add("replay-dp-arms-negative-rank", ["replay", "--dp-arms", "-1=baseline"], "--option=VALUE", 2)
+    add("replay-dp-arms-negative-rank-equals", ["replay", "--dp-arms=-1=baseline"], "rank '-1'")
     add("replay-out-empty", ["replay", "--out", ""], "(empty)")
     add("eval-out-empty", ["eval", "--out", ""], "(empty)")
     add("trace-generate-out-empty", ["trace", "generate", "--kind", "pressure", "--out", ""], "(empty)")
