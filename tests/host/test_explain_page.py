@@ -15,6 +15,8 @@ def test_the_page_section_of_this_host_is_what_the_code_builds():
     from fdsched.install.probe import probe
     from fdsched.tools.explain import docs_section, read_section, section_key
 
+    if not PAGE.is_file():
+        pytest.skip("docs/explain.md is not in this installation (an sdist/wheel without docs/)")
     info = probe()
     key = section_key(info)
     documented = read_section(PAGE.read_text(encoding="utf-8"), key)
