@@ -6,12 +6,13 @@ patches, replay, benchmarks, CLI) may use it.
 
 from __future__ import annotations
 
+import argparse
 import codecs
 import math
 import os
 from typing import Iterable, Optional, Sequence
 
-__all__ = ["SettingsError", "EXIT_OK", "EXIT_ERROR", "EXIT_NO_HOST", "read_utf8", "remove_files", "ceil_div", "blocks_for_tokens", "percentile", "mean", "text_table"]
+__all__ = ["SettingsError", "EXIT_OK", "EXIT_ERROR", "EXIT_NO_HOST", "error_line", "plural", "bounded_int", "bounded_float", "read_utf8", "remove_files", "ceil_div", "blocks_for_tokens", "percentile", "mean", "text_table"]
 
 
 class SettingsError(ValueError):
@@ -20,6 +21,51 @@ class SettingsError(ValueError):
 
 # Exit codes of every ``fdsched`` command: done / a bad input, setting or check / no FastDeploy host.
 EXIT_OK, EXIT_ERROR, EXIT_NO_HOST = 0, 1, 2
+
+
+def plural(count, noun: str) -> str:
+    """``1 request``, ``2 requests``: a count and its noun (regular plurals only)."""
+    shown = f"{count:g}" if isinstance(count, float) else str(count)
+    return f"{shown} {noun}" if count == 1 else f"{shown} {noun}s"
+
+
+def error_line(command: str, message) -> str:
+    """Every command's error line, in argparse's own style: ``fdsched <command>: error: <message>``."""
+    return f"fdsched {command}: error: {message}" if command else f"fdsched: error: {message}"
+
+
+def _number(text: str) -> float:
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"bad value {text!r} (not a number)") from None
+
+
+def bounded_float(lo: float, hi: float, lo_open: bool = False):
+    """An argparse type: a number in [lo, hi] (``lo_open``: (lo, hi]); the error says what is allowed."""
+    def parse(text: str) -> float:
+        value = _number(text)
+        if value != value or value > hi or value < lo or (lo_open and value == lo):
+            bracket = "(" if lo_open else "["
+            raise argparse.ArgumentTypeError(f"bad value {text!r}; allowed: a number in {bracket}{lo:g}, {hi:g}]")
+        return value
+    parse.__name__ = "number"
+    return parse
+
+
+def bounded_int(lo: int, hi: int):
+    """An argparse type: an integer in [lo, hi]; the error says what is allowed."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"bad value {text!r} (not an integer); allowed: an integer in "
+                                             f"[{lo}, {hi}]") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"bad value {text!r}; allowed: an integer in [{lo}, {hi}]")
+        return value
+    parse.__name__ = "integer"
+    return parse
 
 
 def read_utf8(path, what: str, allowed: str, error: type = ValueError) -> str:

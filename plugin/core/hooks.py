@@ -45,6 +45,29 @@ class DefaultPolicies:
         return policies.is_decoding(status_is_decode, num_total_tokens, need_prefill_tokens)
 
 
+def external_plugin_states(environ: Optional[Mapping[str, str]] = None) -> tuple:
+    """What ``fdsched doctor`` shows: ``(rows, blocked_all)``, rows being (entry-point name, state) for every
+    plugin installed in the group, state ``loaded`` or ``blocked by FDSCHED_DISABLE_EXTERNAL_HOOKS``;
+    ``blocked_all``: the variable blocks every third-party plugin. Loads the plugins it does not block (as
+    the engine would), so a broken one raises here."""
+    from importlib.metadata import entry_points
+
+    environ = os.environ if environ is None else environ
+    blocked = _blocked_names(environ)
+    names = sorted({ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
+    loaded = set(Policies(make_plugin_manager(environ)).external_plugins())
+    why = f"blocked by {DISABLE_ENV}={environ.get(DISABLE_ENV, '').strip()}"
+    rows = []
+    for name in sorted(set(names) | loaded):
+        if name in loaded:
+            rows.append((name, "loaded"))
+        elif blocked is not None and (not blocked or name in blocked):
+            rows.append((name, why))
+        else:
+            rows.append((name, "not loaded"))
+    return rows, blocked == set()
+
+
 def _blocked_names(environ: Mapping[str, str]) -> Optional[set]:
     """None: nothing blocked; empty set: everything blocked; else the blocked entry-point names."""
     raw = environ.get(DISABLE_ENV, "").strip()

@@ -90,16 +90,24 @@ def _choice(*allowed: str) -> Callable[[Any], str]:
     return parse
 
 
+# Every integer setting without an upper bound of its own stops here (the host keeps counts in int32): a typo of a
+# dozen extra digits is one line at start, not an OverflowError inside the engine.
+INT_SETTING_MAX = 2**31 - 1
+
+
 def _int(lo: Optional[int] = None, hi: Optional[int] = None) -> Callable[[Any], int]:
+    text = _range_text("an integer", lo, hi) + ("" if hi is not None else f" (at most {INT_SETTING_MAX})")
+    top = INT_SETTING_MAX if hi is None else hi
+
     def parse(raw: Any) -> int:
         if isinstance(raw, bool):
-            raise ValueError(_range_text("an integer", lo, hi))
+            raise ValueError(text)
         try:
             value = int(raw.strip()) if isinstance(raw, str) else raw
         except ValueError:
-            raise ValueError(_range_text("an integer", lo, hi)) from None
-        if not isinstance(value, int) or (lo is not None and value < lo) or (hi is not None and value > hi):
-            raise ValueError(_range_text("an integer", lo, hi))
+            raise ValueError(text) from None
+        if not isinstance(value, int) or (lo is not None and value < lo) or value > top:
+            raise ValueError(text)
         return value
 
     return parse
@@ -113,8 +121,9 @@ def _float(lo: Optional[float] = None, hi: Optional[float] = None) -> Callable[[
             value = float(raw.strip()) if isinstance(raw, str) else float(raw)
         except (TypeError, ValueError):
             raise ValueError(_range_text("a number", lo, hi)) from None
-        if value != value or (lo is not None and value < lo) or (hi is not None and value > hi):
-            raise ValueError(_range_text("a number", lo, hi))
+        if value != value or value in (float("inf"), float("-inf")) or (lo is not None and value < lo) \
+                or (hi is not None and value > hi):
+            raise ValueError(_range_text("a number", lo, hi) + (" (finite)" if hi is None or lo is None else ""))
         return value
 
     return parse

@@ -15,9 +15,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from fdsched.replay.trace import ENGINE_KEYS, TraceError, check_engine, load_trace, resolve_trace, shipped_traces
+from fdsched.replay.trace import ENGINE_KEYS, ENGINE_MAX, MAX_ARRIVAL_S, MAX_ARRIVAL_STEP, TraceError, check_engine, load_trace, resolve_trace, shipped_traces
 
-from fdsched.core.common import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK
+from fdsched.core.common import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK, bounded_float, bounded_int, error_line, plural
 
 DEFAULT_TRACE = "pressure"
 DEFAULT_PROFILES = ("baseline", "recommended")
@@ -25,14 +25,16 @@ DEFAULT_PROFILES = ("baseline", "recommended")
 __all__ = ["add_commands", "cmd_eval", "cmd_replay", "cmd_trace_generate", "cmd_trace_validate", "cmd_trace_list"]
 
 
-def _nonneg_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
-    if value != value or value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: allowed: a number >= 0")
-    return value
+# Upper bounds of the numeric options without one of their own (a typo of a dozen extra digits is refused in
+# one line, before the host is imported).
+MAX_MS = 3_600_000.0  # a step-cost coefficient: one hour
+MAX_SECONDS = MAX_ARRIVAL_S  # --start, --duration: one year
+MAX_RATE_SCALE = 1_000_000.0
+MAX_COUNT = 10_000_000  # --requests, --limit
+MAX_SEED = 2**32 - 1
+
+
+_nonneg_float = bounded_float(0.0, MAX_MS)  # a step-cost coefficient, ms
 
 
 def _preset_list() -> str:
@@ -41,14 +43,8 @@ def _preset_list() -> str:
     return ", ".join(preset_names()) or "none shipped"
 
 
-def _pos_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r}: allowed: an integer >= 1")
-    return value
+def _pos_int(hi: int):
+    return bounded_int(1, hi)
 
 
 def _add_engine_shape_args(group) -> None:
@@ -57,7 +53,8 @@ def _add_engine_shape_args(group) -> None:
                        ("--max-num-seqs", "running requests at most"),
                        ("--max-num-batched-tokens", "tokens one step may prefill/decode at most"),
                        ("--max-model-len", "prompt + output tokens of one request at most")):
-        group.add_argument(flag, type=_pos_int, help=what)
+        hi = ENGINE_MAX[flag[2:].replace("-", "_")]
+        group.add_argument(flag, type=bounded_int(1, hi), metavar="N", help=f"{what} (1..{hi})")
 
 
 def add_commands(sub) -> None:
@@ -77,7 +74,7 @@ def add_commands(sub) -> None:
                         help="predict an online A/B (FDSCHED_PROFILE_BY_DP_RANK): split the trace across one scheduler "
                         "per data-parallel rank, each running its profile, e.g. 0=baseline,1=recommended; requests go "
                         "to ranks uniformly at random, as FastDeploy's Router does (not with --profile)")
-    replay.add_argument("--dp-seed", type=int, default=0, help="seed of the --dp-arms split (default 0)")
+    replay.add_argument("--dp-seed", type=bounded_int(0, MAX_SEED), default=0, help="seed of the --dp-arms split (default 0)")
     replay.add_argument("--out", default="replay-out", help="output directory (default ./replay-out)")
     cost = replay.add_argument_group("step-cost model (default: the profile's replay.cost_model and replay.* settings)")
     cost.add_argument("--cost-model", metavar="NAME|FILE",
@@ -89,7 +86,7 @@ def add_commands(sub) -> None:
     cost.add_argument("--cost-decode-request-ms", type=_nonneg_float, help="cost per decoding request, ms")
     _add_engine_shape_args(replay.add_argument_group("engine shape (default: the trace header's engine)"))
     replay.add_argument("--no-plot", action="store_true", help="do not write replay.png")
-    replay.add_argument("--max-steps", type=_pos_int, default=None,
+    replay.add_argument("--max-steps", type=_pos_int(MAX_ARRIVAL_STEP), default=None,
                         help="stop each profile after N steps (reported as not drained)")
     replay.add_argument("--no-progress", action="store_true", help="no progress bar")
     replay.add_argument("-v", "--verbose", action="store_true",
@@ -97,7 +94,7 @@ def add_commands(sub) -> None:
     replay.add_argument("--inherit-env", action="store_true",
                         help="let FDSCHED_*/FD_* variables of this environment override each profile, as in "
                         "production (default: each arm is exactly its profile; the report lists what was applied)")
-    replay.add_argument("--check-every", type=_pos_int, default=None, metavar="N",
+    replay.add_argument("--check-every", type=_pos_int(MAX_ARRIVAL_STEP), default=None, metavar="N",
                         help="check the block invariants every N steps and at the end (default: every step for "
                         "traces up to 2000 requests, else every 32)")
     replay.set_defaults(func=cmd_replay)
@@ -126,7 +123,7 @@ def add_commands(sub) -> None:
                     help="run nothing: print the table of the report.json files earlier runs wrote to these --out "
                     "directories (a later directory's report of a trace wins)")
     ev.add_argument("--markdown", action="store_true", help="print the table as Markdown")
-    ev.add_argument("--check-every", type=_pos_int, default=32, metavar="N",
+    ev.add_argument("--check-every", type=_pos_int(MAX_ARRIVAL_STEP), default=32, metavar="N",
                     help="check the block invariants every N steps and at the end (default 32; 1: every step)")
     ev.set_defaults(func=cmd_eval)
 
@@ -136,10 +133,10 @@ def add_commands(sub) -> None:
     from fdsched.replay.generate import DEFAULT_REQUESTS, KINDS
 
     gen.add_argument("--kind", required=True, choices=sorted(KINDS), help="the workload shape")
-    gen.add_argument("--requests", type=_pos_int, default=None,
+    gen.add_argument("--requests", type=_pos_int(MAX_COUNT), default=None,
                      help="number of requests (default per kind: "
                      + ", ".join(f"{k} {v}" for k, v in DEFAULT_REQUESTS.items()) + ")")
-    gen.add_argument("--seed", type=int, default=0, help="random seed (default 0): same seed, same trace")
+    gen.add_argument("--seed", type=bounded_int(0, MAX_SEED), default=0, help="random seed (default 0): same seed, same trace")
     gen.add_argument("--out", default="-", help="output file (default: standard output)")
     gen.set_defaults(func=cmd_trace_generate)
     val = trace_sub.add_parser("validate", help="check a trace (and that its requests fit its engine)")
@@ -156,13 +153,13 @@ def add_commands(sub) -> None:
                      help="the CSV's layout: Azure LLM inference trace, BurstGPT, or generic (with --columns)")
     imp.add_argument("--columns", help="generic: time=COL,prompt=COL,output=COL")
     imp.add_argument("--out", required=True, help="the trace to write (JSONL)")
-    imp.add_argument("--start", type=_nonneg_float, default=0.0, help="window start, seconds after the first row")
-    imp.add_argument("--duration", type=_nonneg_float, default=None, help="window length, seconds")
-    imp.add_argument("--limit", type=_pos_int, default=None, help="at most N requests")
-    imp.add_argument("--rate-scale", type=_nonneg_float, default=1.0,
+    imp.add_argument("--start", type=bounded_float(0.0, MAX_SECONDS), default=0.0, help="window start, seconds after the first row")
+    imp.add_argument("--duration", type=bounded_float(0.0, MAX_SECONDS, lo_open=True), default=None, help="window length, seconds")
+    imp.add_argument("--limit", type=_pos_int(MAX_COUNT), default=None, help="at most N requests")
+    imp.add_argument("--rate-scale", type=bounded_float(0.0, MAX_RATE_SCALE, lo_open=True), default=1.0,
                      help="divide arrival times by this (2 = twice the request rate; default 1)")
-    imp.add_argument("--sample", type=_nonneg_float, default=1.0, help="keep each row with this probability (seeded)")
-    imp.add_argument("--seed", type=int, default=0, help="seed of --sample (default 0)")
+    imp.add_argument("--sample", type=bounded_float(0.0, 1.0, lo_open=True), default=1.0, help="keep each row with this probability (seeded)")
+    imp.add_argument("--seed", type=bounded_int(0, MAX_SEED), default=0, help="seed of --sample (default 0)")
     imp.add_argument("--max-tokens", default="unset", metavar="unset|true|N",
                      help="the clients' max_tokens: unset (null, the engine default), true (each request's true "
                      "output length) or one integer for all (default unset)")
@@ -190,9 +187,9 @@ def cmd_trace_generate(args) -> int:
             detail = exc if isinstance(exc, TraceError) else (
                 f"--out {args.out!r}: cannot write ({exc.strerror}); allowed: a file path in a writable directory, "
                 "or - (standard output)")
-            print(f"fdsched: {detail}", file=sys.stderr)
+            print(error_line("trace generate", detail), file=sys.stderr)
             return EXIT_ERROR
-        print(f"wrote {args.out}: {args.kind}, {n} requests, seed {args.seed}", file=sys.stderr)
+        print(f"wrote {args.out}: {args.kind}, {plural(n, 'request')}, seed {args.seed}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -206,7 +203,7 @@ def _trace_summary(trace, engine: dict) -> str:
         span = f"arrivals over steps 0..{max(r.arrival for r in requests)}"
     groups = sorted({r.prefix_group for r in requests if r.prefix_group})
     lines = [
-        f"{trace.name}: {len(requests)} requests, {span}, {prompt} prompt tokens, "
+        f"{trace.name}: {plural(len(requests), 'request')}, {span}, {plural(prompt, 'prompt token')}, "
         f"{out} output tokens" + (f", prefix groups: {', '.join(groups)}" if groups else ""),
         "engine: " + ", ".join(f"{k}={engine[k]}" for k in ENGINE_KEYS),
     ]
@@ -221,7 +218,7 @@ def cmd_trace_validate(args) -> int:
         engine = trace.engine_with()
         check_engine(trace, engine)
     except TraceError as exc:
-        print(f"fdsched: {exc}", file=sys.stderr)
+        print(error_line("trace validate", exc), file=sys.stderr)
         return EXIT_ERROR
     print(_trace_summary(trace, engine))
     print("ok")
@@ -254,7 +251,7 @@ def cmd_trace_import(args) -> int:
         _check_out_file(args.out)
         result = import_trace(args.csv, args.out, options)
     except TraceError as exc:
-        print(f"fdsched: {exc}", file=sys.stderr)
+        print(error_line("trace import", exc), file=sys.stderr)
         return EXIT_ERROR
     print(f"wrote {args.out}: {import_summary(result)}", file=sys.stderr)
     return EXIT_OK
@@ -272,12 +269,13 @@ def cmd_eval(args) -> int:
     try:
         plan = load_windows(args.windows)
         arms = tuple(args.arms or plan.arms)
+        _refuse_duplicate_arms(list(arms), "--arms")
         for profile in arms:
             load_settings(environ={}, profile=profile)
         if args.cost_model is not None:
             resolve_cost_model(args.cost_model, "--cost-model")
     except (TraceError, SettingsError) as exc:
-        print(f"fdsched: {exc}", file=sys.stderr)
+        print(error_line("eval", exc), file=sys.stderr)
         return EXIT_ERROR
     if args.list:
         for t in plan.tuning:
@@ -294,15 +292,16 @@ def cmd_eval(args) -> int:
         try:
             results, models, hosts = load_results(args.table_from, plan, args.only)
         except TraceError as exc:
-            print(f"fdsched: {exc}", file=sys.stderr)
+            print(error_line("eval", exc), file=sys.stderr)
             return EXIT_ERROR
         print(f"cost model: {', '.join(models)}; host: {', '.join(hosts)}")
         print(fmt(results))
         return EXIT_OK
+    created = not Path(args.out).expanduser().exists()
     try:
         _check_out_dir(args.out)  # before the imports and arms run, not after
     except TraceError as exc:
-        print(f"fdsched: {exc}", file=sys.stderr)
+        print(error_line("eval", exc), file=sys.stderr)
         return EXIT_ERROR
     tqdm = None
     if not args.no_progress:
@@ -328,13 +327,14 @@ def cmd_eval(args) -> int:
             error = exc
     note = log_note(host_log)
     if isinstance(error, HostNotFound):
+        _tidy_after_failure(Path(args.out).expanduser(), created)
         message = str(error)
         if HOW_TO_POINT not in message:
             message += f"; {HOW_TO_POINT}"
-        print(f"fdsched eval: needs the FastDeploy host: {message}", file=sys.stderr)
+        print(error_line("eval", f"needs the FastDeploy host: {message}"), file=sys.stderr)
         return EXIT_NO_HOST
     if error is not None:
-        print(f"fdsched: {error}", file=sys.stderr)
+        print(error_line("eval", error), file=sys.stderr)
         return EXIT_ERROR
     if note:
         print(note)
@@ -390,6 +390,8 @@ def _import_host() -> None:
 
 def _check_out_file(value: str) -> None:
     """An output file's path: not a directory, and no file where a folder on its way must be."""
+    if not value.strip():
+        raise TraceError(f"--out {value!r}: bad value (empty); allowed: a file path, or - (standard output)")
     out = Path(value).expanduser()
     if out.is_dir():
         raise TraceError(f"--out {value!r}: bad value (a directory); allowed: a file path")
@@ -403,6 +405,8 @@ def _check_out_file(value: str) -> None:
 
 def _check_out_dir(value: str) -> Path:
     """The output directory, made now: a bad --out must fail before the arms run, not after (minutes later)."""
+    if not value.strip():
+        raise TraceError(f"--out {value!r}: bad value (empty); allowed: a directory (it is made if missing)")
     out = Path(value).expanduser()
     if out.exists() and not out.is_dir():
         raise TraceError(f"--out {value!r}: bad value (an existing file, not a directory); allowed: a directory "
@@ -415,6 +419,21 @@ def _check_out_dir(value: str) -> Path:
     if not os.access(out, os.W_OK):
         raise TraceError(f"--out {value!r}: the directory is not writable; allowed: a writable directory")
     return out
+
+
+REPORT_FILES = ("report.json", "replay.png")
+
+
+def _say_if_replacing(out: Path) -> None:
+    """An earlier report in ``out`` is replaced when this run finishes (and kept if it fails): say so now, on
+    stderr, so that nobody loses a report without a word."""
+    old = [name for name in REPORT_FILES if (out / name).is_file()]
+    if old:
+        import time
+
+        when = time.strftime("%Y-%m-%d %H:%M", time.localtime((out / old[0]).stat().st_mtime))
+        print(f"fdsched replay: note: {out} holds an earlier report ({', '.join(old)}, {when}); this run replaces "
+              "it when it finishes (--out DIR keeps both)", file=sys.stderr)
 
 
 @dataclass(frozen=True)
@@ -440,14 +459,16 @@ def cmd_replay(args) -> int:
     Exit code: EXIT_OK; EXIT_ERROR on bad input or an invariant violation; EXIT_NO_HOST without the host."""
     from fdsched.core.settings import SettingsError
 
+    created = not Path(args.out).expanduser().exists()
     try:
         plan = _replay_plan(args)
     except (TraceError, SettingsError) as exc:
-        print(f"fdsched: {exc}", file=sys.stderr)
+        print(error_line("replay", exc), file=sys.stderr)
         return EXIT_ERROR
     tqdm = _progress_module(args)
     runs, error, note = _run_arms_logged(args, plan, tqdm)
     if error is not None:
+        _tidy_after_failure(plan.out, created)
         return _report_run_error(error)
     return _write_and_print_report(args, plan, runs, note)
 
@@ -476,6 +497,7 @@ def _replay_plan(args) -> _ReplayPlan:
         resolve_cost_model(args.cost_model, "--cost-model")
     _check_profiles(args, profiles, dp_arms)
     out = _check_out_dir(args.out)
+    _say_if_replacing(out)
     return _ReplayPlan(path=path, trace=trace, engine=engine, profiles=profiles, dp_arms=dp_arms, out=out)
 
 
@@ -502,6 +524,8 @@ def _check_profiles(args, profiles: list, dp_arms: Optional[dict]) -> None:
     from fdsched.core.settings import SettingsError, load_settings
 
     environ = None if args.inherit_env else {}
+    if dp_arms is None:
+        _refuse_duplicate_arms(profiles)
     for profile in profiles if dp_arms is None else ():
         load_settings(environ=environ, profile=profile)
     for rank, profile in (dp_arms or {}).items():
@@ -514,6 +538,24 @@ def _check_profiles(args, profiles: list, dp_arms: Optional[dict]) -> None:
             raise SettingsError(f"--dp-arms, rank {rank} (profile {profile}): {exc}") from None
 
 
+def _refuse_duplicate_arms(profiles: list, flag: str = "--profile") -> None:
+    """Each arm once: the same profile twice (by name or by file), or two files whose arms would carry the same
+    label in the report, is refused, naming ``flag``. Raises SettingsError."""
+    from fdsched.core.settings import SettingsError, resolve_profile
+
+    seen_files, seen_labels = {}, {}
+    for value in profiles:
+        label, path = resolve_profile(value, flag)
+        key = Path(path).resolve()
+        if key in seen_files:
+            raise SettingsError(f"{flag}: bad value {value!r} (the same profile as {seen_files[key]!r}, given "
+                                "twice); allowed: each profile once (an arm per profile)")
+        if label in seen_labels:
+            raise SettingsError(f"{flag}: bad value {value!r} (its arm would be labelled {label!r}, as "
+                                f"{seen_labels[label]!r}'s); allowed: profiles with distinct names")
+        seen_files[key], seen_labels[label] = value, value
+
+
 def _progress_module(args):
     """tqdm's class for the progress bars, or None (``--no-progress``, or tqdm missing: said on stderr)."""
     from fdsched.replay.report import INSTALL_HINT
@@ -523,7 +565,7 @@ def _progress_module(args):
     try:
         from tqdm import tqdm
     except ImportError:
-        print(f"fdsched: tqdm is not installed: no progress bar (install with {INSTALL_HINT})", file=sys.stderr)
+        print(f"fdsched replay: note: tqdm is not installed: no progress bar (install with {INSTALL_HINT})", file=sys.stderr)
         return None
     return tqdm
 
@@ -581,6 +623,16 @@ def _run_arms(args, plan: _ReplayPlan, progress_factory) -> list:
     )
 
 
+def _tidy_after_failure(out: Path, created: bool) -> None:
+    """Nothing half-written when no arm ran: an empty host.log goes, and so does the output directory when this
+    run made it and nothing else is in it (a host.log with the host's own messages stays: it says why)."""
+    log = out / "host.log"
+    if log.is_file() and log.stat().st_size == 0:
+        log.unlink()
+    if created and out.is_dir() and not any(out.iterdir()):
+        out.rmdir()
+
+
 def _report_run_error(error: Exception) -> int:
     """Say why the arms did not run; EXIT_NO_HOST when the host is missing (with how to point at one),
     else EXIT_ERROR."""
@@ -590,9 +642,9 @@ def _report_run_error(error: Exception) -> int:
         message = str(error)
         if HOW_TO_POINT not in message:
             message += f"; {HOW_TO_POINT}"
-        print(f"fdsched replay: needs the FastDeploy host: {message}", file=sys.stderr)
+        print(error_line("replay", f"needs the FastDeploy host: {message}"), file=sys.stderr)
         return EXIT_NO_HOST
-    print(f"fdsched: {error}", file=sys.stderr)
+    print(error_line("replay", error), file=sys.stderr)
     return EXIT_ERROR
 
 
@@ -630,11 +682,13 @@ def _write_and_print_report(args, plan: _ReplayPlan, runs: list, note: Optional[
         print(note)
     if not args.no_plot:
         _write_plot(report, out, plan.trace.name)
+    elif (out / "replay.png").is_file():  # an earlier run's plot would sit beside this run's report
+        (out / "replay.png").unlink()
     if format_verdicts(report):  # last: what the reader acts on
         print("\n" + format_verdicts(report))
     violations = sum(p["figures"]["invariant_violations"] for p in report["profiles"])
     if violations:
-        print(f"fdsched replay: {violations} invariant violation(s); see 'violations' in {out / 'report.json'}",
+        print(f"fdsched replay: error: {violations} invariant violation(s); see 'violations' in {out / 'report.json'}",
               file=sys.stderr)
         return EXIT_ERROR
     return EXIT_OK
@@ -647,6 +701,6 @@ def _write_plot(report: dict, out: Path, trace_name: str) -> None:
     try:
         write_plot(report, str(out / "replay.png"), title=f"trace {trace_name}")
     except ImportError:
-        print(f"fdsched: matplotlib is not installed: no plot (install with {INSTALL_HINT})", file=sys.stderr)
+        print(f"fdsched replay: note: matplotlib is not installed: no plot (install with {INSTALL_HINT})", file=sys.stderr)
     else:
         print(f"plot:   {out / 'replay.png'}")

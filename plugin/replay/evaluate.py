@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Sequence
 
-from fdsched.core.common import text_table
+from fdsched.core.common import plural, text_table
 from fdsched.replay.figures import compute_figures
 from fdsched.replay.report import VERDICT_KEYS, format_value, ratio, verdict, verdict_lines
 from fdsched.replay.trace import TraceError
@@ -294,7 +294,7 @@ def run_plan(plan: EvalPlan, csv_dir: Path, out_dir: Path, arms: Sequence[str], 
     for name, path in traces:
         trace = load_trace(path)
         engine = trace.engine_with()
-        log(f"eval: {name}: {len(trace.requests)} requests, arms {', '.join(arms)}")
+        log(f"eval: {name}: {plural(len(trace.requests), 'request')}, arms {', '.join(arms)}")
         runs = []
         for arm in arms:
             started = time.perf_counter()

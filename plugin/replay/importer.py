@@ -39,6 +39,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Callable, Iterator, Optional
 
+from fdsched.core.common import plural
 from fdsched.replay.trace import ENGINE_DEFAULTS, TraceError, check_engine_shape, dump_trace
 
 __all__ = [
@@ -111,12 +112,14 @@ def parse_columns(text: str) -> dict:
 def parse_max_tokens(text: str):
     if text in ("unset", "true"):
         return text
+    from fdsched.replay.trace import MAX_TOKENS
+
     try:
         value = int(text)
     except ValueError:
         value = 0
-    if value < 1:
-        raise ImportError_(f"--max-tokens {text!r}; allowed: unset, true, or an integer >= 1")
+    if not 1 <= value <= MAX_TOKENS:
+        raise ImportError_(f"--max-tokens {text!r}; allowed: unset, true, or an integer in [1, {MAX_TOKENS}]")
     return value
 
 
@@ -379,7 +382,7 @@ def _generator_record(source: Path, options: ImportOptions, tally: dict) -> dict
 
 def _description(source: Path, options: ImportOptions, count: int) -> str:
     return options.description or (
-        f"{count} requests imported from {source.name} ({options.fmt}), window from {options.start_s} s"
+        f"{plural(count, 'request')} imported from {source.name} ({options.fmt}), window from {options.start_s} s"
         + (f" for {options.duration_s} s" if options.duration_s else "")
         + (f", time compressed {options.rate_scale}x" if options.rate_scale != 1 else "")
         + f"; max_tokens {options.max_tokens}"
@@ -403,7 +406,7 @@ def _write_atomically(out: Path, text: str) -> None:
 
 def import_summary(result: ImportResult) -> str:
     return (
-        f"{result.requests} requests (of {result.rows_read} rows read; {result.skipped_failed} failed or empty skipped; "
+        f"{plural(result.requests, 'request')} (of {plural(result.rows_read, 'row')} read; {result.skipped_failed} failed or empty skipped; "
         f"{result.truncated} truncated to max_model_len), arrivals {result.first_arrival_s:.3f}..{result.last_arrival_s:.3f} s"
     )
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Optional, Sequence
 
 from fdsched.core.costmodel import row_step_ms
-from fdsched.core.common import text_table
+from fdsched.core.common import plural, text_table
 from fdsched.replay.figures import ProfileRun, compute_figures, latency_samples, measured_figures
 
 __all__ = [
@@ -119,18 +119,26 @@ VERDICT_KEYS = ("ttft_ms_p50", "e2e_ms_p99", "stall_ms_p99")
 VERDICT_TOLERANCE = 0.05
 
 
+# A figure worse than the reference by more than this factor decides the verdict alone: ``worse``, whatever the
+# others gain (a user who waits 3x as long for the first token is not paid back by a shorter tail elsewhere).
+# So a line that shows a factor (``+183% (2.83x)``) on a time never reads ``mixed``.
+VERDICT_DOMINANT_FACTOR = 2.0
+
+
 def verdict(figures: dict, reference: dict, tolerance: float = VERDICT_TOLERANCE, keys: Sequence[str] = VERDICT_KEYS) -> tuple:
     """``(word, detail)`` comparing one arm's figures with a reference arm's on :data:`VERDICT_KEYS`
     (lower is better for each):
 
+    * ``worse``: worse by more than :data:`VERDICT_DOMINANT_FACTOR` on any of them, whatever the others; or not
+      better beyond ``tolerance`` on any and worse beyond it on at least one;
     * ``better``: not worse beyond ``tolerance`` on any of them and better beyond it on at least one;
-    * ``worse``: not better beyond ``tolerance`` on any and worse beyond it on at least one;
-    * ``mixed``: better on one, worse on another (no ranking: the trade-off is the user's call);
+    * ``mixed``: better beyond ``tolerance`` on one, worse beyond it (but by at most
+      :data:`VERDICT_DOMINANT_FACTOR`) on another: no ranking, the trade-off is the user's call;
     * ``same``: within ``tolerance`` on all; ``n/a`` when a figure is missing.
 
     ``detail`` lists each figure's ratio (arm / reference). ``keys``: a subset of :data:`VERDICT_KEYS` when a
     source has only some of them (an online A/B's /metrics has no E2E or stall)."""
-    better, worse, parts = [], [], []
+    better, worse, dominant, parts = [], [], [], []
     for key in keys:
         a, b = reference.get(key), figures.get(key)
         if a is None or b is None:
@@ -139,11 +147,16 @@ def verdict(figures: dict, reference: dict, tolerance: float = VERDICT_TOLERANCE
         if r is None:  # reference 0
             r = 1.0 if b == 0 else float("inf")
         parts.append(f"{key} {r:.2f}x")
+        if r > VERDICT_DOMINANT_FACTOR:
+            dominant.append(key)
         if r > 1 + tolerance:
             worse.append(key)
         elif r < 1 - tolerance:
             better.append(key)
-    word = "mixed" if better and worse else "better" if better else "worse" if worse else "same"
+    if dominant:
+        word = "worse"
+    else:
+        word = "mixed" if better and worse else "better" if better else "worse" if worse else "same"
     return word, ", ".join(parts)
 
 
@@ -157,11 +170,16 @@ VERDICT_LINE_FIGURES = (
     ("e2e_ms_p99", "E2E p99"),
     ("stall_ms_p99", "stall p99"),
 )
+# Printed verdicts fit a terminal: every line (with its indent) at most this many characters.
+VERDICT_WIDTH = 100
+VERDICT_INDENT = "  "  # before each arm's first line
+VERDICT_CONTINUATION = "      "  # before its wrapped and noise lines
 
 
 def change_words(label: str, value, reference) -> str:
     """``TTFT p50 -55%``: the arm's value against the reference's as a signed percentage (``+183% (2.83x)``
-    from double up; ``same`` when it rounds to 0%; ``n/a`` when either is missing)."""
+    above :data:`VERDICT_DOMINANT_FACTOR`, where a time decides the verdict alone; ``same`` when it rounds to 0%;
+    ``n/a`` when either is missing)."""
     r = ratio(value, reference)
     if r is None:
         if value == 0 and reference == 0:
@@ -172,17 +190,43 @@ def change_words(label: str, value, reference) -> str:
     pct = (r - 1.0) * 100.0
     if round(pct) == 0:
         return f"{label} same"
-    return f"{label} {pct:+.0f}%" + (f" ({r:.2f}x)" if r >= 2.0 else "")
+    # the factor is shown exactly where it decides the verdict (a time above VERDICT_DOMINANT_FACTOR: `worse`)
+    return f"{label} {pct:+.0f}%" + (f" ({r:.2f}x)" if r > VERDICT_DOMINANT_FACTOR else "")
+
+
+def _wrap(text: str, first: str, rest: str, width: int) -> list:
+    import textwrap
+
+    return textwrap.wrap(text, width, initial_indent=first, subsequent_indent=rest, break_long_words=False,
+                         break_on_hyphens=False)
+
+
+def _wrap_items(head: str, items: list, width: int) -> list:
+    """``head`` and the comma-separated ``items``, broken only between items (a figure is never split)."""
+    lines, line = [], VERDICT_INDENT + head
+    for i, item in enumerate(items):
+        text = item + ("," if i < len(items) - 1 else "")
+        if line.strip() and not line.endswith(": ") and len(line) + 1 + len(text) > width:
+            lines.append(line)
+            line = VERDICT_CONTINUATION + text
+        else:
+            line += ("" if line.endswith(": ") else " ") + text
+    return lines + [line]
 
 
 def verdict_line(name: str, figures: dict, reference_name: str, reference: dict,
-                 tolerance: float = VERDICT_TOLERANCE) -> str:
-    """One line a person can act on, e.g. ``adaptive vs baseline, better: throughput +1%, TTFT p50 -55%,
-    E2E p99 -5%, stall p99 -66%, 0 prefill victims (baseline 2); noise: ...``.
+                 tolerance: float = VERDICT_TOLERANCE, width: int = VERDICT_WIDTH) -> str:
+    """One arm's verdict, e.g.::
+
+          adaptive vs baseline, better: throughput +1%, TTFT p50 -55%, E2E p99 -5%, stall p99 -66%,
+              0 prefill victims (baseline 2)
+              noise in the prefill victims: 0 vs 2 (under 10 each) can be one request's timing
 
     The word is :func:`verdict`'s, on the :data:`VERDICT_KEYS` both arms have (the line says which when some are
-    missing). The noise caveat names what is small: fewer than :data:`SMALL_REQUESTS` finished requests behind a
-    p99, or fewer than :data:`SMALL_EVENTS` prefill victims on both sides when they differ."""
+    missing). The figures wrap at ``width`` (indent included); each noise caveat is a line of its own that names
+    the figures it qualifies: fewer than :data:`SMALL_REQUESTS` finished requests behind the p99 figures, or
+    fewer than :data:`SMALL_EVENTS` prefill victims on both sides when they differ. Every line starts with
+    its indent (:data:`VERDICT_INDENT`, then :data:`VERDICT_CONTINUATION`)."""
     have = tuple(k for k in VERDICT_KEYS if figures.get(k) is not None and reference.get(k) is not None)
     word = verdict(figures, reference, tolerance, keys=have)[0] if have else "n/a"
     if have and have != VERDICT_KEYS:
@@ -192,30 +236,47 @@ def verdict_line(name: str, figures: dict, reference_name: str, reference: dict,
     if mine is None or theirs is None:
         parts.append("prefill victims n/a")
     else:
-        parts.append(f"{mine} prefill victims ({reference_name} {theirs})")
+        parts.append(f"{mine} prefill {_plural(mine, 'victim')} ({reference_name} {theirs})")
     noise = []
     counts = [n for n in (figures.get("requests_finished"), reference.get("requests_finished")) if n is not None]
     if counts and min(counts) < SMALL_REQUESTS:
-        noise.append(f"{min(counts):g} requests (under {SMALL_REQUESTS}): a p99 is the slowest one or two")
+        noise.append(f"noise in the p99 figures: {plural(min(counts), 'request')} (under {SMALL_REQUESTS}), "
+                     "so a p99 is the slowest one or two")
     if mine is not None and theirs is not None and mine != theirs and max(mine, theirs) < SMALL_EVENTS:
-        noise.append(f"{mine} vs {theirs} prefill victims (under {SMALL_EVENTS} each): a difference this small "
+        noise.append(f"noise in the prefill victims: {mine} vs {theirs} (under {SMALL_EVENTS} each) "
                      "can be one request's timing")
-    return f"{name} vs {reference_name}, {word}: " + ", ".join(parts) + ("; noise: " + "; ".join(noise) if noise else "")
+    lines = _wrap_items(f"{name} vs {reference_name}, {word}: ", parts, width)
+    for clause in noise:
+        lines += _wrap(clause, VERDICT_CONTINUATION, VERDICT_CONTINUATION + "  ", width)
+    return "\n".join(lines)
+
+
+def _plural(count, noun: str) -> str:
+    """The noun alone, singular for 1 (the count is printed beside it)."""
+    return noun if count == 1 else noun + "s"
+
+
+def verdict_heading(reference: str, what: str = "", width: int = VERDICT_WIDTH) -> str:
+    """The lines above the arms' verdicts: what is read and the rule (wrapped at ``width``)."""
+    text = (
+        f"verdict{' (' + what + ')' if what else ''} vs {reference}: TTFT p50, E2E p99 and stall p99 read together "
+        f"(better: none worse by more than {VERDICT_TOLERANCE:.0%}, one better by more; worse: one worse by more "
+        f"than {VERDICT_DOMINANT_FACTOR:g}x, or none better and one worse by more than {VERDICT_TOLERANCE:.0%}; "
+        f"mixed: the rest of the trades); % = change from {reference} (throughput: + is better; times: - is better)"
+    )
+    return "\n".join(_wrap(text, "", "  ", width))
 
 
 def verdict_lines(profiles: Sequence[dict], reference: Optional[str] = None, what: str = "") -> list:
-    """A heading and one :func:`verdict_line` per arm (``profiles``: [{"profile", "figures"}]) against
-    ``reference`` (default: the first arm); [] with fewer than two arms."""
+    """The heading (:func:`verdict_heading`) and one :func:`verdict_line` per arm (``profiles``: [{"profile",
+    "figures"}]) against ``reference`` (default: the first arm); [] with fewer than two arms. An entry may hold
+    several physical lines (joined by newlines), each at most :data:`VERDICT_WIDTH` characters."""
     if len(profiles) < 2:
         return []
     ref = next((p for p in profiles if p["profile"] == reference), profiles[0])
-    heading = (
-        f"verdict{' (' + what + ')' if what else ''} vs {ref['profile']}: TTFT p50, E2E p99 and stall p99 read "
-        f"together (better: none worse by more than {VERDICT_TOLERANCE:.0%}, one better by more); % = change from "
-        f"{ref['profile']} (throughput: + is better; times: - is better)"
-    )
-    return [heading] + ["  " + verdict_line(p["profile"], p["figures"], ref["profile"], ref["figures"])
-                        for p in profiles if p is not ref]
+    return [verdict_heading(ref["profile"], what)] + [
+        verdict_line(p["profile"], p["figures"], ref["profile"], ref["figures"]) for p in profiles if p is not ref
+    ]
 
 
 def format_verdicts(report: dict) -> str:
@@ -418,7 +479,7 @@ def format_table(report: dict, measured: bool = True) -> str:
     for p in profiles:
         f = p["figures"]
         if not f["drained"]:
-            notes.append(f"{p['profile']}: NOT DRAINED after {f['steps']} steps ({f['stop_reason']})")
+            notes.append(f"{p['profile']}: NOT DRAINED after {plural(f['steps'], 'step')} ({f['stop_reason']})")
         if f["admissions_blocked"] is None:
             notes.append(f"{p['profile']}: admissions blocked n/a: the host's own reservation code decides")
     return text + ("\n" + "\n".join(notes) if notes else "")
@@ -429,7 +490,7 @@ def format_header(report: dict) -> str:
     between arms and the environment variables that were (not) applied."""
     trace, engine, host = report["trace"], report["engine"], report.get("host", {})
     lines = [
-        f"trace {trace['name']}: {trace['requests']} requests; engine "
+        f"trace {trace['name']}: {plural(trace['requests'], 'request')}; engine "
         + ", ".join(f"{k}={v}" for k, v in engine.items()),
     ]
     dp = trace.get("dp_arms")
@@ -483,6 +544,8 @@ def _cost_lines(profiles) -> list:
 ARM_COLORS = ("#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#bcbd22", "#17becf")
 QUEUE_COLORS = {"running": "#404040", "waiting": "#b0b0b0"}
 PREEMPTION_MARKS = {"decode": "v", "prefill": "x"}
+# The running-requests line is dash-dotted so the legend tells it from the arms' solid "KV blocks in use" lines.
+RUNNING_STYLE = "-."
 HELD_LINE_MAX_ARMS = 2  # the dashed "held by requests" line only up to this many arms (report.json has it always)
 
 
@@ -505,7 +568,7 @@ def _plot_timeline(ax, entry: dict, color: str, scales: dict, show_held: bool):
     ax.set_ylabel("KV blocks")
     twin = ax.twinx()
     twin.fill_between(times, series["waiting"], color=QUEUE_COLORS["waiting"], alpha=0.45, lw=0, step="post")
-    twin.plot(times, series["running"], color=QUEUE_COLORS["running"], lw=0.8)
+    twin.plot(times, series["running"], color=QUEUE_COLORS["running"], lw=0.9, ls=RUNNING_STYLE)
     twin.set_ylim(0, scales["requests"] * 1.08)
     twin.set_ylabel("requests")
     ax.set_zorder(twin.get_zorder() + 1)  # the arm's line and the marks above the grey queue areas
@@ -517,8 +580,10 @@ def _plot_timeline(ax, entry: dict, color: str, scales: dict, show_held: bool):
                        s=28, zorder=5, linewidths=1.2)
     f = entry["figures"]
     ax.set_title(
-        f"{entry['profile']}: {f['preemptions']} preemptions ({f['preemptions_decode_victims']} decode / "
-        f"{f['preemptions_prefill_victims']} prefill victims), {f['steps']} steps"
+        f"{entry['profile']}: {f['preemptions']} {_plural(f['preemptions'], 'preemption')} "
+        f"({f['preemptions_decode_victims']} decode / {f['preemptions_prefill_victims']} prefill "
+        f"{_plural(f['preemptions_decode_victims'] + f['preemptions_prefill_victims'], 'victim')}), "
+        f"{f['steps']} {_plural(f['steps'], 'step')}"
         + ("" if f["drained"] else f" - NOT DRAINED ({f['stop_reason'].split(':')[0]})"),
         fontsize=9.5, loc="left", color=color, fontweight="bold",
     )
@@ -563,31 +628,34 @@ def _legend_handles(profiles: Sequence[dict], pool, show_held: bool) -> list:
 
     handles = [Line2D([], [], color=arm_color(i), lw=2.5, label=p["profile"]) for i, p in enumerate(profiles)]
     handles += [
-        Line2D([], [], color="dimgray", lw=1.2, label="KV blocks in use (arm's colour)"),
+        Line2D([], [], color=arm_color(0), lw=1.2, label="KV blocks in use (solid, in the arm's colour)"),
         Line2D([], [], color="black", lw=0.8, ls=":", label=f"pool ({pool})"),
-        Line2D([], [], color=QUEUE_COLORS["running"], lw=0.8, label="running requests (right axis)"),
+        Line2D([], [], color=QUEUE_COLORS["running"], lw=0.9, ls=RUNNING_STYLE,
+               label="running requests (dash-dot, grey; right axis)"),
         Patch(color=QUEUE_COLORS["waiting"], alpha=0.45, label="waiting requests (right axis)"),
         Line2D([], [], color="black", marker=PREEMPTION_MARKS["decode"], ls="", label="preemption, decode victim"),
         Line2D([], [], color="black", marker=PREEMPTION_MARKS["prefill"], ls="", label="preemption, prefill victim"),
     ]
     if show_held:
-        handles.insert(len(profiles) + 1, Line2D([], [], color="dimgray", lw=0.8, ls="--",
-                                                  label="KV blocks held by requests"))
+        handles.insert(len(profiles) + 1, Line2D([], [], color=arm_color(0), lw=0.8, ls="--", alpha=0.7,
+                                                  label="KV blocks held by requests (dashed, arm's colour)"))
     return handles
 
 
 def _verdict_figure_lines(report: dict, width: int = 150) -> list:
-    """(text, colour) per line of the verdict under the figure: the heading in black, each arm's line (wrapped at
-    ``width``) in its colour."""
-    import textwrap
-
+    """(text, colour) per line of the verdict under the figure: the heading in black, each arm's lines (its
+    figures wrapped at ``width``, then its noise lines) in its colour."""
     lines = verdict_lines(report["profiles"])
     if not lines:
         return []
-    out = [(line, "black") for line in textwrap.wrap(lines[0], width)]
-    for i, line in enumerate(lines[1:], start=1):
-        for k, part in enumerate(textwrap.wrap(line.strip(), width, subsequent_indent="    ")):
+    heading = " ".join(part.strip() for part in lines[0].splitlines())
+    out = [(line, "black") for line in _wrap(heading, "", "", width)]
+    for i, entry in enumerate(lines[1:], start=1):
+        physical = [line.strip() for line in entry.splitlines()]
+        figures = [line for line in physical if not line.startswith("noise ")]
+        for k, part in enumerate(_wrap(" ".join(figures), "", "    ", width)):
             out.append((part, arm_color(i)))
+        out += [("    " + line, arm_color(i)) for line in physical if line.startswith("noise ")]
     return out
 
 

@@ -30,6 +30,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
+from fdsched.core.common import plural
 from fdsched.core.costmodel import cost_from_settings, prefill_context_tokens, row_step_ms
 from fdsched.replay.figures import ProfileRun, RequestRow, StepRow
 from fdsched.replay.invariants import check_blocks, check_requests
@@ -355,7 +356,7 @@ def _check_unbounded(run: ProfileRun) -> None:
     peak = max((s.blocks_used for s in run.steps), default=0)
     if preempted or peak >= run.num_gpu_blocks:
         run.request_violations.append(
-            f"replay.unbounded_memory: the pool of {run.num_gpu_blocks} blocks was a limit ({preempted} preemptions, "
+            f"replay.unbounded_memory: the pool of {run.num_gpu_blocks} blocks was a limit ({plural(preempted, 'preemption')}, "
             f"peak {peak} blocks in use; allowed: no preemption and a pool never full)"
         )
 

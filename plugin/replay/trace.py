@@ -71,6 +71,10 @@ __all__ = [
     "Trace",
     "ENGINE_DEFAULTS",
     "ENGINE_KEYS",
+    "ENGINE_MAX",
+    "MAX_ARRIVAL_STEP",
+    "MAX_ARRIVAL_S",
+    "MAX_TOKENS",
     "VOCAB_SIZE",
     "parse_trace",
     "load_trace",
@@ -101,6 +105,20 @@ ENGINE_DEFAULTS = {
     "enc_dec_block_num": 2,
 }
 ENGINE_KEYS = tuple(ENGINE_DEFAULTS)
+# Upper bounds of every number a trace or the command line may give: far above any real engine or trace, low
+# enough that a typo (an extra dozen digits) is refused in one line before the host is imported, rather than
+# overflowing inside it or replaying an idle clock for ever.
+ENGINE_MAX = {
+    "block_size": 4096,
+    "num_gpu_blocks": 1_000_000,
+    "max_num_seqs": 65_536,
+    "max_num_batched_tokens": 16_777_216,
+    "max_model_len": 16_777_216,
+    "enc_dec_block_num": 1024,
+}
+MAX_ARRIVAL_STEP = 10_000_000  # an arrival in engine steps (also the bound of --max-steps)
+MAX_ARRIVAL_S = 31_536_000.0  # an arrival in seconds: one year
+MAX_TOKENS = 2**31 - 1  # a token count (max_tokens, output_len, prompt_len): the host's int32
 SPLITWISE_ROLES = ("mixed", "prefill")
 _HEADER_KEYS = ("description", "engine", "generator")
 _REQUEST_KEYS = ("id", "arrival", "arrival_s", "prompt", "prompt_len", "prefix_group", "prefix_len", "max_tokens", "output_len")
@@ -249,7 +267,7 @@ def _parse_engine(where: _Where, raw: Any) -> dict:
             if value not in SPLITWISE_ROLES:
                 raise where.error(name, f"bad value {value!r}; allowed: {', '.join(SPLITWISE_ROLES)}")
         else:
-            _check_int(where, name, value, 0 if key == "enc_dec_block_num" else 1)
+            _check_int(where, name, value, 0 if key == "enc_dec_block_num" else 1, ENGINE_MAX[key])
         engine[key] = value
     return engine
 
@@ -284,19 +302,20 @@ def _parse_request(where: _Where, raw: dict) -> TraceRequest:
         raise where.error("arrival", "give exactly one of 'arrival' (an engine step) or 'arrival_s' (seconds)")
     arrival, arrival_s = 0, None
     if "arrival" in raw:
-        arrival = _check_int(where, "arrival", raw["arrival"], 0)
+        arrival = _check_int(where, "arrival", raw["arrival"], 0, MAX_ARRIVAL_STEP)
     else:
         arrival_s = raw["arrival_s"]
         if not isinstance(arrival_s, (int, float)) or isinstance(arrival_s, bool) or not math.isfinite(arrival_s) \
-                or arrival_s < 0:
-            raise where.error("arrival_s", f"bad value {arrival_s!r}; allowed: a number of seconds >= 0")
+                or not 0 <= arrival_s <= MAX_ARRIVAL_S:
+            raise where.error("arrival_s", f"bad value {arrival_s!r}; allowed: a number of seconds in "
+                              f"[0, {MAX_ARRIVAL_S:.0f}] (one year)")
         arrival_s = float(arrival_s)
-    output_len = _check_int(where, "output_len", raw["output_len"], 1)
+    output_len = _check_int(where, "output_len", raw["output_len"], 1, MAX_TOKENS)
     if "max_tokens" not in raw:
         raise where.error("max_tokens", "missing (required; null means the engine's default)")
     max_tokens = raw["max_tokens"]
     if max_tokens is not None:
-        max_tokens = _check_int(where, "max_tokens", max_tokens, 1)
+        max_tokens = _check_int(where, "max_tokens", max_tokens, 1, MAX_TOKENS)
 
     has_prompt, has_len = "prompt" in raw, "prompt_len" in raw
     if has_prompt == has_len:
@@ -308,15 +327,16 @@ def _parse_request(where: _Where, raw: dict) -> TraceRequest:
         if not isinstance(tokens, list) or not tokens:
             raise where.error("prompt", f"bad value {tokens!r}; allowed: a non-empty list of token ids")
         for index, token in enumerate(tokens):
-            if not _is_int(token) or token < 0:
-                raise where.error("prompt", f"bad token {token!r} at index {index}; allowed: integers >= 0")
+            if not _is_int(token) or not 0 <= token <= MAX_TOKENS:
+                raise where.error("prompt", f"bad token {token!r} at index {index}; allowed: integers in "
+                                  f"[0, {MAX_TOKENS}]")
         for key in ("prefix_group", "prefix_len"):
             if key in raw:
                 raise where.error(key, "only allowed with 'prompt_len' (an explicit prompt has its own tokens)")
         prompt = tuple(tokens)
         prompt_len = len(tokens)
     else:
-        prompt_len = _check_int(where, "prompt_len", raw["prompt_len"], 1)
+        prompt_len = _check_int(where, "prompt_len", raw["prompt_len"], 1, MAX_TOKENS)
         if ("prefix_group" in raw) != ("prefix_len" in raw):
             missing = "prefix_len" if "prefix_group" in raw else "prefix_group"
             raise where.error(missing, "missing: 'prefix_group' and 'prefix_len' go together")

@@ -26,7 +26,7 @@ import heapq
 import statistics
 import time
 
-from fdsched.core.common import percentile
+from fdsched.core.common import bounded_float, bounded_int, percentile
 
 
 def _install(profile):
@@ -308,16 +308,8 @@ def _print_heap(heap: dict) -> None:
           f"gc thresholds {gc.get_threshold()}")
 
 
-def _nonneg_int(text: str) -> int:
-    import argparse
-
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: allowed: an integer >= 0")
-    return value
+# --heap-objects: an engine holds a few hundred thousand; a hundred million is already ~10 GB of Python objects.
+_nonneg_int = bounded_int(0, 100_000_000)
 
 
 def _add_heap_args(parser) -> None:
@@ -338,27 +330,27 @@ def add_commands(sub) -> None:
     which = bench.add_subparsers(dest="bench", required=True)
 
     evict = which.add_parser("evict", help="LRU eviction: host vs plugin vs floor, time per block")
-    evict.add_argument("--sizes", type=int, nargs="+", default=[1000, 5000, 20000], help="blocks to evict, one run per size (default 1000 5000 20000)")
-    evict.add_argument("--chain", type=int, default=50, help="blocks per cached prompt (tree depth)")
-    evict.add_argument("--block-size", type=int, default=4, help="tokens per KV block (default 4)")
-    evict.add_argument("--repeat", type=int, default=3, help="median of N")
+    evict.add_argument("--sizes", type=bounded_int(1, 1_000_000), nargs="+", default=[1000, 5000, 20000], help="blocks to evict, one run per size (default 1000 5000 20000)")
+    evict.add_argument("--chain", type=bounded_int(1, 100_000), default=50, help="blocks per cached prompt (tree depth)")
+    evict.add_argument("--block-size", type=bounded_int(1, 4096), default=4, help="tokens per KV block (default 4)")
+    evict.add_argument("--repeat", type=bounded_int(1, 1000), default=3, help="median of N")
     _add_heap_args(evict)
     evict.set_defaults(func=_run_evict)
 
     sched = which.add_parser("schedule", help="schedule() CPU time per step: host vs plugin")
-    sched.add_argument("--running", type=int, default=256, help="running requests in the batch (default 256)")
-    sched.add_argument("--waiting", type=int, default=64, help="requests waiting to be admitted (default 64)")
-    sched.add_argument("--steps", type=int, default=200, help="schedule() calls timed per repetition (default 200)")
-    sched.add_argument("--repeat", type=int, default=5, help="interleaved repetitions (median)")
-    sched.add_argument("--block-size", type=int, default=64, help="tokens per KV block (default 64)")
+    sched.add_argument("--running", type=bounded_int(1, 65_536), default=256, help="running requests in the batch (default 256)")
+    sched.add_argument("--waiting", type=bounded_int(0, 65_536), default=64, help="requests waiting to be admitted (default 64)")
+    sched.add_argument("--steps", type=bounded_int(1, 1_000_000), default=200, help="schedule() calls timed per repetition (default 200)")
+    sched.add_argument("--repeat", type=bounded_int(1, 1000), default=5, help="interleaved repetitions (median)")
+    sched.add_argument("--block-size", type=bounded_int(1, 4096), default=64, help="tokens per KV block (default 64)")
     sched.add_argument("--profile", default="recommended", help="the plugin's profile")
     _add_heap_args(sched)
     sched.set_defaults(func=_run_schedule)
 
     transfer = which.add_parser("transfer", help="transfer-done receiver: idle RPC rate and latency, host vs plugin")
     transfer.add_argument("--idle-seconds", type=float, default=5.0, help="how long to count the idle receiver's RPCs (default 5)")
-    transfer.add_argument("--count", type=int, default=200, help="transfer-done signals to time (default 200)")
-    transfer.add_argument("--interval", type=float, default=0.02, help="seconds between signals")
+    transfer.add_argument("--count", type=bounded_int(1, 1_000_000), default=200, help="transfer-done signals to time (default 200)")
+    transfer.add_argument("--interval", type=bounded_float(0.0, 60.0), default=0.02, help="seconds between signals")
     transfer.set_defaults(func=_run_transfer)
 
 
@@ -387,6 +379,10 @@ def _run_evict(args) -> int:
 
 
 def _run_schedule(args) -> int:
+    from fdsched.core.settings import load_settings, resolve_profile
+
+    resolve_profile(args.profile, "--profile")  # a bad --profile: one line now, not after the host import
+    load_settings(environ={}, profile=args.profile)
     _prepare(args)
     modes = _gc_modes(args)
     result = bench_schedule(args.running, args.waiting, args.steps, args.repeat, args.block_size, args.profile, modes)

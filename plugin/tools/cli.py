@@ -1,4 +1,4 @@
-"""fdsched: doctor, patches, profiles, host setup, and the replay, benchmark and A/B report commands."""
+"""fdsched: doctor, patches, profiles, explain, host setup, and the replay, benchmark and A/B report commands."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Optional
 from fdsched import __version__
 from fdsched.core.settings import CHANGE_IDS, PROFILE_ENV, SettingsError, load_settings, profile_description, shipped_profiles
 
-from fdsched.core.common import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK, read_utf8
+from fdsched.core.common import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK, error_line, plural, read_utf8
 from fdsched.core.common import text_table as _table
 
 
@@ -26,7 +26,7 @@ def cmd_doctor(args) -> int:
         settings = load_settings()
         arm_settings = load_arm_settings()
     except SettingsError as exc:
-        print(f"settings: ERROR: {exc}", file=sys.stderr)
+        print(error_line("doctor", f"settings: {exc}"), file=sys.stderr)
         return EXIT_ERROR
     print(f"profile: {settings.profile or 'none'}" + (f" ({settings.profile_path})" if settings.profile_path else ""))
 
@@ -51,7 +51,7 @@ def cmd_doctor(args) -> int:
         print(f"host support: {info.support}")
         print(f"host status enum: {'RUNNING_PREFILL/RUNNING_DECODE' if info.split_status else 'single RUNNING'}")
     else:
-        print(f"host: NOT FOUND: {not_found}", file=sys.stderr)
+        print(error_line("doctor", f"host not found: {not_found}"), file=sys.stderr)
         status = EXIT_NO_HOST
 
     decisions = {}
@@ -59,7 +59,7 @@ def cmd_doctor(args) -> int:
         try:
             decisions = decide(settings, info)
         except InstallError as exc:
-            print(f"ERROR: {exc}", file=sys.stderr)
+            print(error_line("doctor", exc), file=sys.stderr)
             status = EXIT_ERROR
     rows = []
     for spec in CATALOGUE:
@@ -74,7 +74,7 @@ def cmd_doctor(args) -> int:
         try:
             arms = decide_arms(arm_settings, info) if info is not None else {}
         except InstallError as exc:
-            print(f"ERROR: {exc}", file=sys.stderr)
+            print(error_line("doctor", exc), file=sys.stderr)
             status, arms = EXIT_ERROR, {}
         for rank, arm_s in sorted(arm_settings.items()):
             line = arms[rank].line() if rank in arms else "-"
@@ -84,12 +84,15 @@ def cmd_doctor(args) -> int:
         print("\ninstalled in this process: " + installed.summary())
     print("\n" + _adaptive_report(settings, decisions.get("ratio_reserve")))
     try:
-        from fdsched.core.hooks import Policies, make_plugin_manager
+        from fdsched.core.hooks import DISABLE_ENV, external_plugin_states
 
-        external = Policies(make_plugin_manager()).external_plugins()
-        print(f"\nthird-party hook plugins (entry-point group fdsched.hooks): {', '.join(external) or 'none'}")
+        rows, blocked_all = external_plugin_states()
+        shown = ", ".join(f"{name} ({state})" for name, state in rows) or "none installed"
+        if blocked_all and not rows:
+            shown += f"; any would be blocked by {DISABLE_ENV}"
+        print(f"\nthird-party hook plugins (entry-point group fdsched.hooks): {shown}")
     except Exception as exc:  # a broken third-party plugin is an error worth showing, not a crash
-        print(f"\nthird-party hook plugins: ERROR: {type(exc).__name__}: {exc}", file=sys.stderr)
+        print(error_line("doctor", f"third-party hook plugins: {type(exc).__name__}: {exc}"), file=sys.stderr)
         status = EXIT_ERROR
     print("\neffective settings:")
     print(_table([(k, env, _show(v), src) for k, env, v, src in settings.describe()], ("key", "variable", "value", "source")))
@@ -130,7 +133,7 @@ def _adaptive_state_line(state: dict) -> str:
         kind = state[key]
         mean = "-" if kind["mean"] is None else f"{kind['mean']:g}"
         phase = "learned" if kind["learned"] else "warm-up (fallback)"
-        parts.append(f"{label}: {kind['samples']} samples, mean {mean}, {phase}")
+        parts.append(f"{label}: {plural(kind['samples'], 'sample')}, mean {mean}, {phase}")
     return "; ".join(parts) + f"; k={state['k']:g}; preemptions seen {state['preemptions_seen']}"
 
 
@@ -150,7 +153,7 @@ def cmd_patches(args) -> int:
     specs = [spec for spec in CATALOGUE if args.change in (None, spec.change_id)]
     if not specs:
         print(
-            f"fdsched patches: bad value {args.change!r} for CHANGE; allowed: {', '.join(CHANGE_IDS)}",
+            error_line("patches", f"bad value {args.change!r} for CHANGE; allowed: {', '.join(CHANGE_IDS)}"),
             file=sys.stderr,
         )
         return EXIT_ERROR
@@ -201,7 +204,7 @@ def cmd_profiles(args) -> int:
     which is checked as the engine would load it)."""
     profiles = shipped_profiles()
     reference = load_settings(environ={}, profile="baseline") if "baseline" in profiles else None
-    if args.name:
+    if args.name is not None:
         from fdsched.core.settings import resolve_profile
 
         name, path = resolve_profile(args.name, "argument NAME")  # SettingsError: one line, from main()
@@ -225,8 +228,27 @@ def cmd_profiles(args) -> int:
     return EXIT_OK
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, with a refused command line answered in one line (``fdsched <command>: error: ...``, as
+    every command's own errors), not the whole usage first; exit code 2 as argparse's. Sub-commands' parsers
+    are of this class too (argparse builds them with the parent's class)."""
+
+    def error(self, message: str, prog: Optional[str] = None):
+        prog = prog or self.prog
+        if message.endswith("expected one argument"):  # e.g. --dp-arms -1=baseline: argparse took the value for a flag
+            message += " (a value that starts with '-' goes as --option=VALUE)"
+        self.exit(2, f"{prog}: error: {message} (usage: {prog} --help)\n")
+
+    def parse_args(self, args=None, namespace=None):
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:  # name the command they were given to, as its own refusals do
+            command = command_name(parsed) if getattr(parsed, "command", None) else ""
+            self.error(f"unrecognized arguments: {' '.join(extras)}", f"{self.prog} {command}".strip())
+        return parsed
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="fdsched", description=__doc__)
+    parser = OneLineParser(prog="fdsched", description=__doc__)
     parser.add_argument("--version", action="version", version=f"fdsched {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -253,11 +275,13 @@ def _add_optional_commands(sub) -> None:
     """Commands that live in their own modules (replay, traces, benchmarks)."""
     from fdsched.tools import abreport
     from fdsched.tools import bench
+    from fdsched.tools import explain
     from fdsched.tools import hostsetup
 
     bench.add_commands(sub)
     hostsetup.add_commands(sub)
     abreport.add_command(sub)
+    explain.add_command(sub)
     from fdsched.serve import cli as serve_cli  # fdsched serve (issue 15)
 
     serve_cli.add_command(sub)
@@ -272,22 +296,34 @@ def _add_optional_commands(sub) -> None:
     replay_cli.add_commands(sub)
 
 
+def command_name(args) -> str:
+    """The command as typed, for error lines: ``replay``, ``trace import``, ``host use``."""
+    words = [args.command]
+    for key, value in sorted(vars(args).items()):
+        if key.endswith("_command") and key != "command" and isinstance(value, str):
+            words.append(value)
+    if isinstance(getattr(args, "bench", None), str):
+        words.append(args.bench)
+    return " ".join(words)
+
+
 def main(argv: Optional[list] = None) -> int:
     from fdsched.install.probe import HostNotFound
     from fdsched.tools.hostsuites import HostSuiteError
     from fdsched.install.installer import InstallError
 
     args = build_parser().parse_args(argv)
+    command = command_name(args)
     try:
         return args.func(args)
     except (SettingsError, InstallError) as exc:
-        print(f"fdsched: {exc}", file=sys.stderr)
+        print(error_line(command, exc), file=sys.stderr)
         return EXIT_ERROR
     except HostNotFound as exc:
-        print(f"fdsched: {exc}", file=sys.stderr)
+        print(error_line(command, exc), file=sys.stderr)
         return EXIT_NO_HOST
     except HostSuiteError as exc:
-        print(f"fdsched: {exc}", file=sys.stderr)
+        print(error_line(command, exc), file=sys.stderr)
         return EXIT_ERROR
     except BrokenPipeError:  # `fdsched ... | head`: the reader left; no traceback for that
         import os

@@ -66,6 +66,11 @@ FILES = {
     "trace-badjson.jsonl": TRACE_OK.encode() + b'{"id": "r1", "arrival": 0,\n',
     "trace-badfield.jsonl": TRACE_OK.encode() + b'{"id": "r1", "arrival": 0, "prompt_len": -5, "max_tokens": null, "output_len": 3}\n',
     "trace-toolong.jsonl": TRACE_OK.encode() + b'{"id": "r1", "arrival": 0, "prompt_len": 99999, "max_tokens": null, "output_len": 3}\n',
+    "trace-far-arrival.jsonl": TRACE_OK.encode() + b'{"id": "r1", "arrival": 100000000000000000000, "prompt_len": 10, "max_tokens": null, "output_len": 3}\n',
+    "trace-far-arrival-s.jsonl": b'{"id": "r1", "arrival_s": 1e20, "prompt_len": 10, "max_tokens": null, "output_len": 3}\n',
+    "trace-huge-max-tokens.jsonl": TRACE_OK.encode() + b'{"id": "r1", "arrival": 0, "prompt_len": 10, "max_tokens": 99999999999999999999, "output_len": 3}\n',
+    "trace-huge-token.jsonl": b'{"id": "r1", "arrival": 0, "prompt": [1, 99999999999999999999], "max_tokens": null, "output_len": 3}\n',
+    "trace-huge-pool.jsonl": b'{"header": {"engine": {"num_gpu_blocks": 99999999999999999999}}}\n' + TRACE_OK.encode().split(b"\n")[1] + b"\n",
     "empty.yaml": b"",
     "comment.yaml": b"# nothing here\n",
     "list.yaml": b"- changes\n- tunables\n",
@@ -82,6 +87,8 @@ FILES = {
     "description-list.yaml": b"description: [a, b]\n",
     "tunable-range.yaml": b"host_tunables: {FD_INIT_NEW_TOKEN_RATIO: 7}\n",
     "estimator.yaml": b"tunables: {reserve_estimator: magic}\n",
+    "huge-int.yaml": b"tunables: {adaptive_window: 99999999999999999999}\n",
+    "inf-cost.yaml": b"replay: {step_fixed_ms: .inf}\n",
     "not-a-tar.tar.gz": b"this is a text file, not an archive\n" * 4,
     "truncated.tar.gz": _tar(GOOD_TREE)[:60],
     "absolute.tar.gz": _tar({**GOOD_TREE, "/etc/evil": b"x"}),
@@ -130,6 +137,44 @@ def _cases() -> list:
     add("replay-out-is-a-file", ["replay", "--out", "{a-file}"], "--out")
     add("replay-out-under-a-file", ["replay", "--out", "{a-file}/sub"], "--out")
     add("replay-too-few-blocks", ["replay", "--num-gpu-blocks", "1"], "num_gpu_blocks")
+    # huge numbers: refused by the option's bound, in one line, before the host is imported
+    for flag in ("--num-gpu-blocks", "--block-size", "--max-num-seqs", "--max-num-batched-tokens", "--max-model-len",
+                 "--max-steps", "--check-every"):
+        add(f"replay-{flag[2:]}-huge", ["replay", flag, "99999999999999999999"], flag, 2)
+    add("replay-num-gpu-blocks-negative", ["replay", "--num-gpu-blocks", "-5"], "--num-gpu-blocks", 2)
+    add("replay-cost-huge", ["replay", "--cost-fixed-ms", "1e300"], "--cost-fixed-ms", 2)
+    add("replay-cost-inf", ["replay", "--cost-decode-request-ms", "inf"], "--cost-decode-request-ms", 2)
+    add("replay-dp-seed-huge", ["replay", "--dp-seed", "1" + "0" * 40], "--dp-seed", 2)
+    add("replay-duplicate-arms", ["replay", "--profile", "baseline", "baseline"], "given twice")
+    add("replay-duplicate-arms-repeated-flag", ["replay", "--profile", "baseline", "--profile", "recommended",
+                                                "--profile", "baseline"], "given twice")
+    add("replay-duplicate-arm-labels", ["replay", "--profile", "{tmp}/a/x.yaml", "{tmp}/b/x.yaml"], "labelled 'x'")
+    add("trace-generate-requests-huge", ["trace", "generate", "--kind", "pressure", "--requests", "1" + "0" * 30],
+        "--requests", 2)
+    add("trace-import-sample-above-1", ["trace", "import", "{azure.csv}", "--format", "azure", "--out", "{tmp}/o.jsonl",
+                                        "--sample", "2"], "--sample", 2)
+    add("trace-import-duration-0", ["trace", "import", "{azure.csv}", "--format", "azure", "--out", "{tmp}/o.jsonl",
+                                    "--duration", "0"], "--duration", 2)
+    add("trace-import-rate-scale-huge", ["trace", "import", "{azure.csv}", "--format", "azure", "--out",
+                                         "{tmp}/o.jsonl", "--rate-scale", "1e30"], "--rate-scale", 2)
+    add("bench-evict-sizes-negative", ["bench", "evict", "--sizes", "-1"], "--sizes", 2)
+    add("replay-dp-arms-negative-rank", ["replay", "--dp-arms", "-1=baseline"], "--option=VALUE", 2)
+    add("replay-dp-arms-negative-rank-equals", ["replay", "--dp-arms=-1=baseline"], "rank '-1'")
+    add("replay-out-empty", ["replay", "--out", ""], "(empty)")
+    add("eval-out-empty", ["eval", "--out", ""], "(empty)")
+    add("trace-generate-out-empty", ["trace", "generate", "--kind", "pressure", "--out", ""], "(empty)")
+    add("profiles-empty-name", ["profiles", ""], "unknown profile")
+    add("explain-profile-empty", ["explain", "--profile", ""], "--profile")
+    add("explain-profile-unknown", ["explain", "--profile", "nosuch"], "nosuch")
+    add("explain-profile-and-dp-rank", ["explain", "--profile", "baseline", "--dp-rank", "1"], "--dp-rank")
+    add("explain-dp-rank-huge", ["explain", "--dp-rank", "1" + "0" * 20], "--dp-rank", 2)
+    add("eval-duplicate-arms", ["eval", "--arms", "baseline", "recommended", "baseline"], "given twice")
+    add("bench-schedule-unknown-profile", ["bench", "schedule", "--profile", "nosuch"], "--profile")
+    add("bench-evict-heap-huge", ["bench", "evict", "--heap-objects", "1" + "0" * 20], "--heap-objects", 2)
+    add("bench-transfer-interval-nan", ["bench", "transfer", "--interval", "nan"], "--interval", 2)
+    add("trace-import-max-tokens-huge", ["trace", "import", "{azure.csv}", "--format", "azure", "--out", "{tmp}/o.jsonl",
+                                         "--max-tokens", "1" + "0" * 20], "--max-tokens")
+    add("bench-schedule-steps-huge", ["bench", "schedule", "--steps", "1" + "0" * 20], "--steps", 2)
     add("trace-generate-kind", ["trace", "generate", "--kind", "nosuch"], "--kind", 2)
     add("trace-generate-requests", ["trace", "generate", "--kind", "pressure", "--requests", "0"], "--requests", 2)
     add("trace-import-no-format", ["trace", "import", "{data.csv}", "--out", "{tmp}/o.jsonl"], "--format", 2)
@@ -160,6 +205,9 @@ def _cases() -> list:
         ("FDSCHED_TRANSFER_WAIT_SECONDS", "0", "FDSCHED_TRANSFER_WAIT_SECONDS"),
         ("FDSCHED_TRANSFER_FORCE_DIRECT_RECYCLE", "2", "FDSCHED_TRANSFER_FORCE_DIRECT_RECYCLE"),
         ("FDSCHED_RECYCLE_HEAPIFY_MIN_BATCH", "0", "FDSCHED_RECYCLE_HEAPIFY_MIN_BATCH"),
+        ("FDSCHED_ADAPTIVE_WINDOW", "99999999999999999999", "at most 2147483647"),
+        ("FD_CLIP_MAX_NEW_TOKENS", "99999999999999999999", "FD_CLIP_MAX_NEW_TOKENS"),
+        ("FD_INIT_NEW_TOKEN_RATIO", "inf", "FD_INIT_NEW_TOKEN_RATIO"),
         ("FDSCHED_PROFILE", "nosuch", "nosuch"),
         ("FDSCHED_PROFILE", "/nonexistent/p.yaml", "no such profile file"),
         ("FDSCHED_PROFILE", "{tmp}/", "directory"),
@@ -179,6 +227,7 @@ def _cases() -> list:
         ("duplicate.yaml", "given twice"), ("syntax.yaml", "line"), ("utf16.yaml", "UTF-16"), ("binary.yaml", "binary"),
         ("latin1.yaml", "not UTF-8"), ("changes-scalar.yaml", "changes"), ("description-list.yaml", "description"),
         ("tunable-range.yaml", "FD_INIT_NEW_TOKEN_RATIO"), ("estimator.yaml", "reserve_estimator"),
+        ("huge-int.yaml", "tunables.adaptive_window"), ("inf-cost.yaml", "replay.step_fixed_ms"),
     ]:
         add(f"profile-{name}", ["profiles", "{%s}" % name], expect)
     add("replay-profile-empty", ["replay", "--profile", "{empty.yaml}"], "empty")
@@ -189,6 +238,9 @@ def _cases() -> list:
         ("trace-utf16.jsonl", "UTF-16"), ("trace-utf16-nobom.jsonl", "UTF-16"), ("trace-binary.jsonl", "binary"),
         ("trace-latin1.jsonl", "not UTF-8"), ("trace-empty.jsonl", "trace-empty"), ("trace-badjson.jsonl", "line 3"),
         ("trace-badfield.jsonl", "prompt_len"), ("trace-toolong.jsonl", "trace-toolong"),
+        ("trace-far-arrival.jsonl", "'arrival'"), ("trace-far-arrival-s.jsonl", "'arrival_s'"),
+        ("trace-huge-max-tokens.jsonl", "'max_tokens'"), ("trace-huge-token.jsonl", "bad token"),
+        ("trace-huge-pool.jsonl", "num_gpu_blocks"),
     ]:
         add(f"replay-{name}", ["replay", "--trace", "{%s}" % name], expect)
     add("trace-validate-binary", ["trace", "validate", "{trace-binary.jsonl}"], "binary")
@@ -236,6 +288,9 @@ CASES = _cases()
 @pytest.fixture
 def files(tmp_path):
     names = {"tmp": str(tmp_path)}
+    for sub in ("a", "b"):  # two profile files with one name (the duplicate-label case)
+        (tmp_path / sub).mkdir()
+        (tmp_path / sub / "x.yaml").write_text("description: x\n", encoding="utf-8")
     for name, data in FILES.items():
         (tmp_path / name).write_bytes(data)
         names[name] = str(tmp_path / name)
@@ -249,14 +304,12 @@ def _fill(text: str, files: dict) -> str:
 
 
 def _error_lines(err: str, code: int) -> list:
-    lines = [line for line in err.splitlines() if line.strip()]
-    if code == 2:  # argparse: the usage (one or more lines), then "prog: error: ..."
-        return [line for line in lines if ": error: " in line]
-    return lines
+    """Every line on stderr: argparse's refusals too are one line (no usage block before it)."""
+    return [line for line in err.splitlines() if line.strip()]
 
 
 def test_the_sweep_covers_every_category():
-    assert len(CASES) >= 76
+    assert len(CASES) >= 100
     assert len({c.id for c in CASES}) == len(CASES)
 
 
@@ -276,10 +329,16 @@ def test_bad_input_is_one_line(case, files, monkeypatch, capsys, tmp_path):
     lines = _error_lines(err, code)
     assert len(lines) == 1, err
     assert case.expect.lower() in lines[0].lower(), lines[0]
+    # one prefix for every command: "fdsched <command>: error: ..."
+    command = " ".join(a for a in argv[:2] if not a.startswith("-") and "/" not in a and a != "nosuch")
+    assert lines[0].startswith("fdsched"), lines[0]
+    assert ": error: " in lines[0] and lines[0].split(": error: ")[0] in ("fdsched", f"fdsched {command}",
+                                                                           f"fdsched {argv[0]}"), lines[0]
 
 
 @pytest.mark.parametrize("case_id", ["replay-trace-utf16.jsonl", "profile-binary.yaml", "archive-absolute.tar.gz",
-                                     "replay-out-is-a-file", "replay-max-steps-0"])
+                                     "replay-out-is-a-file", "replay-max-steps-0", "replay-num-gpu-blocks-huge",
+                                     "replay-trace-far-arrival.jsonl"])
 def test_console_script(case_id, files, tmp_path):
     """The same through the installed ``fdsched`` script: nothing between main() and the terminal adds a traceback."""
     case = next(c for c in CASES if c.id == case_id)
@@ -293,3 +352,65 @@ def test_console_script(case_id, files, tmp_path):
     assert result.returncode == case.code, result.stderr
     lines = _error_lines(result.stderr, result.returncode)
     assert len(lines) == 1 and case.expect.lower() in lines[0].lower(), result.stderr
+
+
+def test_a_replay_over_an_earlier_report_says_it_replaces_it(tmp_path, capsys):
+    from fdsched.replay.cli import _say_if_replacing
+
+    _say_if_replacing(tmp_path)
+    assert capsys.readouterr().err == ""  # nothing to replace: nothing said
+    (tmp_path / "report.json").write_text("{}", encoding="utf-8")
+    _say_if_replacing(tmp_path)
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert err.startswith(f"fdsched replay: note: {tmp_path} holds an earlier report (report.json, ")
+    assert "replaces it when it finishes" in err
+
+
+def test_the_bounds_admit_their_own_limits(tmp_path):
+    """The bounds refuse typos, not real values: an arrival at the bound and a pool at the bound pass."""
+    from fdsched.replay.trace import ENGINE_MAX, MAX_ARRIVAL_S, MAX_ARRIVAL_STEP, parse_trace
+
+    header = '{"header": {"engine": {"num_gpu_blocks": %d}}}' % ENGINE_MAX["num_gpu_blocks"]
+    trace = parse_trace([header, '{"id": "r", "arrival": %d, "prompt_len": 5, "max_tokens": null, "output_len": 2}'
+                         % MAX_ARRIVAL_STEP])
+    assert trace.requests[0].arrival == MAX_ARRIVAL_STEP
+    timed = parse_trace(['{"id": "r", "arrival_s": %r, "prompt_len": 5, "max_tokens": null, "output_len": 2}'
+                         % MAX_ARRIVAL_S])
+    assert timed.requests[0].arrival_s == MAX_ARRIVAL_S
+
+
+def test_the_same_profile_by_name_and_by_path_is_one_arm(files, capsys, monkeypatch, tmp_path):
+    from fdsched.core.settings import shipped_profiles
+
+    monkeypatch.chdir(tmp_path)
+    code = main(["replay", "--profile", "baseline", str(shipped_profiles()["baseline"])])
+    err = capsys.readouterr().err.strip()
+    assert code == 1 and len(err.splitlines()) == 1
+    assert "given twice" in err and err.startswith("fdsched replay: error: --profile: ")
+
+
+def test_a_replay_that_cannot_start_leaves_no_output_behind(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    if "fastdeploy" in sys.modules or importlib.util.find_spec("fastdeploy") is not None:
+        pytest.skip("FastDeploy is importable in this run; the no-host path is checked where it is not")
+    monkeypatch.delenv("FDSCHED_HOST_SOURCE", raising=False)
+    monkeypatch.setenv("FDSCHED_HOME", str(tmp_path / "home"))
+    out = tmp_path / "new-out"
+    assert main(["replay", "--out", str(out), "--no-progress"]) == 2
+    assert "needs the FastDeploy host" in capsys.readouterr().err
+    assert not out.exists()  # made for the run, removed again: nothing half-written
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "report.json").write_text("{}", encoding="utf-8")
+    assert main(["replay", "--out", str(kept), "--no-progress"]) == 2
+    assert sorted(p.name for p in kept.iterdir()) == ["report.json"]  # an earlier report stays when this run fails
+
+
+def test_counts_read_as_words():
+    from fdsched.core.common import plural
+
+    assert [plural(1, "request"), plural(2, "request"), plural(0, "step")] == ["1 request", "2 requests", "0 steps"]
+    assert plural(1234567, "prompt token") == "1234567 prompt tokens"  # never 1.23457e+06
+    assert plural(24.0, "request") == "24 requests"

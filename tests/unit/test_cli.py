@@ -82,7 +82,7 @@ def test_doctor_without_a_host(capsys, no_host):
     out = captured.out
     assert f"fdsched {__version__}" in out
     assert "profile: none" in out
-    assert "host: NOT FOUND" in captured.err and "NOT FOUND" not in out  # errors go to stderr
+    assert "fdsched doctor: error: host not found: " in captured.err and "not found" not in out  # errors: stderr
     assert HOST_SOURCE_ENV in captured.err  # how to point at a host
     for change_id in CHANGE_IDS:
         assert change_id in out
@@ -103,7 +103,7 @@ def test_doctor_with_a_bad_env_value(capsys, monkeypatch, no_host):
     assert main(["doctor"]) == EXIT_ERROR
     captured = capsys.readouterr()
     err = captured.err
-    assert "settings: ERROR" in err and "ERROR" not in captured.out
+    assert err.startswith("fdsched doctor: error: settings: ") and "error" not in captured.out
     assert "FDSCHED_RATIO_RESERVE" in err
     assert "'maybe'" in err
     assert "one of auto, on, off" in err

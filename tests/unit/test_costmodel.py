@@ -249,7 +249,7 @@ def test_replay_rejects_a_bad_cost_model_before_running(tmp_path, capsys):
     assert main(["replay", "--trace", "pressure", "--cost-model", "nope", "--out", str(tmp_path), "--no-progress"]) == 1
     err = capsys.readouterr().err
     assert err.strip() == (
-        f"fdsched: --cost-model: bad value 'nope' (unknown cost model); allowed: linear, {', '.join(preset_names())} "
+        f"fdsched replay: error: --cost-model: bad value 'nope' (unknown cost model); allowed: linear, {', '.join(preset_names())} "
         "or the path of a preset YAML file"
     )
     assert not (tmp_path / "report.json").exists()

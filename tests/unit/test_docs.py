@@ -41,8 +41,30 @@ def test_the_readme_says_what_the_project_is_before_any_command():
     assert text.index("plugin for [FastDeploy]") < text.index("```")
     # the quick start's replay shows the point: a shipped real trace, baseline / recommended / adaptive
     assert "fdsched replay --trace azure-conv --profile baseline recommended adaptive" in text
-    # the test command says how long it takes
-    assert re.search(r"python -m pytest -q -ra tests\s+# the tests: about \d+-\d+ min", text)
+    # the test command says where its measured times are, and that page has the place CI's figures go
+    assert re.search(r"python -m pytest -q -ra tests\s+# the tests: three tiers, times in docs/testing.md", text)
+    assert "<!-- ci-times -->" in (ROOT / "docs" / "testing.md").read_text(encoding="utf-8")
+
+
+def test_the_readme_first_screen_says_what_to_enable():
+    """What an operator acts on comes before any reference: the supported lines (between the markers CI fills), the
+    three lines that enable the plugin, and which profile to run."""
+    text = README.read_text(encoding="utf-8") if README.is_file() else pytest.skip("no README.md here")
+    start, end = text.index("<!-- support-table:start -->"), text.index("<!-- support-table:end -->")
+    table = text[start:end]
+    assert "| line | commit | status |" in table
+    for commit in ("e7c8dc2fe940ba2f50d932f17b41eab555846ecb", "d38eeb8334331b903fb34c9cd270ff0c58a48adf"):
+        assert re.search(rf"`{commit}` \| tested \|", table)
+    enable = text.index("export FD_PLUGINS=fdsched")
+    assert enable < text.index("## Which profile to run") < text.index("## Reference")
+    # the fork the README names is the one `fdsched host setup` downloads from, and "tested" means a known host
+    from fdsched.install.hosts import KNOWN_HOSTS
+    from fdsched.tools.hostsetup import PUBLIC_ARCHIVE
+
+    fork = re.search(r"github\.com/([\w.-]+/[\w.-]+)/archive", PUBLIC_ARCHIVE).group(1)
+    assert f"`{fork}`" in text[:text.index("## Reference")]
+    tested = set(re.findall(r"`([0-9a-f]{40})` \| tested \|", table))
+    assert tested and tested <= set(KNOWN_HOSTS)
 
 
 def test_every_relative_link_in_the_docs_resolves():

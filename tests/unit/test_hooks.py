@@ -355,3 +355,36 @@ def test_reserve_override_is_none_without_a_third_party_and_its_answer_with_one(
     # A third party that passes on a request leaves it to the estimator: the plugin's ratio default is not asked.
     assert pol.reserve_blocks_override("r2", 3000, 10, 0.7, 4096, 16) is None
     assert pol.reserve_blocks("r2", 3000, 10, 0.7, 4096, 16) == policies.reserve_blocks_for_request(3000, 10, 0.7, 4096, 16)
+
+
+@pytest.mark.parametrize("raw, state", [
+    ("1", "blocked by FDSCHED_DISABLE_EXTERNAL_HOOKS=1"),
+    ("acme,other", "blocked by FDSCHED_DISABLE_EXTERNAL_HOOKS=acme,other"),
+    ("other", "not loaded"),  # not blocked; pluggy finds no distribution behind the fake entry point
+])
+def test_doctor_states_say_blocked_not_none(monkeypatch, raw, state):
+    import importlib.metadata
+    from types import SimpleNamespace
+
+    from fdsched.core.hooks import external_plugin_states
+
+    monkeypatch.setattr(importlib.metadata, "entry_points",
+                        lambda group=None: [SimpleNamespace(name="acme")] if group == "fdsched.hooks" else [])
+    rows, blocked_all = external_plugin_states({DISABLE_ENV: raw})
+    assert rows == [("acme", state)]
+    assert blocked_all is (raw == "1")
+
+
+def test_doctor_prints_a_blocked_plugin_as_blocked(monkeypatch, capsys):
+    import importlib.metadata
+    from types import SimpleNamespace
+
+    from fdsched.tools.cli import main
+
+    monkeypatch.setattr(importlib.metadata, "entry_points",
+                        lambda group=None: [SimpleNamespace(name="acme")] if group == "fdsched.hooks" else [])
+    monkeypatch.setenv(DISABLE_ENV, "1")
+    monkeypatch.setenv("FDSCHED_HOST_SOURCE", "/nonexistent")
+    main(["doctor"])
+    line = next(l for l in capsys.readouterr().out.splitlines() if l.startswith("third-party hook plugins"))
+    assert line.endswith(": acme (blocked by FDSCHED_DISABLE_EXTERNAL_HOOKS=1)")
