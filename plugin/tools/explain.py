@@ -229,7 +229,8 @@ def explain_host(settings, arm_settings: dict, dp_rank: Optional[int] = None, in
         change_mixins, replaces = [], {}
         for spec in CATALOGUE:
             names = tuple(n.split(".", 1)[1] for n in spec.replaces if n.split(".", 1)[0] == target)
-            mixin = spec.mixin_of(target, impl[spec.change_id], bool(info.has.get(spec.change_id)), arm.settings)
+            mixin, _why_not = spec.choose(target, impl[spec.change_id], host_cls, bool(info.has.get(spec.change_id)),
+                                          arm.settings, info.host_classes)  # the host's shape, as the installer picks
             if not names and mixin is None:
                 continue
             replaces[spec.change_id] = names
