@@ -114,8 +114,9 @@ def uses_problem(mixin, target: str, host_classes: dict) -> Optional[str]:
 
     ``fdsched_calls``: ``"Target.method" -> the parameter names the plugin passes, by position`` for every host
     method the mixin calls without overriding it (:func:`call_problem`; a method the mixin overrides is checked
-    as an override). ``fdsched_globals``: ``module -> names`` the mixin reads from the host module's globals
-    (:func:`fdsched.patches._base.host_global`)."""
+    as an override). ``fdsched_attributes``: the attributes of the host object the mixin reads (set by the host's
+    ``__init__``, or on its class). ``fdsched_globals``: ``module -> names`` the mixin reads from the host module's
+    globals (:func:`fdsched.patches._base.host_global`)."""
     import sys
 
     overridden = set(overridden_methods(mixin))
@@ -127,12 +128,51 @@ def uses_problem(mixin, target: str, host_classes: dict) -> Optional[str]:
         problem = call_problem(host_cls, method, tuple(args))
         if problem:
             return problem
+    missing = [name for name in attributes_of(mixin) if not host_sets(host_classes.get(target), name)]
+    if missing:
+        return f"{host_classes[target].__name__} sets no {', '.join(missing)} (the plugin reads it)"
     for module_name, names in sorted(declared(mixin, "fdsched_globals").items()):
         module = sys.modules.get(module_name)
         missing = [name for name in names if module is None or not hasattr(module, name)]
         if missing:
             return f"{module_name} has no {', '.join(missing)}"
     return None
+
+
+def attributes_of(mixin) -> tuple:
+    """The host instance attributes a mixin reads (its ``fdsched_attributes``, over the plugin classes it derives
+    from), in order, once each."""
+    found: list = []
+    for cls in reversed(mixin.__mro__):
+        if _is_plugin_class(cls):
+            for name in vars(cls).get("fdsched_attributes", ()):
+                if name not in found:
+                    found.append(name)
+    return tuple(found)
+
+
+def host_sets(host_cls, name: str) -> bool:
+    """Whether objects of ``host_cls`` have ``name``: a class attribute (method, property), or an attribute some
+    ``__init__`` along the host's MRO assigns (read from its code: nothing is constructed)."""
+    if host_cls is None:
+        return False
+    if hasattr(host_cls, name):
+        return True
+    for cls in host_cls.__mro__:
+        init = vars(cls).get("__init__")
+        code = getattr(init, "__code__", None)
+        if code is not None and _assigns(code, name):
+            return True
+    return False
+
+
+def _assigns(code, name: str) -> bool:
+    import dis
+
+    for instruction in dis.get_instructions(code):
+        if instruction.opname == "STORE_ATTR" and instruction.argval == name:
+            return True
+    return any(_assigns(const, name) for const in code.co_consts if inspect.iscode(const))
 
 
 class Shapes(tuple):

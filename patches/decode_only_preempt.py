@@ -54,6 +54,8 @@ RM = "fastdeploy.engine.sched.resource_manager_v1"
 
 
 class DecodeOnlyPreemptMixin(PluginBase):
+    fdsched_attributes = ("running",)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._fdsched_no_victim = NoVictimWarning()
@@ -137,6 +139,8 @@ class PolicyPreemptOldHostMixin(DecodeOnlyPreemptMixin):
         "ResourceManagerV1.info": (),
     }
     fdsched_globals = {RM: ("envs", "llm_logger", "trace_print", "LoggingEventName")}
+    fdsched_attributes = ("cache_manager", "config", "tasks_list", "stop_flags", "requests", "req_dict",
+                          "to_be_rescheduled_request_id_set")
 
     def _trigger_preempt(self, request, num_new_blocks, preempted_reqs, scheduled_reqs):
         while not self.cache_manager.can_allocate_gpu_blocks(num_new_blocks):

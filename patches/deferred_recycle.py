@@ -137,6 +137,10 @@ def merge_into_heap(heap: list, ids: list, heapify_min_batch: int) -> str:
 
 class DeferredRecycleMixin(PluginBase):
     fdsched_globals = {PCM: ("CacheStatus", "PrefixTreeStatus", "envs", "logger", "main_process_metrics")}
+    fdsched_attributes = (
+        "request_release_lock", "gpu_free_task_future", "gpu_lru_leaf_heap", "gpu_lru_leaf_set", "radix_tree_root",
+        "node_id_pool", "node_map", "gpu_free_block_list", "num_gpu_blocks", "cache_config", "available_gpu_resource",
+    )
 
     def free_block_ids_async(self, need_block_num):
         if not self._fdsched_deferred_path(need_block_num):

@@ -105,6 +105,7 @@ class PdPrefillCacheMixin(PluginBase):
     preallocation for the gate)."""
 
     fdsched_calls = {"PrefixCacheManager.update_cache_blocks": ("task", "block_size", "num_computed_tokens")}
+    fdsched_attributes = ("config", "cache_manager", "lock")
 
     def _fdsched_on_prefill_node(self) -> bool:
         return self.config.scheduler_config.splitwise_role == "prefill"

@@ -194,6 +194,7 @@ class _BudgetedReserve(ReservationMixin):
     another thread while the pass is open (the old host's PD preallocation) gets a budget of its own."""
 
     fdsched_globals = {RM: ("llm_logger",)}
+    fdsched_attributes = ("config", "running", "lock", "cache_manager")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -378,6 +379,8 @@ class _RatioCore(_BudgetedReserve):
 class _AdaptiveCore(_RatioCore):
     """The plugin's own estimator (:class:`AdaptiveStrategy`); every request that finishes running is a sample."""
 
+    fdsched_attributes = ("requests",)
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         s = self._fdsched_settings
@@ -557,6 +560,7 @@ class PreChangeReserveMixin(_BudgetedReserve):
     running pass (a running chunk short of blocks preempts instead of waiting)."""
 
     fdsched_calls = {"PrefixCacheManager.can_allocate_gpu_blocks": ("num_blocks",)}
+    fdsched_attributes = ("waiting",)
 
     def _fdsched_make_strategy(self):
         return FixedBlockStrategy(self._fdsched_fixed)

@@ -112,3 +112,25 @@ def test_the_plugin_acts_only_when_fd_plugins_names_it():
     assert not asked_for({})  # unset: an old loader calls every plugin; this one does nothing then
     assert not asked_for({"FD_PLUGINS": ""})
     assert not asked_for({"FD_PLUGINS": "fdsched2,other"})
+
+
+def test_declared_attributes_must_be_set_by_the_hosts_init_or_its_class():
+    from fdsched.patches._spec import host_sets
+
+    class Base:
+        def __init__(self):
+            self.lock = object()
+
+    class Host(Base):
+        limit = 3
+
+        def __init__(self):
+            super().__init__()
+            self.running = []
+            if self.running is None:
+                self.waiting = []  # assigned on some path only: the host has it
+
+    assert host_sets(Host, "running") and host_sets(Host, "lock") and host_sets(Host, "limit")
+    assert host_sets(Host, "waiting") and not host_sets(Host, "requests")
+    reads = plugin_class("Reads", fdsched_attributes=("running", "requests"))
+    assert uses_problem(reads, "Host", {"Host": Host}) == "Host sets no requests (the plugin reads it)"
