@@ -433,19 +433,20 @@ def cmd_test(args) -> int:
               file=sys.stderr)
         return EXIT_ERROR
     table = load_table()
+    from fdsched.install.hosts import cache_dir, host_key
     from fdsched.install.probe import probe
+    from fdsched.tools.quiet import host_output_to
 
-    info = probe()
-    tree, key, label = info.location, None, info.label
-    from fdsched.install.hosts import host_key
-
-    key = host_key(info.commit)
+    with host_output_to(cache_dir() / "logs" / "host-test-host.log", verbose=False):  # the host's import chatter
+        info = probe()
+        best = None if (args.all_profiles or args.run) else most_applying_profile()
+    tree, key, label = info.location, host_key(info.commit), info.label
     if args.all_profiles:
         runs = run_names()[1:]
     elif args.run:
         runs = [r for r in args.run if r != NO_PLUGIN]
     else:
-        runs = [DEFAULT_RUN] + [p for p in [most_applying_profile()] if p]
+        runs = [DEFAULT_RUN] + [p for p in [best] if p]
     unknown = [r for r in runs if r not in run_names()]
     if unknown:
         print(f"fdsched host test: error: --run {unknown}; allowed: {', '.join(run_names())}", file=sys.stderr)
@@ -470,7 +471,7 @@ def cmd_test(args) -> int:
     for run in [NO_PLUGIN] + runs:
         result, problems, altered = run_and_compare(tree, key, run, table, baseline, timeout=args.timeout)
         counts = result.counts()
-        rows.append((run, counts["passed"], counts["failed"], counts["skipped"], len(altered), len(problems),
+        rows.append((run, counts["passed"], counts["failed"], len(altered), counts["skipped"], len(problems),
                      f"{result.seconds:.1f}"))
         for node, threads in sorted(result.leaked_threads.items()):
             where = "own process" if node.split("::", 1)[0] in table.own_process else "SHARED process"
