@@ -34,7 +34,7 @@ from typing import Optional
 
 from fdsched.core.common import ceil_div
 from fdsched.core.policies import is_decoding
-from fdsched.replay.trace import ENGINE_DEFAULTS, check_engine_shape, effective_output_len
+from fdsched.replay.trace import ENGINE_DEFAULTS, TraceError, check_engine_shape, effective_output_len
 
 __all__ = [
     "EngineShape",
@@ -74,7 +74,31 @@ class EngineShape:
         check_engine_shape(asdict(self))
 
 
+class HostConfigError(TraceError):
+    """The host refuses the scheduler the replay builds (its own config checks, or a config shape the replay does
+    not know); the message is the host's own, in one line."""
+
+
 def build_manager(shape: EngineShape, dp_rank: int = 0, dp_size: Optional[int] = None):
+    """:func:`_build_manager`; a host that refuses the replay's engine shape is one :class:`HostConfigError`."""
+    try:
+        return _build_manager(shape, dp_rank, dp_size)
+    except TraceError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - the host's own check (an assert) or a config shape it does not take
+        import fastdeploy
+
+        first = (str(exc).splitlines() or ["?"])[0]
+        first = first if len(first) <= 160 else first[:157] + "..."
+        where = os.path.dirname(os.path.dirname(os.path.abspath(fastdeploy.__file__)))
+        raise HostConfigError(
+            f"FastDeploy at {where} refuses the replay's engine shape ({type(exc).__name__}: {first}); the replay "
+            "builds the scheduler's configs as FastDeploy 2.4 and later do: if the message names a setting, change "
+            "it with the replay's flag of that name, else this host cannot be replayed"
+        ) from None
+
+
+def _build_manager(shape: EngineShape, dp_rank: int = 0, dp_size: Optional[int] = None):
     """A ``ResourceManagerV1`` built from real host configs, the way the host's own tests build one.
 
     ``dp_rank`` / ``dp_size``: the data-parallel rank this scheduler is for (passed as the engine passes it,
@@ -109,6 +133,7 @@ def build_manager(shape: EngineShape, dp_rank: int = 0, dp_size: Optional[int] =
     cache.enable_prefix_caching = shape.enable_prefix_caching
     cache.enable_output_caching = False
     cache.bytes_per_token_per_layer = 1
+    cache.bytes_per_layer_per_block = 1  # what 2.4's prefix cache reads instead (sizes only its log line here)
     cache.kv_cache_ratio = 1.0
     model = SimpleNamespace(
         enable_mm=False,
@@ -182,9 +207,29 @@ def make_request(request_id: str, prompt_token_ids: list, max_tokens: Optional[i
     request.need_prefill_tokens = request.prompt_token_ids_len
     request.output_token_ids = []
     request.disaggregate_info = {}
-    request.metrics = RequestMetrics()
+    request.metrics = RequestMetrics(**_metrics_arguments(RequestMetrics))
     request.sampling_params.max_tokens = max_tokens
     return request
+
+
+_METRICS_ARGUMENTS: dict = {}
+
+
+def _metrics_arguments(metrics_cls) -> dict:
+    """What the host's ``RequestMetrics`` needs to be built: nothing, or (2.4) an ``arrival_time`` (0.0 here: the
+    driver stamps the real one when the request is added)."""
+    found = _METRICS_ARGUMENTS.get(metrics_cls)
+    if found is None:
+        import inspect
+
+        try:
+            params = inspect.signature(metrics_cls).parameters
+        except (TypeError, ValueError):
+            params = {}
+        arrival = params.get("arrival_time")
+        found = {"arrival_time": 0.0} if arrival is not None and arrival.default is inspect.Parameter.empty else {}
+        _METRICS_ARGUMENTS[metrics_cls] = found
+    return found
 
 
 @contextmanager
