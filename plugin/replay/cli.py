@@ -325,6 +325,8 @@ def cmd_eval(args) -> int:
                                check_every=args.check_every, cost_overrides={"model": args.cost_model}, only=args.only)
         except (HostNotFound, SettingsError, InstallError, TraceError) as exc:
             error = exc
+        except Exception as exc:  # noqa: BLE001 - anything else the host (or we) raised mid-run: one line
+            error = run_failure(exc, Path(args.out) / "host.log")
     note = log_note(host_log)
     if isinstance(error, HostNotFound):
         _tidy_after_failure(Path(args.out).expanduser(), created)
@@ -590,7 +592,21 @@ def _run_arms_logged(args, plan: _ReplayPlan, tqdm):
             runs = _run_arms(args, plan, _progress_factory(tqdm, plan.profiles, host_log.terminal))
         except (HostNotFound, SettingsError, InstallError, TraceError) as exc:
             error = exc
+        except Exception as exc:  # noqa: BLE001 - anything else the host (or we) raised mid-run: one line
+            error = run_failure(exc, log_path)
     return runs, error, log_note(host_log)
+
+
+def run_failure(exc: BaseException, log_path) -> RuntimeError:
+    """An unexpected error during a run as one line for the terminal; its traceback goes to the host's log (this
+    runs inside ``host_output_to``, whose stderr is that log), so nothing is lost."""
+    import traceback
+
+    traceback.print_exc()
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+    first = (str(exc).splitlines() or [""])[0][:160]
+    return RuntimeError(f"the run failed: {type(exc).__name__}: {first}{where}; the traceback is in {log_path}")
 
 
 def _progress_factory(tqdm, profiles: list, stream):

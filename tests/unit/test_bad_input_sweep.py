@@ -414,3 +414,22 @@ def test_counts_read_as_words():
     assert [plural(1, "request"), plural(2, "request"), plural(0, "step")] == ["1 request", "2 requests", "0 steps"]
     assert plural(1234567, "prompt token") == "1234567 prompt tokens"  # never 1.23457e+06
     assert plural(24.0, "request") == "24 requests"
+
+
+def test_an_unexpected_error_mid_run_is_one_line_and_its_traceback_is_kept(capsys, tmp_path):
+    """What a host we have never seen raises in the middle of a replay (not a settings or trace problem) reaches the
+    terminal as one line naming the error and where it was raised; the traceback goes to the run's host log."""
+    from fdsched.replay.cli import run_failure
+
+    def host_code():
+        raise KeyError("no_such_field\nsecond line")
+
+    try:
+        host_code()
+    except KeyError as exc:
+        error = run_failure(exc, tmp_path / "host.log")
+    message = str(error)
+    assert "\n" not in message
+    assert message.startswith("the run failed: KeyError: 'no_such_field")
+    assert "test_bad_input_sweep.py:" in message and str(tmp_path / "host.log") in message
+    assert "Traceback (most recent call last)" in capsys.readouterr().err  # (inside a run: the host log)
