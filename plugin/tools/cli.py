@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 from typing import Optional
 
 from fdsched import __version__
@@ -330,6 +331,29 @@ def main(argv: Optional[list] = None) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_OK
+    except Exception as exc:  # noqa: BLE001 - what a host nobody tested raises: one line, the traceback kept
+        print(error_line(command, unexpected(exc)), file=sys.stderr)
+        return EXIT_ERROR
+
+
+def unexpected(exc: BaseException) -> str:
+    """An error no command expected (a host's code we have never seen, or a bug of ours) in one line; its traceback
+    is written to ``$FDSCHED_HOME/logs/last-error.log`` (else it would be lost)."""
+    import traceback
+
+    frames = traceback.extract_tb(exc.__traceback__)
+    where = f" at {Path(frames[-1].filename).name}:{frames[-1].lineno}" if frames else ""
+    first = (str(exc).splitlines() or [""])[0][:160]
+    text = f"{type(exc).__name__}: {first}{where}"
+    try:
+        from fdsched.install.hosts import cache_dir
+
+        log = cache_dir() / "logs" / "last-error.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        log.write_text("".join(traceback.format_exception(exc)), encoding="utf-8")
+        return f"{text}; the traceback is in {log}"
+    except OSError:
+        return text
 
 
 if __name__ == "__main__":

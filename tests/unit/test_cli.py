@@ -174,3 +174,21 @@ def test_doctor_reports_the_reservation_estimator_live_or_what_it_would_use():
     report = _adaptive_report(load_settings(environ={}, profile="adaptive"), None)
     assert "1 scheduler(s) in this process" in report
     assert "unbounded: 3 samples" in report and "learned" in report and "bounded: 0 samples" in report
+
+
+def test_an_error_no_command_expected_is_one_line_with_its_traceback_kept(tmp_path, monkeypatch, capsys):
+    from fdsched.tools import cli
+
+    monkeypatch.setenv("FDSCHED_HOME", str(tmp_path))
+
+    def broken(args):
+        raise AttributeError("type object 'X' has no attribute 'y'")
+
+    args = cli.build_parser().parse_args(["patches"])
+    args.func = broken  # a command whose code meets something it never expected
+    monkeypatch.setattr(cli, "build_parser", lambda: type("P", (), {"parse_args": lambda self, argv: args})())
+    assert cli.main([]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fdsched patches: error: AttributeError: type object 'X'")
+    log = tmp_path / "logs" / "last-error.log"
+    assert str(log) in err[0] and "Traceback (most recent call last)" in log.read_text(encoding="utf-8")
