@@ -233,18 +233,16 @@ def check_config(c: EngineConfig) -> list:
         profiles += [(f"--arms rank {r}", p) for r, p in sorted(arms.items())]
     if c.profile:
         profiles.append(("--profile", c.profile))
-    checked = False
+    try:  # every FDSCHED_* variable, once, on the built-in defaults
+        load_settings(environ, profile=None)
+    except SettingsError as exc:
+        problems.append(str(exc))
+        environ = {}  # then each profile on its own, so that one bad variable is one line
     for origin, profile in profiles:
         try:
             load_settings(environ, profile=profile)
-            checked = True
         except SettingsError as exc:
             problems.append(f"{origin}: {exc}")
-    if not checked:  # every FDSCHED_* variable, with the built-in defaults when no profile loaded
-        try:
-            load_settings(environ)
-        except SettingsError as exc:
-            problems.append(str(exc))
     return list(dict.fromkeys(problems))
 
 

@@ -221,8 +221,8 @@ SEAMS = (
         "H5 exit watchers (harness only)",
         "fastdeploy.engine.engine / multi_api_server",
         "a thread per simulated worker (in the engine that starts it) and per api_server (in multi_api_server, "
-        "whose subprocess.Popen is wrapped) waits with waitid(WNOWAIT) and records rank, role, pid and exit status "
-        "or signal in the state dir, without reaping the child",
+        "whose subprocess.Popen is wrapped) waits on the child's own Popen object (shared with the host's waiters) "
+        "and records rank, role, pid and exit status or signal in the state dir",
         {NEW: "added; multi_api_server.py 135 (Popen)", OLD: "added; multi_api_server.py Popen"},
         "only a process's parent learns how it ended; the launcher names the rank, role and signal of the first "
         "death and stops the stack",
@@ -446,9 +446,9 @@ def _start_simulated_worker(self):
         err = open(os.path.join(log_dir, f"simworker_rank{rank}.log"), "ab")
         if first is None:
             first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, process_group=0)
-            watch_exit(first.pid, "worker", rank)
+            watch_exit(first, "worker", rank)
         else:
-            watch_exit(subprocess.Popen(cmd, stdout=err, stderr=err, process_group=first.pid).pid, "worker", rank)
+            watch_exit(subprocess.Popen(cmd, stdout=err, stderr=err, process_group=first.pid), "worker", rank)
     _start_state_probe(self, int(getattr(pc, "local_data_parallel_id", 0) or 0))
     return first
 
@@ -735,24 +735,27 @@ def _h4_record_zmq(module) -> None:
 
 # H5 --------------------------------------------------------------------------------------------
 
-def watch_exit(pid: int, role: str, rank) -> None:
-    """Record how child ``pid`` ends (exit code, or minus the signal) in the state dir, without reaping it."""
+_WATCHED: list = []  # the Popen objects watched: referenced, so that no garbage-collected Popen is reaped by
+# subprocess's own _cleanup() (run at every later Popen) before its watcher learns the status
+
+
+def watch_exit(proc, role: str, rank) -> None:
+    """Record how the child ``proc`` (a ``subprocess.Popen``) ends -- exit code, or minus the signal -- in the state
+    dir. ``Popen.wait`` shares the object's lock and return code with any other waiter (the host's own ``poll``),
+    so whoever reaps it, the status is the same."""
     state_dir = os.environ.get(STATE_ENV)
     if not state_dir:
         return
+    _WATCHED.append(proc)
 
     def wait():
-        code = None
         try:
-            info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOWAIT)
-            if info is not None:
-                killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
-                code = -info.si_status if killed else info.si_status
-        except ChildProcessError:  # reaped by its other waiter first: the death is still recorded
-            pass
-        record = {"pid": pid, "role": role, "rank": None if rank is None else int(rank), "code": code,
+            code = proc.wait()
+        except Exception:  # noqa: BLE001 (the death is still recorded, without its status)
+            code = None
+        record = {"pid": proc.pid, "role": role, "rank": None if rank is None else int(rank), "code": code,
                   "time": time.time()}
-        path = os.path.join(state_dir, "exits", f"{role}-{pid}.json")
+        path = os.path.join(state_dir, "exits", f"{role}-{proc.pid}.json")
         try:
             with open(path + ".tmp", "w") as fh:
                 json.dump(record, fh)
@@ -780,7 +783,7 @@ def _h5_watch_api_servers() -> None:
                 rank = None
                 if "--local-data-parallel-id" in words:
                     rank = words[words.index("--local-data-parallel-id") + 1]
-                watch_exit(self.pid, "api_server", rank)
+                watch_exit(self, "api_server", rank)
 
     subprocess.Popen = WatchedPopen
 
@@ -800,7 +803,7 @@ class _GateState:
     def __init__(self, state_dir: str):
         self.dir = os.path.join(state_dir, DRAIN_DIR)
         self.in_flight = self.finished = self.ended = self.refused = 0
-        self.draining = self.aborting = False
+        self.draining = self.aborting = self.closed = False
         self._written = None
         self._write()
         threading.Thread(target=self._poll, name="fdsched-serve-drain-gate", daemon=True).start()
@@ -820,7 +823,7 @@ class _GateState:
             pass
 
     def _poll(self):
-        while True:
+        while not self.closed:
             if not self.draining and os.path.exists(os.path.join(self.dir, "requested")):
                 self.draining = True
             if self.draining and not self.aborting and os.path.exists(os.path.join(self.dir, "abort")):

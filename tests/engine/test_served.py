@@ -128,8 +128,10 @@ def test_online_ab_two_ranks_through_the_router(ab_stack, host_commit):
                 metric(texts[1], "fastdeploy:fdsched_preemptions_total")]
     print(f"\nA/B {host_commit[:7]}: requests per rank {per_rank}, preemptions {preempts}, prefill victims {victims}")
     print(report.stdout)
+    # The Router splits the requests at random, so which rank had more pressure is luck: only the plugin's arm's
+    # own guarantee is checked (no prefill-phase victim under recommended), not a comparison with baseline's rank.
     if host_commit.startswith("e7c8dc2"):
-        assert victims[0] > 0 and victims[1] == 0, victims
+        assert victims[1] == 0, victims
     for rank in range(2):
         assert_blocks_whole(settle(eng, rank), eng.rank_log_dir(rank))
 
