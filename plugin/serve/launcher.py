@@ -487,7 +487,8 @@ class ServedEngine:
                     alive = False
                 if not alive:
                     found[pid] = Death(rank, role, pid, None, now)
-        return sorted(found.values(), key=lambda d: (d.when, d.pid))
+        # earliest first; at one detection time, a death whose status is known (the cause) before the ones it took
+        return sorted(found.values(), key=lambda d: (d.when, d.code is None, d.pid))
 
     def check_alive(self) -> None:
         """ServeError in one line naming the first process that is gone (rank, role, signal or exit code), the

@@ -318,3 +318,13 @@ def test_identical_traffic_gets_the_verdict():
     text = format_served_table(_report("identical", [a, dict(a)], [1000.0, 990.0]))
     assert text.startswith("traffic: identical: every arm got the same requests at the same arrival times")
     assert "recommended vs baseline, same" in text and "no verdict" not in text
+
+
+def test_load_options_are_all_checked_before_any_server_is_contacted(capsys):
+    from fdsched.tools.cli import main
+
+    code = main(["load", "--url", "localhost:1", "--arm", "a", "--arm", "b", "--trace", "azure-conv",
+                 "--time-scale", "0", "--request-timeout", "-1"])
+    err = capsys.readouterr().err.splitlines()
+    assert code == 1 and len(err) == 4, err
+    assert all(line.startswith("fdsched load: error: --") for line in err)
