@@ -164,28 +164,36 @@ def traffic_lines(report: dict) -> list:
 
 
 def gated_verdict_lines(report: dict, what: str) -> list:
-    """The replay's verdict lines; on split traffic an arm whose traffic differs from the reference's by more than
-    its largest effect on the verdict figures gets no verdict, and the line says why."""
-    from fdsched.replay.report import VERDICT_KEYS
+    """The replay's verdict lines; on split traffic each verdict figure (TTFT p50, E2E p99, stall p99) whose change
+    is smaller than the traffic difference is left out of the word, and an arm with no figure beyond the
+    difference gets no verdict; the line says which."""
+    from fdsched.replay.report import VERDICT_KEYS, VERDICT_LINE_FIGURES, verdict
 
     profiles = report["profiles"]
     lines = verdict_lines(profiles, what=what)
     if not lines or report["load"].get("traffic") == "identical" or any("traffic" not in p for p in profiles):
         return lines
     ref = profiles[0]
+    labels = dict(VERDICT_LINE_FIGURES)
     out = [lines[0]]
     for p, line in zip(profiles[1:], lines[1:]):
         diff, name = _traffic_difference(p["traffic"], ref["traffic"])
-        effects = [abs(r - 1) for key in VERDICT_KEYS
-                   for r in [ratio(p["figures"].get(key), ref["figures"].get(key))] if r is not None]
-        effect = max(effects) if effects else 0.0
-        if diff > effect:
-            head, _, rest = line.strip().partition(": ")
-            arm = head.split(",")[0]
+        effects = {key: abs(r - 1) for key in VERDICT_KEYS
+                   for r in [ratio(p["figures"].get(key), ref["figures"].get(key))] if r is not None}
+        beyond = [key for key in VERDICT_KEYS if effects.get(key, 0.0) > diff]
+        head, _, rest = line.strip().partition(": ")
+        arm = head.split(",")[0]
+        if not beyond:
+            largest = max(effects.values()) if effects else 0.0
             out.append(f"  {arm}: no verdict: its traffic differs from {ref['profile']}'s by {diff:.0%} ({name}), "
-                       f"more than the largest effect ({effect:.0%}); figures: {rest}")
-        else:
-            out.append(line + f"; traffic differs by {diff:.0%} ({name}), less than the effect")
+                       f"more than the largest effect ({largest:.0%}); figures: {rest}")
+            continue
+        word = verdict(p["figures"], ref["figures"], keys=tuple(beyond))[0]
+        within = [labels[k] for k in VERDICT_KEYS if k not in beyond]
+        note = (f"; traffic differs by {diff:.0%} ({name}): the verdict reads only "
+                f"{', '.join(labels[k] for k in beyond)}" + (f", not {', '.join(within)} (within the difference)"
+                                                             if within else ""))
+        out.append(f"  {arm}, {word}: {rest}{note}")
     return out
 
 
