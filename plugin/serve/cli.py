@@ -4,6 +4,7 @@ through the load generator, print the per-arm report). The launcher itself only 
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
@@ -251,6 +252,8 @@ def _check_host_quietly() -> None:
 
 def _finish(engine, args, failed: bool) -> None:
     """The run directory: removed on a clean exit unless --keep-logs; kept and named after a failure."""
+    if not os.path.isdir(engine.run_dir):
+        return  # refused before anything was started: nothing was written
     if failed or args.keep_logs:
         print(f"fdsched serve: logs kept in {engine.run_dir}", file=sys.stderr)
     else:

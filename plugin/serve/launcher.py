@@ -321,6 +321,7 @@ class ServedEngine:
         self._lease = PortLease()
         self._watched: dict = {}  # (pid, create_time) -> (rank, role): the engine's processes, once it is up
         self.stopping = False
+        self._spawned = False
         self.removed_shm: list = []
 
     # ----------------------------------------------------------------------------------- start / stop
@@ -329,6 +330,8 @@ class ServedEngine:
             self.start()
         except BaseException:
             self.stop()
+            if not self._spawned:  # refused before anything ran (a port taken, no host): no logs worth keeping
+                self.cleanup()
             raise
         return self
 
@@ -420,6 +423,7 @@ class ServedEngine:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                 start_new_session=True, pass_fds=self._lease.fds())
         out.close()
+        self._spawned = True
         self.procs[name] = proc
         return proc
 

@@ -57,6 +57,9 @@ def test_a_port_in_use_or_leased_is_one_line_naming_it(tmp_path, monkeypatch):
             eng._allocate_ports()
         assert str(info.value).startswith(f"--port 18100: port 18104 is held by pid {os.getpid()}")
         assert "\n" not in str(info.value) and eng._lease.held == {} and eng.ports == []
+        with pytest.raises(ServeError):  # the same through the context manager: nothing ran, nothing is kept
+            eng.__enter__()
+        assert not os.path.exists(eng.run_dir)
     finally:
         holder.release()
         eng.cleanup()
