@@ -294,6 +294,9 @@ def _run_arms_in_turn(args, trace, configs, signals) -> int:
                     loads.append(run_trace_load(sent, [target], time_scale=args.time_scale))
                 except LoadError as exc:
                     raise ServeError(f"--trace {args.trace}: {exc}") from None
+                if args.time_schedule:
+                    t = engine.engine_state(0).get("schedule_times", {})
+                    print(f"{config.profile}: schedule() {format_schedule_times(t)}")
                 engine.check_alive()
                 targets.append(target)
         except ServeError:
