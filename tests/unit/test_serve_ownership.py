@@ -333,3 +333,23 @@ def test_load_options_are_all_checked_before_any_server_is_contacted(capsys):
     err = capsys.readouterr().err.splitlines()
     assert code == 1 and len(err) == 4, err
     assert all(line.startswith("fdsched load: error: --") for line in err)
+
+
+def test_two_launchers_write_the_model_directory_at_once(tmp_path):
+    import threading
+
+    from fdsched.serve.model import make_model
+
+    target = str(tmp_path / "tinymodel")
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(make_model(target))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert got == [target] * 4
+    assert sorted(os.listdir(target)) == [".complete", "config.json", "generation_config.json",
+                                          "special_tokens_map.json", "tokenizer.json", "tokenizer_config.json"]
+    assert os.listdir(tmp_path) == ["tinymodel"]  # no private copy left beside it
+    with open(os.path.join(target, "config.json")) as fh:
+        assert json.load(fh)["model_type"] == "qwen2"
