@@ -805,6 +805,7 @@ class _GateState:
         self.in_flight = self.finished = self.ended = self.refused = 0
         self.draining = self.aborting = self.closed = False
         self._written = None
+        self._abort_events = {}  # event loop -> asyncio.Event set when the launcher asks for the abort
         self._write()
         threading.Thread(target=self._poll, name="fdsched-serve-drain-gate", daemon=True).start()
 
@@ -822,12 +823,27 @@ class _GateState:
         except OSError:
             pass
 
+    def abort_event(self) -> "asyncio.Event":
+        """The running loop's event for the abort (one per loop; set at once if the abort came already)."""
+        loop = asyncio.get_running_loop()
+        event = self._abort_events.get(loop)
+        if event is None:
+            event = self._abort_events[loop] = asyncio.Event()
+            if self.aborting:
+                event.set()
+        return event
+
     def _poll(self):
         while not self.closed:
             if not self.draining and os.path.exists(os.path.join(self.dir, "requested")):
                 self.draining = True
             if self.draining and not self.aborting and os.path.exists(os.path.join(self.dir, "abort")):
                 self.aborting = True
+                for loop, event in list(self._abort_events.items()):
+                    try:
+                        loop.call_soon_threadsafe(event.set)
+                    except RuntimeError:  # that loop is closed
+                        pass
             self._write()
             time.sleep(0.05)
 
@@ -872,26 +888,26 @@ class _DrainGate:
             await send(message)
 
         task = asyncio.ensure_future(self.app(scope, receive, tracking_send))
+        abort = asyncio.ensure_future(st.abort_event().wait())
         outcome = "finished"
-        try:
-            while True:
-                done, _ = await asyncio.wait({task}, timeout=0.05)
-                if done:
-                    return task.result()
-                if st.aborting and not sent["done"]:
-                    outcome = "ended"
-                    sent["cut"] = True
-                    task.cancel()
-                    await asyncio.wait({task}, timeout=2)
-                    if sent["start"]:
-                        event = b"data: " + json.dumps({"error": SHUTDOWN_ERROR}).encode() + b"\n\n"
-                        if sent["stream"]:
-                            event += b"data: [DONE]\n\n"
-                        await send({"type": "http.response.body", "body": event, "more_body": False})
-                    else:
-                        await _send_json(send, 503, {"error": SHUTDOWN_ERROR})
-                    return None
+        try:  # no polling: woken by the request's end or by the abort
+            done, _ = await asyncio.wait({task, abort}, return_when=asyncio.FIRST_COMPLETED)
+            if task in done or sent["done"]:  # finished (perhaps its last byte went out just as the abort came)
+                return await task
+            outcome = "ended"
+            sent["cut"] = True
+            task.cancel()
+            await asyncio.wait({task}, timeout=2)
+            if sent["start"]:
+                event = b"data: " + json.dumps({"error": SHUTDOWN_ERROR}).encode() + b"\n\n"
+                if sent["stream"]:
+                    event += b"data: [DONE]\n\n"
+                await send({"type": "http.response.body", "body": event, "more_body": False})
+            else:
+                await _send_json(send, 503, {"error": SHUTDOWN_ERROR})
+            return None
         finally:
+            abort.cancel()
             st.in_flight -= 1
             if outcome == "ended":
                 st.ended += 1
