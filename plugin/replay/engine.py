@@ -54,6 +54,17 @@ def prepare_host_environment() -> None:
     for var in ("PROMETHEUS_MULTIPROC_DIR", "FD_LOG_DIR"):
         if not os.environ.get(var):
             os.environ[var] = tempfile.mkdtemp(prefix=f"fdsched-{var.lower()}-")
+            _remove_at_exit(os.environ[var])
+
+
+def _remove_at_exit(path: str) -> None:
+    """The directory this process made goes when it exits (only in the process that made it: a forked child
+    inherits the registration, not the ownership)."""
+    import atexit
+    import shutil
+
+    owner = os.getpid()
+    atexit.register(lambda: os.getpid() == owner and shutil.rmtree(path, ignore_errors=True))
 
 
 @dataclass(frozen=True)

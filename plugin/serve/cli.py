@@ -4,13 +4,15 @@ through the load generator, print the per-arm report). The launcher itself only 
 
 from __future__ import annotations
 
+import os
 import signal
 import sys
 import time
 
 from fdsched.core.common import EXIT_ERROR, EXIT_NO_HOST
 from fdsched.serve.launcher import (
-    PORT_RANGE, HostMissing, EngineConfig, ServedEngine, ServeError, check_host_modules, format_schedule_times, receiver_rpc_rate,
+    LOOPBACK, PORT_RANGE, PORTS_PER_RANK, EngineConfig, HostMissing, ServedEngine, ServeError, check_config,
+    check_host_modules, format_schedule_times, port_in_use, receiver_rpc_rate,
 )
 
 __all__ = ["add_command", "cmd_serve"]
@@ -20,7 +22,11 @@ def add_command(sub) -> None:
     p = sub.add_parser("serve", help="FastDeploy's real OpenAI server on CPU with the plugin and a simulated worker")
     p.add_argument("--profile", help="FDSCHED_PROFILE for every rank")
     p.add_argument("--dp", type=int, default=1, help="data-parallel ranks (multi_api_server + Router)")
-    p.add_argument("--arms", help="FDSCHED_PROFILE_BY_DP_RANK, e.g. 0=baseline,1=recommended (needs --dp >= 2)")
+    p.add_argument("--arms", help="with --trace: A,B,... runs one stack per arm in turn on the same requests (an A/B "
+                                  "on identical traffic); RANK=A,RANK=B (with --dp >= 2): one arm per data-parallel rank "
+                                  "behind the Router (FDSCHED_PROFILE_BY_DP_RANK; each rank gets a different share)")
+    p.add_argument("--host", default=LOOPBACK, help=f"address the api_server, metrics and router ports listen on "
+                                                    f"(default {LOOPBACK}, this machine only; 0.0.0.0: every interface)")
     p.add_argument("--port", type=int, help=f"first port of the stack (default: free ports in {PORT_RANGE[0]}-"
                                             f"{PORT_RANGE[1]})")
     p.add_argument("--num-gpu-blocks", type=int, help="KV blocks per rank (default: the trace header's, else the simulated profile run's)")
@@ -38,6 +44,11 @@ def add_command(sub) -> None:
                    help="with --trace: time every schedule() call in each rank's engine (harness seam H3) and print "
                         "the scheduler thread's CPU time per call that scheduled something")
     p.add_argument("--health-timeout", type=float, default=240.0, help="seconds to wait for each stage")
+    p.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT,
+                   help="on Ctrl-C / SIGTERM: stop admitting, let requests in flight finish for up to this many "
+                        f"seconds, then end the rest with an error event (default {DRAIN_TIMEOUT:g})")
+    p.add_argument("--keep-logs", action="store_true", help="keep the run directory (logs) after a clean exit; it is "
+                                                            "always kept, and named, after a failure")
     p.add_argument("--trace", help="a trace name or file: send it, report, shut down")
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="multiply every arrival time by this (0.5: twice as fast); default 1")
@@ -45,84 +56,285 @@ def add_command(sub) -> None:
     p.set_defaults(func=cmd_serve)
 
 
-def _shape_from_args(args) -> dict:
+DRAIN_TIMEOUT = 5.0
+SHAPE_KEYS = ("num_gpu_blocks", "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens")
+
+
+def _load_trace(args):
+    from fdsched.replay.trace import TraceError, load_trace, resolve_trace
+
+    try:
+        return load_trace(resolve_trace(args.trace))
+    except TraceError as exc:
+        raise ServeError(f"--trace {args.trace}: {exc}") from None
+
+
+def _shape_from_args(args, trace=None) -> dict:
     shape = {}
-    if args.trace:
-        from fdsched.replay.trace import TraceError, load_trace  # the trace header's engine shape
-
-        from fdsched.replay.trace import resolve_trace
-
-        try:
-            trace = load_trace(resolve_trace(args.trace))
-        except TraceError as exc:
-            raise ServeError(f"--trace {args.trace}: {exc}") from None
-        engine = getattr(trace, "engine", None) or {}
-        for key in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens"):
-            if key in engine:
-                shape[key] = engine[key]
-    for key in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens"):
+    engine = (getattr(trace, "engine", None) or {}) if trace is not None else {}
+    for key in SHAPE_KEYS:  # the trace header's engine shape, then the flags
+        if key in engine:
+            shape[key] = engine[key]
+    for key in SHAPE_KEYS:
         value = getattr(args, key)
         if value is not None:
-            if value < 1:
-                raise ServeError(f"--{key.replace('_', '-')} {value}: allowed: an integer >= 1")
             shape[key] = value
     return shape
 
 
-def cmd_serve(args) -> int:
-    try:
-        if args.idle_rpc is not None and (args.idle_rpc <= 0 or not args.num_cpu_blocks or args.trace):
-            raise ServeError(f"--idle-rpc {args.idle_rpc}: allowed: seconds > 0, with --num-cpu-blocks > 0 and "
-                             "without --trace")
-        config = EngineConfig(profile=args.profile, dp=args.dp, arms=args.arms, port=args.port,
-                              num_cpu_blocks=args.num_cpu_blocks, count_rpcs=args.idle_rpc is not None,
-                              time_schedule=args.time_schedule,
-                              health_timeout=args.health_timeout, **_shape_from_args(args))
-        if args.port is not None and not (1024 <= args.port <= 65535):
-            raise ServeError(f"--port {args.port}: allowed: 1024-65535")
+def sequential_arms(args) -> list:
+    """``--arms A,B`` (no ranks): the arms run one after another, each on the whole trace; [] otherwise."""
+    if not args.arms or "=" in args.arms:
+        return []
+    return [a.strip() for a in args.arms.split(",")]
 
-        check_host_modules()  # imports the host (paddle may install its own SIGINT handler): ours go after it
 
-        def _term(_sig, _frm):
+def check_serve_args(args) -> tuple:
+    """(problems, trace, configs): every problem of the flags, the profile(s) and the FDSCHED_* variables, one line
+    each, found before anything is spawned; the loaded trace (or None) and one EngineConfig per stack to run."""
+    import math
+
+    from fdsched.core.settings import SettingsError, resolve_profile
+
+    problems, trace = [], None
+    if args.trace:
+        try:
+            trace = _load_trace(args)
+        except ServeError as exc:
+            problems.append(str(exc))
+    for key in SHAPE_KEYS:
+        value = getattr(args, key)
+        if value is not None and value < 1:
+            problems.append(f"--{key.replace('_', '-')} {value}: allowed: an integer >= 1")
+    if not (args.time_scale > 0 and math.isfinite(args.time_scale)):
+        problems.append(f"--time-scale {args.time_scale}: allowed: a number > 0 (0.5 sends twice as fast)")
+    if not (args.drain_timeout >= 0 and math.isfinite(args.drain_timeout)):
+        problems.append(f"--drain-timeout {args.drain_timeout}: allowed: seconds >= 0")
+    if args.idle_rpc is not None and (not args.idle_rpc > 0 or not args.num_cpu_blocks or args.trace):
+        problems.append(f"--idle-rpc {args.idle_rpc}: allowed: seconds > 0, with --num-cpu-blocks > 0 and without "
+                        "--trace")
+    if args.time_schedule and not args.trace:
+        problems.append("--time-schedule: allowed only with --trace")
+    if args.out and not args.trace:
+        problems.append(f"--out {args.out}: allowed only with --trace (the report directory)")
+    arms = sequential_arms(args)
+    if arms:
+        if not args.trace:
+            problems.append(f"--arms {args.arms!r}: arms without ranks run in turn on a trace: add --trace, or give "
+                            "one arm per rank (RANK=PROFILE, with --dp >= 2)")
+        if args.dp != 1:
+            problems.append(f"--arms {args.arms!r} with --dp {args.dp}: arms run in turn use one rank each; allowed: "
+                            "--dp 1, or RANK=PROFILE items for one arm per rank")
+        if args.profile:
+            problems.append(f"--profile {args.profile} with --arms {args.arms!r}: allowed: one of them")
+        if "" in arms or len(set(arms)) != len(arms):
+            problems.append(f"--arms {args.arms!r}: allowed: distinct profile names or paths, comma-separated")
+        for arm in arms:
+            if arm:
+                try:
+                    resolve_profile(arm, "--arms")
+                except SettingsError as exc:
+                    problems.append(str(exc))
+    shape = _shape_from_args(args, trace)
+    if arms:
+        configs = [EngineConfig(profile=arm, dp=1, port=args.port, host=args.host, num_cpu_blocks=args.num_cpu_blocks,
+                                health_timeout=args.health_timeout, time_schedule=args.time_schedule, **shape)
+                   for arm in arms if arm]
+    else:
+        configs = [EngineConfig(profile=args.profile, dp=args.dp, arms=args.arms, port=args.port, host=args.host,
+                                num_cpu_blocks=args.num_cpu_blocks, count_rpcs=args.idle_rpc is not None,
+                                time_schedule=args.time_schedule, health_timeout=args.health_timeout, **shape)]
+    for config in configs:
+        problems += [p for p in check_config(config) if p not in problems]
+    if trace is not None and configs and not any("max-model-len" in p for p in problems):
+        from fdsched.serve.compare import exact_output_trace
+        from fdsched.serve.load import LoadError, check_servable
+
+        try:
+            check_servable(exact_output_trace(trace), configs[0].max_model_len, "the served engine")
+        except LoadError as exc:
+            problems.append(f"--trace {args.trace}: {exc}")
+    if args.port is not None and not any(p.startswith("--port") for p in problems) and configs:
+        need = PORTS_PER_RANK * max(1, args.dp) + (1 if args.dp > 1 else 0)
+        busy = next((p for p in range(args.port, args.port + need) if port_in_use(p)), None)
+        if busy is not None:
+            problems.append(f"--port {args.port}: port {busy} is in use (the stack needs ports {args.port}-"
+                            f"{args.port + need - 1}); allowed: a first port whose {need} ports are free")
+    return problems, trace, configs
+
+
+class _Signals:
+    """Ctrl-C / SIGTERM: while serving, the first asks for a drain (the loop sees it); during start-up, a trace
+    run, or a second time, it stops at once (KeyboardInterrupt, caught by the command: no traceback)."""
+
+    def __init__(self):
+        self.received = None
+        self.serving = False
+
+    def __call__(self, signum, _frame):
+        first = self.received is None
+        self.received = self.received or signum
+        if not (self.serving and first):
             raise KeyboardInterrupt
 
-        signal.signal(signal.SIGTERM, _term)
-        signal.signal(signal.SIGINT, _term)
-        engine = ServedEngine(config)
-        try:
-            with engine:
-                print(f"fdsched serve: up; logs in {engine.log_dir}")
-                for rank, (url, metrics) in enumerate(zip(engine.urls, engine.metrics_urls)):
-                    print(f"  rank {rank}: {url}/v1/completions  metrics {metrics}")
-                if engine.router_url:
-                    print(f"  router: {engine.router_url}/v1/completions")
-                if args.trace:
-                    code = _run_trace(engine, args)
-                    if args.time_schedule:
-                        for rank, arm in enumerate(_arm_names(engine, args)):
-                            t = engine.engine_state(rank).get("schedule_times", {})
-                            print(f"rank {rank} ({arm}): schedule() {format_schedule_times(t)}")
-                    return code
-                if args.idle_rpc is not None:
-                    for rank in range(len(engine.urls)):
-                        r = receiver_rpc_rate(engine, args.idle_rpc, rank)
-                        print(f"rank {rank}: transfer-done receiver {r['receiver_rpcs_per_s']:.1f} RPC/s idle "
-                              f"({r['receiver_rpcs']} RPCs in {r['seconds']:.1f} s); other engine-process manager "
-                              f"RPCs {r['other_rpcs_per_s']:.1f}/s")
-                    return 0
-                print("serving until Ctrl-C", flush=True)
-                while True:
-                    for name, proc in engine.procs.items():
-                        if proc.poll() is not None:
-                            raise ServeError(f"{name} exited with code {proc.returncode}; shutting down; "
-                                             f"logs in {engine.log_dir}")
-                    time.sleep(1)
-        except KeyboardInterrupt:
-            print("fdsched serve: stopped", file=sys.stderr)
-            return 0
+    def install(self):
+        signal.signal(signal.SIGTERM, self)
+        signal.signal(signal.SIGINT, self)
+
+
+def _say(line: str) -> None:
+    print(f"fdsched serve: {line}", flush=True)
+
+
+def cmd_serve(args) -> int:
+    signals = _Signals()
+    signals.install()
+    engine = None
+    try:
+        problems, trace, configs = check_serve_args(args)
+        if problems:
+            for problem in problems:
+                print(f"fdsched serve: {problem}", file=sys.stderr)
+            return EXIT_ERROR
+        _check_host_quietly()
+        signals.install()  # the host's import may have installed its own handlers: ours go after it
+        if sequential_arms(args):
+            return _run_arms_in_turn(args, trace, configs, signals)
+        engine = ServedEngine(configs[0], progress=_say)
+        with engine:
+            where = "loopback only; --host to choose otherwise" if args.host == LOOPBACK else "--host"
+            _say(f"up on {args.host} ({where}); logs in {engine.log_dir}")
+            for rank, (url, metrics) in enumerate(zip(engine.urls, engine.metrics_urls)):
+                print(f"  rank {rank}: {url}/v1/completions  metrics {metrics}")
+            if engine.router_url:
+                print(f"  router: {engine.router_url}/v1/completions")
+            if args.trace:
+                code = _run_trace(engine, args, trace)
+                if args.time_schedule:
+                    for rank, arm in enumerate(_arm_names(engine, args)):
+                        t = engine.engine_state(rank).get("schedule_times", {})
+                        print(f"rank {rank} ({arm}): schedule() {format_schedule_times(t)}")
+                engine.check_alive()
+            elif args.idle_rpc is not None:
+                for rank in range(len(engine.urls)):
+                    r = receiver_rpc_rate(engine, args.idle_rpc, rank)
+                    print(f"rank {rank}: transfer-done receiver {r['receiver_rpcs_per_s']:.1f} RPC/s idle "
+                          f"({r['receiver_rpcs']} RPCs in {r['seconds']:.1f} s); other engine-process manager "
+                          f"RPCs {r['other_rpcs_per_s']:.1f}/s")
+                code = 0
+            else:
+                code = _serve_until_stopped(engine, args, signals)
+        _finish(engine, args, failed=bool(code))
+        return code
+    except KeyboardInterrupt:
+        print("fdsched serve: stopped" + (" during start-up" if engine is None or not engine.urls else ""),
+              file=sys.stderr)
+        if engine is not None:
+            engine.stop()
+            _finish(engine, args, failed=False)
+        return 0
     except ServeError as exc:
         print(f"fdsched serve: {exc}", file=sys.stderr)
+        if engine is not None:
+            engine.stop()
+            _finish(engine, args, failed=True)
         return EXIT_NO_HOST if isinstance(exc, HostMissing) else EXIT_ERROR
+
+
+def _check_host_quietly() -> None:
+    """The host's import chatter (paddle, prometheus, ops warnings) goes to a log file, not the terminal."""
+    from fdsched.tools.hostsetup import cache_dir
+    from fdsched.tools.quiet import host_output_to
+
+    with host_output_to(cache_dir() / "logs" / "serve-host-import.log"):
+        check_host_modules()
+
+
+def _finish(engine, args, failed: bool) -> None:
+    """The run directory: removed on a clean exit unless --keep-logs; kept and named after a failure."""
+    if not os.path.isdir(engine.run_dir):
+        return  # refused before anything was started: nothing was written
+    if failed or args.keep_logs:
+        print(f"fdsched serve: logs kept in {engine.run_dir}", file=sys.stderr)
+    else:
+        engine.cleanup()
+
+
+def _serve_until_stopped(engine, args, signals) -> int:
+    print("serving until Ctrl-C (drains for up to "
+          f"{args.drain_timeout:g} s, then ends what is left with an error event)", flush=True)
+    signals.serving = True
+    while signals.received is None:
+        engine.check_alive()  # ServeError naming the rank, role and signal of the first process gone
+        time.sleep(0.5)
+    name = signal.Signals(signals.received).name
+    counts = engine.drain(args.drain_timeout)
+    signals.serving = False
+    print(f"fdsched serve: {name}: stopped admitting; {counts['finished']} request(s) in flight finished, "
+          f"{counts['ended']} ended with an error event after the {args.drain_timeout:g} s drain timeout, "
+          f"{counts['refused']} refused while draining ({counts['seconds']:.1f} s); stopping", file=sys.stderr)
+    return 0
+
+
+def _run_arms_in_turn(args, trace, configs, signals) -> int:
+    """One stack per arm, in turn, each sent the whole trace at the same arrival times: an A/B on identical
+    traffic. The per-arm report carries a verdict."""
+    from fdsched.serve.load import LoadError, Target, run_trace_load
+    from fdsched.serve.served_report import build_served_report, format_served_table, merge_loads
+
+    sent = _sendable(trace)
+    loads, targets = [], []
+    for i, config in enumerate(configs):
+        _say(f"arm {config.profile} ({i + 1} of {len(configs)}): the whole trace, {len(sent.requests)} requests")
+        engine = ServedEngine(config, progress=_say)
+        try:
+            with engine:
+                target = Target(config.profile, engine.urls[0], engine.metrics_urls[0])
+                try:
+                    loads.append(run_trace_load(sent, [target], time_scale=args.time_scale))
+                except LoadError as exc:
+                    raise ServeError(f"--trace {args.trace}: {exc}") from None
+                if args.time_schedule:
+                    t = engine.engine_state(0).get("schedule_times", {})
+                    print(f"{config.profile}: schedule() {format_schedule_times(t)}")
+                engine.check_alive()
+                targets.append(target)
+        except ServeError:
+            print(f"fdsched serve: arm {config.profile}: logs kept in {engine.run_dir}", file=sys.stderr)
+            raise
+        except KeyboardInterrupt:
+            engine.stop()
+            _finish(engine, args, failed=False)
+            raise
+        _finish(engine, args, failed=False)
+    load = merge_loads(loads)
+    report = build_served_report(sent, load, targets)
+    print(format_served_table(report))
+    return _write_report(report, load, args)
+
+
+def _sendable(trace):
+    from fdsched.serve.compare import exact_output_trace
+
+    unset = sum(1 for r in trace.requests if r.max_tokens is None)
+    if unset:
+        # The simulated worker ends a request at its max_tokens (it has no model to say EOS); a request sent
+        # without max_tokens would run to the end of the context. So every request is sent with max_tokens =
+        # the tokens it really generated: the clients of this run bound their lengths exactly.
+        print(f"fdsched serve: {unset} of {len(trace.requests)} requests of trace {trace.name} leave max_tokens "
+              "unset; the simulated worker stops a request only at max_tokens, so each is sent with max_tokens = "
+              "its true output length (clients that bound their lengths exactly; docs/load.md)", file=sys.stderr)
+    return exact_output_trace(trace)
+
+
+def _write_report(report, load, args) -> int:
+    from fdsched.serve.load_cli import write_outputs
+
+    out = args.out or "serve-out"
+    for path in write_outputs(report, load["results"], out):
+        print(f"wrote {path}")
+    failed = sum(p["figures"]["errors"] for p in report["profiles"])
+    return 1 if failed else 0
 
 
 def _arm_names(engine, args) -> list:
@@ -137,37 +349,19 @@ def _arm_names(engine, args) -> list:
     return [f"{name}@rank{rank}" if names.count(name) > 1 else name for rank, name in enumerate(names)]
 
 
-def _run_trace(engine, args) -> int:
+def _run_trace(engine, args, trace) -> int:
     """Send the trace to every rank's api_server (split as the Router splits, seeded; a client behind the Router
     cannot tell which rank served it, see docs/load.md), print the per-arm report, write it to --out."""
-    from fdsched.replay.trace import TraceError, load_trace, resolve_trace
-
     from fdsched.serve.load import LoadError, Target, run_trace_load
-    from fdsched.serve.load_cli import write_outputs
     from fdsched.serve.served_report import build_served_report, format_served_table
 
-    from fdsched.serve.compare import exact_output_trace
-
+    sent = _sendable(trace)
+    targets = [Target(arm, url, metrics)
+               for arm, url, metrics in zip(_arm_names(engine, args), engine.urls, engine.metrics_urls)]
     try:
-        trace = load_trace(resolve_trace(args.trace))
-        unset = sum(1 for r in trace.requests if r.max_tokens is None)
-        if unset:
-            # The simulated worker ends a request at its max_tokens (it has no model to say EOS); a request sent
-            # without max_tokens would run to the end of the context. So every request is sent with max_tokens =
-            # the tokens it really generated: the clients of this run bound their lengths exactly.
-            print(f"fdsched serve: {unset} of {len(trace.requests)} requests of trace {trace.name} leave max_tokens "
-                  "unset; the simulated worker stops a request only at max_tokens, so each is sent with max_tokens = "
-                  "its true output length (clients that bound their lengths exactly; docs/load.md)", file=sys.stderr)
-            trace = exact_output_trace(trace)
-        targets = [Target(arm, url, metrics)
-                   for arm, url, metrics in zip(_arm_names(engine, args), engine.urls, engine.metrics_urls)]
-        load = run_trace_load(trace, targets, time_scale=args.time_scale)
-    except (LoadError, TraceError) as exc:
+        load = run_trace_load(sent, targets, time_scale=args.time_scale)
+    except LoadError as exc:
         raise ServeError(f"--trace {args.trace}: {exc}") from None
-    report = build_served_report(trace, load, targets)
+    report = build_served_report(sent, load, targets)
     print(format_served_table(report))
-    out = args.out or "serve-out"
-    for path in write_outputs(report, load["results"], out):
-        print(f"wrote {path}")
-    failed = sum(p["figures"]["errors"] for p in report["profiles"])
-    return 1 if failed else 0
+    return _write_report(report, load, args)

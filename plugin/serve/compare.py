@@ -65,7 +65,8 @@ def _served_engine():
 
 
 def compare_profile(trace: Trace, profile: str, engine: dict, progress: bool = True, log: Optional[Callable] = None) -> dict:
-    """{"replay": figures, "served": figures, "log_dir": ...} for one profile on an already rewritten trace."""
+    """{"replay": figures, "served": figures, "cost_model": ...} for one profile on an already rewritten trace (the
+    served run directory is removed after a clean run, kept and named in the error after a failed one)."""
     from fdsched.replay.figures import compute_figures
     from fdsched.replay.runner import run_replay
     from fdsched.serve.load import Target, run_trace_load
@@ -84,16 +85,20 @@ def compare_profile(trace: Trace, profile: str, engine: dict, progress: bool = T
         max_num_batched_tokens=engine["max_num_batched_tokens"], enable_prefix_caching=engine["enable_prefix_caching"],
     )
     log(f"{profile}: served engine")
+    served = ServedEngine(config)
     try:
-        with ServedEngine(config) as served:
+        with served:
             target = Target(profile, served.urls[0], served.metrics_urls[0])
             load = run_trace_load(trace, [target], progress=progress)
-            log_dir = served.log_dir
     except ServeError as exc:
         first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        raise LoadError(f"profile {profile}: the served engine failed: {first}") from None
+        raise LoadError(f"profile {profile}: the served engine failed: {first}; logs kept in {served.run_dir}") from None
+    except BaseException:
+        served.cleanup()
+        raise
+    served.cleanup()  # a clean run leaves nothing behind
     report = build_served_report(trace, load, [target])
-    return {"replay": replay_figures, "served": report["profiles"][0]["figures"], "log_dir": log_dir,
+    return {"replay": replay_figures, "served": report["profiles"][0]["figures"],
             "cost_model": run.cost.to_json()}
 
 

@@ -8,11 +8,19 @@ served stack's ``PYTHONPATH``.
 
 :class:`ServedEngine` is the context manager the tests and the load generator use. Every process it starts
 is in its own process group; stopping (also after Ctrl-C, a dead child or a failed start) terminates the
-groups and every descendant, then removes ``/dev/shm`` segments whose names carry the stack's ports.
+groups and every descendant, then removes the ``/dev/shm`` entries the stack's own processes created (recorded at
+creation by the seams' ledger, :func:`fdsched.serve.seams.record_created`), nothing else.
+
+Ownership, not port numbers: a stack holds a lease on each of its ports (:class:`PortLease`: one lock file per port
+under :data:`PORT_LOCK_DIR`, held with ``fcntl.flock`` by the launcher and the stack's top process) from before
+anything is spawned until everything is stopped, so a second launcher cannot take them.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
+import json
 import os
 import re
 import shutil
@@ -26,7 +34,6 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Optional
 
-from fdsched.core.common import remove_files
 
 
 PORT_RANGE = (18000, 18999)
@@ -53,8 +60,90 @@ def port_in_use(port: int) -> bool:
     return False
 
 
-def free_ports(count: int, start: Optional[int] = None, port_range=PORT_RANGE) -> list:
-    """``count`` consecutive free ports in ``port_range`` (from ``start`` if given, else a random offset)."""
+# One lock file per port, shared by every user's fdsched stacks on this machine (sticky, world-writable like /tmp).
+PORT_LOCK_DIR = os.path.join(tempfile.gettempdir(), "fdsched-ports")
+
+
+class PortLease:
+    """Exclusive use of ports among fdsched stacks: ``flock`` on ``PORT_LOCK_DIR/<port>.lock`` per port.
+
+    The lock lives as long as one of its holders (the launcher, and the stack's top process, which inherits the
+    descriptors), so a second ``fdsched serve`` on the same ports fails at once instead of racing the first one's
+    start-up. Released files are removed while still locked; a taker re-checks after locking that its file is still
+    the one on disk (the classic unlink-while-locked protocol), so no two holders can ever share a port."""
+
+    def __init__(self, lock_dir: Optional[str] = None):
+        self.lock_dir = lock_dir or PORT_LOCK_DIR
+        self.held: dict = {}  # port -> fd
+
+    def _open(self, path: str) -> int:
+        os.makedirs(self.lock_dir, exist_ok=True)
+        try:
+            if os.stat(self.lock_dir).st_uid == os.getuid():
+                os.chmod(self.lock_dir, 0o1777)  # other users' stacks lock here too
+        except OSError:
+            pass
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except PermissionError:  # another user's file: flock works on a read-only descriptor
+            fd = os.open(path, os.O_RDONLY)
+        return fd
+
+    def take(self, port: int) -> Optional[str]:
+        """None when the port is now ours; else who holds it (``"pid 1234"`` or ``"another fdsched stack"``)."""
+        if port in self.held:
+            return None
+        path = os.path.join(self.lock_dir, f"{port}.lock")
+        for _attempt in range(20):
+            try:
+                fd = self._open(path)
+            except FileNotFoundError:  # the directory was removed by a releasing stack just now
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    os.close(fd)
+                    raise
+                holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
+                os.close(fd)
+                return f"pid {holder}" if holder.isdigit() else "another fdsched stack"
+            try:
+                same = os.fstat(fd).st_ino == os.stat(path).st_ino
+            except FileNotFoundError:
+                same = False
+            if not same:  # its holder released (and removed) it between our open and our lock: take the new one
+                os.close(fd)
+                continue
+            try:
+                os.ftruncate(fd, 0)
+                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            except OSError:
+                pass  # read-only (another user's file): the lock is what counts
+            self.held[port] = fd
+            return None
+        return "another fdsched stack (its lock file kept changing)"
+
+    def fds(self) -> tuple:
+        return tuple(self.held.values())
+
+    def release(self) -> None:
+        for port, fd in sorted(self.held.items()):
+            try:
+                os.unlink(os.path.join(self.lock_dir, f"{port}.lock"))  # still locked: nobody holds it after us
+            except OSError:
+                pass
+            os.close(fd)
+        self.held.clear()
+        try:
+            os.rmdir(self.lock_dir)  # only when empty: another stack's locks keep it
+        except OSError:
+            pass
+
+
+def free_ports(count: int, start: Optional[int] = None, port_range=PORT_RANGE, lease: Optional[PortLease] = None) -> list:
+    """``count`` consecutive free ports in ``port_range`` (from ``start`` if given, else a random offset); with
+    ``lease``, ports some other fdsched stack holds are skipped and the block returned is held in ``lease``."""
     import random
 
     lo, hi = port_range
@@ -62,8 +151,20 @@ def free_ports(count: int, start: Optional[int] = None, port_range=PORT_RANGE) -
     candidates = list(range(first, hi + 1 - count + 1)) + list(range(lo, first))
     for base in candidates[::count]:
         block = list(range(base, base + count))
-        if block[-1] <= hi and not any(port_in_use(p) for p in block):
+        if block[-1] > hi or any(port_in_use(p) for p in block):
+            continue
+        if lease is None:
             return block
+        taken = [p for p in block if lease.take(p) is None]
+        if len(taken) == len(block) and not any(port_in_use(p) for p in block):
+            return block
+        for p in taken:  # a partial block: give it back
+            fd = lease.held.pop(p)
+            try:
+                os.unlink(os.path.join(lease.lock_dir, f"{p}.lock"))
+            except OSError:
+                pass
+            os.close(fd)
     raise ServeError(f"no {count} free consecutive ports in {lo}-{hi}")
 
 
@@ -83,6 +184,7 @@ class EngineConfig:
     count_rpcs: bool = False  # harness seam H2: count the engine process's manager RPCs per thread
     time_schedule: bool = False  # harness seam H3: time every schedule() call in each rank's engine
     health_timeout: float = 240.0
+    host: str = "127.0.0.1"  # the address the api_server, metrics and router ports listen on
     log_dir: Optional[str] = None
     env: dict = field(default_factory=dict)  # extra environment for the served stack
 
@@ -95,6 +197,63 @@ def _overlap_schedule_off() -> list:
     except Exception:  # noqa: BLE001 - the launch itself will say what is wrong with the host
         return ["--no-enable-overlap-schedule"]
     return ["--no-enable-overlap-schedule"] if getattr(EngineArgs, "enable_overlap_schedule", True) else []
+
+
+def check_config(c: EngineConfig) -> list:
+    """Every problem of the configuration, one line each (empty when it can start); nothing is spawned."""
+    from fdsched.core.settings import SettingsError, load_settings, parse_dp_arms
+
+    problems = []
+    for key in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens"):
+        value = getattr(c, key)
+        if not isinstance(value, int) or value < 1:
+            problems.append(f"--{key.replace('_', '-')} {value}: allowed: an integer >= 1")
+    if not isinstance(c.dp, int) or c.dp < 1:
+        problems.append(f"--dp {c.dp}: allowed: an integer >= 1")
+    if c.num_cpu_blocks < 0:
+        problems.append(f"--num-cpu-blocks {c.num_cpu_blocks}: allowed: an integer >= 0")
+    if not (c.health_timeout > 0):
+        problems.append(f"--health-timeout {c.health_timeout}: allowed: seconds > 0")
+    if c.port is not None:
+        need = PORTS_PER_RANK * max(1, c.dp if isinstance(c.dp, int) else 1) + (1 if c.dp > 1 else 0)
+        if not (1024 <= c.port <= 65535 - need + 1):
+            problems.append(f"--port {c.port}: allowed: 1024-{65535 - need + 1} (the stack needs {need} ports "
+                            "from there)")
+    try:
+        socket.getaddrinfo(c.host, None)
+    except (OSError, UnicodeError):
+        problems.append(f"--host {c.host!r}: not an address of this machine; allowed: an IP address or host name, "
+                        f"e.g. {LOOPBACK} (the default) or 0.0.0.0 (every interface)")
+    # the stack's environment: FDSCHED_PROFILE* come from the flags only
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("FDSCHED_PROFILE")}
+    profiles = []
+    if c.arms:
+        try:
+            arms = parse_dp_arms(c.arms, origin="--arms")
+        except SettingsError as exc:
+            problems.append(str(exc))
+            arms = {}
+        if c.dp < 2:
+            problems.append(f"--arms {c.arms!r} needs --dp >= 2 (one arm per data-parallel rank); for arms that "
+                            "each get the whole trace, name them without ranks: --arms baseline,recommended")
+        beyond = sorted(r for r in arms if r >= c.dp)
+        if beyond and c.dp >= 2:
+            problems.append(f"--arms {c.arms!r}: rank {beyond[0]} does not exist with --dp {c.dp}; allowed: ranks "
+                            f"0-{c.dp - 1}")
+        profiles += [(f"--arms rank {r}", p) for r, p in sorted(arms.items())]
+    if c.profile:
+        profiles.append(("--profile", c.profile))
+    try:  # every FDSCHED_* variable, once, on the built-in defaults
+        load_settings(environ, profile=None)
+    except SettingsError as exc:
+        problems.append(str(exc))
+        environ = {}  # then each profile on its own, so that one bad variable is one line
+    for origin, profile in profiles:
+        try:
+            load_settings(environ, profile=profile)
+        except SettingsError as exc:
+            problems.append(f"{origin}: {exc}")
+    return list(dict.fromkeys(problems))
 
 
 def check_host_modules() -> str:
@@ -116,29 +275,64 @@ def check_host_modules() -> str:
     return source
 
 
-class ServedEngine:
-    """Start the served stack; ``with ServedEngine(EngineConfig(...)) as eng: eng.urls ...``."""
+LOOPBACK = "127.0.0.1"
 
-    def __init__(self, config: EngineConfig = None, **kw):
+
+@dataclass(frozen=True)
+class Death:
+    """A process of the stack that is gone: which rank, which role, how it ended."""
+
+    rank: Optional[int]
+    role: str
+    pid: int
+    code: Optional[int] = None  # exit status; negative: killed by that signal (Popen's convention)
+    when: float = 0.0
+
+    def text(self) -> str:
+        where = f"rank {self.rank} {self.role}" if self.rank is not None else self.role
+        if self.code is None:
+            how = "is gone (not our child: its exit status is its parent's)"
+        elif self.code < 0:
+            try:
+                how = f"was killed by {signal.Signals(-self.code).name}"
+            except ValueError:
+                how = f"was killed by signal {-self.code}"
+        else:
+            how = f"exited with code {self.code}"
+        return f"{where} (pid {self.pid}) {how}"
+
+
+class ServedEngine:
+    """Start the served stack; ``with ServedEngine(EngineConfig(...)) as eng: eng.urls ...``.
+
+    ``progress(line)`` (optional) receives one line per start-up stage (``starting api_server rank 0 ...``,
+    ``api_server rank 0 up in 41 s``)."""
+
+    def __init__(self, config: EngineConfig = None, progress=None, **kw):
         self.config = config or EngineConfig(**kw)
         c = self.config
-        if c.dp < 1:
-            raise ServeError(f"--dp {c.dp}: allowed: an integer >= 1")
-        if c.num_cpu_blocks < 0:
-            raise ServeError(f"--num-cpu-blocks {c.num_cpu_blocks}: allowed: an integer >= 0")
-        if c.arms and c.dp < 2:
-            raise ServeError(f"--arms {c.arms!r} needs --dp >= 2 (one arm per data-parallel rank)")
+        problems = check_config(c)
+        if problems:
+            raise ServeError(problems[0])
+        self.progress = progress or (lambda _line: None)
         self.procs: dict = {}
         self._tmp = tempfile.mkdtemp(prefix="fdsched-serve-")
+        self.run_dir = self._tmp
         self.log_dir = c.log_dir or os.path.join(self._tmp, "log")
         os.makedirs(self.log_dir, exist_ok=True)
         self.state_dir = os.path.join(self._tmp, "state")
-        os.makedirs(self.state_dir)
+        os.makedirs(os.path.join(self.state_dir, "exits"))
+        os.makedirs(os.path.join(self.state_dir, "drain"))
         self.ports: list = []
         self.urls: list = []
         self.metrics_urls: list = []
         self.router_url: Optional[str] = None
         self._descendants: set = set()
+        self._lease = PortLease()
+        self._watched: dict = {}  # (pid, create_time) -> (rank, role): the engine's processes, once it is up
+        self.stopping = False
+        self._spawned = False
+        self.removed_shm: list = []
 
     # ----------------------------------------------------------------------------------- start / stop
     def __enter__(self):
@@ -146,6 +340,8 @@ class ServedEngine:
             self.start()
         except BaseException:
             self.stop()
+            if not self._spawned:  # refused before anything ran (a port taken, no host): no logs worth keeping
+                self.cleanup()
             raise
         return self
 
@@ -158,18 +354,22 @@ class ServedEngine:
         need = PORTS_PER_RANK * c.dp + (1 if c.dp > 1 else 0)
         if c.port is not None:
             block = list(range(c.port, c.port + need))
-            busy = [p for p in block if port_in_use(p)]
-            if busy:
-                raise ServeError(f"--port {c.port}: port {busy[0]} is in use (the stack needs ports "
-                                 f"{block[0]}-{block[-1]}); allowed: a first port whose {need} ports are free")
+            for p in block:
+                holder = self._lease.take(p)
+                if holder is not None or port_in_use(p):
+                    self._lease.release()
+                    why = f"held by {holder}" if holder is not None else "in use"
+                    raise ServeError(f"--port {c.port}: port {p} is {why} (the stack needs ports "
+                                     f"{block[0]}-{block[-1]}); allowed: a first port whose {need} ports are free")
         else:
-            block = free_ports(need)
+            block = free_ports(need, lease=self._lease)
         self.ports = block
         per = [block[i * PORTS_PER_RANK:(i + 1) * PORTS_PER_RANK] for i in range(c.dp)]
         self._rank_ports = per
-        self.urls = [f"http://127.0.0.1:{p[0]}" for p in per]
-        self.metrics_urls = [f"http://127.0.0.1:{p[1]}/metrics" for p in per]
-        self.router_url = f"http://127.0.0.1:{block[-1]}" if c.dp > 1 else None
+        client = LOOPBACK if c.host in ("0.0.0.0", "::", "") else c.host
+        self.urls = [f"http://{client}:{p[0]}" for p in per]
+        self.metrics_urls = [f"http://{client}:{p[1]}/metrics" for p in per]
+        self.router_url = f"http://{client}:{block[-1]}" if c.dp > 1 else None
 
     def _env(self, source: str) -> dict:
         from fdsched.serve import seams
@@ -185,6 +385,7 @@ class ServedEngine:
             seams.WORKER_ENV: os.path.join(os.path.dirname(os.path.abspath(__file__)), "worker.py"),
             seams.STATE_ENV: self.state_dir,
             seams.XFER_ENV: os.path.join(os.path.dirname(os.path.abspath(__file__)), "cachexfer.py"),
+            seams.HOST_ENV: c.host,
             "FD_PLUGINS": "fdsched",
             "FD_LOG_DIR": self.log_dir,
             "PROMETHEUS_MULTIPROC_DIR": os.path.join(self._tmp, "prom"),
@@ -211,7 +412,8 @@ class ServedEngine:
         per = self._rank_ports
         joined = lambda i: ",".join(str(p[i]) for p in per)  # noqa: E731
         args = [
-            "--model", model, "--max-model-len", str(c.max_model_len), "--max-num-seqs", str(c.max_num_seqs),
+            "--model", model, "--host", c.host, "--max-model-len", str(c.max_model_len),
+            "--max-num-seqs", str(c.max_num_seqs),
             "--block-size", str(c.block_size), "--num-gpu-blocks-override", str(c.num_gpu_blocks),
             "--max-num-batched-tokens", str(c.max_num_batched_tokens),
             "--engine-worker-queue-port", joined(2), "--cache-queue-port", joined(3),
@@ -227,8 +429,11 @@ class ServedEngine:
 
     def _spawn(self, name: str, cmd: list, env: dict):
         out = open(os.path.join(self.log_dir, f"{name}.out"), "ab")
+        # the stack's top processes hold the port leases too: the ports stay taken while any of them lives
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
+                                start_new_session=True, pass_fds=self._lease.fds())
+        out.close()
+        self._spawned = True
         self.procs[name] = proc
         return proc
 
@@ -241,30 +446,149 @@ class ServedEngine:
         env = self._env(source)
         c = self.config
         py = sys.executable
+        t0 = time.monotonic()
         if c.dp == 1:
             p = self._rank_ports[0]
+            self.progress(f"starting api_server rank 0 on {c.host}:{p[0]} (metrics {p[1]}) ...")
             self._spawn("api_server", [py, "-m", "fastdeploy.entrypoints.openai.api_server", "--port", str(p[0]),
                                        "--metrics-port", str(p[1])] + self._server_args(model), env)
         else:
             router_port = self.ports[-1]
-            self._spawn("router", [py, "-m", "fastdeploy.router.launch", "--host", "127.0.0.1", "--port",
+            self.progress(f"starting router on {c.host}:{router_port} ...")
+            self._spawn("router", [py, "-m", "fastdeploy.router.launch", "--host", c.host, "--port",
                                    str(router_port)], env)
             self._wait_http(self.router_url + "/health", "router", self.procs["router"])
+            self.progress(f"router up in {time.monotonic() - t0:.0f} s")
             per = self._rank_ports
+            self.progress(f"starting multi_api_server: api_server ranks 0-{c.dp - 1} on {c.host}, ports "
+                          f"{', '.join(str(q[0]) for q in per)} ...")
             self._spawn("multi_api_server", [
                 py, "-m", "fastdeploy.entrypoints.openai.multi_api_server", "--num-servers", str(c.dp),
                 "--ports", ",".join(str(q[0]) for q in per), "--metrics-ports", ",".join(str(q[1]) for q in per),
                 "--args"] + self._server_args(model), env)
-        self._wait_healthy()
+        self._wait_healthy(t0)
+        self._watch_engine_processes()
 
     def rank_log_dir(self, rank: int) -> str:
         return self.log_dir if self.config.dp == 1 else os.path.join(self.log_dir, f"log_{rank}")
 
-    def _alive_check(self):
+    # ----------------------------------------------------------------------------------- watching
+    def deaths(self) -> list:
+        """Every process of the stack known to be gone, earliest first (empty while all live)."""
+        found = {}
+        for f in sorted(os.listdir(os.path.join(self.state_dir, "exits"))):  # recorded by the seams' watchers
+            try:
+                with open(os.path.join(self.state_dir, "exits", f)) as fh:
+                    d = json.load(fh)
+            except (OSError, ValueError):
+                continue
+            found[d["pid"]] = Death(d.get("rank"), d["role"], d["pid"], d.get("code"), d.get("time", 0.0))
+        now = time.time()
         for name, proc in self.procs.items():
-            if proc.poll() is not None:
-                raise ServeError(f"stage {name}: the process exited with code {proc.returncode} during start; "
-                                 f"its output: {self._tail(name)}")
+            if proc.poll() is not None and proc.pid not in found:
+                rank = 0 if name == "api_server" else None
+                found[proc.pid] = Death(rank, name, proc.pid, proc.returncode, now)
+        if self._watched:
+            import psutil
+
+            for (pid, created), (rank, role) in self._watched.items():
+                if pid in found:
+                    continue
+                try:
+                    p = psutil.Process(pid)
+                    alive = p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE
+                except psutil.Error:
+                    alive = False
+                if not alive:
+                    found[pid] = Death(rank, role, pid, None, now)
+        # earliest first; at one detection time, a death whose status is known (the cause) before the ones it took
+        return sorted(found.values(), key=lambda d: (d.when, d.code is None, d.pid))
+
+    def check_alive(self) -> None:
+        """ServeError in one line naming the first process that is gone (rank, role, signal or exit code), the
+        others after it, and the host's own error message where its output has one."""
+        dead = self.deaths()
+        if not dead:
+            return
+        first = dead[0]
+        message = first.text()
+        rest = [d.text() for d in dead[1:]]
+        if rest:
+            message += "; then " + ", ".join(rest[:3]) + (f" and {len(rest) - 3} more" if len(rest) > 3 else "")
+        host_error = self.host_error(first.rank)
+        if host_error:
+            message += f"; the host said: {host_error}"
+        raise ServeError(message)
+
+    def host_error(self, rank: Optional[int]) -> str:
+        """The last exception line (``SomeError: ...``) the host wrote for ``rank``: the api_server's own output
+        (``api_server.out``, ``multi_api_server.out`` under data parallelism) and the rank's log files."""
+        files = [os.path.join(self.log_dir, "api_server.out"), os.path.join(self.log_dir, "multi_api_server.out")]
+        if rank is not None:
+            d = self.rank_log_dir(rank)
+            if os.path.isdir(d):
+                files += [os.path.join(d, f) for f in sorted(os.listdir(d)) if f.endswith(".log")]
+        best = (0.0, "")
+        pattern = re.compile(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception|Exit)): (.+)$")
+        for path in files:
+            try:
+                with open(path, errors="replace") as fh:
+                    lines = fh.read().splitlines()
+                mtime = os.path.getmtime(path)
+            except OSError:
+                continue
+            for line in reversed(lines):
+                m = pattern.match(line.strip())
+                if m and "KeyboardInterrupt" not in line:
+                    if mtime >= best[0]:
+                        best = (mtime, f"{m.group(1)}: {m.group(2)}"[:400])
+                    break
+        return best[1]
+
+    def _watch_engine_processes(self):
+        """Record, once the stack is up, each rank's api_server and its descendants (the engine's queue managers
+        and cache processes; the simulated workers): a later disappearance of any of them stops the stack."""
+        try:
+            import psutil
+        except ImportError:
+            return
+        roots = []
+        if self.config.dp == 1 and "api_server" in self.procs:
+            roots.append((0, self.procs["api_server"].pid))
+        elif "multi_api_server" in self.procs:
+            try:
+                for child in psutil.Process(self.procs["multi_api_server"].pid).children():
+                    m = re.search(r"--local-data-parallel-id\s+(\d+)", " ".join(child.cmdline()))
+                    if m:
+                        roots.append((int(m.group(1)), child.pid))
+            except psutil.Error:
+                pass
+        for rank, pid in roots:
+            try:
+                root = psutil.Process(pid)
+                self._watched[(pid, root.create_time())] = (rank, "api_server")
+                children = root.children(recursive=True)
+                workers = {c.pid for c in children if "worker.py" in " ".join(c.cmdline())}
+                for child in children:
+                    if child.ppid() in workers:  # a worker's own helpers (its resource tracker) go with it
+                        continue
+                    line = " ".join(child.cmdline())
+                    m = re.search(r"--dp-rank\s+(\d+)", line)
+                    if "worker.py" in line and m:
+                        who = (int(m.group(1)), "worker")
+                    elif "cachexfer.py" in line:
+                        who = (rank, "cache transfer manager")
+                    else:
+                        who = (rank, "engine process")
+                    self._watched[(child.pid, child.create_time())] = who
+            except psutil.Error:
+                pass
+
+    def _alive_check(self):
+        try:
+            self.check_alive()
+        except ServeError as exc:
+            raise ServeError(f"during start-up: {exc}; logs in {self.log_dir}") from None
 
     def _tail(self, name: str, lines: int = 15) -> str:
         try:
@@ -294,7 +618,8 @@ class ServedEngine:
                 return f"worker ready rank {rank}"
         return f"engine start rank {rank} (/health)"
 
-    def _wait_healthy(self):
+    def _wait_healthy(self, t0: Optional[float] = None):
+        t0 = t0 or time.monotonic()
         deadline = time.monotonic() + self.config.health_timeout
         pending = set(range(self.config.dp))
         while pending and time.monotonic() < deadline:
@@ -302,6 +627,7 @@ class ServedEngine:
             for rank in sorted(pending):
                 if _http_ok(self.urls[rank] + "/health"):
                     pending.discard(rank)
+                    self.progress(f"api_server rank {rank} up in {time.monotonic() - t0:.0f} s")
             time.sleep(0.5)
         if pending:
             stages = "; ".join(self._stage_of(r) for r in sorted(pending))
@@ -309,10 +635,13 @@ class ServedEngine:
                              f"logs in {self.log_dir}")
         if self.router_url:
             while time.monotonic() < deadline:
+                self._alive_check()
                 try:
                     with urllib.request.urlopen(self.router_url + "/registered_number", timeout=2) as r:
                         body = r.read().decode()
                     if str(self.config.dp) in re.findall(r"\d+", body):
+                        self.progress(f"{self.config.dp} api_servers registered with the router in "
+                                      f"{time.monotonic() - t0:.0f} s")
                         return
                 except OSError:
                     pass
@@ -320,6 +649,33 @@ class ServedEngine:
             raise ServeError(f"stage router: the {self.config.dp} api_servers did not register with the Router "
                              f"within {self.config.health_timeout:.0f}s")
 
+    # ----------------------------------------------------------------------------------- drain
+    def drain(self, timeout: float, poll: float = 0.1) -> dict:
+        """Stop admitting (new completions are answered 503 by every api_server: seam H4), let the requests in
+        flight finish for up to ``timeout`` seconds, then end the rest with an error event the client can read.
+        Returns ``{"finished", "ended", "refused", "seconds"}`` over every api_server process."""
+        from fdsched.serve import seams
+
+        t0 = time.monotonic()
+        seams.request_drain(self.state_dir)
+        deadline = t0 + timeout
+        while time.monotonic() < deadline:
+            if seams.drain_counts(self.state_dir)["in_flight"] == 0:
+                break
+            if self.deaths():
+                break
+            time.sleep(poll)
+        counts = seams.drain_counts(self.state_dir)
+        if counts["in_flight"]:
+            seams.request_abort(self.state_dir)
+            end = time.monotonic() + 5
+            while time.monotonic() < end and seams.drain_counts(self.state_dir)["in_flight"]:
+                time.sleep(poll)
+            counts = seams.drain_counts(self.state_dir)
+        counts["seconds"] = time.monotonic() - t0
+        return counts
+
+    # ----------------------------------------------------------------------------------- stop
     def _collect_descendants(self):
         try:
             import psutil
@@ -333,7 +689,9 @@ class ServedEngine:
                 pass
 
     def stop(self):
-        """Terminate everything this stack started; sweep its /dev/shm segments. Idempotent."""
+        """Terminate everything this stack started; remove the /dev/shm entries its processes created; give its
+        ports back. Idempotent."""
+        self.stopping = True
         self._collect_descendants()
         for proc in self.procs.values():
             if proc.poll() is None:
@@ -361,7 +719,12 @@ class ServedEngine:
                 and time.monotonic() < deadline:
             time.sleep(0.1)
         self.procs.clear()
-        sweep_shm(self.ports)
+        self.removed_shm += remove_created(self.state_dir)
+        self._lease.release()
+
+    def created_shm_left(self) -> list:
+        """The /dev/shm entries this stack's processes created that are still there (same name and inode)."""
+        return [path for path, _ino in _created_entries(self.state_dir, still_there=True)]
 
     def cleanup(self):
         shutil.rmtree(self._tmp, ignore_errors=True)
@@ -384,8 +747,6 @@ class ServedEngine:
 
     def engine_state(self, rank: int = 0, timeout: float = 20.0) -> dict:
         """The rank's cache-manager block accounting and pending plugin signals (harness seam H1)."""
-        import json
-
         answer = os.path.join(self.state_dir, f"state-rank{rank}.json")
         if os.path.exists(answer):
             os.remove(answer)
@@ -397,6 +758,48 @@ class ServedEngine:
                     return json.load(fh)
             time.sleep(0.05)
         raise ServeError(f"rank {rank}: the engine's state probe did not answer within {timeout:.0f}s")
+
+
+def _created_entries(state_dir: str, still_there: bool = False) -> list:
+    """(path, inode) of every /dev/shm entry the stack's processes recorded creating (seams' ledger)."""
+    from fdsched.serve.seams import SHM_LEDGER
+
+    entries, seen = [], set()
+    try:
+        with open(os.path.join(state_dir, SHM_LEDGER), errors="replace") as fh:
+            for line in fh:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    continue
+                key = (rec["path"], rec["ino"])
+                if key in seen:
+                    continue
+                seen.add(key)
+                if still_there:
+                    try:
+                        if os.stat(rec["path"]).st_ino != rec["ino"]:
+                            continue
+                    except OSError:
+                        continue
+                entries.append(key)
+    except OSError:
+        pass
+    return entries
+
+
+def remove_created(state_dir: str) -> list:
+    """Remove the /dev/shm entries the stack's own processes created and that are still the same file (name and
+    inode as recorded at creation); nothing found only by its name. Returns the paths removed."""
+    removed = []
+    for path, ino in _created_entries(state_dir, still_there=True):
+        try:
+            if os.stat(path).st_ino == ino:
+                os.unlink(path)
+                removed.append(path)
+        except OSError:
+            pass
+    return removed
 
 
 def swap_space_gb(model_dir: str, block_size: int, num_cpu_blocks: int) -> float:
@@ -475,14 +878,6 @@ def still_running(descendants) -> list:
         except psutil.Error:
             pass
     return alive
-
-
-def sweep_shm(ports, shm_dir: str = "/dev/shm") -> list:
-    """Remove /dev/shm entries whose names carry one of ``ports`` as a whole number; returns what was removed."""
-    if not ports or not os.path.isdir(shm_dir):
-        return []
-    pattern = re.compile(r"(?<!\d)(" + "|".join(str(p) for p in ports) + r")(?!\d)")
-    return remove_files([name for name in os.listdir(shm_dir) if pattern.search(name)], shm_dir)
 
 
 # ----------------------------------------------------------------------------------------------- CLI

@@ -73,6 +73,29 @@ def write_outputs(report: dict, results: list, out: str) -> list:
     return written
 
 
+def load_arg_problems(args) -> list:
+    """Every problem of ``fdsched load``'s options that needs no server and no trace, one line each."""
+    import math
+
+    problems = []
+    if not (args.time_scale > 0 and math.isfinite(args.time_scale)):
+        problems.append(f"--time-scale {args.time_scale!r}; allowed: a number > 0 (0.5 sends twice as fast)")
+    if args.step_ms is not None and not (args.step_ms > 0 and math.isfinite(args.step_ms)):
+        problems.append(f"--step-ms {args.step_ms!r}; allowed: a number > 0")
+    if not (args.request_timeout > 0):
+        problems.append(f"--request-timeout {args.request_timeout!r}; allowed: seconds > 0")
+    if args.arm and len(args.arm) != len(args.url):
+        problems.append(f"--arm given {len(args.arm)} times for {len(args.url)} --url; allowed: one --arm per --url, "
+                        "in order")
+    if args.metrics_url and len(args.metrics_url) != len(args.url):
+        problems.append(f"--metrics-url given {len(args.metrics_url)} times for {len(args.url)} --url; allowed: one "
+                        "per --url, in order")
+    for url in args.url:
+        if not url.startswith(("http://", "https://")):
+            problems.append(f"--url {url!r}; allowed: an http(s) URL such as http://127.0.0.1:8000")
+    return problems
+
+
 def cmd_load(args) -> int:
     from fdsched.replay.trace import TraceError, load_trace, resolve_trace
     from fdsched.serve.load import DEFAULT_STEP_MS, LoadError, run_trace_load
@@ -82,6 +105,11 @@ def cmd_load(args) -> int:
         import aiohttp  # noqa: F401
     except ImportError:
         print("fdsched load: error: needs aiohttp: pip install aiohttp matplotlib, or in a checkout of this project: pip install '.[serve]'", file=sys.stderr)
+        return EXIT_ERROR
+    problems = load_arg_problems(args)
+    if problems:  # every bad option, one line each, before any server is contacted
+        for problem in problems:
+            print(f"fdsched load: error: {problem}", file=sys.stderr)
         return EXIT_ERROR
     try:
         targets = targets_from_args(args.url, args.arm, args.metrics_url)

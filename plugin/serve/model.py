@@ -24,14 +24,40 @@ def cache_dir() -> str:
 
 
 def make_model(directory: str = None) -> str:
-    """Write the model directory (once; reused when complete) and return its path."""
+    """Write the model directory (once; reused when complete) and return its path.
+
+    Written into a private directory beside it and renamed into place, so that two launchers starting at once
+    never read each other's half-written files: the first rename wins, the other discards its copy."""
+    import shutil
+
     directory = directory or cache_dir()
     done = os.path.join(directory, ".complete")
     if os.path.exists(done):
         return directory
+    parent = os.path.dirname(os.path.abspath(directory))
+    os.makedirs(parent, exist_ok=True)
+    tmp = tempfile.mkdtemp(dir=parent, prefix=".tinymodel-")
+    try:
+        _write_model(tmp)
+        try:
+            os.rename(tmp, directory)
+        except OSError:
+            if not os.path.exists(done):  # an incomplete directory from an interrupted run: replace it
+                shutil.rmtree(directory, ignore_errors=True)
+                try:
+                    os.rename(tmp, directory)
+                except OSError:
+                    pass
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)  # ours, when another launcher's copy won
+    if not os.path.exists(done):
+        raise OSError(f"the served engine's model directory {directory} could not be written")
+    return directory
+
+
+def _write_model(directory: str) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    os.makedirs(directory, exist_ok=True)
     words = SPECIALS + [f"w{i}" for i in range(NUM_WORDS)]
     tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -47,8 +73,7 @@ def make_model(directory: str = None) -> str:
         "max_position_embeddings": 131072, "bos_token_id": 1, "eos_token_id": EOS_TOKEN_ID, "pad_token_id": 3,
         "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "torch_dtype": "bfloat16", "tie_word_embeddings": True})
     _write(directory, "generation_config.json", {"bos_token_id": 1, "eos_token_id": EOS_TOKEN_ID, "pad_token_id": 3})
-    open(done, "w").close()
-    return directory
+    open(os.path.join(directory, ".complete"), "w").close()
 
 
 def prompt_of_length(n: int, seed: int = 0, prefix: str = "") -> str:

@@ -30,10 +30,12 @@ both supported hosts (new d38eeb8, old e7c8dc2) and why it is needed.
 
 from __future__ import annotations
 
+import asyncio
 import importlib.abc
 import importlib.machinery
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -46,7 +48,10 @@ STATE_ENV = "FDSCHED_SERVE_STATE_DIR"  # where the state probe (H1) answers requ
 XFER_ENV = "FDSCHED_SERVE_CACHEXFER"  # path of the simulated cache transfer manager (fdsched/serve/cachexfer.py)
 RPC_COUNT_ENV = "FDSCHED_SERVE_COUNT_RPC"  # "1": count the engine process's manager RPCs per thread (H2)
 TIME_SCHEDULE_ENV = "FDSCHED_SERVE_TIME_SCHEDULE"  # "1": time every resource_manager.schedule() call (H3)
+HOST_ENV = "FDSCHED_SERVE_HOST"  # the address the api_server, metrics and router ports listen on (S11)
+SHM_LEDGER = "created-shm"  # in the state dir: one JSON line per /dev/shm entry a process of the stack created (H4)
 MAIN_ENV_MULTI = "fastdeploy.entrypoints.openai.multi_api_server"
+MAIN_API_SERVER = "fastdeploy.entrypoints.openai.api_server"
 
 
 @dataclass(frozen=True)
@@ -189,6 +194,48 @@ SEAMS = (
          OLD: "added; engine/common_engine.py 1080"},
         "the plugin's schedule() cost against the host's inside a served engine under load (same heap, threads, "
         "GIL contention as production), not in a bench process",
+        "no",
+    ),
+    Seam(
+        "S11 listen address",
+        "uvicorn / fastdeploy.config",
+        "in the api_server process: uvicorn.run's host for the metrics server (the host passes 0.0.0.0), and "
+        "config.get_host_ip (the address the api_server registers with the Router) when FDSCHED_SERVE_HOST is "
+        "not a wildcard; the api_server's own port follows its --host flag",
+        {NEW: "entrypoints/openai/api_server.py 853 (metrics uvicorn.run host='0.0.0.0'); config.py 1746, 1993 "
+              "(get_host_ip)", OLD: "entrypoints/openai/api_server.py (metrics uvicorn.run); config.py get_host_ip"},
+        "a CPU rehearsal tool listens on loopback unless asked otherwise; the metrics port has no flag for it",
+        "no",
+    ),
+    Seam(
+        "H4 creation ledger (harness only)",
+        "os / _posixshmem / socket / zmq",
+        "os.open, _posixshmem.shm_open, socket.socket.bind and zmq.Socket.bind in every process of the stack: each "
+        "/dev/shm entry a process creates (a lock file, a shared-memory segment, a unix or ZeroMQ ipc socket) is "
+        "appended to the stack's ledger with its inode",
+        {NEW: "added (no host line)", OLD: "added (no host line)"},
+        "the launcher removes exactly what its own processes created, never entries found by a name pattern",
+        "no",
+    ),
+    Seam(
+        "H5 exit watchers (harness only)",
+        "fastdeploy.engine.engine / multi_api_server",
+        "a thread per simulated worker (in the engine that starts it) and per api_server (in multi_api_server, "
+        "whose subprocess.Popen is wrapped) waits on the child's own Popen object (shared with the host's waiters) "
+        "and records rank, role, pid and exit status or signal in the state dir",
+        {NEW: "added; multi_api_server.py 135 (Popen)", OLD: "added; multi_api_server.py Popen"},
+        "only a process's parent learns how it ended; the launcher names the rank, role and signal of the first "
+        "death and stops the stack",
+        "no",
+    ),
+    Seam(
+        "H6 drain gate (harness only)",
+        "starlette.applications",
+        "Starlette.build_middleware_stack in the api_server process: the app is wrapped in a gate that, once the "
+        "launcher asks for a drain, answers new POST /v1/* with 503 and, once it asks for an abort, ends each "
+        "completion still in flight with an error event (streams) or a 503",
+        {NEW: "added (no host line)", OLD: "added (no host line)"},
+        "Ctrl-C / SIGTERM stop admitting, let requests in flight finish, then end the rest readably",
         "no",
     ),
     Seam(
@@ -399,8 +446,9 @@ def _start_simulated_worker(self):
         err = open(os.path.join(log_dir, f"simworker_rank{rank}.log"), "ab")
         if first is None:
             first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, process_group=0)
+            watch_exit(first, "worker", rank)
         else:
-            subprocess.Popen(cmd, stdout=err, stderr=err, process_group=first.pid)
+            watch_exit(subprocess.Popen(cmd, stdout=err, stderr=err, process_group=first.pid), "worker", rank)
     _start_state_probe(self, int(getattr(pc, "local_data_parallel_id", 0) or 0))
     return first
 
@@ -562,6 +610,360 @@ def _start_state_probe(llm_engine, dp_rank: int) -> None:
     threading.Thread(target=loop, name="fdsched-serve-state-probe", daemon=True).start()
 
 
+# S11 -------------------------------------------------------------------------------------------
+
+def _listen_host() -> str:
+    return os.environ.get(HOST_ENV, "")
+
+
+def _s11_uvicorn(module):
+    host = _listen_host()
+    if not host or _main_module() != MAIN_API_SERVER or getattr(module.run, "_fdsched", False):
+        return
+    real = module.run
+
+    def run(app, *args, **kwargs):
+        if kwargs.get("host") == "0.0.0.0":
+            kwargs["host"] = host
+        return real(app, *args, **kwargs)
+
+    run._fdsched = True
+    module.run = run
+
+
+def _s11_host_ip(module):
+    host = _listen_host()
+    if host and host not in ("0.0.0.0", "::") and hasattr(module, "get_host_ip"):
+        module.get_host_ip = lambda: host
+
+
+# H4 --------------------------------------------------------------------------------------------
+
+def record_created(path: str, ino: int) -> None:
+    """Append one /dev/shm entry this process created to the stack's ledger (one write, O_APPEND)."""
+    state_dir = os.environ.get(STATE_ENV)
+    if not state_dir:
+        return
+    line = json.dumps({"pid": os.getpid(), "path": path, "ino": ino}) + "\n"
+    try:
+        fd = _REAL_OS_OPEN(os.path.join(state_dir, SHM_LEDGER), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        try:
+            os.write(fd, line.encode())
+        finally:
+            os.close(fd)
+    except OSError:
+        pass
+
+
+_REAL_OS_OPEN = os.open
+SHM_DIR = "/dev/shm/"
+
+
+def _h4_record_creations() -> None:
+    """Shared-memory segments (``_posixshmem.shm_open``), files (``os.open``, e.g. the host's IPCLock) and unix
+    sockets (``socket.bind``) created under /dev/shm by this process go into the ledger."""
+    if getattr(os.open, "_fdsched", False):
+        return
+
+    def os_open(path, flags, mode=0o777, *, dir_fd=None):
+        text = os.fspath(path) if isinstance(path, (str, bytes, os.PathLike)) else ""
+        text = os.fsdecode(text) if isinstance(text, bytes) else text
+        watched = dir_fd is None and text.startswith(SHM_DIR) and flags & os.O_CREAT
+        existed = watched and not flags & os.O_EXCL and os.path.exists(text)
+        fd = _REAL_OS_OPEN(path, flags, mode, dir_fd=dir_fd)
+        if watched and not existed:
+            record_created(text, os.fstat(fd).st_ino)
+        return fd
+
+    os_open._fdsched = True
+    os.open = os_open
+    try:
+        import _posixshmem
+    except ImportError:
+        return
+    real_open = _posixshmem.shm_open
+
+    def shm_open(path, flags, mode=0o777):
+        full = "/dev/shm/" + str(path).lstrip("/")
+        existed = bool(flags & os.O_CREAT) and not flags & os.O_EXCL and os.path.exists(full)
+        fd = real_open(path, flags, mode=mode)
+        if flags & os.O_CREAT and not existed:
+            record_created(full, os.fstat(fd).st_ino)
+        return fd
+
+    shm_open._fdsched = True
+    _posixshmem.shm_open = shm_open
+    real_bind = socket.socket.bind
+
+    def bind(self, address):
+        out = real_bind(self, address)
+        if self.family == socket.AF_UNIX and isinstance(address, (str, bytes)):
+            path = os.fsdecode(address)
+            if path.startswith("/dev/shm/"):
+                try:
+                    record_created(path, os.stat(path).st_ino)
+                except OSError:
+                    pass
+        return out
+
+    socket.socket.bind = bind
+
+
+def _h4_record_zmq(module) -> None:
+    """ZeroMQ ipc endpoints under /dev/shm (``ipc:///dev/shm/...``), created by libzmq at bind."""
+    if not os.environ.get(STATE_ENV):
+        return
+    cls = module.Socket
+    real = cls.bind
+    if getattr(real, "_fdsched", False):
+        return
+
+    def bind(self, addr, *args, **kwargs):
+        out = real(self, addr, *args, **kwargs)
+        text = addr.decode() if isinstance(addr, bytes) else str(addr)
+        if text.startswith("ipc://" + SHM_DIR):
+            path = text[len("ipc://"):]
+            try:
+                record_created(path, os.stat(path).st_ino)
+            except OSError:
+                pass
+        return out
+
+    bind._fdsched = True
+    cls.bind = bind
+
+
+# H5 --------------------------------------------------------------------------------------------
+
+_WATCHED: list = []  # the Popen objects watched: referenced, so that no garbage-collected Popen is reaped by
+# subprocess's own _cleanup() (run at every later Popen) before its watcher learns the status
+
+
+def watch_exit(proc, role: str, rank) -> None:
+    """Record how the child ``proc`` (a ``subprocess.Popen``) ends -- exit code, or minus the signal -- in the state
+    dir. ``Popen.wait`` shares the object's lock and return code with any other waiter (the host's own ``poll``),
+    so whoever reaps it, the status is the same."""
+    state_dir = os.environ.get(STATE_ENV)
+    if not state_dir:
+        return
+    _WATCHED.append(proc)
+
+    def wait():
+        try:
+            code = proc.wait()
+        except Exception:  # noqa: BLE001 (the death is still recorded, without its status)
+            code = None
+        record = {"pid": proc.pid, "role": role, "rank": None if rank is None else int(rank), "code": code,
+                  "time": time.time()}
+        path = os.path.join(state_dir, "exits", f"{role}-{proc.pid}.json")
+        try:
+            with open(path + ".tmp", "w") as fh:
+                json.dump(record, fh)
+            os.replace(path + ".tmp", path)
+        except OSError:
+            pass
+
+    threading.Thread(target=wait, name=f"fdsched-serve-watch-{role}-{rank}", daemon=True).start()
+
+
+def _h5_watch_api_servers() -> None:
+    """In multi_api_server: every api_server it spawns gets an exit watcher (H5)."""
+    real = subprocess.Popen
+    if getattr(real, "_fdsched", False):
+        return
+
+    class WatchedPopen(real):
+        _fdsched = True
+
+        def __init__(self, args, *more, **kwargs):
+            super().__init__(args, *more, **kwargs)
+            words = list(args) if isinstance(args, (list, tuple)) else str(args).split()
+            words = [str(w) for w in words]
+            if "fastdeploy.entrypoints.openai.api_server" in words:
+                rank = None
+                if "--local-data-parallel-id" in words:
+                    rank = words[words.index("--local-data-parallel-id") + 1]
+                watch_exit(self, "api_server", rank)
+
+    subprocess.Popen = WatchedPopen
+
+
+# H6 --------------------------------------------------------------------------------------------
+
+DRAIN_DIR = "drain"  # in the state dir: "requested", "abort" (the launcher's), "<pid>.json" (each gate's counts)
+SHUTDOWN_ERROR = {"message": "the server is shutting down: it finished what it could and ended this request",
+                  "type": "server_shutdown", "code": 503}
+REFUSED_ERROR = {"message": "the server is shutting down: not admitting new requests", "type": "server_shutdown",
+                 "code": 503}
+
+
+class _GateState:
+    """One per api_server process: requests in flight and what the drain did, shared with the launcher."""
+
+    def __init__(self, state_dir: str):
+        self.dir = os.path.join(state_dir, DRAIN_DIR)
+        self.in_flight = self.finished = self.ended = self.refused = 0
+        self.draining = self.aborting = self.closed = False
+        self._written = None
+        self._abort_events = {}  # event loop -> asyncio.Event set when the launcher asks for the abort
+        self._write()
+        threading.Thread(target=self._poll, name="fdsched-serve-drain-gate", daemon=True).start()
+
+    def _write(self):
+        data = {"pid": os.getpid(), "draining": self.draining, "in_flight": self.in_flight,
+                "finished": self.finished, "ended": self.ended, "refused": self.refused}
+        if data == self._written:
+            return
+        path = os.path.join(self.dir, f"{os.getpid()}.json")
+        try:
+            with open(path + ".tmp", "w") as fh:
+                json.dump(data, fh)
+            os.replace(path + ".tmp", path)
+            self._written = data
+        except OSError:
+            pass
+
+    def abort_event(self) -> "asyncio.Event":
+        """The running loop's event for the abort (one per loop; set at once if the abort came already)."""
+        loop = asyncio.get_running_loop()
+        event = self._abort_events.get(loop)
+        if event is None:
+            event = self._abort_events[loop] = asyncio.Event()
+            if self.aborting:
+                event.set()
+        return event
+
+    def _poll(self):
+        while not self.closed:
+            if not self.draining and os.path.exists(os.path.join(self.dir, "requested")):
+                self.draining = True
+            if self.draining and not self.aborting and os.path.exists(os.path.join(self.dir, "abort")):
+                self.aborting = True
+                for loop, event in list(self._abort_events.items()):
+                    try:
+                        loop.call_soon_threadsafe(event.set)
+                    except RuntimeError:  # that loop is closed
+                        pass
+            self._write()
+            time.sleep(0.05)
+
+
+_GATE = {}
+
+
+async def _send_json(send, status: int, body: dict) -> None:
+    payload = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(payload)).encode())]})
+    await send({"type": "http.response.body", "body": payload, "more_body": False})
+
+
+class _DrainGate:
+    """ASGI wrapper of the api_server's app (H6); only POST /v1/* passes through it."""
+
+    def __init__(self, app, state_dir: str):
+        self.app, self.state_dir = app, state_dir
+
+    async def __call__(self, scope, receive, send):
+        if scope.get("type") != "http" or scope.get("method") != "POST" or not scope.get("path", "").startswith("/v1/"):
+            return await self.app(scope, receive, send)
+        if "gate" not in _GATE:
+            _GATE["gate"] = _GateState(self.state_dir)
+        st = _GATE["gate"]
+        if st.draining:
+            st.refused += 1
+            return await _send_json(send, 503, {"error": REFUSED_ERROR})
+        st.in_flight += 1
+        sent = {"start": False, "done": False, "stream": False, "cut": False}
+
+        async def tracking_send(message):
+            if sent["cut"]:  # ended by the drain: what the app sends while it unwinds (e.g. its [DONE]) is dropped
+                return
+            if message["type"] == "http.response.start":
+                sent["start"] = True
+                headers = dict((bytes(k).lower(), bytes(v)) for k, v in message.get("headers", []))
+                sent["stream"] = b"text/event-stream" in headers.get(b"content-type", b"")
+            elif message["type"] == "http.response.body" and not message.get("more_body", False):
+                sent["done"] = True
+            await send(message)
+
+        task = asyncio.ensure_future(self.app(scope, receive, tracking_send))
+        abort = asyncio.ensure_future(st.abort_event().wait())
+        outcome = "finished"
+        try:  # no polling: woken by the request's end or by the abort
+            done, _ = await asyncio.wait({task, abort}, return_when=asyncio.FIRST_COMPLETED)
+            if task in done or sent["done"]:  # finished (perhaps its last byte went out just as the abort came)
+                return await task
+            outcome = "ended"
+            sent["cut"] = True
+            task.cancel()
+            await asyncio.wait({task}, timeout=2)
+            if sent["start"]:
+                event = b"data: " + json.dumps({"error": SHUTDOWN_ERROR}).encode() + b"\n\n"
+                if sent["stream"]:
+                    event += b"data: [DONE]\n\n"
+                await send({"type": "http.response.body", "body": event, "more_body": False})
+            else:
+                await _send_json(send, 503, {"error": SHUTDOWN_ERROR})
+            return None
+        finally:
+            abort.cancel()
+            st.in_flight -= 1
+            if outcome == "ended":
+                st.ended += 1
+            elif st.draining:
+                st.finished += 1
+
+
+def _h6_drain_gate(module):
+    """Wrap the middleware stack of every ASGI app class the module defines (Starlette, and FastAPI, which
+    overrides ``build_middleware_stack``) in the api_server process."""
+    state_dir = os.environ.get(STATE_ENV)
+    if not state_dir or _main_module() != MAIN_API_SERVER:
+        return
+    for cls in (getattr(module, "Starlette", None), getattr(module, "FastAPI", None)):
+        real = None if cls is None else cls.__dict__.get("build_middleware_stack")
+        if real is None or getattr(real, "_fdsched", False):
+            continue
+
+        def build_middleware_stack(self, _real=real):
+            stack = _real(self)
+            return stack if isinstance(stack, _DrainGate) else _DrainGate(stack, state_dir)
+
+        build_middleware_stack._fdsched = True
+        cls.build_middleware_stack = build_middleware_stack
+
+
+def request_drain(state_dir: str) -> None:
+    """The launcher: every api_server's gate stops admitting (answers 503) from now on."""
+    open(os.path.join(state_dir, DRAIN_DIR, "requested"), "w").close()
+
+
+def request_abort(state_dir: str) -> None:
+    """The launcher: every api_server's gate ends what is still in flight with an error event."""
+    open(os.path.join(state_dir, DRAIN_DIR, "abort"), "w").close()
+
+
+def drain_counts(state_dir: str, wait_ack: float = 1.0) -> dict:
+    """Sum of every gate's counts; after a drain request, waits up to ``wait_ack`` s for each gate to see it."""
+    directory = os.path.join(state_dir, DRAIN_DIR)
+    deadline = time.monotonic() + wait_ack
+    requested = os.path.exists(os.path.join(directory, "requested"))
+    while True:
+        gates = []
+        for name in os.listdir(directory):
+            if name.endswith(".json"):
+                try:
+                    with open(os.path.join(directory, name)) as fh:
+                        gates.append(json.load(fh))
+                except (OSError, ValueError):
+                    pass
+        if not requested or all(g["draining"] for g in gates) or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    return {key: sum(g[key] for g in gates) for key in ("in_flight", "finished", "ended", "refused")}
+
+
 # ---------------------------------------------------------------------------------------------- the hook
 
 _AFTER_LOAD = {
@@ -569,7 +971,11 @@ _AFTER_LOAD = {
     "fastdeploy.engine.engine": [_s2],
     "fastdeploy.engine.expert_service": [_h1_expert_service],
     "fastdeploy.cache_manager.prefix_cache_manager": [_s3_s6],
-    "fastdeploy.config": [_s4],
+    "fastdeploy.config": [_s4, _s11_host_ip],
+    "uvicorn": [_s11_uvicorn],
+    "starlette.applications": [_h6_drain_gate],
+    "fastapi.applications": [_h6_drain_gate],
+    "zmq": [_h4_record_zmq],
     "fastdeploy.platforms": [_s7],
     "fastdeploy.output.token_processor": [_s8],
 }
@@ -628,6 +1034,10 @@ def install() -> bool:
         sys.meta_path.insert(0, _SeamFinder())
         os.environ.setdefault("FD_USE_GET_SAVE_OUTPUT_V1", "1")
         os.environ.setdefault("ENABLE_V1_KVCACHE_SCHEDULER", "1")
+        if os.environ.get(STATE_ENV):
+            _h4_record_creations()
+            if _main_module() == MAIN_ENV_MULTI:
+                _h5_watch_api_servers()
     return True
 
 

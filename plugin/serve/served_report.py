@@ -20,7 +20,8 @@ from fdsched.replay.report import BETTER as REPLAY_BETTER
 from fdsched.replay.report import format_value, ratio, verdict_lines
 
 __all__ = ["SERVED_REPORT_VERSION", "TABLE_ROWS", "BETTER", "client_figures", "server_figures", "build_served_report",
-           "format_served_table", "write_served_plot", "served_report_json"]
+           "format_served_table", "write_served_plot", "served_report_json", "traffic_of", "traffic_lines",
+           "gated_verdict_lines", "merge_loads"]
 
 SERVED_REPORT_VERSION = 1
 
@@ -122,8 +123,93 @@ def server_figures(before: Optional[str], after: Optional[str], source: str = "/
     }
 
 
+def traffic_of(trace, results: list) -> dict:
+    """What one arm was sent: requests, input tokens (the trace's prompt lengths), output tokens (what the trace's
+    requests generate)."""
+    by_id = {r.id: r for r in trace.requests}
+    sent = [by_id[r.id] for r in results if r.id in by_id]
+    return {"requests": len(sent), "input_tokens": sum(r.prompt_len for r in sent),
+            "output_tokens": sum(r.effective_output_len for r in sent)}
+
+
+def _traffic_difference(mine: dict, ref: dict) -> tuple:
+    """(largest relative difference, its name) between two arms' traffic."""
+    worst = (0.0, "requests")
+    for key in ("requests", "input_tokens", "output_tokens"):
+        a, b = ref.get(key) or 0, mine.get(key) or 0
+        d = abs(b - a) / a if a else (0.0 if b == 0 else float("inf"))
+        if d > worst[0]:
+            worst = (d, key.replace("_", " "))
+    return worst
+
+
+def traffic_lines(report: dict) -> list:
+    """How each arm's traffic compares, said before any figure."""
+    profiles = report["profiles"]
+    mode = report["load"].get("traffic", "split" if len(profiles) > 1 else "single")
+    if len(profiles) < 2 or any("traffic" not in p for p in profiles):  # a report from before traffic was recorded
+        return []
+    each = "; ".join(f"{p['profile']}: {p['traffic']['requests']} requests, {p['traffic']['input_tokens']:,} input "
+                     f"tokens, {p['traffic']['output_tokens']:,} output tokens" for p in profiles)
+    if mode == "identical":
+        return [f"traffic: identical: every arm got the same requests at the same arrival times, one stack per arm in "
+                f"turn ({each})"]
+    ref = profiles[0]
+    diffs = [f"{p['profile']} {_traffic_difference(p['traffic'], ref['traffic'])[0]:.0%} "
+             f"({_traffic_difference(p['traffic'], ref['traffic'])[1]})" for p in profiles[1:]]
+    return [f"traffic: NOT identical: the requests were split over the arms as the Router splits them ({each})",
+            f"  largest difference from {ref['profile']}: {', '.join(diffs)}; latency figures are per request and "
+            "throughput per token, totals are not comparable, and no verdict is given where the traffic differs by "
+            "more than the effect"]
+
+
+def gated_verdict_lines(report: dict, what: str) -> list:
+    """The replay's verdict lines; on split traffic each verdict figure (TTFT p50, E2E p99, stall p99) whose change
+    is smaller than the traffic difference is left out of the word, and an arm with no figure beyond the
+    difference gets no verdict; the line says which."""
+    from fdsched.replay.report import VERDICT_KEYS, VERDICT_LINE_FIGURES, verdict
+
+    profiles = report["profiles"]
+    lines = verdict_lines(profiles, what=what)
+    if not lines or report["load"].get("traffic") == "identical" or any("traffic" not in p for p in profiles):
+        return lines
+    ref = profiles[0]
+    labels = dict(VERDICT_LINE_FIGURES)
+    out = [lines[0]]
+    for p, line in zip(profiles[1:], lines[1:]):
+        diff, name = _traffic_difference(p["traffic"], ref["traffic"])
+        effects = {key: abs(r - 1) for key in VERDICT_KEYS
+                   for r in [ratio(p["figures"].get(key), ref["figures"].get(key))] if r is not None}
+        beyond = [key for key in VERDICT_KEYS if effects.get(key, 0.0) > diff]
+        head, _, rest = line.strip().partition(": ")
+        arm = head.split(",")[0]
+        if not beyond:
+            largest = max(effects.values()) if effects else 0.0
+            out.append(f"  {arm}: no verdict: its traffic differs from {ref['profile']}'s by {diff:.0%} ({name}), "
+                       f"more than the largest effect ({largest:.0%}); figures: {rest}")
+            continue
+        word = verdict(p["figures"], ref["figures"], keys=tuple(beyond))[0]
+        within = [labels[k] for k in VERDICT_KEYS if k not in beyond]
+        note = (f"; traffic differs by {diff:.0%} ({name}): the verdict reads only "
+                f"{', '.join(labels[k] for k in beyond)}" + (f", not {', '.join(within)} (within the difference)"
+                                                             if within else ""))
+        out.append(f"  {arm}, {word}: {rest}{note}")
+    return out
+
+
+def merge_loads(loads: list) -> dict:
+    """One load document from arms run in turn on the same requests (each its own :func:`run_trace_load`)."""
+    merged = {"results": [], "servers": {}, "wall_seconds": 0.0, "assignment_seed": None,
+              "time_scale": loads[0]["time_scale"], "step_ms": loads[0]["step_ms"], "traffic": "identical"}
+    for load in loads:
+        merged["results"] += load["results"]
+        merged["servers"].update(load["servers"])
+        merged["wall_seconds"] += load["wall_seconds"]
+    return merged
+
+
 def build_served_report(trace, load: dict, targets: list) -> dict:
-    """The report document of one :func:`fdsched.serve.load.run_trace_load` run."""
+    """The report document of one :func:`fdsched.serve.load.run_trace_load` run (or of :func:`merge_loads`)."""
     arms = []
     for target in targets:
         mine = [r for r in load["results"] if r.arm == target.arm]
@@ -140,6 +226,7 @@ def build_served_report(trace, load: dict, targets: list) -> dict:
             "server": {"model": server.get("model"), "max_model_len": server.get("max_model_len"),
                        "plugin_arms_on_metrics": server_arms, "scrape_error": server.get("scrape_error")},
             "figures": figures,
+            "traffic": traffic_of(trace, mine),
             "errors": errors[:10],
             "series": {
                 "ttft_ms": sorted(v for r in mine if r.ok for v in [_metric(r, "ttft_ms")] if v is not None),
@@ -153,7 +240,8 @@ def build_served_report(trace, load: dict, targets: list) -> dict:
         "trace": {"name": trace.name, "requests": len(trace.requests), "source": str(trace.source),
                   "time_based": trace.time_based},
         "load": {"time_scale": load["time_scale"], "step_ms": load["step_ms"], "split_seed": load["assignment_seed"],
-                 "wall_seconds": _round(load["wall_seconds"])},
+                 "wall_seconds": _round(load["wall_seconds"]),
+                 "traffic": load.get("traffic", "split" if len(targets) > 1 else "single")},
         "better": dict(BETTER),
         "profiles": arms,
     }
@@ -191,13 +279,15 @@ def format_served_table(report: dict) -> str:
         if p["errors"]:
             notes.append(f"{p['profile']}: {p['figures']['errors']} failed requests, e.g. {p['errors'][0]}")
     load = report["load"]
+    split = len(profiles) > 1 and load.get("traffic", "split") == "split"
     head = (f"trace {report['trace']['name']}: {report['trace']['requests']} requests, time scale {load['time_scale']}"
             + (f", {load['step_ms']} ms per trace step" if load.get("step_ms") else "")
-            + (f", split over the arms as the Router does (seed {load['split_seed']})" if len(profiles) > 1 else "")
+            + (f", split over the arms as the Router does (seed {load['split_seed']})" if split else "")
             + "; times are wall-clock, measured by the client")
-    verdicts = verdict_lines(profiles, what="client-side wall-clock; victims from each arm's /metrics")
-    return (head + "\n" + text_table(rows, headers, align_right_from=2) + "\n" + "\n".join(notes)
-            + ("\n\n" + "\n".join(verdicts) if verdicts else ""))
+    traffic = traffic_lines(report)
+    verdicts = gated_verdict_lines(report, what="client-side wall-clock; victims from each arm's /metrics")
+    return ("\n".join(traffic + [head]) + "\n" + text_table(rows, headers, align_right_from=2) + "\n"
+            + "\n".join(notes) + ("\n\n" + "\n".join(verdicts) if verdicts else ""))
 
 
 def write_served_plot(report: dict, path: str, title: str = "") -> None:

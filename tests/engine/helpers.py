@@ -172,13 +172,15 @@ def assert_blocks_whole(state: dict, log_dir: str = "") -> None:
 
 
 def leftovers(eng) -> list:
-    """Processes, ports and /dev/shm segments of a stopped stack that are still there."""
-    from fdsched.serve.launcher import port_in_use
+    """Processes, ports and /dev/shm entries of a stopped stack that are still there: what its processes recorded
+    creating, and (to catch what the ledger missed) entries whose names carry one of its ports. Read only."""
+    from fdsched.serve.launcher import port_in_use, still_running
 
     left = [f"port {p}" for p in eng.ports if port_in_use(p)]
-    pattern = re.compile(r"(?<!\d)(" + "|".join(str(p) for p in eng.ports) + r")(?!\d)")
-    left += [f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if pattern.search(n)]
-    from fdsched.serve.launcher import still_running
-
+    left += eng.created_shm_left()
+    if eng.ports:
+        pattern = re.compile(r"(?<!\d)(" + "|".join(str(p) for p in eng.ports) + r")(?!\d)")
+        left += [f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if pattern.search(n)
+                 and f"/dev/shm/{n}" not in left]
     left += [f"pid {pid}" for pid in still_running(eng._descendants)]
     return left

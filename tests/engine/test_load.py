@@ -37,8 +37,10 @@ def engine():
     EngineConfig, ServedEngine = _launcher()
     config = EngineConfig(profile=PROFILE, num_gpu_blocks=160, block_size=16, max_num_seqs=16,
                           max_model_len=MAX_MODEL_LEN, max_num_batched_tokens=1024)
-    with ServedEngine(config) as served:
+    served = ServedEngine(config)
+    with served:
         yield served
+    served.cleanup()  # its run directory: nothing of the stack is left behind
 
 
 def _slice(n):
