@@ -131,7 +131,7 @@ def test_each_bad_setting_is_one_line_before_anything_starts(config, expected):
 def test_a_bad_fdsched_variable_is_one_line_for_every_arm(monkeypatch):
     monkeypatch.setenv("FDSCHED_ADAPTIVE_WINDOW", "abc")
     problems = check_config(EngineConfig(dp=2, arms="0=baseline,1=recommended"))
-    assert problems == ["environment variable FDSCHED_ADAPTIVE_WINDOW: bad value 'abc'; allowed: an integer >= 1"]
+    assert problems == ["environment variable FDSCHED_ADAPTIVE_WINDOW: bad value 'abc'; allowed: an integer >= 1 (at most 2147483647)"]
 
 
 def _serve_args(*argv):
