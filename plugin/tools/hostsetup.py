@@ -90,10 +90,13 @@ def use_host(commit: str, environ: Optional[Mapping[str, str]] = None) -> str:
     wanted = commit.lower()
     matches = [c for c in data["hosts"] if c.startswith(wanted) or host_key(c) == wanted]
     if len(matches) != 1:
-        have = ", ".join(f"{c[:9]} ({host_key(c) or 'unsupported'})" for c in data["hosts"]) or "none"
+        have = ", ".join(f"{c[:9]} ({host_key(c) or 'unknown commit'})" for c in data["hosts"]) or "none"
+        named = next((h for h in KNOWN_HOSTS.values() if h.key == wanted or h.commit.startswith(wanted)), None)
+        how = (f"fdsched host setup --archive {PUBLIC_ARCHIVE.format(commit=named.commit)}" if named and not matches
+               else "fdsched host setup --archive FastDeploy-<commit>.tar.gz")
         raise HostSetupError(
-            f"host {commit!r} {'is ambiguous' if matches else 'is not set up'}; set up: {have}; "
-            "allowed: a set-up commit (or a unique prefix of it), old or new; set one up with `fdsched host setup`"
+            f"host {commit!r} {'is ambiguous' if matches else 'is not set up'}; set up: {have}; allowed: a set-up "
+            f"commit (or a unique prefix of it) or its short name (old, new, develop, 2.5, ...); set it up with: {how}"
         )
     data["active"] = matches[0]
     _write_registry(root, data)

@@ -211,3 +211,18 @@ def test_optional_requirements_follow_the_hosts_own_requirements(tmp_path):
     assert optional_requirements(tree, table) == []  # no requirements.txt at all
     (tree / "requirements.txt").write_text("numpy\nFoo_Bar>=0.1\n", encoding="utf-8")
     assert optional_requirements(tree, table) == ["foo-bar-cpu==1.0"]
+
+
+def test_use_of_a_host_not_set_up_names_the_archive_that_sets_it_up(tmp_path):
+    """`fdsched host use old` before the old host is set up suggests the command that sets up the old host (plain
+    `fdsched host setup` would set up the new one)."""
+    import pytest
+
+    from fdsched.tools.hostsetup import HostSetupError, use_host
+
+    with pytest.raises(HostSetupError) as info:
+        use_host("old", environ={"FDSCHED_HOME": str(tmp_path)})
+    assert "archive/e7c8dc2fe940ba2f50d932f17b41eab555846ecb.tar.gz" in str(info.value)
+    with pytest.raises(HostSetupError) as info:
+        use_host("0123abc", environ={"FDSCHED_HOME": str(tmp_path)})
+    assert "--archive FastDeploy-<commit>.tar.gz" in str(info.value)
