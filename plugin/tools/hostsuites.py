@@ -252,8 +252,8 @@ def _open_paths() -> set:
 def sweep_new_shm(before: set, shm_dir: str = SHM_DIR) -> list:
     """Remove the host tests' shared-memory files that appeared since ``before`` (:func:`_shm_names`) and that no
     live process holds open; returns the names removed. A file another process still uses is left. (The served
-    engine's :func:`fdsched.serve.launcher.sweep_shm` removes by its stack's ports; the host's tests pick their
-    own ports, so here the selection is by what appeared.)"""
+    engine removes exactly the entries its own processes recorded creating; the host's tests are not ours to
+    instrument, so here the selection is by what appeared during the run, in the host's own name patterns.)"""
     new = sorted(_shm_names(shm_dir) - before)
     if not new:
         return []
