@@ -276,6 +276,7 @@ def check_host_modules() -> str:
 
 
 LOOPBACK = "127.0.0.1"
+GONE_GRACE_S = 1.0  # how long a watched process may be gone before it is named without its exit status
 
 
 @dataclass(frozen=True)
@@ -328,6 +329,7 @@ class ServedEngine:
         self.metrics_urls: list = []
         self.router_url: Optional[str] = None
         self._descendants: set = set()
+        self._gone_since: dict = {}  # pid -> when deaths() first saw that watched process gone without a record
         self._lease = PortLease()
         self._watched: dict = {}  # (pid, create_time) -> (rank, role): the engine's processes, once it is up
         self.stopping = False
@@ -499,8 +501,13 @@ class ServedEngine:
                     alive = p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE
                 except psutil.Error:
                     alive = False
-                if not alive:
-                    found[pid] = Death(rank, role, pid, None, now)
+                if alive:
+                    continue
+                # Its parent's watcher records how it ended (an exits record) a moment after it goes: wait that
+                # long before naming it without its status.
+                first_seen = self._gone_since.setdefault(pid, now)
+                if now - first_seen >= GONE_GRACE_S:
+                    found[pid] = Death(rank, role, pid, None, first_seen)
         # earliest first; at one detection time, a death whose status is known (the cause) before the ones it took
         return sorted(found.values(), key=lambda d: (d.when, d.code is None, d.pid))
 

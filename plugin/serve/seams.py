@@ -41,6 +41,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
+from typing import Optional
 
 ENABLE_ENV = "FDSCHED_SERVE_SEAMS"  # "1": install the seams in this process tree
 WORKER_ENV = "FDSCHED_SERVE_WORKER"  # path of the simulated worker script (fdsched/serve/worker.py)
@@ -739,10 +740,31 @@ _WATCHED: list = []  # the Popen objects watched: referenced, so that no garbage
 # subprocess's own _cleanup() (run at every later Popen) before its watcher learns the status
 
 
+def exit_status(proc) -> Optional[int]:
+    """How the child ``proc`` ended -- its exit code, or minus the signal that killed it -- waiting for it without
+    reaping it first (``waitid(..., WNOWAIT)``): a ``Popen.wait`` alone reports 0 for a child that some other
+    waiter of the process reaped first (``ChildProcessError``), and under load the host's own polling sometimes
+    does. None when the status could not be learnt."""
+    code = None
+    try:
+        info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
+        if info is not None:
+            killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
+            code = -info.si_status if killed else info.si_status
+    except ChildProcessError:  # reaped already: by this Popen (its return code is right) or by someone else
+        code = proc.returncode
+    except (OSError, AttributeError):  # no waitid here: what Popen learns
+        pass
+    try:
+        reaped = proc.wait()  # reap it (or read the status the object already has)
+    except Exception:  # noqa: BLE001
+        reaped = None
+    return code if code is not None else reaped
+
+
 def watch_exit(proc, role: str, rank) -> None:
     """Record how the child ``proc`` (a ``subprocess.Popen``) ends -- exit code, or minus the signal -- in the state
-    dir. ``Popen.wait`` shares the object's lock and return code with any other waiter (the host's own ``poll``),
-    so whoever reaps it, the status is the same."""
+    dir (:func:`exit_status`)."""
     state_dir = os.environ.get(STATE_ENV)
     if not state_dir:
         return
@@ -750,7 +772,7 @@ def watch_exit(proc, role: str, rank) -> None:
 
     def wait():
         try:
-            code = proc.wait()
+            code = exit_status(proc)
         except Exception:  # noqa: BLE001 (the death is still recorded, without its status)
             code = None
         record = {"pid": proc.pid, "role": role, "rank": None if rank is None else int(rank), "code": code,

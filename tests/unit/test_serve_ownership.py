@@ -353,3 +353,28 @@ def test_two_launchers_write_the_model_directory_at_once(tmp_path):
     assert os.listdir(tmp_path) == ["tinymodel"]  # no private copy left beside it
     with open(os.path.join(target, "config.json")) as fh:
         assert json.load(fh)["model_type"] == "qwen2"
+
+
+def test_an_exit_status_is_learnt_even_when_another_waiter_reaps_the_child_first():
+    """A killed child reaped by someone else's waitpid: Popen.wait alone says 0; the watcher's status says the
+    signal (it waits without reaping: waitid WNOWAIT), and a plain exit keeps its code."""
+    import signal
+    import subprocess
+    import sys
+    import threading
+
+    from fdsched.serve.seams import exit_status
+
+    killed = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    result = {}
+    watcher = threading.Thread(target=lambda: result.setdefault("code", exit_status(killed)))
+    watcher.start()
+    os.kill(killed.pid, signal.SIGKILL)
+    watcher.join(10)
+    assert result["code"] == -signal.SIGKILL
+    plain = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+    assert exit_status(plain) == 3
+    # the other way round: reaped first by another waiter, the Popen's own code is all there is
+    other = subprocess.Popen([sys.executable, "-c", "raise SystemExit(5)"])
+    os.waitpid(other.pid, 0)
+    assert exit_status(other) in (None, 0)  # not a false signal
