@@ -297,6 +297,10 @@ def _add_optional_commands(sub) -> None:
     replay_cli.add_commands(sub)
 
 
+# commands that import the host in this process (serve and load set up their stacks' environment themselves)
+HOST_IMPORTING = frozenset({"doctor", "explain", "host", "bench", "patches"})
+
+
 def command_name(args) -> str:
     """The command as typed, for error lines: ``replay``, ``trace import``, ``host use``."""
     words = [args.command]
@@ -315,6 +319,12 @@ def main(argv: Optional[list] = None) -> int:
 
     args = build_parser().parse_args(argv)
     command = command_name(args)
+    if args.command in HOST_IMPORTING:
+        # The host writes its logs to ./log and a new /tmp/prom_main_* per import unless told where: give this
+        # process directories of its own that go when it exits (the replay and eval do the same).
+        from fdsched.replay.engine import prepare_host_environment
+
+        prepare_host_environment()
     try:
         return args.func(args)
     except (SettingsError, InstallError) as exc:
