@@ -21,16 +21,8 @@ from __future__ import annotations
 
 import pytest
 
-from .test_scheduler_changes import SHAPE, _drain_pool, _place
-
-
-@pytest.fixture
-def rm_for(install_profile, make_manager):
-    def _build(profile):
-        install_profile(profile)
-        return make_manager(**SHAPE)
-
-    return _build
+from .test_cherry_pick_7783 import rm_for  # noqa: F401  (the fixture: a scheduler under a profile)
+from .test_scheduler_changes import _drain_pool, _place
 
 
 @pytest.mark.parametrize("profile", ["baseline", "recommended"])
