@@ -70,10 +70,10 @@ def override_problem(mixin, host_cls) -> Optional[str]:
         mine = shape_of(func)
         if mine is not None and any(kind in ("VAR_POSITIONAL", "VAR_KEYWORD") for _, kind, _ in mine):
             continue  # a pass-through wrapper: takes whatever the host's takes
-        host = inspect.getattr_static(host_cls, name, None)
-        if host is None or not callable(getattr(host_cls, name, None)):
+        host = getattr(host_cls, name, None)
+        if host is None or not callable(host):
             return f"{host_cls.__name__}.{name} is missing (the plugin overrides it)"
-        theirs = shape_of(getattr(host_cls, name))
+        theirs = shape_of(host)
         if theirs is None:
             return f"{host_cls.__name__}.{name} has no readable signature"
         if mine != theirs:

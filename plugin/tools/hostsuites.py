@@ -379,21 +379,36 @@ def check_loader(tree: str, plugins: Optional[str], timeout: float = 300) -> dic
     return {"installed": False, "error": tail, "exit": proc.returncode}
 
 
-def most_applying_profile() -> Optional[str]:
-    """The shipped profile that applies the most changes on the probed host (plugin code in the most places; ties:
-    recommended first, then by name), None when every profile is refused there."""
-    from fdsched.core.settings import load_settings, shipped_profiles
+def profile_decisions(info) -> dict:
+    """Every profile an engine runs differently -> its decisions on the probed host ``info``, or None where the host
+    refuses it (recommended first, then by name)."""
+    from fdsched.core.settings import engine_profiles, load_settings
     from fdsched.install.installer import InstallError, decide
-    from fdsched.install.probe import probe
 
-    info = probe()
-    best, best_count = None, -1
-    for name in sorted(shipped_profiles(), key=lambda n: (n != "recommended", n)):
+    found = {}
+    for name in sorted(set(engine_profiles().values()), key=lambda n: (n != "recommended", n)):
         try:
-            decisions = decide(load_settings({}, profile=name), info)
+            found[name] = decide(load_settings({}, profile=name), info)
         except InstallError:
+            found[name] = None
+    return found
+
+
+def most_applying_profile(info=None, decisions: Optional[dict] = None) -> Optional[str]:
+    """The profile that applies the most changes on the probed host (plugin code in the most places; ties:
+    recommended first, then by name), None when every profile is refused there. ``decisions``: what
+    :func:`profile_decisions` found, if the caller has it already."""
+    if decisions is None:
+        if info is None:
+            from fdsched.install.probe import probe
+
+            info = probe()
+        decisions = profile_decisions(info)
+    best, best_count = None, -1
+    for name, decided in decisions.items():
+        if decided is None:
             continue
-        count = sum(1 for d in decisions.values() if d.impl != "host")
+        count = sum(1 for d in decided.values() if d.impl != "host")
         if count > best_count:
             best, best_count = name, count
     return best
@@ -439,7 +454,7 @@ def cmd_test(args) -> int:
 
     with host_output_to(cache_dir() / "logs" / "host-test-host.log", verbose=False):  # the host's import chatter
         info = probe()
-        best = None if (args.all_profiles or args.run) else most_applying_profile()
+        best = None if (args.all_profiles or args.run) else most_applying_profile(info)
     tree, key, label = info.location, host_key(info.commit), info.label
     if args.all_profiles:
         runs = run_names()[1:]

@@ -28,9 +28,10 @@ MARKERS = {
 
 def support_row(info) -> dict:
     """The row of a probed host (:class:`fdsched.install.probe.HostInfo`)."""
-    from fdsched.core.settings import CHANGE_IDS, engine_profiles, load_settings
+    from fdsched.core.settings import CHANGE_IDS, load_settings
     from fdsched.install.hosts import known_host
-    from fdsched.install.installer import InstallError, decide
+    from fdsched.install.installer import decide
+    from fdsched.tools.hostsuites import most_applying_profile, profile_decisions
 
     known = known_host(info.commit)
     decisions = decide(load_settings({}), info)
@@ -39,18 +40,15 @@ def support_row(info) -> dict:
         d = decisions[change_id]
         reason = d.detail[len("skipped because "):] if d.state == "skipped" else ""
         changes[change_id] = {"state": STATES.get(d.state, d.state), "why": reason}
-    refused = []
-    for name in sorted(set(engine_profiles().values())):
-        try:
-            decide(load_settings({}, profile=name), info)
-        except InstallError:
-            refused.append(name)
+    by_profile = profile_decisions(info)
+    refused = sorted(name for name, decided in by_profile.items() if decided is None)
     return {
         "line": known.line if known else "?",
         "commit": info.commit or "?",
         "tier": known.tier if known else "unknown",
         "changes": changes,
         "refused_profiles": refused,
+        "most_applying_profile": most_applying_profile(decisions=by_profile),
     }
 
 
