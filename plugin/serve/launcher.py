@@ -583,6 +583,8 @@ class ServedEngine:
                     m = re.search(r"--dp-rank\s+(\d+)", line)
                     if "worker.py" in line and m:
                         who = (int(m.group(1)), "worker")
+                    elif "worklaunch.py" in line:
+                        who = (rank, "worker launcher")
                     elif "cachexfer.py" in line:
                         who = (rank, "cache transfer manager")
                     else:
