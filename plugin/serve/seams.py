@@ -49,6 +49,7 @@ STATE_ENV = "FDSCHED_SERVE_STATE_DIR"  # where the state probe (H1) answers requ
 XFER_ENV = "FDSCHED_SERVE_CACHEXFER"  # path of the simulated cache transfer manager (fdsched/serve/cachexfer.py)
 RPC_COUNT_ENV = "FDSCHED_SERVE_COUNT_RPC"  # "1": count the engine process's manager RPCs per thread (H2)
 TIME_SCHEDULE_ENV = "FDSCHED_SERVE_TIME_SCHEDULE"  # "1": time every resource_manager.schedule() call (H3)
+FINISH_DELAY_ENV = "FDSCHED_SERVE_FINISH_DELAY_MS"  # > 0: each finish on the host's finish pool waits this long (H7)
 HOST_ENV = "FDSCHED_SERVE_HOST"  # the address the api_server, metrics and router ports listen on (S11)
 SHM_LEDGER = "created-shm"  # in the state dir: one JSON line per /dev/shm entry a process of the stack created (H4)
 MAIN_ENV_MULTI = "fastdeploy.entrypoints.openai.multi_api_server"
@@ -247,6 +248,17 @@ SEAMS = (
         {NEW: "added; wraps engine/expert_service.py ExpertService.start (~101)", OLD: "added; expert_service.py start"},
         "tests read the engine's own cache-manager block accounting and the plugin's pending one-shot "
         "block-check signals from the live process",
+        "no",
+    ),
+    Seam(
+        "H7 late finishes (harness only)",
+        "fastdeploy.engine.engine",
+        "with FDSCHED_SERVE_FINISH_DELAY_MS > 0, each finish the token processor hands to the scheduler's "
+        "finish pool (finish_requests_async) runs that much later on the same pool",
+        {NEW: "added; wraps the resource manager's finish_requests_async (resource_manager_v1.py ~1632)",
+         OLD: "added; resource_manager_v1.py finish_requests_async (~1494)"},
+        "stands for a busy finish pool under load: a finished request stays in running long enough to be "
+        "preempted, the ordering that can finish a request twice (tests/engine/test_served.py)",
         "no",
     ),
 )
@@ -591,8 +603,29 @@ def schedule_time_summary() -> dict:
             "idle_cpu_us_mean": SCHEDULE_TIMES["idle_cpu_ns"] / idle / 1000.0 if idle else 0.0}
 
 
+def _h7_late_finishes(llm_engine) -> None:
+    try:
+        delay = float(os.environ.get(FINISH_DELAY_ENV) or 0) / 1000.0
+    except ValueError:
+        delay = 0.0
+    rm = llm_engine.engine.resource_manager
+    pool = getattr(rm, "finish_execution_pool", None)
+    if delay <= 0 or pool is None:
+        return
+
+    def finish_requests_async(request_ids):
+        def later():
+            time.sleep(delay)
+            return rm.finish_requests(request_ids)
+
+        return pool.submit(later)
+
+    rm.finish_requests_async = finish_requests_async
+
+
 def _start_state_probe(llm_engine, dp_rank: int) -> None:
     _h3_time_schedule(llm_engine)
+    _h7_late_finishes(llm_engine)
     state_dir = os.environ.get(STATE_ENV)
     if not state_dir:
         return
