@@ -39,6 +39,8 @@ __all__ = [
     "RunResult",
     "load_table",
     "run_names",
+    "covering_runs",
+    "plugin_classes",
     "suite_files",
     "run_suite",
     "compare",
@@ -63,12 +65,50 @@ class SuiteTable:
     own_process: dict = field(default_factory=dict)
 
 
+# The runs the test tiers make by default: no profile (every change auto), every change off, every change on, and
+# the plugin's own reservation. Between them they build every class of the plugin's that any shipped profile builds,
+# on every host CI sets up (tests/host/test_host_suites.py checks it on the host at hand); the other profiles only
+# combine those classes differently or give them other values. ALL_PROFILES_ENV=1 runs every profile.
+COVERING_RUNS = (DEFAULT_RUN, "baseline", "recommended", "adaptive")
+ALL_PROFILES_ENV = "FDSCHED_TEST_ALL_PROFILES"
+
+
 def run_names() -> list:
     """``no-plugin``, ``default`` and every shipped profile an engine runs differently (a profile that differs from
     another only in replay-only keys runs the same classes: :func:`fdsched.core.settings.engine_profiles`)."""
     from fdsched.core.settings import engine_profiles
 
     return [NO_PLUGIN, DEFAULT_RUN] + sorted(set(engine_profiles().values()))
+
+
+def covering_runs(environ=None) -> list:
+    """The runs with the plugin that the test tiers make: :data:`COVERING_RUNS`, or every run of :func:`run_names`
+    when ``FDSCHED_TEST_ALL_PROFILES=1``."""
+    environ = os.environ if environ is None else environ
+    if environ.get(ALL_PROFILES_ENV) == "1":
+        return run_names()[1:]
+    return list(COVERING_RUNS)
+
+
+def plugin_classes(info, run: str) -> Optional[frozenset]:
+    """Every class of the plugin's (``fdsched.patches``) in the class chains that ``run`` (a profile, or
+    ``default``) builds on the probed host ``info``, as ``target:module.Class``; None where the host refuses it."""
+    from fdsched.core.hooks import Policies, make_plugin_manager
+    from fdsched.core.settings import load_settings
+    from fdsched.install.installer import InstallError, _build, decide
+
+    settings = load_settings({}, profile=None if run == DEFAULT_RUN else run)
+    try:
+        decisions = decide(settings, info)
+    except InstallError:
+        return None
+    policies = Policies(make_plugin_manager(environ={}, load_entry_points=False))
+    found = set()
+    for target, front in _build(info, settings, decisions, policies).items():
+        for cls in front._fdsched_default_class.__mro__:
+            if cls.__module__.startswith("fdsched.patches"):
+                found.add(f"{target}:{cls.__module__.rsplit('.', 1)[-1]}.{cls.__qualname__}")
+    return frozenset(found)
 
 
 def load_table(path: Path = SUITES) -> SuiteTable:

@@ -28,11 +28,12 @@ OPTIMISTIC = {"FD_INIT_NEW_TOKEN_RATIO": "0.1", "FD_MIN_NEW_TOKEN_RATIO": "0.05"
 
 
 def _shipped_profiles():
-    """Every shipped profile an engine runs differently (oracle, unbounded and sglang-retract differ from
-    recommended only in replay-only keys: the same classes and values here)."""
-    from fdsched.core.settings import engine_profiles
+    """baseline, recommended and adaptive: with the default run (no profile) they build every class of the plugin's
+    that any shipped profile builds (tests/host/test_host_suites.py checks it per host); FDSCHED_TEST_ALL_PROFILES=1:
+    every shipped profile an engine runs differently."""
+    from fdsched.tools.hostsuites import DEFAULT_RUN, covering_runs
 
-    return sorted(set(engine_profiles().values()))
+    return sorted(r for r in covering_runs() if r != DEFAULT_RUN)
 
 
 def _pressure(eng, url, n=N_REQUESTS, seed=0):
