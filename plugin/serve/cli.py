@@ -49,6 +49,9 @@ def add_command(sub) -> None:
                         f"seconds, then end the rest with an error event (default {DRAIN_TIMEOUT:g})")
     p.add_argument("--keep-logs", action="store_true", help="keep the run directory (logs) after a clean exit; it is "
                                                             "always kept, and named, after a failure")
+    p.add_argument("--no-repeat-reference", dest="repeat_reference", action="store_false",
+                   help="with --arms A,B,...: do not run the first arm again after the others (by default it runs "
+                        "twice, and a change no larger than how far its two runs differ is not read as an effect)")
     p.add_argument("--trace", help="a trace name or file: send it, report, shut down")
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="multiply every arrival time by this (0.5: twice as fast); default 1")
@@ -283,24 +286,33 @@ def _run_arms_in_turn(args, trace, configs, signals) -> int:
     from fdsched.serve.served_report import build_served_report, format_served_table, merge_loads
 
     sent = _sendable(trace)
-    loads, targets = [], []
-    for i, config in enumerate(configs):
-        _say(f"arm {config.profile} ({i + 1} of {len(configs)}): the whole trace, {len(sent.requests)} requests")
+    runs = list(configs)
+    if getattr(args, "repeat_reference", True) and len(configs) > 1:
+        runs.append(configs[0])  # the reference again, last: its two runs bound what this machine's noise moves
+    loads, targets, repeat = [], [], None
+    for i, config in enumerate(runs):
+        again = i == len(configs)
+        label = f"{config.profile} (again)" if again else config.profile
+        _say(f"arm {label} ({i + 1} of {len(runs)}): the whole trace, {len(sent.requests)} requests")
         engine = ServedEngine(config, progress=_say)
         try:
             with engine:
                 target = Target(config.profile, engine.urls[0], engine.metrics_urls[0])
                 try:
-                    loads.append(run_trace_load(sent, [target], time_scale=args.time_scale))
+                    load = run_trace_load(sent, [target], time_scale=args.time_scale)
                 except LoadError as exc:
                     raise ServeError(f"--trace {args.trace}: {exc}") from None
                 if args.time_schedule:
                     t = engine.engine_state(0).get("schedule_times", {})
-                    print(f"{config.profile}: schedule() {format_schedule_times(t)}")
+                    print(f"{label}: schedule() {format_schedule_times(t)}")
                 engine.check_alive()
-                targets.append(target)
+                if again:
+                    repeat = build_served_report(sent, load, [target])["profiles"][0]
+                else:
+                    loads.append(load)
+                    targets.append(target)
         except ServeError:
-            print(f"fdsched serve: arm {config.profile}: logs kept in {engine.run_dir}", file=sys.stderr)
+            print(f"fdsched serve: arm {label}: logs kept in {engine.run_dir}", file=sys.stderr)
             raise
         except KeyboardInterrupt:
             engine.stop()
@@ -309,6 +321,9 @@ def _run_arms_in_turn(args, trace, configs, signals) -> int:
         _finish(engine, args, failed=False)
     load = merge_loads(loads)
     report = build_served_report(sent, load, targets)
+    if repeat is not None:
+        report["reference_repeat"] = {"profile": repeat["profile"], "figures": repeat["figures"],
+                                      "traffic": repeat["traffic"]}
     print(format_served_table(report))
     return _write_report(report, load, args)
 

@@ -21,7 +21,7 @@ from fdsched.replay.report import format_value, ratio, verdict_lines
 
 __all__ = ["SERVED_REPORT_VERSION", "TABLE_ROWS", "BETTER", "client_figures", "server_figures", "build_served_report",
            "format_served_table", "write_served_plot", "served_report_json", "traffic_of", "traffic_lines",
-           "gated_verdict_lines", "merge_loads"]
+           "gated_verdict_lines", "merge_loads", "noise_band", "noise_lines"]
 
 SERVED_REPORT_VERSION = 1
 
@@ -171,6 +171,8 @@ def gated_verdict_lines(report: dict, what: str) -> list:
 
     profiles = report["profiles"]
     lines = verdict_lines(profiles, what=what)
+    if lines and report.get("reference_repeat"):
+        return _noise_gated(report, lines)
     if not lines or report["load"].get("traffic") == "identical" or any("traffic" not in p for p in profiles):
         return lines
     ref = profiles[0]
@@ -193,6 +195,69 @@ def gated_verdict_lines(report: dict, what: str) -> list:
         note = (f"; traffic differs by {diff:.0%} ({name}): the verdict reads only "
                 f"{', '.join(labels[k] for k in beyond)}" + (f", not {', '.join(within)} (within the difference)"
                                                              if within else ""))
+        out.append(f"  {arm}, {word}: {rest}{note}")
+    return out
+
+
+def noise_band(report: dict) -> dict:
+    """Verdict figure -> how far the reference arm's second run landed from its first (``|second / first - 1|``):
+    what the same arm moves between two runs on this machine, so the least change that can be read as an effect.
+    Empty without a repeated reference run."""
+    from fdsched.replay.report import VERDICT_KEYS
+
+    repeat = report.get("reference_repeat")
+    if not repeat:
+        return {}
+    first = report["profiles"][0]["figures"]
+    band = {}
+    for key in VERDICT_KEYS:
+        r = ratio(repeat["figures"].get(key), first.get(key))
+        if r is not None:
+            band[key] = abs(r - 1)
+    return band
+
+
+def noise_lines(report: dict) -> list:
+    """The reference arm's second run, said under the table: how far each verdict figure moved between its runs."""
+    from fdsched.replay.report import VERDICT_KEYS, VERDICT_LINE_FIGURES
+
+    repeat = report.get("reference_repeat")
+    if not repeat:
+        return []
+    labels = dict(VERDICT_LINE_FIGURES)
+    first = report["profiles"][0]["figures"]
+    parts = []
+    for key in VERDICT_KEYS:
+        a, b = first.get(key), repeat["figures"].get(key)
+        r = ratio(b, a)
+        parts.append(f"{labels[key]} {format_value(a)} then {format_value(b)}" + ("" if r is None else f" ({r - 1:+.0%})"))
+    return [f"run-to-run noise: {repeat['profile']} ran again after the other arms:", "  " + ", ".join(parts),
+            "  a change no larger than its figure's noise is not read as an effect in the verdicts below"]
+
+
+def _noise_gated(report: dict, lines: list) -> list:
+    """Verdict lines where each verdict figure whose change from the reference is within that figure's run-to-run
+    noise (:func:`noise_band`) is left out of the word; an arm with no figure beyond the noise gets no verdict."""
+    from fdsched.replay.report import VERDICT_KEYS, VERDICT_LINE_FIGURES, verdict
+
+    profiles = report["profiles"]
+    ref = profiles[0]
+    band = noise_band(report)
+    labels = dict(VERDICT_LINE_FIGURES)
+    out = [lines[0]]
+    for p, line in zip(profiles[1:], lines[1:]):
+        effects = {key: abs(r - 1) for key in VERDICT_KEYS
+                   for r in [ratio(p["figures"].get(key), ref["figures"].get(key))] if r is not None}
+        beyond = [key for key in VERDICT_KEYS if key in effects and effects[key] > band.get(key, 0.0)]
+        head, _, rest = line.strip().partition(": ")
+        arm = head.split(",")[0]
+        within = [f"{labels[k]} (noise {band[k]:.0%})" for k in VERDICT_KEYS if k not in beyond and k in band]
+        if not beyond:
+            out.append(f"  {arm}: no verdict: every figure's change is within the run-to-run noise of "
+                       f"{ref['profile']} ({', '.join(within)}); figures: {rest}")
+            continue
+        word = verdict(p["figures"], ref["figures"], keys=tuple(beyond))[0]
+        note = f"\n      within run-to-run noise, not read: {', '.join(within)}" if within else ""
         out.append(f"  {arm}, {word}: {rest}{note}")
     return out
 
@@ -285,6 +350,7 @@ def format_served_table(report: dict) -> str:
             + (f", split over the arms as the Router does (seed {load['split_seed']})" if split else "")
             + "; times are wall-clock, measured by the client")
     traffic = traffic_lines(report)
+    notes += noise_lines(report)
     verdicts = gated_verdict_lines(report, what="client-side wall-clock; victims from each arm's /metrics")
     return ("\n".join(traffic + [head]) + "\n" + text_table(rows, headers, align_right_from=2) + "\n"
             + "\n".join(notes) + ("\n\n" + "\n".join(verdicts) if verdicts else ""))

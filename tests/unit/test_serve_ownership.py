@@ -325,6 +325,35 @@ def test_identical_traffic_gets_the_verdict():
     assert "recommended vs baseline, same" in text and "no verdict" not in text
 
 
+def test_a_change_within_the_references_run_to_run_noise_is_not_read_as_an_effect():
+    """The reference ran twice: its stall p99 moved 90% between its runs, its TTFT p50 5%. recommended's stall p99
+    +60% is within that noise and left out of the word; its TTFT p50 -50% is beyond it: better, not mixed."""
+    from fdsched.serve.served_report import format_served_table, noise_band
+
+    a = {"requests": 191, "input_tokens": 95_000, "output_tokens": 44_229}
+    report = _report("identical", [a, dict(a)], [1000.0, 500.0])
+    report["profiles"][1]["figures"]["stall_ms_p99"] = 160.0
+    report["reference_repeat"] = {"profile": "baseline", "traffic": dict(a),
+                                  "figures": dict(report["profiles"][0]["figures"], ttft_ms_p50=1050.0,
+                                                  stall_ms_p99=190.0)}
+    band = noise_band(report)
+    assert round(band["stall_ms_p99"], 2) == 0.9 and round(band["ttft_ms_p50"], 2) == 0.05
+    text = format_served_table(report)
+    assert "run-to-run noise: baseline ran again after the other arms:\n  TTFT p50 1000.0 then 1050.0 (+5%)" in text
+    assert "recommended vs baseline, better: " in text
+    assert text.rstrip().endswith("\n      within run-to-run noise, not read: E2E p99 (noise 0%), stall p99 (noise 90%)")
+    assert max(len(line) for line in text.split("verdict (")[1].splitlines()) <= 100
+    # without the repeat, the same figures are mixed
+    del report["reference_repeat"]
+    assert "recommended vs baseline, mixed: " in format_served_table(report)
+    # every change within the noise: no verdict
+    report["reference_repeat"] = {"profile": "baseline", "traffic": dict(a),
+                                  "figures": dict(report["profiles"][0]["figures"], ttft_ms_p50=400.0,
+                                                  stall_ms_p99=190.0)}
+    assert "recommended vs baseline: no verdict: every figure's change is within the run-to-run noise of " \
+           "baseline" in format_served_table(report)
+
+
 def test_load_options_are_all_checked_before_any_server_is_contacted(capsys):
     from fdsched.tools.cli import main
 
