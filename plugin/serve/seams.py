@@ -82,7 +82,8 @@ SEAMS = (
     Seam(
         "S2 worker launch",
         "fastdeploy.engine.engine",
-        "LLMEngine._start_worker_service: starts fdsched/serve/worker.py instead of paddle.distributed.launch",
+        "LLMEngine._start_worker_service: starts fdsched/serve/worklaunch.py (one process that starts "
+        "fdsched/serve/worker.py per rank) instead of paddle.distributed.launch",
         {NEW: "engine/engine.py 525-694 (_start_worker_service); 864-930 check_worker_initialize_status reads "
               "its stdout", OLD: "engine/engine.py 514-~680; 846-~910"},
         "the real worker runs the model on a GPU",
@@ -222,9 +223,10 @@ SEAMS = (
     Seam(
         "H5 exit watchers (harness only)",
         "fastdeploy.engine.engine / multi_api_server",
-        "a thread per simulated worker (in the engine that starts it) and per api_server (in multi_api_server, "
-        "whose subprocess.Popen is wrapped) waits on the child's own Popen object (shared with the host's waiters) "
-        "and records rank, role, pid and exit status or signal in the state dir",
+        "the worker launcher records how each worker ends (it is their only waiter); a thread per worker launcher "
+        "(in the engine that starts it) and per api_server (in multi_api_server, whose subprocess.Popen is wrapped) "
+        "waits on the child's own Popen object without reaping it first, and records rank, role, pid and exit "
+        "status or signal in the state dir (no status when another waiter of that process took it)",
         {NEW: "added; multi_api_server.py 135 (Popen)", OLD: "added; multi_api_server.py Popen"},
         "only a process's parent learns how it ended; the launcher names the rank, role and signal of the first "
         "death and stops the stack",
