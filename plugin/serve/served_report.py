@@ -187,14 +187,15 @@ def gated_verdict_lines(report: dict, what: str) -> list:
         arm = head.split(",")[0]
         if not beyond:
             largest = max(effects.values()) if effects else 0.0
-            out.append(f"  {arm}: no verdict: its traffic differs from {ref['profile']}'s by {diff:.0%} ({name}), "
-                       f"more than the largest effect ({largest:.0%}); figures: {rest}")
+            out.append(f"  {arm}: no verdict: the traffic differs by more than the largest effect"
+                       + _wrapped_note(f"its traffic differs from {ref['profile']}'s by {diff:.0%} ({name}), more "
+                                       f"than the largest effect ({largest:.0%})") + _figures_note(rest))
             continue
         word = verdict(p["figures"], ref["figures"], keys=tuple(beyond))[0]
         within = [labels[k] for k in VERDICT_KEYS if k not in beyond]
-        note = (f"; traffic differs by {diff:.0%} ({name}): the verdict reads only "
-                f"{', '.join(labels[k] for k in beyond)}" + (f", not {', '.join(within)} (within the difference)"
-                                                             if within else ""))
+        note = _wrapped_note(f"traffic differs by {diff:.0%} ({name}): the verdict reads only "
+                             f"{', '.join(labels[k] for k in beyond)}"
+                             + (f", not {', '.join(within)} (within the difference)" if within else ""))
         out.append(f"  {arm}, {word}: {rest}{note}")
     return out
 
@@ -253,13 +254,31 @@ def _noise_gated(report: dict, lines: list) -> list:
         arm = head.split(",")[0]
         within = [f"{labels[k]} (noise {band[k]:.0%})" for k in VERDICT_KEYS if k not in beyond and k in band]
         if not beyond:
-            out.append(f"  {arm}: no verdict: every figure's change is within the run-to-run noise of "
-                       f"{ref['profile']} ({', '.join(within)}); figures: {rest}")
+            out.append(f"  {arm}: no verdict: every change is within {ref['profile']}'s run-to-run noise"
+                       + _wrapped_note(f"noise: {', '.join(within)}") + _figures_note(rest))
             continue
         word = verdict(p["figures"], ref["figures"], keys=tuple(beyond))[0]
-        note = f"\n      within run-to-run noise, not read: {', '.join(within)}" if within else ""
+        note = _wrapped_note(f"within run-to-run noise, not read: {', '.join(within)}") if within else ""
         out.append(f"  {arm}, {word}: {rest}{note}")
     return out
+
+
+def _wrapped_note(text: str) -> str:
+    """``text`` on lines of its own under a verdict line, indented as the verdict's own notes, wrapped to the
+    verdict width."""
+    import textwrap
+
+    from fdsched.replay.report import VERDICT_WIDTH
+
+    return "".join("\n" + line for line in textwrap.wrap(text, VERDICT_WIDTH, initial_indent="      ",
+                                                          subsequent_indent="      ", break_on_hyphens=False))
+
+
+def _figures_note(rest: str) -> str:
+    """A verdict line's figures (its first physical line wrapped, its own note lines kept) under a line that gives
+    no verdict."""
+    first, *more = rest.split("\n")
+    return _wrapped_note(f"figures: {first.strip()}") + "".join("\n" + line for line in more)
 
 
 def merge_loads(loads: list) -> dict:
