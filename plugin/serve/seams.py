@@ -806,6 +806,21 @@ def exit_status(proc) -> Optional[int]:
     return code if code is not None else reaped
 
 
+def _worklaunch():
+    """The worker launcher's module (``worklaunch.py`` beside this file, loaded by its path as this file is): its
+    ``record_exit`` writes every exit record of the stack."""
+    module = sys.modules.get("_fdsched_serve_worklaunch")
+    if module is None:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location(
+            "_fdsched_serve_worklaunch", os.path.join(os.path.dirname(os.path.abspath(__file__)), "worklaunch.py"))
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules["_fdsched_serve_worklaunch"] = module
+    return module
+
+
 def watch_exit(proc, role: str, rank) -> None:
     """Record how the child ``proc`` (a ``subprocess.Popen``) ends -- exit code, or minus the signal -- in the state
     dir (:func:`exit_status`)."""
@@ -813,21 +828,14 @@ def watch_exit(proc, role: str, rank) -> None:
     if not state_dir:
         return
     _WATCHED.append(proc)
+    record_exit = _worklaunch().record_exit  # loaded now, not while the process is going down
 
     def wait():
         try:
             code = exit_status(proc)
         except Exception:  # noqa: BLE001 (the death is still recorded, without its status)
             code = None
-        record = {"pid": proc.pid, "role": role, "rank": None if rank is None else int(rank), "code": code,
-                  "time": time.time()}
-        path = os.path.join(state_dir, "exits", f"{role}-{proc.pid}.json")
-        try:
-            with open(path + ".tmp", "w") as fh:
-                json.dump(record, fh)
-            os.replace(path + ".tmp", path)
-        except OSError:
-            pass
+        record_exit(proc.pid, role, rank, code)
 
     threading.Thread(target=wait, name=f"fdsched-serve-watch-{role}-{rank}", daemon=True).start()
 
