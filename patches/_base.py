@@ -47,6 +47,9 @@ __all__ = [
     "host_global",
     "init_signature",
     "dp_rank_of",
+    "SplitStatusViews",
+    "SingleStatusViews",
+    "status_views",
 ]
 
 
@@ -158,16 +161,52 @@ def block_checks(cache_manager) -> BlockCheckSignals:
 
 class PluginBase:
     """Base of every mixin. The attributes it reads (``_fdsched_impl``, ``_fdsched_settings``,
-    ``_fdsched_policies``, ``_fdsched_host``, ``_fdsched_host_class``) are the arm class's (see above)."""
+    ``_fdsched_policies``, ``_fdsched_host``, ``_fdsched_host_class``) are the arm class's (see above); the request
+    views (``_fdsched_is_decoding``, ``_fdsched_statuses``, ...) come from the host's :func:`status_views` class."""
 
-    # ---- request views -------------------------------------------------------------------
+
+# ---- request views, one class per shape of the host's RequestStatus (chosen when the classes are built) -------
+class SplitStatusViews:
+    """Request views on a host whose running status is split (``RUNNING_PREFILL`` / ``RUNNING_DECODE``, PR 7783)."""
+
     def _fdsched_is_decoding(self, request) -> bool:
         """The one decode test (victim choice, ratio estimate, metrics), through the hook."""
-        host = self._fdsched_host
-        status_is_decode = (request.status == host.request_status.RUNNING_DECODE) if host.split_status else None
         return self._fdsched_policies.is_decoding(
-            request.request_id, status_is_decode, request.num_total_tokens, request.need_prefill_tokens
+            request.request_id,
+            request.status == self._fdsched_decode_status,
+            request.num_total_tokens,
+            request.need_prefill_tokens,
         )
+
+
+class SingleStatusViews:
+    """Request views on a host with one ``RUNNING`` status: the status cannot tell a decoding request apart."""
+
+    def _fdsched_is_decoding(self, request) -> bool:
+        """The one decode test (victim choice, ratio estimate, metrics), through the hook."""
+        return self._fdsched_policies.is_decoding(
+            request.request_id, None, request.num_total_tokens, request.need_prefill_tokens
+        )
+
+
+def status_views(info) -> tuple:
+    """(the request-views class for the probed host, its class attributes): chosen once, when the plugin's classes are
+    built. ``_fdsched_statuses`` is the host's ``RequestStatus``; ``_fdsched_running_statuses`` every status a running
+    request has; ``_fdsched_prefill_status`` the status of a running request that may still be prefilling."""
+    statuses = getattr(info, "request_status", None)
+    if getattr(info, "split_status", False):
+        return SplitStatusViews, {
+            "_fdsched_statuses": statuses,
+            "_fdsched_running_statuses": (statuses.RUNNING_PREFILL, statuses.RUNNING_DECODE),
+            "_fdsched_prefill_status": statuses.RUNNING_PREFILL,
+            "_fdsched_decode_status": statuses.RUNNING_DECODE,
+        }
+    running = getattr(statuses, "RUNNING", None)
+    return SingleStatusViews, {
+        "_fdsched_statuses": statuses,
+        "_fdsched_running_statuses": (running,),
+        "_fdsched_prefill_status": running,
+    }
 
 
 def init_signature(cls):

@@ -7,7 +7,6 @@ Replaces:  ResourceManagerV1.__init__ (state), ResourceManagerV1.schedule (wrapp
            ResourceManagerV1._get_running_request_reserve_blocks (new host's seam: one request's reserve),
            ResourceManagerV1._reset_reserve_on_preemption (new host's seam: re-estimate after a preemption),
            ResourceManagerV1._trigger_preempt (wrapper: old host's reservation resets, the guard's decline),
-           ResourceManagerV1._log_console_scheduler_metrics (the end of the pass, under the lock),
            ResourceManagerV1.finish_requests (adaptive estimator: a finished request is a sample),
            PrefixCacheManager.can_allocate_gpu_blocks (the host's block check: keyed refusal, refusal count).
 Why:       the host reserves a fixed 16 blocks per running request after a preemption, decaying to
@@ -30,9 +29,9 @@ Relies on: (each probed at install: ``on``, or ``off`` on the new host, fails na
     (new host: ``n = _get_can_schedule_prefill_threshold_block(...)``), right after ``n`` blocks came from
     ``get_new_block_nums``; on the old host a failed check calls ``_trigger_preempt(request, n, preempted_reqs,
     scheduled_reqs)`` and the waiting pass runs only when ``preempted_reqs`` is empty.
-  * pass-end: (new host, ``off``) ``schedule()`` ends each pass, after its waiting pass and still under the lock,
-    with ``self._log_console_scheduler_metrics(scheduled_reqs)`` on the list it returns; the waiting pass reads
-    ``self.waiting`` and nothing before it in the pass does.
+  * pass-end: (new host, ``off``) ``schedule()`` holds ``self.lock`` for the whole pass and returns the pass's task
+    list; its waiting pass starts with a truth test of ``self.waiting`` and nothing before it in the pass reads the
+    queue (every other reader of the queue, in the host and the engine, asks its ``len``).
   * threshold-check: every caller of ``_get_can_schedule_prefill_threshold_block`` checks its result with
     ``cache_manager.can_allocate_gpu_blocks`` next (the refusal count).
   * finish-seam: (adaptive estimator) every request the engine finishes goes through ``finish_requests``
@@ -74,20 +73,19 @@ skips its waiting pass when that list is not empty).
 
 ``off`` on the new host restores the pre-change running pass too: a running chunk short of blocks
 preempts instead of waiting. The plugin preempts (``_trigger_preempt``) into lists of its own, kept in the
-pass's budget, holds the waiting queue back for the rest of that pass (the pre-change pass skips admission
-after a preemption; the scheduler lock is held for the whole pass, so nothing else sees the queue meanwhile),
-and at the pass's end (``_log_console_scheduler_metrics``, under the lock) puts the preempt tasks into the
-pass's list just before the chunk's own task and the waiting queue back. This is the one place the plugin
-holds host state across calls: the new host's only gate before its waiting pass's side effects (prefix
-matching, swap-in) is a local list the plugin cannot reach. Nothing depends on who called whom: a class
-between the host's ``schedule()`` and these methods changes nothing. Left as the new host has it: the token
-budget that 7783 pre-deducts for decoding requests at the start of a pass.
+pass's budget, and closes admission for the rest of that pass (the pre-change pass skips admission after a
+preemption): the waiting queue is replaced by a copy that holds every request but reads as empty to the host's
+``while self.waiting`` (:func:`admission_closed`). The ``schedule`` wrapper, the host's own seam for the pass,
+ends it: under the host's lock it gives the queue its own type back (with every request that arrived meanwhile in
+its place) and puts the preempt tasks into the pass's list just before the chunk's own task. Nothing depends on
+who called whom: a class between the host's ``schedule()`` and these methods changes nothing. Left as the new
+host has it: the token budget that 7783 pre-deducts for decoding requests at the start of a pass.
 
 One-shot signals (the refusal, the refusal count) go to the cache manager keyed to the thread, the request the
 scheduler is deciding on (``get_new_block_nums`` puts it in focus) and the block count; a check by another thread
 (the token processor, the transfer receiver, the PD preallocation) neither takes nor is bent by one. The
 budget belongs to the thread that opened it: a threshold asked on another thread gets a budget of its own.
-A signal, a guard's decline or a pre-change running chunk still pending at the end of a pass is dropped,
+A signal, a guard's decline or a pre-change running chunk's threshold still pending at the end of a pass is dropped,
 logged and counted in ``fastdeploy:fdsched_unconsumed_signals_total{signal}``.
 
 Beyond upstream: the adaptive estimator (``FDSCHED_RESERVE_ESTIMATOR=adaptive``, profile ``adaptive``;
@@ -133,7 +131,6 @@ REFUSE_RUNNING_CHUNK = "refuse-running-chunk"  # the host's check of a running c
 COUNT_REFUSAL = "count-refusal"  # a refused threshold check counts as a blocked admission
 DECLINE_PREEMPTION = "decline-guarded-preemption"  # old host: _trigger_preempt declines for the guarded chunk
 THRESHOLD_FOR_RUNNING_CHUNK = "threshold-for-running-chunk"  # off, new host: the next threshold is a running chunk's
-PASS_END = "pass-end"  # off, new host: the pass's end seam closes the plugin's own preemptions
 
 # Host attributes the host's own ratio / fixed-block code reads, and the settings that feed them.
 _HOST_ATTRS = {
@@ -175,15 +172,20 @@ class HostReserveMixin(ReservationMixin):
 
 class HostReserveOldHostMixin(HostReserveMixin):
     """The old host's own fixed-block code: its preemption loop resets the reservation at the end of every
-    ``_trigger_preempt`` call; done here too, so it still happens when change 2 replaced that loop."""
+    ``_trigger_preempt`` call; done here too, so it still happens when change 2 replaced that loop. Only on a host
+    that keeps that reservation (:data:`HOST_RESERVE_OLD_HOST`; elsewhere :class:`HostReserveMixin`)."""
+
+    fdsched_attributes = ("init_reserve_output_block_num",)
 
     def _trigger_preempt(self, request, num_new_blocks, preempted_reqs, scheduled_reqs):
         result = super()._trigger_preempt(request, num_new_blocks, preempted_reqs, scheduled_reqs)
-        if hasattr(self, "init_reserve_output_block_num"):
-            self.current_reserve_output_block_num = self.init_reserve_output_block_num
-            self.current_reserve_output_block_num_float = self.init_reserve_output_block_num
-            self.can_relax_prefill_strategy = False
+        self.current_reserve_output_block_num = self.init_reserve_output_block_num
+        self.current_reserve_output_block_num_float = self.init_reserve_output_block_num
+        self.can_relax_prefill_strategy = False
         return result
+
+
+HOST_RESERVE_OLD_HOST = Shapes(HostReserveOldHostMixin, HostReserveMixin)
 
 
 # ---- what the plugin's reservation (impls "plugin" and "off") shares -----------------------------------
@@ -207,6 +209,9 @@ class _BudgetedReserve(ReservationMixin):
         )
         self._fdsched_fixed = FixedBlockReserve(*(s[key] for key in _FIXED))
         self._fdsched_open: dict = {}  # thread id -> the budget of the schedule() pass that thread has open
+        # A draft model (speculative decoding) needs one block more per chunk; fixed for the scheduler's life.
+        speculative = self.config.speculative_config.method is not None
+        self._fdsched_speculative_slack = self._fdsched_draft_slack if speculative else _no_slack
 
     @functools.cached_property
     def _fdsched_strategy(self):
@@ -293,10 +298,8 @@ class _BudgetedReserve(ReservationMixin):
         self._fdsched_strategy.report_decision(of=self)
         return blocks
 
-    def _fdsched_speculative_slack(self, threshold: int) -> int:
-        if self.config.speculative_config.method is not None:
-            return min(threshold + 1, self.config.cache_config.max_block_num_per_seq)
-        return threshold
+    def _fdsched_draft_slack(self, threshold: int) -> int:
+        return min(threshold + 1, self.config.cache_config.max_block_num_per_seq)
 
     def _fdsched_views(self, requests=None, with_phase: bool = False, kept: dict = None) -> list:
         """``requests`` (default: the running ones) as the strategy sees them (``with_phase``: whether each is
@@ -337,9 +340,7 @@ class _BudgetedReserve(ReservationMixin):
         return views
 
     def _fdsched_is_running_prefill(self, request) -> bool:
-        statuses = self._fdsched_host.request_status
-        running = statuses.RUNNING_PREFILL if self._fdsched_host.split_status else statuses.RUNNING
-        return request.status == running and request.num_computed_tokens < request.need_prefill_tokens
+        return request.status == self._fdsched_prefill_status and request.num_computed_tokens < request.need_prefill_tokens
 
 
 # ---- impl "plugin": upstream's ratio formula, or the adaptive estimator -----------------------------------
@@ -348,6 +349,10 @@ class _RatioCore(_BudgetedReserve):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        # A prefill node never decodes: its requests leave after their first token. Reserving decode blocks
+        # there (as 7783 does) can stall it for good: a chunk that needs no new block is refused while the
+        # preallocated requests hold the pool, and the ratio decays only after a pass that scheduled something.
+        self._fdsched_decodes = self.config.scheduler_config.splitwise_role != "prefill"
         METRICS.ratio(self._fdsched_ratio.value, of=self)
 
     def _fdsched_make_strategy(self):
@@ -357,14 +362,8 @@ class _RatioCore(_BudgetedReserve):
             self.config.cache_config.block_size,
             self._fdsched_settings["tunables.ratio_reestimate_extra_blocks"],
             self._fdsched_policies.reserve_blocks,
-            decodes=self._fdsched_decodes(),
+            decodes=self._fdsched_decodes,
         )
-
-    def _fdsched_decodes(self) -> bool:
-        # A prefill node never decodes: its requests leave after their first token. Reserving decode blocks
-        # there (as 7783 does) can stall it for good: a chunk that needs no new block is refused while the
-        # preallocated requests hold the pool, and the ratio decays only after a pass that scheduled something.
-        return self.config.scheduler_config.splitwise_role != "prefill"
 
     def _fdsched_reestimate(self, preemptions: int = 1) -> None:
         self._fdsched_strategy.on_preemption(self._fdsched_views(with_phase=True), preemptions)
@@ -396,6 +395,8 @@ class _AdaptiveCore(_RatioCore):
         )
         track_live(self._fdsched_adaptive)
         METRICS.adaptive_samples(self._fdsched_adaptive.state(), of=self)
+        # A prefill node's requests leave after their first token: not samples of the output length.
+        self._fdsched_take_samples = self._fdsched_observe_finished if self._fdsched_decodes else _no_samples
 
     def _fdsched_make_strategy(self):
         s = self._fdsched_settings
@@ -407,7 +408,7 @@ class _AdaptiveCore(_RatioCore):
             self._fdsched_policies.reserve_blocks_override,
             self._fdsched_adaptive,
             self._fdsched_fixed,
-            decodes=self._fdsched_decodes(),
+            decodes=self._fdsched_decodes,
         )
 
     def _fdsched_reestimate(self, preemptions: int = 1) -> None:
@@ -418,11 +419,12 @@ class _AdaptiveCore(_RatioCore):
         return self._fdsched_adaptive.state()
 
     def finish_requests(self, request_ids):
-        if not self._fdsched_decodes():
-            # A prefill node's requests leave after their first token: not a sample of the output length.
-            return super().finish_requests(request_ids)
         request_ids, ids = finished_ids(request_ids)  # read here and by the host
-        running = self._fdsched_running_statuses()
+        self._fdsched_take_samples(ids)
+        return super().finish_requests(request_ids)
+
+    def _fdsched_observe_finished(self, ids) -> None:
+        running = self._fdsched_running_statuses
         max_model_len = self.config.model_config.max_model_len
         adaptive = self._fdsched_adaptive
         with self.lock:
@@ -439,13 +441,6 @@ class _AdaptiveCore(_RatioCore):
                     len(request.output_token_ids),
                 )
             METRICS.adaptive_samples(adaptive.state(), of=self)
-        return super().finish_requests(request_ids)
-
-    def _fdsched_running_statuses(self) -> tuple:
-        statuses = self._fdsched_host.request_status
-        if self._fdsched_host.split_status:
-            return (statuses.RUNNING_PREFILL, statuses.RUNNING_DECODE)
-        return (statuses.RUNNING,)
 
 
 class _NewHostSeams(ReservationMixin):
@@ -530,6 +525,14 @@ RATIO_OLD_HOST = Shapes(RatioReserveOldHostMixin, RatioReserveRequestArgMixin)
 ADAPTIVE_OLD_HOST = Shapes(AdaptiveReserveOldHostMixin, AdaptiveReserveRequestArgMixin)
 
 
+def _no_slack(threshold: int) -> int:
+    return threshold
+
+
+def _no_samples(ids) -> None:
+    """A prefill node: finished requests are not samples."""
+
+
 def _plugin_variant(host_has: bool, settings):
     adaptive = settings is not None and settings["tunables.reserve_estimator"] == "adaptive"
     if host_has:
@@ -541,23 +544,33 @@ def _plugin_variant(host_has: bool, settings):
 class _PreChangePass(AdmissionBudget):
     """The budget of a pre-change pass, with what the pre-change running pass does that 7783's does not: a
     running chunk short of blocks preempts (into lists of the plugin's own, added to the pass's task list at
-    its end, right before the chunk's task), and a pass that preempted admits nobody (the waiting queue is
-    held back until the pass ends)."""
+    its end, right before the chunk's task), and a pass that preempted admits nobody (the waiting queue reads as
+    empty until the pass ends: :func:`admission_closed`)."""
 
     def __init__(self, strategy, slack):
         super().__init__(strategy, slack)
         self.running_chunk = None  # (request id, blocks): the next threshold is that running chunk's
         self.preemptions: list = []  # (the running chunk, its preempt tasks), in order
-        self.held_waiting = None  # the waiting queue, held back for the rest of the pass
-        self.finished = False  # the pass's end seam ran
+        self.queue_type = None  # the waiting queue's own type, while admission is closed for the pass
 
-    def has_open_work(self) -> bool:
-        return bool(self.preemptions) or self.held_waiting is not None
+
+@functools.lru_cache(maxsize=None)
+def admission_closed(queue_type: type) -> type:
+    """A ``queue_type`` that holds every request as the host's does but reads as empty to a truth test: the host's
+    waiting pass starts with ``while self.waiting``, its only gate before its side effects (prefix matching,
+    swap-in) that the plugin can reach. Every other operation (append, appendleft, len, remove, iteration) is the
+    queue's own, so a request that arrives meanwhile keeps its place and the pass's metrics count the queue."""
+    return type(f"AdmissionClosed{queue_type.__name__.capitalize()}", (queue_type,), {
+        "__slots__": (),
+        "__bool__": lambda self: False,
+        "__doc__": f"A {queue_type.__name__} that reads as empty for the rest of a pass that preempted.",
+    })
 
 
 class PreChangeReserveMixin(_BudgetedReserve):
     """``off`` on a host that has 7783: the fixed-block policy (:class:`FixedBlockStrategy`) and the pre-change
-    running pass (a running chunk short of blocks preempts instead of waiting)."""
+    running pass (a running chunk short of blocks preempts instead of waiting). The pass ends where the host's
+    ``schedule()`` returns: the ``schedule`` wrapper gives it back what the plugin held, under the host's lock."""
 
     fdsched_calls = {"PrefixCacheManager.can_allocate_gpu_blocks": ("num_blocks",)}
     fdsched_attributes = ("waiting",)
@@ -583,10 +596,11 @@ class PreChangeReserveMixin(_BudgetedReserve):
         can_schedule = self._trigger_preempt(request, blocks, preempted, tasks)
         if len(tasks):
             budget.preemptions.append((request, tasks))
-        if preempted and budget.held_waiting is None:
-            # Before 7783 a pass that preempted admitted nobody: hold the queue back until the pass ends. The
+        if preempted and budget.queue_type is None:
+            # Before 7783 a pass that preempted admitted nobody: close admission until the pass ends. The
             # scheduler lock is held for the whole pass, so nothing else reads or fills the queue meanwhile.
-            budget.held_waiting, self.waiting = self.waiting, type(self.waiting)()
+            budget.queue_type = type(self.waiting)
+            self.waiting = admission_closed(budget.queue_type)(self.waiting)
         if not can_schedule:
             # The host then stops its running pass (and, as before 7783, admits nobody in this step).
             block_checks(self.cache_manager).expect(REFUSE_RUNNING_CHUNK, blocks)
@@ -608,24 +622,6 @@ class PreChangeReserveMixin(_BudgetedReserve):
     def _reset_reserve_on_preemption(self):
         """Nothing: before 7783 the reservation was reset at the end of the ``_trigger_preempt`` call."""
 
-    def _log_console_scheduler_metrics(self, scheduled_reqs):
-        budget = self._fdsched_budget()
-        if budget is not None and not budget.finished:
-            self._fdsched_finish_pass(budget, scheduled_reqs)
-        return super()._log_console_scheduler_metrics(scheduled_reqs)
-
-    def _fdsched_finish_pass(self, budget: _PreChangePass, scheduled_reqs) -> None:
-        """Give the pass back what the plugin held for it: the waiting queue, and its preempt tasks in order."""
-        budget.finished = True
-        if budget.held_waiting is not None:
-            arrived = self.waiting  # empty: the lock was held since the queue was set aside
-            self.waiting, budget.held_waiting = budget.held_waiting, None
-            self.waiting.extend(arrived)
-        for chunk, tasks in budget.preemptions:
-            # Before 7783 the preempt tasks went into the pass's list right before the chunk's own task.
-            self._fdsched_insert_before(scheduled_reqs, chunk, tasks)
-        budget.preemptions = []
-
     def _fdsched_task_list(self):
         """An empty container of the kind the host's ``_trigger_preempt`` appends preempt tasks to (a list)."""
         return []
@@ -635,19 +631,19 @@ class PreChangeReserveMixin(_BudgetedReserve):
         scheduled_reqs[at:at] = tasks
 
     def _fdsched_end_pass(self, budget: _PreChangePass, scheduled_reqs) -> None:
-        logger = host_global(RM, "llm_logger")
-        if budget.has_open_work():
-            # The host's pass never reached its end seam: close it here, and say so.
-            METRICS.signal_unconsumed(PASS_END, of=self)
-            logger.warning(
-                "[fdsched] the schedule() pass ended without calling _log_console_scheduler_metrics: the plugin's "
-                "running-chunk preemptions are added to the pass's tasks after it and the waiting queue is put back "
-                "only now (see `fdsched patches`, ratio_reserve, relies on pass-end)"
-            )
-            self._fdsched_finish_pass(budget, scheduled_reqs if scheduled_reqs is not None else [])
+        """Give the pass back what the plugin held for it (under the host's lock): the waiting queue, every request
+        that arrived meanwhile in its place, and its preempt tasks in order."""
+        if budget.queue_type is not None:
+            self.waiting, budget.queue_type = budget.queue_type(self.waiting), None
+        if scheduled_reqs is None:  # the host's pass raised: its tasks are gone, and so are the plugin's
+            scheduled_reqs = self._fdsched_task_list()
+        for chunk, tasks in budget.preemptions:
+            # Before 7783 the preempt tasks went into the pass's list right before the chunk's own task.
+            self._fdsched_insert_before(scheduled_reqs, chunk, tasks)
+        budget.preemptions = []
         if budget.running_chunk is not None:
             METRICS.signal_unconsumed(THRESHOLD_FOR_RUNNING_CHUNK, of=self)
-            logger.warning(
+            host_global(RM, "llm_logger").warning(
                 f"[fdsched] no threshold was computed for running chunk {budget.running_chunk[0]} "
                 f"({budget.running_chunk[1]} blocks) after its block count"
             )
@@ -656,9 +652,9 @@ class PreChangeReserveMixin(_BudgetedReserve):
 
 class PreChangeReserveBatchMixin(PreChangeReserveMixin):
     """:class:`PreChangeReserveMixin` on a host whose pass collects its tasks in a ``BatchRequest`` (develop:
-    ``_trigger_preempt(..., batch_request)``, ``_log_console_scheduler_metrics(batch_request)``): the plugin's own
-    preemptions go into a ``BatchRequest`` of their own, and at the pass's end into the pass's, right before the
-    chunk's task, with any swap / evict metadata they carry."""
+    ``_trigger_preempt(..., batch_request)``): the plugin's own preemptions go into a ``BatchRequest`` of their
+    own, and at the pass's end into the pass's, right before the chunk's task, with any swap / evict metadata
+    they carry."""
 
     fdsched_globals = {RM: ("llm_logger", "BatchRequest")}
 
@@ -667,18 +663,10 @@ class PreChangeReserveBatchMixin(PreChangeReserveMixin):
         self._fdsched_strategy.on_preemption()  # pre-change: at the end of every call, as the old host did
         return result
 
-    def _log_console_scheduler_metrics(self, batch_request):
-        budget = self._fdsched_budget()
-        if budget is not None and not budget.finished:
-            self._fdsched_finish_pass(budget, batch_request)
-        return super(PreChangeReserveMixin, self)._log_console_scheduler_metrics(batch_request)
-
     def _fdsched_task_list(self):
         return host_global(RM, "BatchRequest")()
 
     def _fdsched_insert_before(self, batch_request, chunk, tasks) -> None:
-        if isinstance(batch_request, list):  # the pass ended without its own (see _fdsched_end_pass)
-            return super()._fdsched_insert_before(batch_request, chunk, list(tasks))
         requests = batch_request.requests
         at = next((i for i, task in enumerate(requests) if task is chunk), len(requests))
         requests[at:at] = tasks.requests
@@ -748,13 +736,7 @@ def _running_chunk_check(info):
 def _pass_end(info):
     if not _has_ratio_reserve(info):
         return None  # only off on the new host uses it
-    problem = _uses(info.rm_class.schedule, {"_log_console_scheduler_metrics", "waiting", "lock"})
-    if problem:
-        return problem
-    seam = getattr(info.rm_class, "_log_console_scheduler_metrics", None)
-    if seam is None or not {"scheduled_reqs", "batch_request"} & set(inspect.signature(seam).parameters):
-        return "ResourceManagerV1._log_console_scheduler_metrics takes neither scheduled_reqs nor batch_request"
-    return None
+    return _uses(info.rm_class.schedule, {"waiting", "lock"})
 
 
 def _threshold_check(info):
@@ -788,7 +770,6 @@ SPEC = PatchSpec(
         "ResourceManagerV1._get_running_request_reserve_blocks",
         "ResourceManagerV1._reset_reserve_on_preemption",
         "ResourceManagerV1._trigger_preempt",
-        "ResourceManagerV1._log_console_scheduler_metrics",
         "ResourceManagerV1.finish_requests",
         "PrefixCacheManager.can_allocate_gpu_blocks",
     ),
@@ -804,8 +785,8 @@ SPEC = PatchSpec(
         Reliance("running-chunk-check", "the running pass checks a running chunk's blocks right after "
                  "get_new_block_nums (old host: a failed check calls _trigger_preempt with the pass's lists)",
                  _running_chunk_check),
-        Reliance("pass-end", "schedule() ends each pass, under the lock, with "
-                 "_log_console_scheduler_metrics(scheduled_reqs); only the waiting pass reads self.waiting",
+        Reliance("pass-end", "schedule() holds self.lock for the whole pass, whose waiting pass starts with a "
+                 "truth test of self.waiting (nothing before it reads the queue), and returns the pass's task list",
                  _pass_end, when=("off",)),
         Reliance("threshold-check", "every threshold is checked with can_allocate_gpu_blocks next",
                  _threshold_check),
@@ -815,7 +796,7 @@ SPEC = PatchSpec(
     ),
     host_has_as_selected=_as_selected,
     variants={
-        "host": {"ResourceManagerV1": Variant.by_host(HostReserveMixin, HostReserveOldHostMixin)},
+        "host": {"ResourceManagerV1": Variant.by_host(HostReserveMixin, HOST_RESERVE_OLD_HOST)},
         "plugin": {
             "ResourceManagerV1": Variant(_plugin_variant, (
                 RatioReserveMixin, AdaptiveReserveMixin, RATIO_OLD_HOST, ADAPTIVE_OLD_HOST,

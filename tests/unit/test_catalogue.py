@@ -261,9 +261,14 @@ def test_relies_on_section_lists_exactly_the_spec_reliances(change_id):
 # method -> (outermost first) change ids whose mixins override it, and why that order is the right one.
 WRAP_ORDER = {
     ("ResourceManagerV1", "__init__"): (
-        ("ratio_reserve", "decode_only_preempt"),
-        "each calls super().__init__() first, so the host's constructor has finished before any plugin state is set; "
-        "no mixin's state reads another's, so this order only fixes which exists first",
+        ("pd_prefill_cache", "ratio_reserve", "decode_only_preempt"),
+        "each calls super().__init__() first, so the host's constructor has finished before any plugin state is set "
+        "or any choice is bound; no mixin's state reads another's, so this order only fixes which exists first",
+    ),
+    ("PrefixCacheManager", "__init__"): (
+        ("pd_prefill_cache", "deferred_recycle"),
+        "each calls super().__init__() first and then binds its own choices (the node's role; the eviction path); "
+        "neither reads the other's",
     ),
     ("ResourceManagerV1", "schedule"): (
         ("pd_prefill_cache", "ratio_reserve", "decode_only_preempt"),
