@@ -53,6 +53,10 @@ __all__ = [
 ]
 
 
+# Set in an object's __dict__ while the host's own __init__ runs on it (see ArmChoice).
+HOST_INIT_RUNNING = "_fdsched_in_host_init"
+
+
 def code_names(func) -> frozenset:
     """Global/attribute names and local variable names a function's code uses (nested code too)."""
     names: set = set()
@@ -319,9 +323,10 @@ class ArmChoice:
     of the rank's arm class, and the host's explicit ``super(HostName, self)`` keeps working.
 
     ``ResourceManagerV1.__init__`` calls ``super(ResourceManagerV1, self).__init__``. Once ``ResourceManagerV1``
-    names the front class (or a class another plugin stacked on it), that call re-enters the plugin's chain:
-    :class:`InitGuard` (where a stacked class sits above ours) or this class's ``__init__`` (right after the
-    front class) sees that the host's ``__init__`` is running and continues past the host class instead.
+    names the front class (or a class another plugin stacked on it), that call re-enters the plugin's chain: this
+    class's ``__init__`` (right after the front class) or :class:`InitGuard` (where a stacked class sits above
+    ours). One mark says the host's ``__init__`` is running (:data:`HOST_INIT_RUNNING`, set here around it): a
+    re-entry that finds it continues past the host class.
     """
 
     def __new__(cls, *args, **kwargs):
@@ -332,13 +337,14 @@ class ArmChoice:
         return obj
 
     def __init__(self, *args, **kwargs):
-        state = self.__dict__.get("_fdsched_constructing")
-        if state == "host":  # the host's own super(HostName, self).__init__: past the host class
+        if self.__dict__.get(HOST_INIT_RUNNING):  # the host's own super(HostName, self).__init__: past the host class
             super(self._fdsched_host_class, self).__init__(*args, **kwargs)
             return
-        if state == "chain":
-            self.__dict__["_fdsched_constructing"] = "host"
-        super().__init__(*args, **kwargs)  # the host's __init__
+        self.__dict__[HOST_INIT_RUNNING] = True
+        try:
+            super().__init__(*args, **kwargs)  # the host's __init__
+        finally:
+            del self.__dict__[HOST_INIT_RUNNING]
 
     @classmethod
     def _fdsched_class_for(cls, args, kwargs) -> tuple:
@@ -385,19 +391,15 @@ def _on_top(cls, arm_class):
 
 
 class InitGuard:
-    """First base of every arm class: marks the constructor chain as running (see :class:`ArmChoice`), and
-    continues past the host class when the host's ``super(HostName, self).__init__`` re-enters here."""
+    """First base of every arm class: where a class another plugin stacked on the front class sits above ours, the
+    host's ``super(HostName, self).__init__`` re-enters here while the host's ``__init__`` runs (see
+    :class:`ArmChoice`), and continues past the host class."""
 
     def __init__(self, *args, **kwargs):
-        state = self.__dict__.get("_fdsched_constructing")
-        if state == "host":
+        if self.__dict__.get(HOST_INIT_RUNNING):
             super(self._fdsched_host_class, self).__init__(*args, **kwargs)
             return
-        self.__dict__["_fdsched_constructing"] = "chain"
-        try:
-            super().__init__(*args, **kwargs)
-        finally:
-            self.__dict__.pop("_fdsched_constructing", None)
+        super().__init__(*args, **kwargs)
         if self._fdsched_counts_admissions:
             # Refusals are counted only where the plugin's reservation code decides: declare the series there (at
             # 0), so a scrape tells "none refused" from "not counted" (the host's own code runs).
