@@ -1,4 +1,5 @@
-"""What every mixin may use: small views of host requests, one-shot signals, and how an arm's class is picked.
+"""What every mixin may use: small views of host requests, and how an arm's class is picked (what a scheduler's
+pass hands its cache manager is :mod:`fdsched.patches._pass`).
 
 The installer builds, per host class it replaces (a "target"), one *front* class and one class per arm:
 
@@ -29,8 +30,6 @@ from __future__ import annotations
 
 import inspect
 import sys
-import threading
-from dataclasses import dataclass
 
 from fdsched.core.metrics import METRICS
 
@@ -42,7 +41,6 @@ __all__ = [
     "ArmStamp",
     "InstanceAttribute",
     "RequestOutcomesMixin",
-    "BlockCheckSignals",
     "finished_ids",
     "host_global",
     "init_signature",
@@ -74,93 +72,6 @@ def code_names(func) -> frozenset:
 def host_global(module_name: str, name: str):
     """A name from a loaded host module's globals (logger, envs, trace helpers)."""
     return getattr(sys.modules[module_name], name)
-
-
-@dataclass(frozen=True)
-class _Expected:
-    kind: str  # what the signal is for, e.g. "refuse-running-chunk"
-    request_id: str  # the request whose check it is
-    num_blocks: int  # the block count of that check
-    thread: int  # the thread whose check it is (the one that expected it: the scheduler's)
-
-
-class BlockCheckSignals:
-    """One-shot signals for the host's next block check (``PrefixCacheManager.can_allocate_gpu_blocks``).
-
-    The host's block check is called with a count only; the scheduler knows which request the check is for.
-    So the scheduler first says which request it is deciding on (:meth:`focus`, from the host's
-    ``get_new_block_nums(request, ...)``, which the host calls right before that request's checks), then
-    what it expects for a check of that request (:meth:`expect`: a kind and a block count). A signal is
-    consumed (:meth:`take`) only by a check of exactly that many blocks, made on the thread that expected it
-    while that thread is still deciding on that request. A check made by anyone else in between (another
-    thread of the engine calling the cache manager while the pass is open: the token processor, the
-    transfer receiver; another plugin; another code path on the same thread for another request) neither
-    takes nor is bent by it.
-
-    The scheduler calls :meth:`end_pass` at the end of every ``schedule()`` pass: a signal of its thread still
-    pending then was not consumed by the check it was for (the host's control flow is not what the patch
-    relies on) and is dropped, logged and counted (``fastdeploy:fdsched_unconsumed_signals_total{signal}``).
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pending: dict = {}  # thread id -> [_Expected]
-        self._focus: dict = {}  # thread id -> the request id that thread is deciding on
-
-    def focus(self, request_id: str) -> None:
-        """The calling thread's next block checks are for ``request_id``."""
-        with self._lock:
-            self._focus[threading.get_ident()] = request_id
-
-    def expect(self, kind: str, num_blocks: int) -> None:
-        """The calling thread's next check of ``num_blocks`` blocks, for the request in focus, is for ``kind``."""
-        thread = threading.get_ident()
-        with self._lock:
-            request_id = self._focus.get(thread, "(none)")
-            self._pending.setdefault(thread, []).append(_Expected(kind, request_id, int(num_blocks), thread))
-
-    def take(self, num_blocks: int) -> frozenset:
-        """The kinds pending for the calling thread's check of ``num_blocks`` blocks for the request in focus;
-        they are consumed."""
-        thread = threading.get_ident()
-        with self._lock:
-            mine = self._pending.get(thread)
-            if not mine:
-                return frozenset()
-            request_id = self._focus.get(thread, "(none)")
-            taken = [e for e in mine if e.num_blocks == num_blocks and e.request_id == request_id]
-            if not taken:
-                return frozenset()
-            self._pending[thread] = [e for e in mine if e not in taken]
-            return frozenset(e.kind for e in taken)
-
-    def pending(self) -> tuple:
-        with self._lock:
-            return tuple(e for mine in self._pending.values() for e in mine)
-
-    def end_pass(self, logger, of=None) -> list:
-        """Drop what the calling thread left; log and count each as unconsumed (labelled by ``of``'s arm).
-        Returns the dropped signals."""
-        thread = threading.get_ident()
-        with self._lock:
-            left = self._pending.pop(thread, [])
-            self._focus.pop(thread, None)
-        for e in left:
-            METRICS.signal_unconsumed(e.kind, of=of)
-            logger.warning(
-                f"[fdsched] one-shot signal {e.kind} for request {e.request_id} (a block check of {e.num_blocks} "
-                "blocks) was not consumed by the end of the schedule() pass: the host's control flow differs from "
-                "what the plugin relies on (see `fdsched patches`); the signal is dropped"
-            )
-        return left
-
-
-def block_checks(cache_manager) -> BlockCheckSignals:
-    """The signals pending for ``cache_manager``'s block checks (created on first use)."""
-    signals = cache_manager.__dict__.get("_fdsched_block_checks")
-    if signals is None:  # setdefault: two threads' first use gets one object
-        signals = cache_manager.__dict__.setdefault("_fdsched_block_checks", BlockCheckSignals())
-    return signals
 
 
 class PluginBase:

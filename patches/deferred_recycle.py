@@ -146,6 +146,7 @@ class DeferredRecycleMixin(PluginBase):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         settings = self._fdsched_settings
+        self._fdsched_evicting: dict = {}  # thread id -> the ids the thread's open eviction collects
         self._fdsched_heapify_min_batch = settings["tunables.recycle_heapify_min_batch"]
         self._fdsched_deferred_path = (
             self._fdsched_forced_direct if settings["tunables.transfer_force_direct_recycle"]
@@ -199,7 +200,7 @@ class DeferredRecycleMixin(PluginBase):
         """The host's per-node eviction step: inside one of the plugin's evictions the node is detached as the host
         detaches it (status, node id, node map; its reserved decode ids cleared) but its ids are collected for
         the eviction's one recycle call instead of recycled one node at a time; anywhere else, the host's own."""
-        freed = self.__dict__.get("_fdsched_evicting", _NO_BATCHES).get(threading.get_ident())
+        freed = self._fdsched_evicting.get(threading.get_ident())
         if freed is None:
             return super()._handle_free_gpu_node_without_cpu(node)
         node.cache_status = host_global(PCM, "CacheStatus").CPU  # see the module docstring
@@ -214,9 +215,7 @@ class DeferredRecycleMixin(PluginBase):
     @contextlib.contextmanager
     def _fdsched_batch(self):
         """The calling thread's eviction batch: the list the per-node seam collects into while it is open."""
-        batches = self.__dict__.get("_fdsched_evicting")
-        if batches is None:  # setdefault: two threads' first eviction gets one dict
-            batches = self.__dict__.setdefault("_fdsched_evicting", {})
+        batches = self._fdsched_evicting
         thread, freed = threading.get_ident(), []
         outer = batches.get(thread)
         batches[thread] = freed
@@ -381,8 +380,6 @@ class DeferredRecycleNoReqIdMixin(DeferredRecycleMixin):
         ids = gpu_block_ids if isinstance(gpu_block_ids, list) else [gpu_block_ids]
         self._fdsched_recycle_batch(ids, None)
 
-
-_NO_BATCHES: dict = {}
 
 SPEC = PatchSpec(
     change_id="deferred_recycle",

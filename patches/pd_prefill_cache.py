@@ -62,11 +62,9 @@ PREALLOCATION, CHUNK = "preallocation", "chunk"
 
 
 def preallocating(cache_manager) -> set:
-    """Ids of the requests whose preallocation is under way on ``cache_manager`` (created on first use)."""
-    marks = cache_manager.__dict__.get("_fdsched_preallocating")
-    if marks is None:  # setdefault: two threads' first use (preallocation, scheduling) gets one set
-        marks = cache_manager.__dict__.setdefault("_fdsched_preallocating", set())
-    return marks
+    """Ids of the requests whose preallocation is under way on ``cache_manager``: the gate's own set, made when the
+    cache manager was built (nothing is added to the cache manager later)."""
+    return cache_manager._fdsched_preallocating
 
 
 # ---- the prefix cache's gate: which of the host's own records pass, per behaviour -----------------------------
@@ -77,6 +75,7 @@ class PdPrefillCacheManagerMixin(PluginBase):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        self._fdsched_preallocating: set = set()  # marked by the scheduler for the duration of a preallocation
         # The role is fixed for the manager's life: only a prefill node's records go through the gate.
         prefill_node = getattr(self, "splitwise_role", None) == "prefill"
         self._fdsched_update = self._fdsched_gated_update if prefill_node else self.fdsched_record_blocks

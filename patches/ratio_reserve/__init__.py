@@ -70,10 +70,10 @@ init, decays after each pass that scheduled something, and is re-estimated after
 preempted). A running chunked prefill that fails the threshold stops the running pass and blocks waiting
 requests for the step. On the new host that stop is the host's own code; on the old host the plugin gets the
 same effect through the host's own control flow: ``get_new_block_nums`` asks the budget for the chunk and,
-refused, asks the cache manager to refuse the host's check of exactly that chunk's blocks (a one-shot signal
-keyed to the scheduling thread, the request and the block count, evicting nothing), and ``_trigger_preempt``
-then declines for that request without preempting and puts it into the pass's ``preempted_reqs`` (the host
-skips its waiting pass when that list is not empty).
+refused, records that one decision in the pass object; the cache manager's check of exactly that chunk's blocks
+reads it there and answers False (evicting nothing), and ``_trigger_preempt`` reads it there too and declines
+for that request without preempting, putting it into the pass's ``preempted_reqs`` (the host skips its waiting
+pass when that list is not empty).
 
 ``off`` on the new host restores the pre-change running pass too: a running chunk short of blocks
 preempts instead of waiting. The plugin preempts (``_trigger_preempt``) into lists of its own, kept in the
@@ -85,12 +85,16 @@ its place) and puts the preempt tasks into the pass's list just before the chunk
 who called whom: a class between the host's ``schedule()`` and these methods changes nothing. Left as the new
 host has it: the token budget that 7783 pre-deducts for decoding requests at the start of a pass.
 
-One-shot signals (the refusal, the refusal count) go to the cache manager keyed to the thread, the request the
-scheduler is deciding on (``get_new_block_nums`` puts it in focus) and the block count; a check by another thread
-(the token processor, the transfer receiver, the PD preallocation) neither takes nor is bent by one. The
-budget belongs to the thread that opened it: a threshold asked on another thread gets a budget of its own.
-A signal, a guard's decline or a pre-change running chunk's threshold still pending at the end of a pass is dropped,
-logged and counted in ``fastdeploy:fdsched_unconsumed_signals_total{signal}``.
+The pass object (:class:`fdsched.patches._pass.SchedulePass`) is the scheduler's, one per ``schedule()`` call,
+found through the scheduler's desk (thread -> open pass) that the scheduler hands its cache manager once, when it
+is built. It holds the budget and what the pass expects of a block check (the refusal of a guarded chunk, the
+refusal count of a threshold), keyed to the request the scheduler is deciding on (``get_new_block_nums`` puts it
+in focus) and the block count; the cache manager's check asks the pass open on its own thread, so a check by
+another thread (the token processor, the transfer receiver, the PD preallocation) finds none and gets the pool's
+answer. Nothing of a pass is stored in the cache manager. A threshold asked outside a pass gets a budget of its
+own, and its refusal count is a question kept for that thread's next check. An expectation, a guard's decline or a
+pre-change running chunk's threshold still pending when the pass closes is dropped, logged and counted in
+``fastdeploy:fdsched_unconsumed_signals_total{signal}``.
 
 Beyond upstream: the adaptive estimator (``FDSCHED_RESERVE_ESTIMATOR=adaptive``, profile ``adaptive``;
 pure code in :mod:`fdsched.core.adaptive`). Through the same seam, each running request reserves its expected

@@ -7,18 +7,18 @@ takes the request). The catalogue entry, with what the change replaces and relie
 from __future__ import annotations
 
 import functools
-import threading
 
 from fdsched.core.admission import AdmissionBudget, RunningView
 from fdsched.core.adaptive import client_bound
 from fdsched.core.metrics import METRICS
 from fdsched.core.policies import FixedBlockReserve, NewTokenRatio, max_new_tokens_of
 
-from fdsched.patches._base import PluginBase, block_checks, host_global
+from fdsched.patches._base import PluginBase, host_global
+from fdsched.patches._pass import PassDesk, SchedulePass
 
 RM = "fastdeploy.engine.sched.resource_manager_v1"
 
-# What a one-shot signal is for (also the `signal` label of the unconsumed-signals metric).
+# What a pass expects of a block check (also the `signal` label of the unconsumed-signals metric).
 REFUSE_RUNNING_CHUNK = "refuse-running-chunk"  # the host's check of a running chunk's blocks answers False
 COUNT_REFUSAL = "count-refusal"  # a refused threshold check counts as a blocked admission
 DECLINE_PREEMPTION = "decline-guarded-preemption"  # old host: _trigger_preempt declines for the guarded chunk
@@ -55,7 +55,10 @@ class _BudgetedReserve(ReservationMixin):
             s.reestimate_cap,
         )
         self._fdsched_fixed = FixedBlockReserve(*(s[key] for key in _FIXED))
-        self._fdsched_open: dict = {}  # thread id -> the budget of the schedule() pass that thread has open
+        # The passes this scheduler has open, one per thread; its cache manager consults them (handed over once,
+        # here: nothing of a pass is ever stored in the cache manager).
+        self._fdsched_desk = PassDesk()
+        self.cache_manager._fdsched_desk = self._fdsched_desk
         # A draft model (speculative decoding) needs one block more per chunk; fixed for the scheduler's life.
         speculative = self.config.speculative_config.method is not None
         self._fdsched_speculative_slack = self._fdsched_draft_slack if speculative else _no_slack
@@ -73,43 +76,43 @@ class _BudgetedReserve(ReservationMixin):
 
     def _fdsched_budget(self):
         """The budget of the pass this thread has open, else None."""
-        return self._fdsched_open.get(threading.get_ident())
+        schedule_pass = self._fdsched_desk.current()
+        return schedule_pass.budget if schedule_pass is not None else None
 
     # ---- the pass ---------------------------------------------------------------------------------
     def schedule(self):
-        # Keyed by thread: a second thread calling schedule() (it then waits for the host's lock) neither
-        # replaces nor sees this pass's budget.
-        thread, budget = threading.get_ident(), self._fdsched_new_budget()
-        outer = self._fdsched_open.get(thread)
-        self._fdsched_open[thread] = budget
+        # One pass object per call, on this thread's desk entry: a second thread calling schedule() (it then waits
+        # for the host's lock) neither replaces nor sees this pass.
+        schedule_pass = SchedulePass(self._fdsched_new_budget())
+        outer = self._fdsched_desk.open(schedule_pass)
         result = None
         try:
             result = super().schedule()
         finally:
-            if outer is None:
-                del self._fdsched_open[thread]
-            else:
-                self._fdsched_open[thread] = outer
+            self._fdsched_desk.close(outer)
             with self.lock:
-                self._fdsched_end_pass(budget, result[0] if result else None)
+                self._fdsched_end_pass(schedule_pass, result[0] if result else None)
         with self.lock:
             self._fdsched_strategy.after_pass(bool(result[0]))
             self._fdsched_strategy.report(of=self)
         return result
 
-    def _fdsched_end_pass(self, budget: AdmissionBudget, scheduled_reqs) -> None:
+    def _fdsched_end_pass(self, schedule_pass: SchedulePass, scheduled_reqs) -> None:
+        budget = schedule_pass.budget
         if budget.asks:
             self._fdsched_report(budget)
         logger = host_global(RM, "llm_logger")
         for request_id in sorted(budget.close()):
             METRICS.signal_unconsumed(DECLINE_PREEMPTION, of=self)
             logger.warning(f"[fdsched] the guard refused running chunk {request_id} but no preemption call followed")
-        block_checks(self.cache_manager).end_pass(logger, of=self)
+        schedule_pass.close(logger, of=self)
 
     # ---- the admission threshold ---------------------------------------------------------------------
     def get_new_block_nums(self, request, num_new_tokens):
         # The host asks for a request's block count right before that request's block checks.
-        block_checks(self.cache_manager).focus(request.request_id)
+        schedule_pass = self._fdsched_desk.current()
+        if schedule_pass is not None:
+            schedule_pass.focus(request.request_id)
         return super().get_new_block_nums(request, num_new_tokens)
 
     def _get_can_schedule_prefill_threshold_block(self, num_chunk_new_block):
@@ -118,8 +121,12 @@ class _BudgetedReserve(ReservationMixin):
     def _fdsched_threshold_seam(self, num_chunk_new_block: int) -> int:
         """The answer at the host's threshold seam, whichever shape the host gives it."""
         threshold = self._fdsched_threshold(num_chunk_new_block)
+        schedule_pass = self._fdsched_desk.current()
+        if schedule_pass is None:  # asked outside a pass (the old host's PD preallocation): a question of its own
+            schedule_pass = SchedulePass(None)
+            self._fdsched_desk.ask_outside_a_pass(schedule_pass)
         # Its caller checks the threshold with can_allocate_gpu_blocks next: count that check's refusal.
-        block_checks(self.cache_manager).expect(COUNT_REFUSAL, threshold)
+        schedule_pass.expect(COUNT_REFUSAL, threshold)
         return threshold
 
     def _fdsched_threshold(self, chunk_blocks: int) -> int:
@@ -209,8 +216,8 @@ class _NewHostSeams(ReservationMixin):
 
 class _OldHostGuard(_BudgetedReserve):
     """The old host checks a running chunk against its own blocks only, and has no per-preemption seam: the
-    budget is asked for the chunk in ``get_new_block_nums``; a refused chunk's check is refused (a signal keyed
-    to it) and its preemption call declined; the ratio is re-estimated after a ``_trigger_preempt`` call that
+    budget is asked for the chunk in ``get_new_block_nums``; a refused chunk's check is refused and its preemption
+    call declined (both read the pass's one decision); the ratio is re-estimated after a ``_trigger_preempt`` call that
     preempted."""
 
     fdsched_calls = {"PrefixCacheManager.can_allocate_gpu_blocks": ("num_blocks",)}
@@ -223,7 +230,8 @@ class _OldHostGuard(_BudgetedReserve):
         if self.cache_manager.can_allocate_gpu_blocks(self._fdsched_threshold(blocks)):
             return blocks
         METRICS.admission_blocked(of=self)
-        block_checks(self.cache_manager).expect(REFUSE_RUNNING_CHUNK, blocks)
+        # The pass's one decision for this chunk: its block check is refused and its preemption call declined.
+        self._fdsched_desk.current().expect(REFUSE_RUNNING_CHUNK, blocks)
         budget.declined.add(request.request_id)
         return blocks
 

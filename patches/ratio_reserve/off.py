@@ -11,7 +11,8 @@ from fdsched.core.admission import AdmissionBudget, FixedBlockStrategy
 from fdsched.core.metrics import METRICS
 
 from fdsched.patches._spec import Shapes
-from fdsched.patches._base import block_checks, host_global
+from fdsched.patches._base import host_global
+from fdsched.patches._pass import SchedulePass
 from fdsched.patches.ratio_reserve.budget import (
     COUNT_REFUSAL, REFUSE_RUNNING_CHUNK, RM, THRESHOLD_FOR_RUNNING_CHUNK, _BudgetedReserve,
 )
@@ -80,14 +81,14 @@ class PreChangeReserveMixin(_BudgetedReserve):
             self.waiting = admission_closed(budget.queue_type)(self.waiting)
         if not can_schedule:
             # The host then stops its running pass (and, as before 7783, admits nobody in this step).
-            block_checks(self.cache_manager).expect(REFUSE_RUNNING_CHUNK, blocks)
+            self._fdsched_desk.current().expect(REFUSE_RUNNING_CHUNK, blocks)
 
     def _get_can_schedule_prefill_threshold_block(self, num_chunk_new_block):
         budget = self._fdsched_budget()
         if budget is not None and budget.running_chunk is not None and budget.running_chunk[1] == num_chunk_new_block:
             budget.running_chunk = None
             # pre-change: a running chunk needed only its own blocks
-            block_checks(self.cache_manager).expect(COUNT_REFUSAL, num_chunk_new_block)
+            self._fdsched_desk.current().expect(COUNT_REFUSAL, num_chunk_new_block)
             return num_chunk_new_block
         return super()._get_can_schedule_prefill_threshold_block(num_chunk_new_block)
 
@@ -107,9 +108,10 @@ class PreChangeReserveMixin(_BudgetedReserve):
         at = next((i for i, task in enumerate(scheduled_reqs) if task is chunk), len(scheduled_reqs))
         scheduled_reqs[at:at] = tasks
 
-    def _fdsched_end_pass(self, budget: _PreChangePass, scheduled_reqs) -> None:
+    def _fdsched_end_pass(self, schedule_pass: SchedulePass, scheduled_reqs) -> None:
         """Give the pass back what the plugin held for it (under the host's lock): the waiting queue, every request
         that arrived meanwhile in its place, and its preempt tasks in order."""
+        budget: _PreChangePass = schedule_pass.budget
         if budget.queue_type is not None:
             self.waiting, budget.queue_type = budget.queue_type(self.waiting), None
         if scheduled_reqs is None:  # the host's pass raised: its tasks are gone, and so are the plugin's
@@ -124,7 +126,7 @@ class PreChangeReserveMixin(_BudgetedReserve):
                 f"[fdsched] no threshold was computed for running chunk {budget.running_chunk[0]} "
                 f"({budget.running_chunk[1]} blocks) after its block count"
             )
-        super()._fdsched_end_pass(budget, scheduled_reqs)
+        super()._fdsched_end_pass(schedule_pass, scheduled_reqs)
 
 
 class PreChangeReserveBatchMixin(PreChangeReserveMixin):

@@ -526,7 +526,7 @@ def _engine_state_locked(rm, cm) -> dict:
     held = []
     for req in list(getattr(rm, "requests", {}).values()):
         held.extend(getattr(req, "block_tables", []) or [])
-    pending = cm.__dict__.get("_fdsched_block_checks")
+    desk = getattr(cm, "_fdsched_desk", None)  # the scheduler's open passes (fdsched.patches._pass.PassDesk)
     return {
         "rm_class": type(rm).__name__, "cm_class": type(cm).__name__,
         "total": int(cm.num_gpu_blocks), "free": free, "tree_blocks": tree, "request_blocks": held,
@@ -538,7 +538,7 @@ def _engine_state_locked(rm, cm) -> dict:
         "requests": len(getattr(rm, "requests", {})),
         "evicting": _future_running(getattr(cm, "gpu_free_task_future", None))
         or _future_running(getattr(cm, "cpu_free_future", None)),
-        "pending_signals": [repr(p) for p in (pending.pending() if pending is not None else ())],
+        "pending_signals": [repr(p) for p in (desk.pending() if desk is not None else ())],
     }
 
 

@@ -19,7 +19,8 @@ from fdsched.core.settings import CHANGE_IDS, SCHEMA
 
 SCHEMA_BY_KEY = {s.key: s for s in SCHEMA}
 PATCH_MODULES = sorted(
-    info.name for info in pkgutil.iter_modules(fdsched.patches.__path__) if info.name not in ("_base", "_spec", "__init__")
+    # every change's module or package; the shared helpers (_base, _spec, _pass) are private modules
+    info.name for info in pkgutil.iter_modules(fdsched.patches.__path__) if not info.name.startswith("_")
 )
 SPECS = {spec.change_id: spec for spec in CATALOGUE}
 
