@@ -207,26 +207,69 @@ class ArmStamp(InstanceAttribute):
 
 
 class RequestOutcomesMixin:
-    """Per-arm request outcomes, recorded where a request finishes in the scheduler process.
+    """Per-arm request outcomes, recorded where a request finishes in the scheduler process; and no request
+    finished twice.
 
-    Replaces nothing the host decides: ``finish_requests`` runs the host's own and then, for every request
-    that the host's call removed from ``self.requests``, records requests finished, output tokens, TTFT
-    (``engine_recv_first_token_time - arrival_time``, what the host's own TTFT histogram uses) and TPOT
-    (``(engine_recv_latest_token_time - engine_recv_first_token_time) / (output tokens - 1)``) from the
-    request's own timestamps, labelled by this scheduler's arm (:func:`fdsched.core.metrics.labels_of`).
-    Relies on: ``finish_requests(request_ids)`` is where the host removes a finished request from
-    ``self.requests`` (both supported hosts; also when called through ``finish_requests_async``).
+    ``finish_requests`` runs the host's own and then, for every request that the host's call removed from
+    ``self.requests``, records requests finished, output tokens, TTFT (``engine_recv_first_token_time -
+    arrival_time``, what the host's own TTFT histogram uses) and TPOT (``(engine_recv_latest_token_time -
+    engine_recv_first_token_time) / (output tokens - 1)``) from the request's own timestamps, labelled by this
+    scheduler's arm (:func:`fdsched.core.metrics.labels_of`). Relies on: ``finish_requests(request_ids)`` is where
+    the host removes a finished request from ``self.requests`` (also when called through ``finish_requests_async``).
+
+    Finished twice (every arm, ``baseline`` included): the host runs a finish later on a thread pool, so a request
+    whose last token is out can still be preempted, and the output reader puts it back into ``waiting`` (its slot is
+    absent from the next batch) before the finish runs. The host's ``finish_requests`` then logs "scheduled into
+    waiting list, after finished" and leaves it there, to be prefilled and finished a second time. Here such a
+    request -- in ``waiting``, still ``PREEMPTED`` (not scheduled again) -- is taken out of ``waiting`` first and
+    finished as the host finishes a preempted request: its blocks went back at the preemption and its slot was
+    cleared then (the slot may hold another request by now, so it is left alone).
     """
 
     def finish_requests(self, request_ids):
         request_ids, ids = finished_ids(request_ids)
         requests = getattr(self, "requests", None)
         before = [(rid, requests.get(rid)) for rid in ids] if isinstance(requests, dict) else []
+        ended = self._fdsched_end_preempted_in_waiting(before) if before else set()
+        if ended:  # the host would log each as an invalid id
+            request_ids = [rid for rid in ids if rid not in ended]
         result = super().finish_requests(request_ids)
         for rid, request in before:
-            if request is not None and rid not in self.requests:
+            if request is not None and rid not in self.requests and rid not in ended:
                 METRICS.request_finished(request, of=self)
         return result
+
+    def _fdsched_end_preempted_in_waiting(self, found) -> set:
+        """End (as above) each of ``found`` (request id, request) that is back in ``waiting`` after a preemption;
+        the ids ended."""
+        ended = set()
+        status = self._fdsched_host.request_status
+        preempted, finished = getattr(status, "PREEMPTED", None), getattr(status, "FINISHED", None)
+        lock, waiting = getattr(self, "lock", None), getattr(self, "waiting", None)
+        if preempted is None or finished is None or lock is None or waiting is None:
+            return ended
+        with lock:
+            for rid, request in found:
+                if request is None or request.status != preempted or self.requests.get(rid) is not request:
+                    continue
+                try:
+                    waiting.remove(request)
+                except ValueError:  # not put back yet: the host's own branch for a preempted request ends it
+                    continue
+                request.status = finished
+                del self.requests[rid]
+                getattr(self, "req_dict", {}).pop(rid, None)
+                for name in ("to_be_rescheduled_request_id_set", "waiting_abort_req_id_set",
+                             "to_be_aborted_req_id_set"):
+                    getattr(self, name, set()).discard(rid)
+                METRICS.request_finished(request, of=self)
+                ended.add(rid)
+        if ended:
+            logger = getattr(sys.modules.get(self._fdsched_host_class.__module__), "llm_logger", None)
+            if logger is not None:
+                logger.info(f"[fdsched] finished while their preemption was in flight, ended instead of run "
+                            f"again: {sorted(ended)}")
+        return ended
 
 
 class ArmChoice:

@@ -183,6 +183,7 @@ class EngineConfig:
     num_cpu_blocks: int = 0  # the CPU swap tier (FastDeploy's --swap-space, in blocks); > 0 starts seam S10's process
     count_rpcs: bool = False  # harness seam H2: count the engine process's manager RPCs per thread
     time_schedule: bool = False  # harness seam H3: time every schedule() call in each rank's engine
+    finish_delay_ms: float = 0.0  # harness seam H7: each finish on the host's finish pool runs this much later
     health_timeout: float = 240.0
     host: str = "127.0.0.1"  # the address the api_server, metrics and router ports listen on
     log_dir: Optional[str] = None
@@ -404,6 +405,8 @@ class ServedEngine:
             env[seams.RPC_COUNT_ENV] = "1"
         if c.time_schedule:
             env[seams.TIME_SCHEDULE_ENV] = "1"
+        if c.finish_delay_ms > 0:
+            env[seams.FINISH_DELAY_ENV] = str(c.finish_delay_ms)
         if c.dp > 1:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(i) for i in range(c.dp))  # seam S7
         env.update({k: str(v) for k, v in c.env.items()})
@@ -583,6 +586,8 @@ class ServedEngine:
                     m = re.search(r"--dp-rank\s+(\d+)", line)
                     if "worker.py" in line and m:
                         who = (int(m.group(1)), "worker")
+                    elif "worklaunch.py" in line:
+                        who = (rank, "worker launcher")
                     elif "cachexfer.py" in line:
                         who = (rank, "cache transfer manager")
                     else:

@@ -49,6 +49,7 @@ STATE_ENV = "FDSCHED_SERVE_STATE_DIR"  # where the state probe (H1) answers requ
 XFER_ENV = "FDSCHED_SERVE_CACHEXFER"  # path of the simulated cache transfer manager (fdsched/serve/cachexfer.py)
 RPC_COUNT_ENV = "FDSCHED_SERVE_COUNT_RPC"  # "1": count the engine process's manager RPCs per thread (H2)
 TIME_SCHEDULE_ENV = "FDSCHED_SERVE_TIME_SCHEDULE"  # "1": time every resource_manager.schedule() call (H3)
+FINISH_DELAY_ENV = "FDSCHED_SERVE_FINISH_DELAY_MS"  # > 0: each finish on the host's finish pool waits this long (H7)
 HOST_ENV = "FDSCHED_SERVE_HOST"  # the address the api_server, metrics and router ports listen on (S11)
 SHM_LEDGER = "created-shm"  # in the state dir: one JSON line per /dev/shm entry a process of the stack created (H4)
 MAIN_ENV_MULTI = "fastdeploy.entrypoints.openai.multi_api_server"
@@ -249,6 +250,17 @@ SEAMS = (
         "block-check signals from the live process",
         "no",
     ),
+    Seam(
+        "H7 late finishes (harness only)",
+        "fastdeploy.engine.engine",
+        "with FDSCHED_SERVE_FINISH_DELAY_MS > 0, each finish the token processor hands to the scheduler's "
+        "finish pool (finish_requests_async) runs that much later on the same pool",
+        {NEW: "added; wraps the resource manager's finish_requests_async (resource_manager_v1.py ~1632)",
+         OLD: "added; resource_manager_v1.py finish_requests_async (~1494)"},
+        "stands for a busy finish pool under load: a finished request stays in running long enough to be "
+        "preempted, the ordering that can finish a request twice (tests/engine/test_served.py)",
+        "no",
+    ),
 )
 
 
@@ -422,14 +434,15 @@ def _start_simulated_worker(self):
 
     As ``paddle.distributed.launch --devices 0,1`` does, the LLMEngine (rank 0's, also under
     multi_api_server, where ranks > 0 run an ExpertService that launches no worker) starts the workers of
-    every rank; they share one process group, whose leader's stdout the engine reads.
+    every rank through one launcher process (``worklaunch.py``); they share its process group, and the engine
+    reads the launcher's stdout.
     """
     cfg = self.cfg
     pc = cfg.parallel_config
     log_dir = os.getenv("FD_LOG_DIR", "log")
     os.makedirs(log_dir, exist_ok=True)
     eos = list(self.engine.data_processor.eos_token_ids)
-    first = None
+    workers = []
     for rank in range(int(pc.data_parallel_size)):
         cmd = [
             sys.executable, "-u", os.environ[WORKER_ENV],
@@ -444,12 +457,16 @@ def _start_simulated_worker(self):
             "--multi-api-server", str(int(os.getenv("FD_ENABLE_MULTI_API_SERVER", "0") == "1")),
             "--pod-ip", str(cfg.master_ip),
         ]
-        err = open(os.path.join(log_dir, f"simworker_rank{rank}.log"), "ab")
-        if first is None:
-            first = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, process_group=0)
-            watch_exit(first, "worker", rank)
-        else:
-            watch_exit(subprocess.Popen(cmd, stdout=err, stderr=err, process_group=first.pid), "worker", rank)
+        workers.append({"rank": rank, "cmd": cmd, "log": os.path.join(log_dir, f"simworker_rank{rank}.log")})
+    # One launcher process for every rank's worker, as paddle.distributed.launch on a GPU machine: the engine
+    # reads its stdout (rank 0's worker's) and polls it; it is the one waiter for the workers' exit statuses
+    # (this process's gunicorn arbiter reaps any child of its own with waitpid(-1) and drops their statuses).
+    env = dict(os.environ, FDSCHED_SERVE_WORKERS=json.dumps(workers))
+    err = open(os.path.join(log_dir, "simworker_launch.log"), "ab")
+    script = os.path.join(os.path.dirname(os.environ[WORKER_ENV]), "worklaunch.py")
+    first = subprocess.Popen([sys.executable, "-u", script], stdout=subprocess.PIPE, stderr=err, env=env,
+                             process_group=0)
+    watch_exit(first, "worker launcher", 0)
     _start_state_probe(self, int(getattr(pc, "local_data_parallel_id", 0) or 0))
     return first
 
@@ -586,8 +603,29 @@ def schedule_time_summary() -> dict:
             "idle_cpu_us_mean": SCHEDULE_TIMES["idle_cpu_ns"] / idle / 1000.0 if idle else 0.0}
 
 
+def _h7_late_finishes(llm_engine) -> None:
+    try:
+        delay = float(os.environ.get(FINISH_DELAY_ENV) or 0) / 1000.0
+    except ValueError:
+        delay = 0.0
+    rm = llm_engine.engine.resource_manager
+    pool = getattr(rm, "finish_execution_pool", None)
+    if delay <= 0 or pool is None:
+        return
+
+    def finish_requests_async(request_ids):
+        def later():
+            time.sleep(delay)
+            return rm.finish_requests(request_ids)
+
+        return pool.submit(later)
+
+    rm.finish_requests_async = finish_requests_async
+
+
 def _start_state_probe(llm_engine, dp_rank: int) -> None:
     _h3_time_schedule(llm_engine)
+    _h7_late_finishes(llm_engine)
     state_dir = os.environ.get(STATE_ENV)
     if not state_dir:
         return
@@ -742,19 +780,23 @@ _WATCHED: list = []  # the Popen objects watched: referenced, so that no garbage
 
 def exit_status(proc) -> Optional[int]:
     """How the child ``proc`` ended -- its exit code, or minus the signal that killed it -- waiting for it without
-    reaping it first (``waitid(..., WNOWAIT)``): a ``Popen.wait`` alone reports 0 for a child that some other
-    waiter of the process reaped first (``ChildProcessError``), and under load the host's own polling sometimes
-    does. None when the status could not be learnt."""
-    code = None
+    reaping it first (``waitid(..., WNOWAIT)``). None when its status is lost: another waiter of this process reaped
+    it first (the api_server's gunicorn arbiter reaps any child with ``waitpid(-1)``), and a ``Popen.wait`` would
+    then report a made-up 0."""
     try:
         info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOWAIT)
-        if info is not None:
-            killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
-            code = -info.si_status if killed else info.si_status
-    except ChildProcessError:  # reaped already: by this Popen (its return code is right) or by someone else
-        code = proc.returncode
+    except ChildProcessError:  # reaped already: by this very Popen in another thread (its return code is right)
+        for _ in range(20):  # ... which sets it a moment after its waitpid returns
+            if proc.returncode is not None:
+                return proc.returncode
+            time.sleep(0.01)
+        return None  # or by another waiter: the status is gone
     except (OSError, AttributeError):  # no waitid here: what Popen learns
-        pass
+        info = None
+    code = None
+    if info is not None:
+        killed = info.si_code in (os.CLD_KILLED, os.CLD_DUMPED)
+        code = -info.si_status if killed else info.si_status
     try:
         reaped = proc.wait()  # reap it (or read the status the object already has)
     except Exception:  # noqa: BLE001

@@ -72,7 +72,9 @@ def stream_then_drop(url: str, prompt: str, max_tokens: int, after_chunks: int) 
     return seen
 
 
-def run_concurrently(fn, args_list):
+def run_concurrently(fn, args_list, spacing_s: float = 0.0):
+    """``fn(*args)`` for every args of ``args_list``, each in its own thread, started ``spacing_s`` apart; the
+    results in order (an exception is a result: ``{"error": ..., "finish_reason": None}``)."""
     results = [None] * len(args_list)
 
     def one(i, args):
@@ -84,6 +86,8 @@ def run_concurrently(fn, args_list):
     threads = [threading.Thread(target=one, args=(i, a)) for i, a in enumerate(args_list)]
     for t in threads:
         t.start()
+        if spacing_s:
+            time.sleep(spacing_s)
     for t in threads:
         t.join()
     return results

@@ -54,6 +54,38 @@ def test_pressure_preempts_and_returns_every_block(served, profile):
     assert_blocks_whole(settle(eng), eng.rank_log_dir(0))
 
 
+def test_a_finish_that_runs_late_never_runs_a_request_twice(served):
+    """Every finish runs 300 ms late on the host's own finish pool (harness seam H7) under KV pressure: finished
+    requests stay preemptable, are preempted and put back into waiting before their finish runs (the host's
+    ordering in docs/engine.md). The plugin ends each there (every arm carries it; here decode_only_preempt, whose
+    victim is the newest decoding request): every request finishes once, none runs again, every block comes back."""
+    eng = served(profile="decode_only_preempt", env=OPTIMISTIC, finish_delay_ms=300, **PRESSURE)
+    # three long requests grow through the pool while short ones (4 tokens) keep arriving behind them: the newest
+    # decoding request -- the victim when a long one needs a block -- is then mostly a short one already finished,
+    # its finish still waiting on the pool
+    long_ones = [(eng.urls[0], prompt_of_length(PROMPT, seed=700 + i), OUTPUT) for i in range(3)]
+    short_ones = [(eng.urls[0], prompt_of_length(PROMPT, seed=800 + i), 4) for i in range(27)]
+    import threading
+
+    longs = []
+    t = threading.Thread(target=lambda: longs.extend(run_concurrently(complete, long_ones)))
+    t.start()
+    results = run_concurrently(complete, short_ones, spacing_s=0.05)
+    t.join()
+    results = longs + results
+    assert [r["error"] for r in results if r["error"]] == []
+    assert [r["finish_reason"] for r in results] == ["length"] * 30
+    state = settle(eng)
+    log = eng.engine_log_text()
+    ended = log.count("[fdsched] finished while their preemption was in flight")
+    print(f"\nfinished during their preemption and ended there: {ended} time(s)")
+    assert ended > 0, "the late finishes never met a preemption: the test did not exercise the ordering"
+    assert "scheduled into waiting list, after finished" not in log
+    text = eng.metrics_text(0)
+    assert metric(text, "fastdeploy:fdsched_requests_finished_total", arm="decode_only_preempt", dp_rank="0") == 30
+    assert_blocks_whole(state, eng.rank_log_dir(0))
+
+
 def test_disconnects_and_aborts_in_every_phase(served):
     # chunked prefill (max_num_batched_tokens 64) makes a long prompt take several steps
     eng = served(profile="recommended", **dict(PRESSURE, max_num_batched_tokens=64))

@@ -28,8 +28,13 @@ def _place(rm, rid, prompt_len, generated=0, computed=None, extend=False, max_to
     request.output_token_ids = [7] * generated
     decoding = generated > 0
     request.num_computed_tokens = (request.num_total_tokens - 1) if decoding else (computed or 0)
-    status = rm._fdsched_host.request_status
-    if rm._fdsched_host.split_status:
+    host = getattr(rm, "_fdsched_host", None)
+    if host is None:  # the host's own class (no plugin installed)
+        from fdsched.install.probe import probe
+
+        host = probe()
+    status = host.request_status
+    if host.split_status:
         request.status = status.RUNNING_DECODE if decoding else status.RUNNING_PREFILL
     else:
         request.status = status.RUNNING
