@@ -48,6 +48,8 @@ __all__ = [
     "SplitStatusViews",
     "SingleStatusViews",
     "status_views",
+    "node_role",
+    "drafts",
 ]
 
 
@@ -67,6 +69,19 @@ def code_names(func) -> frozenset:
         names.update(code.co_varnames)
         stack.extend(c for c in code.co_consts if inspect.iscode(c))
     return frozenset(names)
+
+
+def node_role(scheduler):
+    """The PD role a scheduler works in, read once when it is built: ``config.scheduler_config.splitwise_role``, as the
+    host's own code reads it; None where its config has no scheduler config (a host test's stub config: any path of
+    the host's that reads the role fails there too, so no choice made from it is ever used)."""
+    return getattr(getattr(getattr(scheduler, "config", None), "scheduler_config", None), "splitwise_role", None)
+
+
+def drafts(scheduler) -> bool:
+    """Whether a draft model runs (speculative decoding), read once when the scheduler is built:
+    ``config.speculative_config.method`` is set."""
+    return getattr(getattr(getattr(scheduler, "config", None), "speculative_config", None), "method", None) is not None
 
 
 def host_global(module_name: str, name: str):
@@ -243,7 +258,7 @@ class RequestOutcomesMixin:
         """End (as above) each of ``found`` (request id, request) that is back in ``waiting`` after a preemption;
         the ids ended."""
         ended = set()
-        status = self._fdsched_host.request_status
+        status = self._fdsched_statuses  # the host's RequestStatus (fdsched.patches._base.status_views)
         preempted, finished = getattr(status, "PREEMPTED", None), getattr(status, "FINISHED", None)
         lock, waiting = getattr(self, "lock", None), getattr(self, "waiting", None)
         if preempted is None or finished is None or lock is None or waiting is None:

@@ -48,7 +48,7 @@ from fdsched.core.metrics import METRICS
 from fdsched.core.policies import NoVictimWarning, VictimCandidate
 
 from fdsched.patches._spec import AlteredTest, PatchSpec, Reliance, Shapes, Variant
-from fdsched.patches._base import PluginBase, host_global
+from fdsched.patches._base import PluginBase, host_global, node_role
 
 RM = "fastdeploy.engine.sched.resource_manager_v1"
 
@@ -165,7 +165,7 @@ class PolicyPreemptOldHostMixin(DecodeOnlyPreemptMixin):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         # A decode node cannot recompute a victim's prompt: there the victim leaves the node (fixed for its life).
-        decode_node = self.config.scheduler_config.splitwise_role == "decode"
+        decode_node = node_role(self) == "decode"
         self._fdsched_release_victim = self._fdsched_drop_victim if decode_node else self._fdsched_requeue_victim
 
     def _fdsched_preempt_request(self, victim, preempted_reqs, scheduled_reqs):

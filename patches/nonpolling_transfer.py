@@ -129,13 +129,16 @@ class NonpollingCacheQueueMixin(PluginBase):
         super().__init__(*args, **kwargs)
         self._fdsched_wait = self._fdsched_settings["tunables.transfer_wait_seconds"]
         self._fdsched_unacked = False  # the last result taken is being handled by the receiver
-        if self.tansfer_done_queue.count(WAITABLE_QUERY) == WAITABLE_ANSWER:
+        try:
+            waitable = self.tansfer_done_queue.count(WAITABLE_QUERY) == WAITABLE_ANSWER
+            why = "the cache queue server has no waitable done list (was it started without the plugin?)"
+        except Exception as exc:  # noqa: BLE001 - a server that cannot be asked is one this client polls
+            waitable = False
+            why = f"asking the cache queue server whether its done list can wait failed ({type(exc).__name__})"
+        if waitable:
             self._fdsched_take_done = self._fdsched_wait_for_done
         else:
-            host_global(ECQ, "logger").warning(
-                "[fdsched] the cache queue server has no waitable done list (was it started without the plugin?); "
-                "this client polls as the host does"
-            )
+            host_global(ECQ, "logger").warning(f"[fdsched] {why}; this client polls as the host does")
             self._fdsched_take_done = self._fdsched_poll_as_the_host
 
     def get_transfer_done_signal(self):

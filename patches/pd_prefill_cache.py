@@ -56,7 +56,7 @@ off (with it)          ``PdPreChangeCacheManagerMixin``  ``PdPreChangeMixin``: r
 from __future__ import annotations
 
 from fdsched.patches._spec import PatchSpec, Reliance, Variant
-from fdsched.patches._base import PluginBase
+from fdsched.patches._base import PluginBase, node_role
 
 PREALLOCATION, CHUNK = "preallocation", "chunk"
 
@@ -118,7 +118,7 @@ class PdPrefillCacheMixin(PluginBase):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self._fdsched_bind_role(self.config.scheduler_config.splitwise_role == "prefill")
+        self._fdsched_bind_role(node_role(self) == "prefill")
 
     def _fdsched_bind_role(self, prefill_node: bool) -> None:
         """Bind what this behaviour does on this node (``__init__`` only)."""

@@ -13,7 +13,7 @@ from fdsched.core.adaptive import client_bound
 from fdsched.core.metrics import METRICS
 from fdsched.core.policies import FixedBlockReserve, NewTokenRatio, max_new_tokens_of
 
-from fdsched.patches._base import PluginBase, host_global
+from fdsched.patches._base import PluginBase, drafts, host_global
 from fdsched.patches._pass import PassDesk, SchedulePass
 
 RM = "fastdeploy.engine.sched.resource_manager_v1"
@@ -60,8 +60,7 @@ class _BudgetedReserve(ReservationMixin):
         self._fdsched_desk = PassDesk()
         self.cache_manager._fdsched_desk = self._fdsched_desk
         # A draft model (speculative decoding) needs one block more per chunk; fixed for the scheduler's life.
-        speculative = self.config.speculative_config.method is not None
-        self._fdsched_speculative_slack = self._fdsched_draft_slack if speculative else _no_slack
+        self._fdsched_speculative_slack = self._fdsched_draft_slack if drafts(self) else _no_slack
 
     @functools.cached_property
     def _fdsched_strategy(self):

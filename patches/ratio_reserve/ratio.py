@@ -8,6 +8,7 @@ from fdsched.core.admission import RatioStrategy
 from fdsched.core.metrics import METRICS
 
 from fdsched.patches._spec import Shapes
+from fdsched.patches._base import node_role
 from fdsched.patches.ratio_reserve.budget import _BudgetedReserve, _NewHostSeams, _OldHostGuard, _ThresholdTakesRequest
 
 
@@ -20,7 +21,7 @@ class _RatioCore(_BudgetedReserve):
         # A prefill node never decodes: its requests leave after their first token. Reserving decode blocks
         # there (as 7783 does) can stall it for good: a chunk that needs no new block is refused while the
         # preallocated requests hold the pool, and the ratio decays only after a pass that scheduled something.
-        self._fdsched_decodes = self.config.scheduler_config.splitwise_role != "prefill"
+        self._fdsched_decodes = node_role(self) != "prefill"
         METRICS.ratio(self._fdsched_ratio.value, of=self)
 
     def _fdsched_make_strategy(self):

@@ -246,8 +246,8 @@ SEAMS = (
         "a daemon thread in each rank's engine process (LLMEngine on rank 0, ExpertService.start on ranks > 0 "
         "under multi_api_server) answering state requests through files in FDSCHED_SERVE_STATE_DIR",
         {NEW: "added; wraps engine/expert_service.py ExpertService.start (~101)", OLD: "added; expert_service.py start"},
-        "tests read the engine's own cache-manager block accounting and the plugin's pending one-shot "
-        "block-check signals from the live process",
+        "tests read the engine's own cache-manager block accounting and what an open schedule() pass still "
+        "expects of a block check, from the live process",
         "no",
     ),
     Seam(
