@@ -1,4 +1,5 @@
-"""What every mixin may use: small views of host requests, one-shot signals, and how an arm's class is picked.
+"""What every mixin may use: small views of host requests, and how an arm's class is picked (what a scheduler's
+pass hands its cache manager is :mod:`fdsched.patches._pass`).
 
 The installer builds, per host class it replaces (a "target"), one *front* class and one class per arm:
 
@@ -29,8 +30,6 @@ from __future__ import annotations
 
 import inspect
 import sys
-import threading
-from dataclasses import dataclass
 
 from fdsched.core.metrics import METRICS
 
@@ -42,12 +41,20 @@ __all__ = [
     "ArmStamp",
     "InstanceAttribute",
     "RequestOutcomesMixin",
-    "BlockCheckSignals",
     "finished_ids",
     "host_global",
     "init_signature",
     "dp_rank_of",
+    "SplitStatusViews",
+    "SingleStatusViews",
+    "status_views",
+    "node_role",
+    "drafts",
 ]
+
+
+# Set in an object's __dict__ while the host's own __init__ runs on it (see ArmChoice).
+HOST_INIT_RUNNING = "_fdsched_in_host_init"
 
 
 def code_names(func) -> frozenset:
@@ -64,110 +71,72 @@ def code_names(func) -> frozenset:
     return frozenset(names)
 
 
+def node_role(scheduler):
+    """The PD role a scheduler works in, read once when it is built: ``config.scheduler_config.splitwise_role``, as the
+    host's own code reads it; None where its config has no scheduler config (a host test's stub config: any path of
+    the host's that reads the role fails there too, so no choice made from it is ever used)."""
+    return getattr(getattr(getattr(scheduler, "config", None), "scheduler_config", None), "splitwise_role", None)
+
+
+def drafts(scheduler) -> bool:
+    """Whether a draft model runs (speculative decoding), read once when the scheduler is built:
+    ``config.speculative_config.method`` is set."""
+    return getattr(getattr(getattr(scheduler, "config", None), "speculative_config", None), "method", None) is not None
+
+
 def host_global(module_name: str, name: str):
     """A name from a loaded host module's globals (logger, envs, trace helpers)."""
     return getattr(sys.modules[module_name], name)
 
 
-@dataclass(frozen=True)
-class _Expected:
-    kind: str  # what the signal is for, e.g. "refuse-running-chunk"
-    request_id: str  # the request whose check it is
-    num_blocks: int  # the block count of that check
-    thread: int  # the thread whose check it is (the one that expected it: the scheduler's)
-
-
-class BlockCheckSignals:
-    """One-shot signals for the host's next block check (``PrefixCacheManager.can_allocate_gpu_blocks``).
-
-    The host's block check is called with a count only; the scheduler knows which request the check is for.
-    So the scheduler first says which request it is deciding on (:meth:`focus`, from the host's
-    ``get_new_block_nums(request, ...)``, which the host calls right before that request's checks), then
-    what it expects for a check of that request (:meth:`expect`: a kind and a block count). A signal is
-    consumed (:meth:`take`) only by a check of exactly that many blocks, made on the thread that expected it
-    while that thread is still deciding on that request. A check made by anyone else in between (another
-    thread of the engine calling the cache manager while the pass is open: the token processor, the
-    transfer receiver; another plugin; another code path on the same thread for another request) neither
-    takes nor is bent by it.
-
-    The scheduler calls :meth:`end_pass` at the end of every ``schedule()`` pass: a signal of its thread still
-    pending then was not consumed by the check it was for (the host's control flow is not what the patch
-    relies on) and is dropped, logged and counted (``fastdeploy:fdsched_unconsumed_signals_total{signal}``).
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._pending: dict = {}  # thread id -> [_Expected]
-        self._focus: dict = {}  # thread id -> the request id that thread is deciding on
-
-    def focus(self, request_id: str) -> None:
-        """The calling thread's next block checks are for ``request_id``."""
-        with self._lock:
-            self._focus[threading.get_ident()] = request_id
-
-    def expect(self, kind: str, num_blocks: int) -> None:
-        """The calling thread's next check of ``num_blocks`` blocks, for the request in focus, is for ``kind``."""
-        thread = threading.get_ident()
-        with self._lock:
-            request_id = self._focus.get(thread, "(none)")
-            self._pending.setdefault(thread, []).append(_Expected(kind, request_id, int(num_blocks), thread))
-
-    def take(self, num_blocks: int) -> frozenset:
-        """The kinds pending for the calling thread's check of ``num_blocks`` blocks for the request in focus;
-        they are consumed."""
-        thread = threading.get_ident()
-        with self._lock:
-            mine = self._pending.get(thread)
-            if not mine:
-                return frozenset()
-            request_id = self._focus.get(thread, "(none)")
-            taken = [e for e in mine if e.num_blocks == num_blocks and e.request_id == request_id]
-            if not taken:
-                return frozenset()
-            self._pending[thread] = [e for e in mine if e not in taken]
-            return frozenset(e.kind for e in taken)
-
-    def pending(self) -> tuple:
-        with self._lock:
-            return tuple(e for mine in self._pending.values() for e in mine)
-
-    def end_pass(self, logger, of=None) -> list:
-        """Drop what the calling thread left; log and count each as unconsumed (labelled by ``of``'s arm).
-        Returns the dropped signals."""
-        thread = threading.get_ident()
-        with self._lock:
-            left = self._pending.pop(thread, [])
-            self._focus.pop(thread, None)
-        for e in left:
-            METRICS.signal_unconsumed(e.kind, of=of)
-            logger.warning(
-                f"[fdsched] one-shot signal {e.kind} for request {e.request_id} (a block check of {e.num_blocks} "
-                "blocks) was not consumed by the end of the schedule() pass: the host's control flow differs from "
-                "what the plugin relies on (see `fdsched patches`); the signal is dropped"
-            )
-        return left
-
-
-def block_checks(cache_manager) -> BlockCheckSignals:
-    """The signals pending for ``cache_manager``'s block checks (created on first use)."""
-    signals = cache_manager.__dict__.get("_fdsched_block_checks")
-    if signals is None:  # setdefault: two threads' first use gets one object
-        signals = cache_manager.__dict__.setdefault("_fdsched_block_checks", BlockCheckSignals())
-    return signals
-
-
 class PluginBase:
     """Base of every mixin. The attributes it reads (``_fdsched_impl``, ``_fdsched_settings``,
-    ``_fdsched_policies``, ``_fdsched_host``, ``_fdsched_host_class``) are the arm class's (see above)."""
+    ``_fdsched_policies``, ``_fdsched_host``, ``_fdsched_host_class``) are the arm class's (see above); the request
+    views (``_fdsched_is_decoding``, ``_fdsched_statuses``, ...) come from the host's :func:`status_views` class."""
 
-    # ---- request views -------------------------------------------------------------------
+
+# ---- request views, one class per shape of the host's RequestStatus (chosen when the classes are built) -------
+class SplitStatusViews:
+    """Request views on a host whose running status is split (``RUNNING_PREFILL`` / ``RUNNING_DECODE``, PR 7783)."""
+
     def _fdsched_is_decoding(self, request) -> bool:
         """The one decode test (victim choice, ratio estimate, metrics), through the hook."""
-        host = self._fdsched_host
-        status_is_decode = (request.status == host.request_status.RUNNING_DECODE) if host.split_status else None
         return self._fdsched_policies.is_decoding(
-            request.request_id, status_is_decode, request.num_total_tokens, request.need_prefill_tokens
+            request.request_id,
+            request.status == self._fdsched_decode_status,
+            request.num_total_tokens,
+            request.need_prefill_tokens,
         )
+
+
+class SingleStatusViews:
+    """Request views on a host with one ``RUNNING`` status: the status cannot tell a decoding request apart."""
+
+    def _fdsched_is_decoding(self, request) -> bool:
+        """The one decode test (victim choice, ratio estimate, metrics), through the hook."""
+        return self._fdsched_policies.is_decoding(
+            request.request_id, None, request.num_total_tokens, request.need_prefill_tokens
+        )
+
+
+def status_views(info) -> tuple:
+    """(the request-views class for the probed host, its class attributes): chosen once, when the plugin's classes are
+    built. ``_fdsched_statuses`` is the host's ``RequestStatus``; ``_fdsched_running_statuses`` every status a running
+    request has; ``_fdsched_prefill_status`` the status of a running request that may still be prefilling."""
+    statuses = getattr(info, "request_status", None)
+    if getattr(info, "split_status", False):
+        return SplitStatusViews, {
+            "_fdsched_statuses": statuses,
+            "_fdsched_running_statuses": (statuses.RUNNING_PREFILL, statuses.RUNNING_DECODE),
+            "_fdsched_prefill_status": statuses.RUNNING_PREFILL,
+            "_fdsched_decode_status": statuses.RUNNING_DECODE,
+        }
+    running = getattr(statuses, "RUNNING", None)
+    return SingleStatusViews, {
+        "_fdsched_statuses": statuses,
+        "_fdsched_running_statuses": (running,),
+        "_fdsched_prefill_status": running,
+    }
 
 
 def init_signature(cls):
@@ -289,7 +258,7 @@ class RequestOutcomesMixin:
         """End (as above) each of ``found`` (request id, request) that is back in ``waiting`` after a preemption;
         the ids ended."""
         ended = set()
-        status = self._fdsched_host.request_status
+        status = self._fdsched_statuses  # the host's RequestStatus (fdsched.patches._base.status_views)
         preempted, finished = getattr(status, "PREEMPTED", None), getattr(status, "FINISHED", None)
         lock, waiting = getattr(self, "lock", None), getattr(self, "waiting", None)
         if preempted is None or finished is None or lock is None or waiting is None:
@@ -323,9 +292,10 @@ class ArmChoice:
     of the rank's arm class, and the host's explicit ``super(HostName, self)`` keeps working.
 
     ``ResourceManagerV1.__init__`` calls ``super(ResourceManagerV1, self).__init__``. Once ``ResourceManagerV1``
-    names the front class (or a class another plugin stacked on it), that call re-enters the plugin's chain:
-    :class:`InitGuard` (where a stacked class sits above ours) or this class's ``__init__`` (right after the
-    front class) sees that the host's ``__init__`` is running and continues past the host class instead.
+    names the front class (or a class another plugin stacked on it), that call re-enters the plugin's chain: this
+    class's ``__init__`` (right after the front class) or :class:`InitGuard` (where a stacked class sits above
+    ours). One mark says the host's ``__init__`` is running (:data:`HOST_INIT_RUNNING`, set here around it): a
+    re-entry that finds it continues past the host class.
     """
 
     def __new__(cls, *args, **kwargs):
@@ -336,13 +306,14 @@ class ArmChoice:
         return obj
 
     def __init__(self, *args, **kwargs):
-        state = self.__dict__.get("_fdsched_constructing")
-        if state == "host":  # the host's own super(HostName, self).__init__: past the host class
+        if self.__dict__.get(HOST_INIT_RUNNING):  # the host's own super(HostName, self).__init__: past the host class
             super(self._fdsched_host_class, self).__init__(*args, **kwargs)
             return
-        if state == "chain":
-            self.__dict__["_fdsched_constructing"] = "host"
-        super().__init__(*args, **kwargs)  # the host's __init__
+        self.__dict__[HOST_INIT_RUNNING] = True
+        try:
+            super().__init__(*args, **kwargs)  # the host's __init__
+        finally:
+            del self.__dict__[HOST_INIT_RUNNING]
 
     @classmethod
     def _fdsched_class_for(cls, args, kwargs) -> tuple:
@@ -389,19 +360,15 @@ def _on_top(cls, arm_class):
 
 
 class InitGuard:
-    """First base of every arm class: marks the constructor chain as running (see :class:`ArmChoice`), and
-    continues past the host class when the host's ``super(HostName, self).__init__`` re-enters here."""
+    """First base of every arm class: where a class another plugin stacked on the front class sits above ours, the
+    host's ``super(HostName, self).__init__`` re-enters here while the host's ``__init__`` runs (see
+    :class:`ArmChoice`), and continues past the host class."""
 
     def __init__(self, *args, **kwargs):
-        state = self.__dict__.get("_fdsched_constructing")
-        if state == "host":
+        if self.__dict__.get(HOST_INIT_RUNNING):
             super(self._fdsched_host_class, self).__init__(*args, **kwargs)
             return
-        self.__dict__["_fdsched_constructing"] = "chain"
-        try:
-            super().__init__(*args, **kwargs)
-        finally:
-            self.__dict__.pop("_fdsched_constructing", None)
+        super().__init__(*args, **kwargs)
         if self._fdsched_counts_admissions:
             # Refusals are counted only where the plugin's reservation code decides: declare the series there (at
             # 0), so a scrape tells "none refused" from "not counted" (the host's own code runs).

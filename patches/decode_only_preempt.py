@@ -48,7 +48,7 @@ from fdsched.core.metrics import METRICS
 from fdsched.core.policies import NoVictimWarning, VictimCandidate
 
 from fdsched.patches._spec import AlteredTest, PatchSpec, Reliance, Shapes, Variant
-from fdsched.patches._base import PluginBase, host_global
+from fdsched.patches._base import PluginBase, host_global, node_role
 
 RM = "fastdeploy.engine.sched.resource_manager_v1"
 
@@ -162,37 +162,49 @@ class PolicyPreemptOldHostMixin(DecodeOnlyPreemptMixin):
                 return False
         return True
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # A decode node cannot recompute a victim's prompt: there the victim leaves the node (fixed for its life).
+        decode_node = node_role(self) == "decode"
+        self._fdsched_release_victim = self._fdsched_drop_victim if decode_node else self._fdsched_requeue_victim
+
     def _fdsched_preempt_request(self, victim, preempted_reqs, scheduled_reqs):
         """Reset a victim and requeue it (or drop it on a decode node), as the old host's loop does."""
-        envs = host_global(RM, "envs")
         logger = host_global(RM, "llm_logger")
-        victim.status = self._fdsched_host.request_status.PREEMPTED
+        victim.status = self._fdsched_statuses.PREEMPTED
         victim.num_computed_tokens = 0
-        save_output = envs.FD_SAVE_OUTPUT_CACHE_FOR_PREEMPTED_REQUEST and self.config.cache_config.kvcache_storage_backend
-        if self.config.scheduler_config.splitwise_role == "decode":
-            # A decode node cannot recompute the prompt: the request leaves this node.
-            self.tasks_list[victim.idx] = None
-            self.stop_flags[victim.idx] = True
-            self.requests.pop(victim.request_id, None)
-            self.req_dict.pop(victim.request_id, None)
-            if save_output:
-                self._fdsched_save_decode_victim(victim)
-            self._free_blocks(victim)
-        else:
-            if save_output:
-                self.cache_manager.write_cache_to_storage(victim)
-            self._free_blocks(victim)
-            victim.num_cached_blocks = 0
-            self.to_be_rescheduled_request_id_set.add(victim.request_id)
-            host_global(RM, "trace_print")(
-                host_global(RM, "LoggingEventName").PREEMPTED, victim.request_id, getattr(victim, "user", "")
-            )
+        self._fdsched_release_victim(victim)
         logger.info(f"Preemption is triggered! Preempted request id: {victim.request_id}")
         preempted_reqs.append(victim)
         scheduled_reqs.append(self._prepare_preempt_task(victim))
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(f"[fdsched] preempted {victim.request_id} at idx {victim.idx}; {self.info()}")
             self._info_each_block()
+
+    def _fdsched_saves_output(self):
+        # the host reads its env switch at call time; so does the paraphrase
+        return host_global(RM, "envs").FD_SAVE_OUTPUT_CACHE_FOR_PREEMPTED_REQUEST and self.config.cache_config.kvcache_storage_backend
+
+    def _fdsched_drop_victim(self, victim) -> None:
+        """A decode node's victim leaves the node (its output cache saved first where the host saves it)."""
+        self.tasks_list[victim.idx] = None
+        self.stop_flags[victim.idx] = True
+        self.requests.pop(victim.request_id, None)
+        self.req_dict.pop(victim.request_id, None)
+        if self._fdsched_saves_output():
+            self._fdsched_save_decode_victim(victim)
+        self._free_blocks(victim)
+
+    def _fdsched_requeue_victim(self, victim) -> None:
+        """Any other node's victim goes back to be recomputed."""
+        if self._fdsched_saves_output():
+            self.cache_manager.write_cache_to_storage(victim)
+        self._free_blocks(victim)
+        victim.num_cached_blocks = 0
+        self.to_be_rescheduled_request_id_set.add(victim.request_id)
+        host_global(RM, "trace_print")(
+            host_global(RM, "LoggingEventName").PREEMPTED, victim.request_id, getattr(victim, "user", "")
+        )
 
     def _fdsched_save_decode_victim(self, victim) -> None:
         self.cache_manager.write_cache_to_storage_decode(victim)

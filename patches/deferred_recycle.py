@@ -4,7 +4,8 @@ Replaces:  PrefixCacheManager.free_block_ids_async (the path without a CPU tier)
            PrefixCacheManager.free_nodes_directly,
            PrefixCacheManager.recycle_gpu_blocks (same contract, cheap for a batch),
            PrefixCacheManager._handle_free_gpu_node_without_cpu (the host's per-node step: inside the
-           plugin's eviction it collects the node's ids instead of recycling them)
+           plugin's eviction it collects the node's ids instead of recycling them),
+           PrefixCacheManager.__init__ (the arm's tunables and its eviction path, chosen once)
 Why:       the host recycles each evicted node with two recycle_gpu_blocks calls (its reserved decode
            ids, then its block), each of which formats and logs the id list at INFO, sets two
            Prometheus gauges and heap-pushes each id: about 100 us per block, 2 s for 20k blocks.
@@ -142,6 +143,16 @@ class DeferredRecycleMixin(PluginBase):
         "node_id_pool", "node_map", "gpu_free_block_list", "num_gpu_blocks", "cache_config", "available_gpu_resource",
     )
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        settings = self._fdsched_settings
+        self._fdsched_evicting: dict = {}  # thread id -> the ids the thread's open eviction collects
+        self._fdsched_heapify_min_batch = settings["tunables.recycle_heapify_min_batch"]
+        self._fdsched_deferred_path = (
+            self._fdsched_forced_direct if settings["tunables.transfer_force_direct_recycle"]
+            else self._fdsched_direct_without_cpu_room
+        )
+
     def free_block_ids_async(self, need_block_num):
         if not self._fdsched_deferred_path(need_block_num):
             return super().free_block_ids_async(need_block_num)
@@ -189,7 +200,7 @@ class DeferredRecycleMixin(PluginBase):
         """The host's per-node eviction step: inside one of the plugin's evictions the node is detached as the host
         detaches it (status, node id, node map; its reserved decode ids cleared) but its ids are collected for
         the eviction's one recycle call instead of recycled one node at a time; anywhere else, the host's own."""
-        freed = self.__dict__.get("_fdsched_evicting", _NO_BATCHES).get(threading.get_ident())
+        freed = self._fdsched_evicting.get(threading.get_ident())
         if freed is None:
             return super()._handle_free_gpu_node_without_cpu(node)
         node.cache_status = host_global(PCM, "CacheStatus").CPU  # see the module docstring
@@ -204,9 +215,7 @@ class DeferredRecycleMixin(PluginBase):
     @contextlib.contextmanager
     def _fdsched_batch(self):
         """The calling thread's eviction batch: the list the per-node seam collects into while it is open."""
-        batches = self.__dict__.get("_fdsched_evicting")
-        if batches is None:  # setdefault: two threads' first eviction gets one dict
-            batches = self.__dict__.setdefault("_fdsched_evicting", {})
+        batches = self._fdsched_evicting
         thread, freed = threading.get_ident(), []
         outer = batches.get(thread)
         batches[thread] = freed
@@ -289,14 +298,22 @@ class DeferredRecycleMixin(PluginBase):
                 heap[:] = [entry[2] for entry in keyed]
                 keyed.clear()  # the tuples die before collections resume: nothing was promoted, nothing is due
 
-    def _fdsched_deferred_path(self, need_block_num) -> bool:
-        force_direct = self._fdsched_settings["tunables.transfer_force_direct_recycle"]
-        if self.cache_config.num_cpu_blocks >= need_block_num and not force_direct:
-            return False  # the host swaps to the CPU tier here (change 5's path), unless forced direct
-        envs = host_global(PCM, "envs")
-        if getattr(envs, "FD_AS_ONLY_FLUSH", False) and self.kvcache_storage_backend == "attention_store":
-            return False  # flush-only storage mode collects per-node flush info: the host's loop does it
-        return True
+    def _fdsched_direct_without_cpu_room(self, need_block_num) -> bool:
+        """Whether this eviction takes the plugin's path: not where the host swaps to the CPU tier (change 5's path)."""
+        if self.cache_config.num_cpu_blocks >= need_block_num:
+            return False
+        return not self._fdsched_flush_only()
+
+    def _fdsched_forced_direct(self, need_block_num) -> bool:
+        """FDSCHED_TRANSFER_FORCE_DIRECT_RECYCLE=1: every eviction takes the plugin's path, CPU tier or not."""
+        return not self._fdsched_flush_only()
+
+    def _fdsched_flush_only(self) -> bool:
+        # The host's own storage switches, read when the host reads them: flush-only storage mode collects per-node
+        # flush info, which the host's loop does.
+        return bool(getattr(host_global(PCM, "envs"), "FD_AS_ONLY_FLUSH", False)) and (
+            self.kvcache_storage_backend == "attention_store"
+        )
 
     def _fdsched_eviction_error(self, where: str, exc: Exception) -> None:
         logger = host_global(PCM, "logger")
@@ -333,7 +350,7 @@ class DeferredRecycleMixin(PluginBase):
                     f"{self.num_gpu_blocks}: block accounting is broken, the batch is discarded: {ids}"
                 )
                 return
-        way = merge_into_heap(free, ids, self._fdsched_settings["tunables.recycle_heapify_min_batch"])
+        way = merge_into_heap(free, ids, self._fdsched_heapify_min_batch)
         metrics = host_global(PCM, "main_process_metrics")
         metrics.free_gpu_block_num.set(len(free))
         metrics.available_gpu_resource.set(self.available_gpu_resource)
@@ -364,14 +381,13 @@ class DeferredRecycleNoReqIdMixin(DeferredRecycleMixin):
         self._fdsched_recycle_batch(ids, None)
 
 
-_NO_BATCHES: dict = {}
-
 SPEC = PatchSpec(
     change_id="deferred_recycle",
     title="Deferred batched block recycling in LRU eviction",
     upstream_prs=(7885, 7886),
     upstream_state="open",
     replaces=(
+        "PrefixCacheManager.__init__",
         "PrefixCacheManager.free_block_ids_async",
         "PrefixCacheManager.free_nodes_directly",
         "PrefixCacheManager.recycle_gpu_blocks",

@@ -2,7 +2,8 @@
 
 Replaces:  EngineCacheQueue.tansfer_done_queue_init (host spelling; server side: the done lists become
            lists that can wait and that count a result being handled as pending),
-           EngineCacheQueue.get_transfer_done_signal (client side: one blocking RPC)
+           EngineCacheQueue.get_transfer_done_signal (client side: one blocking RPC),
+           EngineCacheQueue.__init__ (asks the server once whether its lists can wait)
 Why:       the host's ``recv_data_transfer_result`` thread (engine process) calls
            ``get_transfer_done_signal()`` every 1 ms, idle or not: 3 RPCs to the queue's manager process
            per call, about 2,200 RPCs/s and ~10% of a core on each side; a result waits up to a poll
@@ -40,8 +41,10 @@ Where each end runs (checked in both hosts' sources):
 * the receiver: ``PrefixCacheManager.recv_data_transfer_result`` in the engine process, unchanged; its
   client queue (built in ``launch_cache_manager``) is the plugin's subclass, whose
   ``get_transfer_done_signal`` blocks in the manager process for up to the wait instead of returning
-  at once. If the server turns out to be the host's (the plugin was not active where it was started),
-  the first call notices and the client falls back to the host's polling, with a warning.
+  at once. Whether the server's lists can wait is asked once, when the client is built (one RPC: the list's
+  ``count`` of a marker no item equals answers :data:`WAITABLE_ANSWER` only on the plugin's list, 0 on the
+  host's); a client of a host server (the plugin was not active where it was started) polls as the host does,
+  with a warning then.
 """
 
 from __future__ import annotations
@@ -52,6 +55,11 @@ from fdsched.patches._spec import PatchSpec, Reliance
 from fdsched.patches._base import InstanceAttribute, PluginBase, host_global
 
 ECQ = "fastdeploy.inter_communicator.engine_cache_queue"
+
+# How a client asks, once, whether the server's done list is the plugin's: ``count(WAITABLE_QUERY)``. No item the
+# host puts there (a tuple) equals the marker, so the host's list answers 0; the plugin's answers a count no list can.
+WAITABLE_QUERY = "fdsched: can this done list wait?"
+WAITABLE_ANSWER = -1
 
 
 class WaitableDoneList(list):
@@ -89,6 +97,11 @@ class WaitableDoneList(list):
             super().insert(index, item)
             self._ready.notify_all()
 
+    def count(self, value):
+        if isinstance(value, str) and value == WAITABLE_QUERY:
+            return WAITABLE_ANSWER  # the client's question when it is built (see the module docstring)
+        return super().count(value)
+
     def pop(self, index=-1, wait=None, ack=False):
         with self._ready:
             if ack and self._in_flight:
@@ -112,24 +125,32 @@ class NonpollingCacheQueueMixin(PluginBase):
     tansfer_done_queue_init = _WaitableDoneLists()
     fdsched_globals = {ECQ: ("logger",)}
 
-    def get_transfer_done_signal(self):
-        if self.__dict__.get("_fdsched_polling"):
-            return super().get_transfer_done_signal()
-        wait = self._fdsched_settings["tunables.transfer_wait_seconds"]
-        holding = self.__dict__.get("_fdsched_unacked", False)  # the previous result is handled by now
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._fdsched_wait = self._fdsched_settings["tunables.transfer_wait_seconds"]
+        self._fdsched_unacked = False  # the last result taken is being handled by the receiver
         try:
-            data = self.tansfer_done_queue.pop(0, wait, holding)
-        except TypeError as exc:
-            # The server's list is the host's: it takes no wait. Poll as the host does from now on.
-            if "argument" not in str(exc):
-                raise
-            self.__dict__["_fdsched_polling"] = True
-            host_global(ECQ, "logger").warning(
-                "[fdsched] the cache queue server has no waitable done list (was it started without the plugin?); "
-                "falling back to polling"
-            )
-            return super().get_transfer_done_signal()
-        self.__dict__["_fdsched_unacked"] = data is not None
+            waitable = self.tansfer_done_queue.count(WAITABLE_QUERY) == WAITABLE_ANSWER
+            why = "the cache queue server has no waitable done list (was it started without the plugin?)"
+        except Exception as exc:  # noqa: BLE001 - a server that cannot be asked is one this client polls
+            waitable = False
+            why = f"asking the cache queue server whether its done list can wait failed ({type(exc).__name__})"
+        if waitable:
+            self._fdsched_take_done = self._fdsched_wait_for_done
+        else:
+            host_global(ECQ, "logger").warning(f"[fdsched] {why}; this client polls as the host does")
+            self._fdsched_take_done = self._fdsched_poll_as_the_host
+
+    def get_transfer_done_signal(self):
+        return self._fdsched_take_done()
+
+    def _fdsched_poll_as_the_host(self):
+        return super().get_transfer_done_signal()
+
+    def _fdsched_wait_for_done(self):
+        """One blocking RPC: the next result, or None after the wait; acknowledges the previous result."""
+        data = self.tansfer_done_queue.pop(0, self._fdsched_wait, self._fdsched_unacked)
+        self._fdsched_unacked = data is not None
         if data is not None:
             host_global(ECQ, "logger").info(f"[fdsched] transfer done signal for task {data[-1]} received")
         return data
@@ -151,7 +172,11 @@ SPEC = PatchSpec(
     title="Non-polling CPU-cache transfer-done path",
     upstream_prs=(7520,),
     upstream_state="closed",
-    replaces=("EngineCacheQueue.tansfer_done_queue_init", "EngineCacheQueue.get_transfer_done_signal"),
+    replaces=(
+        "EngineCacheQueue.__init__",
+        "EngineCacheQueue.tansfer_done_queue_init",
+        "EngineCacheQueue.get_transfer_done_signal",
+    ),
     why="The receiver polls an RPC every millisecond even when idle, and a result waits for the next poll.",
     how="The server's done list can wait; the receiver's get blocks in the server for up to "
     "FDSCHED_TRANSFER_WAIT_SECONDS; a result being handled still counts as pending for reset().",

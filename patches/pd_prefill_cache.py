@@ -1,7 +1,8 @@
 """Change 4 — PD disaggregation: a prefill node records its blocks in the radix tree.
 
 Replaces:  ResourceManagerV1.preallocate_resource_in_p, ResourceManagerV1.schedule (wrapper),
-           ResourceManagerV1._free_blocks (wrapper), PrefixCacheManager.update_cache_blocks (gate)
+           ResourceManagerV1._free_blocks (wrapper), PrefixCacheManager.update_cache_blocks (gate),
+           ResourceManagerV1.__init__ and PrefixCacheManager.__init__ (bind what the node's role does, once)
 Why:       with splitwise_role == "prefill" the prefix hit rate was low: blocks a prefill node
            computed did not reliably end up in its radix tree.
 Upstream:  PR 7364, 2.6 cherry-pick 7387 (merged; in the "new host" d38eeb8). Upstream records the
@@ -55,17 +56,15 @@ off (with it)          ``PdPreChangeCacheManagerMixin``  ``PdPreChangeMixin``: r
 from __future__ import annotations
 
 from fdsched.patches._spec import PatchSpec, Reliance, Variant
-from fdsched.patches._base import PluginBase
+from fdsched.patches._base import PluginBase, node_role
 
 PREALLOCATION, CHUNK = "preallocation", "chunk"
 
 
 def preallocating(cache_manager) -> set:
-    """Ids of the requests whose preallocation is under way on ``cache_manager`` (created on first use)."""
-    marks = cache_manager.__dict__.get("_fdsched_preallocating")
-    if marks is None:  # setdefault: two threads' first use (preallocation, scheduling) gets one set
-        marks = cache_manager.__dict__.setdefault("_fdsched_preallocating", set())
-    return marks
+    """Ids of the requests whose preallocation is under way on ``cache_manager``: the gate's own set, made when the
+    cache manager was built (nothing is added to the cache manager later)."""
+    return cache_manager._fdsched_preallocating
 
 
 # ---- the prefix cache's gate: which of the host's own records pass, per behaviour -----------------------------
@@ -74,11 +73,20 @@ class PdPrefillCacheManagerMixin(PluginBase):
 
     _fdsched_allowed: frozenset = frozenset()  # the host's moments whose records pass
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._fdsched_preallocating: set = set()  # marked by the scheduler for the duration of a preallocation
+        # The role is fixed for the manager's life: only a prefill node's records go through the gate.
+        prefill_node = getattr(self, "splitwise_role", None) == "prefill"
+        self._fdsched_update = self._fdsched_gated_update if prefill_node else self.fdsched_record_blocks
+
     def update_cache_blocks(self, task, block_size, num_computed_tokens):
-        if getattr(self, "splitwise_role", None) == "prefill":
-            moment = PREALLOCATION if task.request_id in preallocating(self) else CHUNK
-            if moment not in self._fdsched_allowed:
-                return None  # these blocks' KV is not written yet under the selected behaviour
+        return self._fdsched_update(task, block_size, num_computed_tokens)
+
+    def _fdsched_gated_update(self, task, block_size, num_computed_tokens):
+        moment = PREALLOCATION if task.request_id in preallocating(self) else CHUNK
+        if moment not in self._fdsched_allowed:
+            return None  # these blocks' KV is not written yet under the selected behaviour
         return super().update_cache_blocks(task, block_size, num_computed_tokens)
 
     def fdsched_record_blocks(self, task, block_size, num_computed_tokens):
@@ -102,17 +110,27 @@ class PdPreChangeCacheManagerMixin(PdPrefillCacheManagerMixin):
 # ---- the scheduler's side: the marks the gate reads, and the plugin's own records -----------------------------
 class PdPrefillCacheMixin(PluginBase):
     """The base, and ``upstream`` on a host that has the change (the host records; the plugin only marks each
-    preallocation for the gate)."""
+    preallocation for the gate). On every role but prefill each override is the host's method, bound in
+    ``__init__`` (the role is fixed for the scheduler's life)."""
 
     fdsched_calls = {"PrefixCacheManager.update_cache_blocks": ("task", "block_size", "num_computed_tokens")}
     fdsched_attributes = ("config", "cache_manager", "lock")
 
-    def _fdsched_on_prefill_node(self) -> bool:
-        return self.config.scheduler_config.splitwise_role == "prefill"
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._fdsched_bind_role(node_role(self) == "prefill")
+
+    def _fdsched_bind_role(self, prefill_node: bool) -> None:
+        """Bind what this behaviour does on this node (``__init__`` only)."""
+        self._fdsched_preallocate = self._fdsched_marked_preallocation if prefill_node else self._fdsched_host_preallocation
 
     def preallocate_resource_in_p(self, request):
-        if not self._fdsched_on_prefill_node():
-            return super().preallocate_resource_in_p(request)
+        return self._fdsched_preallocate(request)
+
+    def _fdsched_host_preallocation(self, request):
+        return super().preallocate_resource_in_p(request)
+
+    def _fdsched_marked_preallocation(self, request):
         marks = preallocating(self.cache_manager)
         marks.add(request.request_id)
         try:
@@ -127,7 +145,7 @@ class PdPrefillCacheMixin(PluginBase):
         """After a successful preallocation on a prefill node: what this behaviour records itself (nothing)."""
 
     def _fdsched_record(self, request, num_tokens, locked=False):
-        if not self.config.cache_config.enable_prefix_caching:
+        if not self.config.cache_config.enable_prefix_caching:  # the host's own flag, read when the host reads it
             return
         block_size = self.config.cache_config.block_size
         if locked:  # the caller holds the scheduler lock already
@@ -148,12 +166,18 @@ class PdSafeMixin(PdPrefillCacheMixin):
     """``safe``: the whole prompt recorded once the prefill has run (its first token came back), before the
     host releases the blocks."""
 
+    def _fdsched_bind_role(self, prefill_node: bool) -> None:
+        super()._fdsched_bind_role(prefill_node)
+        self._fdsched_free = self._fdsched_record_then_free if prefill_node else self._fdsched_host_free
+
     def _free_blocks(self, request):
-        if (
-            self._fdsched_on_prefill_node()
-            and request.status == self._fdsched_host.request_status.FINISHED
-            and request.num_computed_tokens >= request.need_prefill_tokens
-        ):
+        return self._fdsched_free(request)
+
+    def _fdsched_host_free(self, request):
+        return super()._free_blocks(request)
+
+    def _fdsched_record_then_free(self, request):
+        if request.status == self._fdsched_statuses.FINISHED and request.num_computed_tokens >= request.need_prefill_tokens:
             self._fdsched_record(request, request.need_prefill_tokens, locked=True)
         return super()._free_blocks(request)
 
@@ -162,15 +186,25 @@ class PdPreChangeMixin(PdPrefillCacheMixin):
     """``off`` on a host that has the change: the pre-change recording, which also recorded every running
     chunk of a prefill node (the new host records only a new request's first chunk there)."""
 
+    def _fdsched_bind_role(self, prefill_node: bool) -> None:
+        super()._fdsched_bind_role(prefill_node)
+        self._fdsched_after_pass = self._fdsched_record_chunks if prefill_node else _nothing_to_record
+
     def schedule(self):
         result = super().schedule()
-        if self._fdsched_on_prefill_node():
-            from fastdeploy.engine.request import Request
-
-            for task in result[0]:
-                if isinstance(task, Request):
-                    self._fdsched_record(task, task.num_computed_tokens)
+        self._fdsched_after_pass(result[0])
         return result
+
+    def _fdsched_record_chunks(self, tasks) -> None:
+        from fastdeploy.engine.request import Request
+
+        for task in tasks:
+            if isinstance(task, Request):
+                self._fdsched_record(task, task.num_computed_tokens)
+
+
+def _nothing_to_record(tasks) -> None:
+    """Not a prefill node: the host's own recording is the pre-change one."""
 
 
 def _mode(settings) -> str:
@@ -216,6 +250,8 @@ SPEC = PatchSpec(
     upstream_prs=(7364, 7387),
     upstream_state="merged",
     replaces=(
+        "ResourceManagerV1.__init__",
+        "PrefixCacheManager.__init__",
         "ResourceManagerV1.preallocate_resource_in_p",
         "ResourceManagerV1.schedule",
         "ResourceManagerV1._free_blocks",

@@ -206,9 +206,10 @@ def _build(info, settings: Settings, decisions: dict, policies: Policies, arms: 
     """target -> its front class (what the host modules are rebound to), with one class per arm behind it
     (see :mod:`fdsched.patches._base`)."""
     from fdsched.patches import TARGETS
-    from fdsched.patches._base import ArmChoice, ArmStamp, init_signature
+    from fdsched.patches._base import ArmChoice, ArmStamp, init_signature, status_views
 
     arms = dict(arms or {})
+    views, view_attributes = status_views(info)  # the host's RequestStatus shape: chosen here, once
     default_arm = Arm(arm_label(settings), settings, decisions)
     classes = {}
     for target, host_cls in info.host_classes.items():
@@ -221,6 +222,8 @@ def _build(info, settings: Settings, decisions: dict, policies: Policies, arms: 
             "_fdsched_arms": arms,
             "_fdsched_default_arm": default_arm,
             "_fdsched_init_signature": init_signature(host_cls),
+            "_fdsched_status_views": views,
+            **view_attributes,
         }
         front = type(host_cls.__name__, (ArmChoice, host_cls), dict(
             common,
@@ -269,7 +272,9 @@ def _arm_class(front, target: str, host_cls, common: dict, arm: Arm, impl: dict,
     if target == "ResourceManagerV1" and override_problem(RequestOutcomesMixin, host_cls) is None:
         mixins = (RequestOutcomesMixin,) + mixins  # measurement only (every arm, every profile); without the seam: none
     changes = ", ".join(m.__name__ for m in mixins) or "none: the host's own code"
-    return type(host_cls.__name__, (InitGuard,) + mixins + (front,), dict(
+    # the request views for the host's RequestStatus shape (the scheduler's mixins read requests; the others do not)
+    views = (common["_fdsched_status_views"],) if target == "ResourceManagerV1" else ()
+    return type(host_cls.__name__, (InitGuard,) + mixins + views + (front,), dict(
         common,
         __qualname__=f"_build.<locals>.{host_cls.__name__}[{label}]",
         __doc__=f"fdsched subclass of {TARGETS[target]} for arm {label} (mixins: {changes}).",

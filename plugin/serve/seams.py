@@ -248,8 +248,8 @@ SEAMS = (
         "a daemon thread in each rank's engine process (LLMEngine on rank 0, ExpertService.start on ranks > 0 "
         "under multi_api_server) answering state requests through files in FDSCHED_SERVE_STATE_DIR",
         {NEW: "added; wraps engine/expert_service.py ExpertService.start (~101)", OLD: "added; expert_service.py start"},
-        "tests read the engine's own cache-manager block accounting and the plugin's pending one-shot "
-        "block-check signals from the live process",
+        "tests read the engine's own cache-manager block accounting and what an open schedule() pass still "
+        "expects of a block check, from the live process",
         "no",
     ),
     Seam(
@@ -545,7 +545,7 @@ def _engine_state_locked(rm, cm) -> dict:
     held = []
     for req in list(getattr(rm, "requests", {}).values()):
         held.extend(getattr(req, "block_tables", []) or [])
-    pending = cm.__dict__.get("_fdsched_block_checks")
+    desk = getattr(cm, "_fdsched_desk", None)  # the scheduler's open passes (fdsched.patches._pass.PassDesk)
     return {
         "rm_class": type(rm).__name__, "cm_class": type(cm).__name__,
         "total": int(cm.num_gpu_blocks), "free": free, "tree_blocks": tree, "request_blocks": held,
@@ -557,7 +557,7 @@ def _engine_state_locked(rm, cm) -> dict:
         "requests": len(getattr(rm, "requests", {})),
         "evicting": _future_running(getattr(cm, "gpu_free_task_future", None))
         or _future_running(getattr(cm, "cpu_free_future", None)),
-        "pending_signals": [repr(p) for p in (pending.pending() if pending is not None else ())],
+        "pending_signals": [repr(p) for p in (desk.pending() if desk is not None else ())],
     }
 
 

@@ -172,7 +172,7 @@ def assert_blocks_whole(state: dict, log_dir: str = "") -> None:
                              + (f"\n{block_history(log_dir, doubled)}" if log_dir else ""))
     assert set(free) | set(tree) == set(range(state["total"])), (
         f"blocks lost: {sorted(set(range(state['total'])) - set(free) - set(tree))}")
-    assert state["pending_signals"] == [], f"unconsumed one-shot block-check signals: {state['pending_signals']}"
+    assert state["pending_signals"] == [], f"what an open schedule() pass still expects of a block check: {state['pending_signals']}"
 
 
 def leftovers(eng) -> list:

@@ -227,19 +227,17 @@ def test_guard_stops_running_chunk_and_blocks_admission(rm_with):
 
 def test_a_block_check_from_another_thread_mid_pass_neither_takes_nor_is_bent_by_the_pass_signals(rm_with):
     """In the engine the cache manager is also called from other threads (token processor, transfer receiver,
-    PD preallocation) while a schedule() pass is open. Right after the scheduler expects a signal for its next
-    block check (old host: the guard's refusal of the running chunk; new host: the refusal count of a
+    PD preallocation) while a schedule() pass is open. Right after the scheduler's pass expects something of its
+    next block check (old host: the guard's refusal of the running chunk; new host: the refusal count of a
     threshold), another thread checks exactly that many blocks: it must get the pool's true answer, leave the
-    signal pending, and the scheduler's own check must still be the one that takes it."""
-    from fdsched.patches._base import block_checks
-
+    pass's expectation pending, and the scheduler's own check must still be the one that takes it."""
     rm = rm_with("recommended")
     chunk, waiting = _guard_scene(rm)
     before = chunk.num_computed_tokens
-    signals = block_checks(rm.cache_manager)
     seen = []
 
     def check_from_another_thread():
+        signals = rm._fdsched_desk.current()  # the scheduler's open pass (this runs on its thread)
         pending = signals.pending()
         for expected in pending:
             answer = []
@@ -283,9 +281,9 @@ def test_a_second_thread_entering_schedule_mid_pass_does_not_take_the_open_pass_
         if not other.is_alive() and other.ident is None:
             other.start()
             deadline = time.monotonic() + 10
-            while len(rm._fdsched_open) < 2 and time.monotonic() < deadline:
+            while len(rm._fdsched_desk._open) < 2 and time.monotonic() < deadline:
                 time.sleep(0.001)
-            assert len(rm._fdsched_open) == 2, "the second thread never opened its pass"
+            assert len(rm._fdsched_desk._open) == 2, "the second thread never opened its pass"
         return real(*args, **kwargs)
 
     rm.get_new_block_nums = wrapped  # on the instance: the host's self.get_new_block_nums(...) finds it first
@@ -295,7 +293,7 @@ def test_a_second_thread_entering_schedule_mid_pass_does_not_take_the_open_pass_
     assert chunk.num_computed_tokens == before, "the open pass's check of the chunk must still be refused"
     assert list(rm.waiting) == [waiting]
     assert rm.to_be_rescheduled_request_id_set == set(), "the guard never preempts"
-    assert rm._fdsched_open == {}
+    assert rm._fdsched_desk._open == {}
 
 
 def test_without_the_change_the_running_chunk_goes_ahead(rm_with):
@@ -392,18 +390,58 @@ def test_off_a_chunk_that_preempts_itself_gets_no_blocks(rm_with):
 def test_a_signal_no_host_check_consumes_is_dropped_and_reported_at_the_end_of_the_pass(rm_with, caplog):
     from fastdeploy.utils import llm_logger
 
-    from fdsched.patches._base import block_checks
-
     rm = rm_with("recommended")
-    block_checks(rm.cache_manager).focus("ghost")
-    block_checks(rm.cache_manager).expect("refuse-running-chunk", 12345)  # no check is ever for 12345
+    chunk, _ = _guard_scene(rm)
+    real = rm.get_new_block_nums
+
+    def wrapped(*args, **kwargs):
+        blocks = real(*args, **kwargs)
+        schedule_pass = rm._fdsched_desk.current()
+        schedule_pass.focus("ghost")
+        schedule_pass.expect("refuse-running-chunk", 12345)  # no check is ever for 12345
+        schedule_pass.focus(args[0].request_id)
+        return blocks
+
+    rm.get_new_block_nums = wrapped  # on the instance: the host's self.get_new_block_nums(...) finds it first
     llm_logger.propagate, saved = True, llm_logger.propagate
     try:
         with caplog.at_level(logging.WARNING):
             rm.schedule()
     finally:
         llm_logger.propagate = saved
-    assert METRICS.unconsumed_signals == {"refuse-running-chunk": 1}
-    assert block_checks(rm.cache_manager).pending() == ()
+    assert METRICS.unconsumed_signals.get("refuse-running-chunk", 0) >= 1
+    assert rm._fdsched_desk.current() is None and rm._fdsched_desk.pending() == ()
     assert any("ghost" in r.getMessage() and "not consumed" in r.getMessage() for r in caplog.records)
     assert rm.cache_manager.can_allocate_gpu_blocks(1), "a dropped refusal refuses nothing later"
+
+
+@pytest.mark.parametrize("profile,scene", [
+    ("recommended", "guard"), ("adaptive", "guard"), ("baseline", "chunk-short"), ("recommended", "chunk-short"),
+])
+def test_the_pass_stores_nothing_of_the_plugins_in_the_cache_managers_dict(rm_with, profile, scene):
+    """What the cache manager's block check consults is the pass object, handed over when the scheduler was
+    built: no attribute of the plugin's is added to (or replaced in) the cache manager's __dict__ while a pass
+    runs, through refusals, counted thresholds and (off on the new host) the plugin's own preemptions."""
+    rm = rm_with(profile)
+    if scene == "guard":
+        _guard_scene(rm)
+    else:
+        _chunk_short_of_blocks_scene(rm, chunk_last=False)
+    cm = rm.cache_manager
+    real_check = type(cm).can_allocate_gpu_blocks
+    seen = []
+
+    def plugins(obj) -> dict:
+        return {key: id(value) for key, value in vars(obj).items() if "fdsched" in key}
+
+    def spy(*args, **kwargs):
+        seen.append(plugins(cm))  # mid-pass, at every block check
+        return real_check(cm, *args, **kwargs)
+
+    cm.can_allocate_gpu_blocks = spy  # on the instance: every self.cache_manager.can_allocate_gpu_blocks finds it
+    before = plugins(cm)
+    rm.schedule()
+    rm.schedule()
+    assert seen, "the scene made no block check"
+    assert all(during == before for during in seen), "the pass stored something of the plugin's in the cache manager"
+    assert plugins(cm) == before

@@ -172,6 +172,11 @@ def test_plain_counters_keep_totals_and_split_by_arm():
 class _FakeRM:
     def __init__(self, max_num_seqs, config, tensor_parallel_size, splitwise_role, local_data_parallel_id=0):
         self.built_with = local_data_parallel_id
+        # what the mixins read when they are built (the node's role, whether a draft model runs)
+        self.config = types.SimpleNamespace(
+            scheduler_config=types.SimpleNamespace(splitwise_role=splitwise_role),
+            speculative_config=types.SimpleNamespace(method=None),
+        )
 
 
 class _FakePCM:
@@ -190,7 +195,10 @@ class _FakePCM:
 
 class _FakeECQ:
     def __init__(self, address=None, is_server=False, local_data_parallel_id=0):
-        pass
+        from fdsched.patches.nonpolling_transfer import WaitableDoneList
+
+        # the done list a server built with the plugin gives (change 5's client asks it once whether it can wait)
+        self.tansfer_done_queue = WaitableDoneList()
 
 
 def _classes(arms):

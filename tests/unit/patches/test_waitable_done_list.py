@@ -64,3 +64,11 @@ def test_order_is_first_in_first_out_under_concurrent_producers():
         p.join()
     for base in range(4):
         assert [i for b, i in got if b == base] == list(range(100))
+
+
+def test_only_the_plugins_list_answers_the_clients_question():
+    from fdsched.patches.nonpolling_transfer import WAITABLE_ANSWER, WAITABLE_QUERY
+
+    assert WaitableDoneList([("a",), WAITABLE_QUERY]).count(WAITABLE_QUERY) == WAITABLE_ANSWER
+    assert [("a",)].count(WAITABLE_QUERY) == 0  # the host's list
+    assert WaitableDoneList([("a",), ("a",)]).count(("a",)) == 2  # every other count is a list's

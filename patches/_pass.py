@@ -1,0 +1,142 @@
+"""One object per ``schedule()`` pass: what the scheduler's pass decided that the cache manager's block check must
+follow, held by the pass and consulted there, instead of notes left in the cache manager.
+
+The host's block check (``PrefixCacheManager.can_allocate_gpu_blocks``) is called with a count only; the scheduler
+knows which request the check is for. A :class:`SchedulePass` is the scheduler's pass: it holds the pass's
+admission budget, the request the pass is deciding on (:meth:`SchedulePass.focus`, from the host's
+``get_new_block_nums(request, ...)``, which the host calls right before that request's checks), and what the pass
+expects of a check of that request (:meth:`SchedulePass.expect`: a kind and a block count). The cache manager asks
+one question of the pass open on its own thread — "what do you say of this check of n blocks?"
+(:meth:`SchedulePass.take`) — and gets one answer, consumed by that check.
+
+The scheduler owns a :class:`PassDesk` (thread -> the pass that thread has open) and hands it to its cache manager
+once, when the scheduler is built. A check made on another thread while a pass is open (the token processor, the
+transfer receiver, the PD preallocation, another plugin) finds no pass of its own and gets the pool's own answer;
+nothing of the pass's is stored in the cache manager, so nothing there can be taken or bent by another caller.
+
+At the end of every pass the scheduler closes it (:meth:`SchedulePass.close`): an expectation still pending was
+not met by the check it was for (the host's control flow is not what the patch relies on); it is dropped, logged
+and counted (``fastdeploy:fdsched_unconsumed_signals_total{signal}``).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from fdsched.core.metrics import METRICS
+
+__all__ = ["Expected", "SchedulePass", "PassDesk", "NO_PASSES"]
+
+
+@dataclass(frozen=True)
+class Expected:
+    kind: str  # what the pass expects of the check, e.g. "refuse-running-chunk"
+    request_id: str  # the request whose check it is
+    num_blocks: int  # the block count of that check
+
+
+class SchedulePass:
+    """One ``schedule()`` pass of one scheduler, used by the thread that runs it only."""
+
+    def __init__(self, budget) -> None:
+        self.budget = budget  # the pass's admission budget (fdsched.core.admission.AdmissionBudget), or None
+        self.request_id = "(none)"  # the request the pass is deciding on
+        self._expected: list = []
+
+    def focus(self, request_id: str) -> None:
+        """The pass's next block checks are for ``request_id``."""
+        self.request_id = request_id
+
+    def expect(self, kind: str, num_blocks: int) -> None:
+        """The next check of ``num_blocks`` blocks, for the request in focus, is for ``kind``."""
+        self._expected.append(Expected(kind, self.request_id, int(num_blocks)))
+
+    def take(self, num_blocks: int) -> frozenset:
+        """The kinds the pass expects of this check of ``num_blocks`` blocks for the request in focus (consumed)."""
+        if not self._expected:
+            return frozenset()
+        taken = [e for e in self._expected if e.num_blocks == num_blocks and e.request_id == self.request_id]
+        if not taken:
+            return frozenset()
+        self._expected = [e for e in self._expected if e not in taken]
+        return frozenset(e.kind for e in taken)
+
+    def pending(self) -> tuple:
+        return tuple(self._expected)
+
+    def close(self, logger, of=None) -> list:
+        """Drop what is still expected; log and count each as unconsumed (labelled by ``of``'s arm)."""
+        left, self._expected = self._expected, []
+        for e in left:
+            METRICS.signal_unconsumed(e.kind, of=of)
+            logger.warning(
+                f"[fdsched] one-shot signal {e.kind} for request {e.request_id} (a block check of {e.num_blocks} "
+                "blocks) was not consumed by the end of the schedule() pass: the host's control flow differs from "
+                "what the plugin relies on (see `fdsched patches`); the signal is dropped"
+            )
+        return left
+
+
+class PassDesk:
+    """Where a scheduler's open passes are found: thread id -> the :class:`SchedulePass` that thread has open.
+
+    Each thread reads and writes only its own entry (one dict operation each), so no lock is needed: a second
+    thread calling ``schedule()`` while a pass is open opens a pass of its own (and then waits for the host's
+    lock) without replacing or seeing the first.
+    """
+
+    def __init__(self) -> None:
+        self._open: dict = {}
+        self._asked: dict = {}  # thread id -> a threshold asked outside a pass, until that thread asks the next
+
+    def ask_outside_a_pass(self, schedule_pass: SchedulePass) -> None:
+        """A threshold asked on a thread with no pass open (the old host's PD preallocation): its one question for
+        the check that follows is kept for that thread until it asks the next one (it is never a scheduler's
+        pass: :meth:`current` does not see it)."""
+        self._asked[threading.get_ident()] = schedule_pass
+
+    def open(self, schedule_pass: SchedulePass):
+        """Open ``schedule_pass`` on the calling thread; returns the pass it covers (a nested call), or None."""
+        thread = threading.get_ident()
+        outer = self._open.get(thread)
+        self._open[thread] = schedule_pass
+        return outer
+
+    def close(self, outer) -> None:
+        """End the calling thread's pass, putting back ``outer`` (what :meth:`open` returned)."""
+        thread = threading.get_ident()
+        if outer is None:
+            self._open.pop(thread, None)
+        else:
+            self._open[thread] = outer
+
+    def current(self):
+        """The pass the calling thread has open, or None."""
+        return self._open.get(threading.get_ident())
+
+    def consulted(self):
+        """What the cache manager's check on the calling thread consults: that thread's open pass, else the question
+        it asked outside a pass, else None."""
+        thread = threading.get_ident()
+        return self._open.get(thread) or self._asked.get(thread)
+
+    def pending(self) -> tuple:
+        """What every open pass still expects (a diagnostic: read from any thread)."""
+        return tuple(e for p in list(self._open.values()) for e in p.pending())
+
+
+class _NoPasses(PassDesk):
+    """The desk of a cache manager no plugin scheduler was built with: nothing is ever open."""
+
+    def open(self, schedule_pass):  # pragma: no cover - never opened
+        raise RuntimeError("no scheduler handed this cache manager a desk")
+
+    def current(self):
+        return None
+
+    def consulted(self):
+        return None
+
+
+NO_PASSES = _NoPasses()

@@ -1,0 +1,257 @@
+"""Change 3, what the plugin's reservation shares (impls ``plugin`` and ``off``): the pass's admission budget and
+the host-shape adapters of the plugin's version (the new host's seams, the old host's guard, a threshold seam that
+takes the request). The catalogue entry, with what the change replaces and relies on, is
+:mod:`fdsched.patches.ratio_reserve`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from fdsched.core.admission import AdmissionBudget, RunningView
+from fdsched.core.adaptive import client_bound
+from fdsched.core.metrics import METRICS
+from fdsched.core.policies import FixedBlockReserve, NewTokenRatio, max_new_tokens_of
+
+from fdsched.patches._base import PluginBase, drafts, host_global
+from fdsched.patches._pass import PassDesk, SchedulePass
+
+RM = "fastdeploy.engine.sched.resource_manager_v1"
+
+# What a pass expects of a block check (also the `signal` label of the unconsumed-signals metric).
+REFUSE_RUNNING_CHUNK = "refuse-running-chunk"  # the host's check of a running chunk's blocks answers False
+COUNT_REFUSAL = "count-refusal"  # a refused threshold check counts as a blocked admission
+DECLINE_PREEMPTION = "decline-guarded-preemption"  # old host: _trigger_preempt declines for the guarded chunk
+THRESHOLD_FOR_RUNNING_CHUNK = "threshold-for-running-chunk"  # off, new host: the next threshold is a running chunk's
+
+_FIXED = (
+    "host_tunables.FD_RESERVE_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL",
+    "host_tunables.FD_RESERVE_DECAY_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL",
+    "host_tunables.FD_RESERVE_MIN_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL",
+)
+
+
+class ReservationMixin(PluginBase):
+    """Base of change 3's scheduler mixins (one per impl, host version and estimator: see ``SPEC.variants``)."""
+
+
+# ---- what the plugin's reservation (impls "plugin" and "off") shares -----------------------------------
+class _BudgetedReserve(ReservationMixin):
+    """One :class:`fdsched.core.admission.AdmissionBudget` per ``schedule()`` pass, with this arm's strategy
+    behind it: opened by the ``schedule`` wrapper, asked at the host's threshold seam (and by the old host's
+    guard), closed when the pass ends. The budget belongs to the thread that opened it: a threshold asked on
+    another thread while the pass is open (the old host's PD preallocation) gets a budget of its own."""
+
+    fdsched_globals = {RM: ("llm_logger",)}
+    fdsched_attributes = ("config", "running", "lock", "cache_manager")
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        s = self._fdsched_settings
+        self._fdsched_ratio = NewTokenRatio(
+            s["host_tunables.FD_INIT_NEW_TOKEN_RATIO"],
+            s["host_tunables.FD_MIN_NEW_TOKEN_RATIO"],
+            s["host_tunables.FD_NEW_TOKEN_RATIO_DECAY"],
+            s.reestimate_cap,
+        )
+        self._fdsched_fixed = FixedBlockReserve(*(s[key] for key in _FIXED))
+        # The passes this scheduler has open, one per thread; its cache manager consults them (handed over once,
+        # here: nothing of a pass is ever stored in the cache manager).
+        self._fdsched_desk = PassDesk()
+        self.cache_manager._fdsched_desk = self._fdsched_desk
+        # A draft model (speculative decoding) needs one block more per chunk; fixed for the scheduler's life.
+        self._fdsched_speculative_slack = self._fdsched_draft_slack if drafts(self) else _no_slack
+
+    @functools.cached_property
+    def _fdsched_strategy(self):
+        """This arm's strategy (built on first use: it reads the host's config)."""
+        return self._fdsched_make_strategy()
+
+    def _fdsched_make_strategy(self):
+        raise NotImplementedError
+
+    def _fdsched_new_budget(self) -> AdmissionBudget:
+        return AdmissionBudget(self._fdsched_strategy, self._fdsched_speculative_slack)
+
+    def _fdsched_budget(self):
+        """The budget of the pass this thread has open, else None."""
+        schedule_pass = self._fdsched_desk.current()
+        return schedule_pass.budget if schedule_pass is not None else None
+
+    # ---- the pass ---------------------------------------------------------------------------------
+    def schedule(self):
+        # One pass object per call, on this thread's desk entry: a second thread calling schedule() (it then waits
+        # for the host's lock) neither replaces nor sees this pass.
+        schedule_pass = SchedulePass(self._fdsched_new_budget())
+        outer = self._fdsched_desk.open(schedule_pass)
+        result = None
+        try:
+            result = super().schedule()
+        finally:
+            self._fdsched_desk.close(outer)
+            with self.lock:
+                self._fdsched_end_pass(schedule_pass, result[0] if result else None)
+        with self.lock:
+            self._fdsched_strategy.after_pass(bool(result[0]))
+            self._fdsched_strategy.report(of=self)
+        return result
+
+    def _fdsched_end_pass(self, schedule_pass: SchedulePass, scheduled_reqs) -> None:
+        budget = schedule_pass.budget
+        if budget.asks:
+            self._fdsched_report(budget)
+        logger = host_global(RM, "llm_logger")
+        for request_id in sorted(budget.close()):
+            METRICS.signal_unconsumed(DECLINE_PREEMPTION, of=self)
+            logger.warning(f"[fdsched] the guard refused running chunk {request_id} but no preemption call followed")
+        schedule_pass.close(logger, of=self)
+
+    # ---- the admission threshold ---------------------------------------------------------------------
+    def get_new_block_nums(self, request, num_new_tokens):
+        # The host asks for a request's block count right before that request's block checks.
+        schedule_pass = self._fdsched_desk.current()
+        if schedule_pass is not None:
+            schedule_pass.focus(request.request_id)
+        return super().get_new_block_nums(request, num_new_tokens)
+
+    def _get_can_schedule_prefill_threshold_block(self, num_chunk_new_block):
+        return self._fdsched_threshold_seam(num_chunk_new_block)
+
+    def _fdsched_threshold_seam(self, num_chunk_new_block: int) -> int:
+        """The answer at the host's threshold seam, whichever shape the host gives it."""
+        threshold = self._fdsched_threshold(num_chunk_new_block)
+        schedule_pass = self._fdsched_desk.current()
+        if schedule_pass is None:  # asked outside a pass (the old host's PD preallocation): a question of its own
+            schedule_pass = SchedulePass(None)
+            self._fdsched_desk.ask_outside_a_pass(schedule_pass)
+        # Its caller checks the threshold with can_allocate_gpu_blocks next: count that check's refusal.
+        schedule_pass.expect(COUNT_REFUSAL, threshold)
+        return threshold
+
+    def _fdsched_threshold(self, chunk_blocks: int) -> int:
+        budget = self._fdsched_budget()
+        if budget is not None:
+            # The pass's figures go to the metrics once, when it ends (_fdsched_end_pass): a pass may ask once
+            # per admission, and the gauges' updates cost a fair part of an ask.
+            return budget.threshold(chunk_blocks, self._fdsched_views(kept=budget.views))
+        budget = self._fdsched_new_budget()  # asked outside a pass: a budget of its own, reported now
+        threshold = budget.threshold(chunk_blocks, self._fdsched_views())
+        self._fdsched_report(budget)
+        return threshold
+
+    def _fdsched_report(self, budget: AdmissionBudget) -> None:
+        """The running set's blocks at ``budget``'s last ask, and the strategy's last decision, to the metrics."""
+        METRICS.reserved(budget.reserved, of=self)
+        self._fdsched_strategy.report_decision(of=self)
+
+    def fdsched_running_reserve(self) -> int:
+        """The blocks the running set keeps free now (what an admission's threshold adds to its chunk); the
+        decision's figures go to the metrics as an admission's do."""
+        blocks = self._fdsched_strategy.set_blocks(self._fdsched_views())
+        self._fdsched_strategy.report_decision(of=self)
+        return blocks
+
+    def _fdsched_draft_slack(self, threshold: int) -> int:
+        return min(threshold + 1, self.config.cache_config.max_block_num_per_seq)
+
+    def _fdsched_views(self, requests=None, with_phase: bool = False, kept: dict = None) -> list:
+        """``requests`` (default: the running ones) as the strategy sees them (``with_phase``: whether each is
+        decoding, asked only where it is used: the hook may be a third party's).
+
+        ``kept``: the open pass's views by request id (:attr:`fdsched.core.admission.AdmissionBudget.views`): a
+        request found there, the same object with as many output tokens, is seen as it was at the pass's last
+        ask (its client bound and prompt do not change while the scheduler holds its lock; its output grows
+        when the token processor appends, and then it is seen afresh). Not with ``with_phase``.
+        """
+        # Built for every running request at every admission decision: names are bound once per call.
+        max_model_len = self.config.model_config.max_model_len
+        is_decoding = self._fdsched_is_decoding if with_phase else None
+        if with_phase:
+            kept = None
+        view, budget_of, bound_of = RunningView, max_new_tokens_of, client_bound
+        views = []
+        append = views.append
+        for r in self.running if requests is None else requests:
+            generated = len(r.output_token_ids)
+            if kept is not None:
+                seen = kept.get(r.request_id)
+                if seen is not None and seen[0] is r and seen[1] == generated:
+                    append(seen[2])
+                    continue
+            max_tokens = getattr(r.sampling_params, "max_tokens", None)
+            prompt_len = r.prompt_token_ids_len
+            made = view(
+                r.request_id,
+                budget_of(max_tokens, max_model_len, prompt_len),
+                generated,
+                bound_of(max_tokens, max_model_len, prompt_len),
+                is_decoding(r) if with_phase else None,
+            )
+            if kept is not None:
+                kept[r.request_id] = (r, generated, made)
+            append(made)
+        return views
+
+    def _fdsched_is_running_prefill(self, request) -> bool:
+        return request.status == self._fdsched_prefill_status and request.num_computed_tokens < request.need_prefill_tokens
+
+
+def _no_slack(threshold: int) -> int:
+    return threshold
+
+
+
+# ---- the host's shapes of the plugin's version ------------------------------------------------------------
+class _NewHostSeams(ReservationMixin):
+    """The seams a host with 7783 calls: one running request's reserve, and the re-estimate after a preemption."""
+
+    def _get_running_request_reserve_blocks(self, request) -> int:
+        (view,) = self._fdsched_views((request,))
+        return self._fdsched_strategy.request_blocks(view)
+
+    def _reset_reserve_on_preemption(self):
+        self._fdsched_reestimate()
+
+
+class _OldHostGuard(_BudgetedReserve):
+    """The old host checks a running chunk against its own blocks only, and has no per-preemption seam: the
+    budget is asked for the chunk in ``get_new_block_nums``; a refused chunk's check is refused and its preemption
+    call declined (both read the pass's one decision); the ratio is re-estimated after a ``_trigger_preempt`` call that
+    preempted."""
+
+    fdsched_calls = {"PrefixCacheManager.can_allocate_gpu_blocks": ("num_blocks",)}
+
+    def get_new_block_nums(self, request, num_new_tokens):
+        blocks = super().get_new_block_nums(request, num_new_tokens)
+        budget = self._fdsched_budget()
+        if budget is None or not self._fdsched_is_running_prefill(request):
+            return blocks
+        if self.cache_manager.can_allocate_gpu_blocks(self._fdsched_threshold(blocks)):
+            return blocks
+        METRICS.admission_blocked(of=self)
+        # The pass's one decision for this chunk: its block check is refused and its preemption call declined.
+        self._fdsched_desk.current().expect(REFUSE_RUNNING_CHUNK, blocks)
+        budget.declined.add(request.request_id)
+        return blocks
+
+    def _trigger_preempt(self, request, num_new_blocks, preempted_reqs, scheduled_reqs):
+        budget = self._fdsched_budget()
+        if budget is not None and request.request_id in budget.declined:
+            # The guard refused this running chunk. Decline without preempting; a non-empty list makes the
+            # host skip its waiting pass, as upstream does after a refused chunk.
+            budget.declined.discard(request.request_id)
+            preempted_reqs.append(request)
+            return False
+        already = len(preempted_reqs)
+        result = super()._trigger_preempt(request, num_new_blocks, preempted_reqs, scheduled_reqs)
+        if len(preempted_reqs) > already:
+            self._fdsched_reestimate(len(preempted_reqs) - already)
+        return result
+
+
+class _ThresholdTakesRequest(ReservationMixin):
+    """The threshold seam where the host passes the request too, ``(request, num_chunk_new_block)`` (FastDeploy
+    2.4 and 2.5): the same answer; the request is not needed for it."""
+
+    def _get_can_schedule_prefill_threshold_block(self, request, num_chunk_new_block):
+        return self._fdsched_threshold_seam(num_chunk_new_block)

@@ -1,0 +1,54 @@
+"""Change 3, impl ``host``: the host's own reservation code runs, fed the profile's values. The catalogue entry is
+:mod:`fdsched.patches.ratio_reserve`.
+"""
+
+from __future__ import annotations
+
+from fdsched.patches._spec import Shapes
+from fdsched.patches.ratio_reserve.budget import ReservationMixin
+
+# Host attributes the host's own ratio / fixed-block code reads, and the settings that feed them.
+_HOST_ATTRS = {
+    "init_new_token_ratio": "host_tunables.FD_INIT_NEW_TOKEN_RATIO",
+    "min_new_token_ratio": "host_tunables.FD_MIN_NEW_TOKEN_RATIO",
+    "new_token_ratio_decay": "host_tunables.FD_NEW_TOKEN_RATIO_DECAY",
+    "clip_max_new_tokens": "host_tunables.FD_CLIP_MAX_NEW_TOKENS",
+    "init_reserve_output_block_num": "host_tunables.FD_RESERVE_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL",
+    "decay_output_block_num": "host_tunables.FD_RESERVE_DECAY_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL",
+    "min_reserve_output_block_num": "host_tunables.FD_RESERVE_MIN_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL",
+}
+
+
+# ---- impl "host": the host's own code, fed the profile's values ----------------------------------------
+class HostReserveMixin(ReservationMixin):
+    """The host's own reservation code runs; a profile may set the values it reads."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        s = self._fdsched_settings
+        for attr, key in _HOST_ATTRS.items():
+            if hasattr(self, attr):
+                setattr(self, attr, s[key])
+        if hasattr(self, "new_token_ratio"):
+            self.new_token_ratio = self.init_new_token_ratio
+        if hasattr(self, "current_reserve_output_block_num"):
+            self.current_reserve_output_block_num = self.init_reserve_output_block_num
+            self.current_reserve_output_block_num_float = float(self.init_reserve_output_block_num)
+
+
+class HostReserveOldHostMixin(HostReserveMixin):
+    """The old host's own fixed-block code: its preemption loop resets the reservation at the end of every
+    ``_trigger_preempt`` call; done here too, so it still happens when change 2 replaced that loop. Only on a host
+    that keeps that reservation (:data:`HOST_RESERVE_OLD_HOST`; elsewhere :class:`HostReserveMixin`)."""
+
+    fdsched_attributes = ("init_reserve_output_block_num",)
+
+    def _trigger_preempt(self, request, num_new_blocks, preempted_reqs, scheduled_reqs):
+        result = super()._trigger_preempt(request, num_new_blocks, preempted_reqs, scheduled_reqs)
+        self.current_reserve_output_block_num = self.init_reserve_output_block_num
+        self.current_reserve_output_block_num_float = self.init_reserve_output_block_num
+        self.can_relax_prefill_strategy = False
+        return result
+
+
+HOST_RESERVE_OLD_HOST = Shapes(HostReserveOldHostMixin, HostReserveMixin)

@@ -1,0 +1,158 @@
+"""Change 3, impl ``off`` on a host that has the change: the fixed-block policy
+(:class:`fdsched.core.admission.FixedBlockStrategy`) and the pre-change running pass. The catalogue entry is
+:mod:`fdsched.patches.ratio_reserve`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+from fdsched.core.admission import AdmissionBudget, FixedBlockStrategy
+from fdsched.core.metrics import METRICS
+
+from fdsched.patches._spec import Shapes
+from fdsched.patches._base import host_global
+from fdsched.patches._pass import SchedulePass
+from fdsched.patches.ratio_reserve.budget import (
+    COUNT_REFUSAL, REFUSE_RUNNING_CHUNK, RM, THRESHOLD_FOR_RUNNING_CHUNK, _BudgetedReserve,
+)
+
+
+# ---- impl "off" (a host that has the change): the pre-change policy and running pass -----------------------
+class _PreChangePass(AdmissionBudget):
+    """The budget of a pre-change pass, with what the pre-change running pass does that 7783's does not: a
+    running chunk short of blocks preempts (into lists of the plugin's own, added to the pass's task list at
+    its end, right before the chunk's task), and a pass that preempted admits nobody (the waiting queue reads as
+    empty until the pass ends: :func:`admission_closed`)."""
+
+    def __init__(self, strategy, slack):
+        super().__init__(strategy, slack)
+        self.running_chunk = None  # (request id, blocks): the next threshold is that running chunk's
+        self.preemptions: list = []  # (the running chunk, its preempt tasks), in order
+        self.queue_type = None  # the waiting queue's own type, while admission is closed for the pass
+
+
+@functools.lru_cache(maxsize=None)
+def admission_closed(queue_type: type) -> type:
+    """A ``queue_type`` that holds every request as the host's does but reads as empty to a truth test: the host's
+    waiting pass starts with ``while self.waiting``, its only gate before its side effects (prefix matching,
+    swap-in) that the plugin can reach. Every other operation (append, appendleft, len, remove, iteration) is the
+    queue's own, so a request that arrives meanwhile keeps its place and the pass's metrics count the queue."""
+    return type(f"AdmissionClosed{queue_type.__name__.capitalize()}", (queue_type,), {
+        "__slots__": (),
+        "__bool__": lambda self: False,
+        "__doc__": f"A {queue_type.__name__} that reads as empty for the rest of a pass that preempted.",
+    })
+
+
+class PreChangeReserveMixin(_BudgetedReserve):
+    """``off`` on a host that has 7783: the fixed-block policy (:class:`FixedBlockStrategy`) and the pre-change
+    running pass (a running chunk short of blocks preempts instead of waiting). The pass ends where the host's
+    ``schedule()`` returns: the ``schedule`` wrapper gives it back what the plugin held, under the host's lock."""
+
+    fdsched_calls = {"PrefixCacheManager.can_allocate_gpu_blocks": ("num_blocks",)}
+    fdsched_attributes = ("waiting",)
+
+    def _fdsched_make_strategy(self):
+        return FixedBlockStrategy(self._fdsched_fixed)
+
+    def _fdsched_new_budget(self) -> AdmissionBudget:
+        return _PreChangePass(self._fdsched_strategy, self._fdsched_speculative_slack)
+
+    def get_new_block_nums(self, request, num_new_tokens):
+        blocks = super().get_new_block_nums(request, num_new_tokens)
+        budget = self._fdsched_budget()
+        if budget is not None and self._fdsched_is_running_prefill(request):
+            self._fdsched_pre_change_running_chunk(budget, request, blocks)
+        return blocks
+
+    def _fdsched_pre_change_running_chunk(self, budget: _PreChangePass, request, blocks) -> None:
+        budget.running_chunk = (request.request_id, blocks)  # before 7783 it needed only its own blocks
+        if self.cache_manager.can_allocate_gpu_blocks(blocks):
+            return
+        preempted, tasks = [], self._fdsched_task_list()
+        can_schedule = self._trigger_preempt(request, blocks, preempted, tasks)
+        if len(tasks):
+            budget.preemptions.append((request, tasks))
+        if preempted and budget.queue_type is None:
+            # Before 7783 a pass that preempted admitted nobody: close admission until the pass ends. The
+            # scheduler lock is held for the whole pass, so nothing else reads or fills the queue meanwhile.
+            budget.queue_type = type(self.waiting)
+            self.waiting = admission_closed(budget.queue_type)(self.waiting)
+        if not can_schedule:
+            # The host then stops its running pass (and, as before 7783, admits nobody in this step).
+            self._fdsched_desk.current().expect(REFUSE_RUNNING_CHUNK, blocks)
+
+    def _get_can_schedule_prefill_threshold_block(self, num_chunk_new_block):
+        budget = self._fdsched_budget()
+        if budget is not None and budget.running_chunk is not None and budget.running_chunk[1] == num_chunk_new_block:
+            budget.running_chunk = None
+            # pre-change: a running chunk needed only its own blocks
+            self._fdsched_desk.current().expect(COUNT_REFUSAL, num_chunk_new_block)
+            return num_chunk_new_block
+        return super()._get_can_schedule_prefill_threshold_block(num_chunk_new_block)
+
+    def _trigger_preempt(self, request, num_new_blocks, preempted_reqs, scheduled_reqs):
+        result = super()._trigger_preempt(request, num_new_blocks, preempted_reqs, scheduled_reqs)
+        self._fdsched_strategy.on_preemption()  # pre-change: at the end of every call, as the old host did
+        return result
+
+    def _reset_reserve_on_preemption(self):
+        """Nothing: before 7783 the reservation was reset at the end of the ``_trigger_preempt`` call."""
+
+    def _fdsched_task_list(self):
+        """An empty container of the kind the host's ``_trigger_preempt`` appends preempt tasks to (a list)."""
+        return []
+
+    def _fdsched_insert_before(self, scheduled_reqs, chunk, tasks) -> None:
+        at = next((i for i, task in enumerate(scheduled_reqs) if task is chunk), len(scheduled_reqs))
+        scheduled_reqs[at:at] = tasks
+
+    def _fdsched_end_pass(self, schedule_pass: SchedulePass, scheduled_reqs) -> None:
+        """Give the pass back what the plugin held for it (under the host's lock): the waiting queue, every request
+        that arrived meanwhile in its place, and its preempt tasks in order."""
+        budget: _PreChangePass = schedule_pass.budget
+        if budget.queue_type is not None:
+            self.waiting, budget.queue_type = budget.queue_type(self.waiting), None
+        if scheduled_reqs is None:  # the host's pass raised: its tasks are gone, and so are the plugin's
+            scheduled_reqs = self._fdsched_task_list()
+        for chunk, tasks in budget.preemptions:
+            # Before 7783 the preempt tasks went into the pass's list right before the chunk's own task.
+            self._fdsched_insert_before(scheduled_reqs, chunk, tasks)
+        budget.preemptions = []
+        if budget.running_chunk is not None:
+            METRICS.signal_unconsumed(THRESHOLD_FOR_RUNNING_CHUNK, of=self)
+            host_global(RM, "llm_logger").warning(
+                f"[fdsched] no threshold was computed for running chunk {budget.running_chunk[0]} "
+                f"({budget.running_chunk[1]} blocks) after its block count"
+            )
+        super()._fdsched_end_pass(schedule_pass, scheduled_reqs)
+
+
+class PreChangeReserveBatchMixin(PreChangeReserveMixin):
+    """:class:`PreChangeReserveMixin` on a host whose pass collects its tasks in a ``BatchRequest`` (develop:
+    ``_trigger_preempt(..., batch_request)``): the plugin's own preemptions go into a ``BatchRequest`` of their
+    own, and at the pass's end into the pass's, right before the chunk's task, with any swap / evict metadata
+    they carry."""
+
+    fdsched_globals = {RM: ("llm_logger", "BatchRequest")}
+
+    def _trigger_preempt(self, request, num_new_blocks, preempted_reqs, batch_request):
+        result = super(PreChangeReserveMixin, self)._trigger_preempt(request, num_new_blocks, preempted_reqs, batch_request)
+        self._fdsched_strategy.on_preemption()  # pre-change: at the end of every call, as the old host did
+        return result
+
+    def _fdsched_task_list(self):
+        return host_global(RM, "BatchRequest")()
+
+    def _fdsched_insert_before(self, batch_request, chunk, tasks) -> None:
+        requests = batch_request.requests
+        at = next((i for i, task in enumerate(requests) if task is chunk), len(requests))
+        requests[at:at] = tasks.requests
+        if tasks.cache_swap_metadata:
+            batch_request.append_swap_metadata([tasks.cache_swap_metadata])
+        if tasks.cache_evict_metadata:
+            batch_request.append_evict_metadata([tasks.cache_evict_metadata])
+
+
+PRE_CHANGE_SHAPES = Shapes(PreChangeReserveMixin, PreChangeReserveBatchMixin)
