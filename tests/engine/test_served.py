@@ -1,7 +1,7 @@
 """The plugin inside FastDeploy's real serving stack (api_server / multi_api_server + Router) on CPU.
 
 Each test starts its own stack on free ports in 18000-18999 and stops it; the ``served`` fixture fails the test
-if a process, port or /dev/shm segment is left behind. Block accounting and pending one-shot signals are read
+if a process, port or /dev/shm segment is left behind. Block accounting and what an open schedule() pass still expects of a block check are read
 from the live engine process through the harness seam H1 (``ServedEngine.engine_state``); the plugin's
 counters from the live ``/metrics``.
 """
