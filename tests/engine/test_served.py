@@ -238,6 +238,8 @@ def test_port_in_use_is_one_clear_error():
 
     port = free_ports(1)[0]
     with socket.socket() as s:
+        # as the launcher's own check does: a port an earlier test's stack just closed (TIME_WAIT) is free
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("0.0.0.0", port))
         s.listen()
         with pytest.raises(ServeError, match=f"--port {port}: port {port} is in use"):
