@@ -163,6 +163,18 @@ def traffic_lines(report: dict) -> list:
             "more than the effect"]
 
 
+def _read_beyond(p: dict, ref: dict, line: str, limits: dict) -> tuple:
+    """For arm ``p`` against ``ref`` and its verdict line: ``(arm words, the line's figures, effect per verdict figure
+    (|ratio - 1|), the verdict figures whose effect exceeds their limit in ``limits`` (0 where absent))``."""
+    from fdsched.replay.report import VERDICT_KEYS
+
+    effects = {key: abs(r - 1) for key in VERDICT_KEYS
+               for r in [ratio(p["figures"].get(key), ref["figures"].get(key))] if r is not None}
+    beyond = [key for key in VERDICT_KEYS if effects.get(key, 0.0) > limits.get(key, 0.0)]
+    head, _, rest = line.strip().partition(": ")
+    return head.split(",")[0], rest, effects, beyond
+
+
 def gated_verdict_lines(report: dict, what: str) -> list:
     """The replay's verdict lines; on split traffic each verdict figure (TTFT p50, E2E p99, stall p99) whose change
     is smaller than the traffic difference is left out of the word, and an arm with no figure beyond the
@@ -180,11 +192,7 @@ def gated_verdict_lines(report: dict, what: str) -> list:
     out = [lines[0]]
     for p, line in zip(profiles[1:], lines[1:]):
         diff, name = _traffic_difference(p["traffic"], ref["traffic"])
-        effects = {key: abs(r - 1) for key in VERDICT_KEYS
-                   for r in [ratio(p["figures"].get(key), ref["figures"].get(key))] if r is not None}
-        beyond = [key for key in VERDICT_KEYS if effects.get(key, 0.0) > diff]
-        head, _, rest = line.strip().partition(": ")
-        arm = head.split(",")[0]
+        arm, rest, effects, beyond = _read_beyond(p, ref, line, dict.fromkeys(VERDICT_KEYS, diff))
         if not beyond:
             largest = max(effects.values()) if effects else 0.0
             out.append(f"  {arm}: no verdict: the traffic differs by more than the largest effect"
@@ -247,11 +255,7 @@ def _noise_gated(report: dict, lines: list) -> list:
     labels = dict(VERDICT_LINE_FIGURES)
     out = [lines[0]]
     for p, line in zip(profiles[1:], lines[1:]):
-        effects = {key: abs(r - 1) for key in VERDICT_KEYS
-                   for r in [ratio(p["figures"].get(key), ref["figures"].get(key))] if r is not None}
-        beyond = [key for key in VERDICT_KEYS if key in effects and effects[key] > band.get(key, 0.0)]
-        head, _, rest = line.strip().partition(": ")
-        arm = head.split(",")[0]
+        arm, rest, _effects, beyond = _read_beyond(p, ref, line, band)
         within = [f"{labels[k]} (noise {band[k]:.0%})" for k in VERDICT_KEYS if k not in beyond and k in band]
         if not beyond:
             out.append(f"  {arm}: no verdict: every change is within {ref['profile']}'s run-to-run noise"
