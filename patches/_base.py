@@ -249,8 +249,8 @@ class RequestOutcomesMixin:
         if ended:  # the host would log each as an invalid id
             request_ids = [rid for rid in ids if rid not in ended]
         result = super().finish_requests(request_ids)
-        for rid, request in before:
-            if request is not None and rid not in self.requests and rid not in ended:
+        for rid, request in before:  # the host's and the ones ended above alike: gone from self.requests
+            if request is not None and rid not in self.requests:
                 METRICS.request_finished(request, of=self)
         return result
 
@@ -277,7 +277,6 @@ class RequestOutcomesMixin:
                 for name in ("to_be_rescheduled_request_id_set", "waiting_abort_req_id_set",
                              "to_be_aborted_req_id_set"):
                     getattr(self, name, set()).discard(rid)
-                METRICS.request_finished(request, of=self)
                 ended.add(rid)
         if ended:
             logger = getattr(sys.modules.get(self._fdsched_host_class.__module__), "llm_logger", None)
