@@ -673,6 +673,8 @@ def _stall_detail(manager, p_queue, remaining: int) -> dict:
         "running_prefilling": len(prefilling),
         "running_with_all_blocks": sum(1 for r in prefilling if len(r.block_tables) * block_size >= r.need_prefill_tokens),
         "waiting": len(manager.waiting),
+        # preempted requests back in waiting: the host's admission loop counts them against max_num_seqs
+        "waiting_preempted": sum(1 for r in manager.waiting if getattr(getattr(r, "status", None), "name", "") == "PREEMPTED"),
         "not_admitted": len(p_queue),
         "free_blocks": len(manager.cache_manager.gpu_free_block_list),
     }

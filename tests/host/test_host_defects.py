@@ -1,0 +1,123 @@
+"""Two defects of the host's own pre-change code, found by random short traces, pinned with the host alone and
+under the plugin.
+
+Both need the pre-change KV reservation (``FD_RESERVE_*_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL``), whose schedules
+preempt more: the host alone shows them where it lacks upstream's ratio reservation (the old host) and not where it
+has it (the new host, on these traces); the plugin's ``baseline``, which restores the pre-change reservation on
+either host, shows them on both, and so does ``adaptive``, whose warm-up falls back to the pre-change amounts for
+requests without ``max_tokens``; ``recommended`` shows neither. The plugin neither causes nor fixes them: they sit
+in host code that none of the five changes touches (docs/changes.md, "Host defects the changes do not touch").
+
+1. **Preempted requests hold every seat.** The host's admission loop counts the PREEMPTED requests in ``waiting``
+   against ``max_num_seqs`` before it admits anything, those included. Once ``max_num_seqs`` requests are preempted
+   and nothing runs, the loop stops at its first check in every pass: nothing is admitted again.
+2. **A prefix block reused while free.** After a decode preemption and a prefix-cache eviction, a block is both in
+   the free list and in the radix tree (and, at the next step, in a request's block table as well).
+
+When a host or the plugin stops showing one, the test that pins it fails and says so: update docs/changes.md.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+ENGINE = {"block_size": 4, "max_model_len": 64, "num_gpu_blocks": 18, "max_num_seqs": 3,
+          "max_num_batched_tokens": 8, "enable_prefix_caching": True, "splitwise_role": "mixed",
+          "enc_dec_block_num": 2}
+
+# (arrival step, prompt tokens, output tokens, max_tokens, prefix group, prefix tokens), as hypothesis drew them
+SEATS = [(0, 7, 10, 1, "a", 0), (2, 8, 16, None, "b", 8), (1, 19, 39, None, None, 0), (5, 11, 4, 1, "b", 0),
+         (5, 24, 30, 10, None, 0), (4, 6, 31, 27, "a", 2), (3, 3, 19, 11, None, 0), (3, 5, 4, None, None, 0)]
+REUSED = [(0, 1, 1, None, None, 0), (1, 8, 13, None, "a", 8), (0, 1, 1, None, None, 0), (0, 1, 1, None, None, 0),
+          (0, 1, 1, None, None, 0), (1, 1, 1, None, None, 0), (0, 1, 17, None, None, 0), (0, 17, 1, None, "a", 8)]
+
+
+def _trace(rows):
+    from fdsched.replay.trace import Trace, TraceRequest
+
+    requests = tuple(
+        TraceRequest(id=f"h{i}", arrival=a, prompt_len=p, output_len=o, max_tokens=m, prefix_group=g, prefix_len=pl,
+                     line=i + 1)
+        for i, (a, p, o, m, g, pl) in enumerate(rows)
+    )
+    return Trace(requests, dict(ENGINE), source="test", name="host-defect")
+
+
+@pytest.fixture
+def replay(replay_host, monkeypatch):
+    """run(rows, arm) -> the replay's run; arm ``host`` replays the host's own classes (the plugin's install is
+    undone before the scheduler is built, so the replay drives exactly what FastDeploy ships)."""
+    from fdsched.install import installer
+    from fdsched.replay.runner import run_profile
+
+    def run(rows, arm):
+        with monkeypatch.context() as m:
+            if arm == "host":
+                real = installer.install
+
+                def host_only(settings):
+                    report = real(settings)
+                    installer.uninstall()
+                    return report
+
+                m.setattr(installer, "install", host_only)
+            return run_profile(_trace(rows), "baseline" if arm == "host" else arm, dict(ENGINE), max_steps=3000,
+                               stall_steps=40)
+
+    return run
+
+
+@pytest.fixture(scope="module")
+def replay_host():
+    from fdsched.install.probe import HOW_TO_POINT, HostNotFound, find_host, probe
+    from fdsched.replay.engine import prepare_host_environment
+
+    prepare_host_environment()
+    try:
+        find_host()
+    except HostNotFound:
+        pytest.skip(f"needs FastDeploy host: {HOW_TO_POINT}")
+    yield probe()
+    from fdsched.install import installer
+
+    installer.uninstall()
+
+
+def _violations(run):
+    return [v for s in run.steps for v in s.violations] + list(run.request_violations)
+
+
+def _seats_stall(run) -> bool:
+    stall = run.stall or {}
+    return (not run.drained and stall.get("running") == 0
+            and stall.get("waiting_preempted") == ENGINE["max_num_seqs"] and stall.get("free_blocks", 0) > 0)
+
+
+def _pre_change(replay_host, arm) -> bool:
+    """Does this run schedule with the pre-change reservation?"""
+    return arm in ("baseline", "adaptive") or (arm == "host" and not replay_host.has.get("ratio_reserve", False))
+
+
+@pytest.mark.parametrize("arm", ["host", "baseline", "adaptive", "recommended"])
+def test_preempted_requests_holding_every_seat_stop_admission(replay, replay_host, arm):
+    run = replay(SEATS, arm)
+    assert _violations(run) == []
+    if _pre_change(replay_host, arm):
+        assert _seats_stall(run), (
+            f"{arm}: this trace no longer stalls with every seat held by a preempted request "
+            f"({run.stop_reason or 'drained'}): update docs/changes.md")
+        assert run.stall["free_blocks"] == 14 and run.stall["waiting"] == 7
+    else:
+        assert run.drained, run.stop_reason
+
+
+@pytest.mark.parametrize("arm", ["host", "baseline", "adaptive", "recommended"])
+def test_a_prefix_block_reused_while_free(replay, replay_host, arm):
+    run = replay(REUSED, arm)
+    assert run.drained, run.stop_reason
+    found = _violations(run)
+    if _pre_change(replay_host, arm):
+        assert found, f"{arm}: this trace no longer reuses a free prefix block: update docs/changes.md"
+        assert all("both free and in use" in v and "prefix cache" in v for v in found), found
+    else:
+        assert found == []
