@@ -32,6 +32,7 @@ class _RatioCore(_BudgetedReserve):
             self._fdsched_settings["tunables.ratio_reestimate_extra_blocks"],
             self._fdsched_policies.reserve_blocks,
             decodes=self._fdsched_decodes,
+            pure=lambda policies=self._fdsched_policies: policies.reserve_is_formula,
         )
 
     def _fdsched_reestimate(self, preemptions: int = 1) -> None:

@@ -12,10 +12,11 @@ in plain values (nothing here imports FastDeploy):
   a pass that scheduled something does (:meth:`after_pass`) and what a preemption does (:meth:`on_preemption`).
 * an :class:`AdmissionBudget` is opened by the scheduler at the start of every ``schedule()`` pass, asked by
   every admission in it (:meth:`AdmissionBudget.threshold`) and closed at the pass's end. It is the model of
-  SGLang's ``PrefillAdder`` (one object per pass that every admission asks), except that it recomputes the
-  running set's reservation at each ask instead of keeping a running offset: within a pass the running set
-  changes as requests are admitted and preempted, and the host's own threshold (which decisions must match
-  byte for byte) is recomputed the same way.
+  SGLang's ``PrefillAdder`` (one object per pass that every admission asks). It keeps no running offset: within a
+  pass the running set changes as requests are admitted and preempted, and the host's own threshold (which
+  decisions must match byte for byte) is a sum over the running set as it is at each ask. Instead it keeps each
+  request's answer for the pass (``memo``), so a later ask estimates only the requests new to the pass (or all of
+  them again after a preemption moved the ratio) and sums the rest.
 
 The scheduler side (``fdsched.patches.ratio_reserve``) turns host requests into :class:`RunningView` values
 and applies the answers at the host's seams.
@@ -67,7 +68,7 @@ class FixedBlockStrategy:
         """Nothing is reserved, and the threshold is the chunk itself (no speculative slack either)."""
         return self.fixed.relaxed
 
-    def set_blocks(self, running: Sequence[RunningView]) -> int:
+    def set_blocks(self, running: Sequence[RunningView], memo: Optional[dict] = None) -> int:
         return 0 if self.fixed.relaxed else len(running) * self.fixed.current
 
     def after_pass(self, scheduled_anything: bool) -> None:
@@ -81,6 +82,9 @@ class FixedBlockStrategy:
 
     def report_decision(self, of=None) -> None:
         """What the last :meth:`set_blocks` decided, beyond the reserved figure (nothing here)."""
+
+
+_MEMO_RATIO = object()  # the key under which a pass's memo keeps the ratio its answers used
 
 
 class RatioStrategy:
@@ -100,6 +104,7 @@ class RatioStrategy:
         extra_blocks_per_decode: int,
         estimate: Callable,
         decodes: bool = True,
+        pure: Callable[[], bool] = lambda: False,
     ) -> None:
         self.ratio = ratio
         self.clip = clip
@@ -107,6 +112,10 @@ class RatioStrategy:
         self.extra_blocks_per_decode = extra_blocks_per_decode
         self.estimate = estimate
         self.decodes = decodes
+        # pure(): ``estimate`` answers from its arguments alone now (the plugin's formula, no third party
+        # registered): a pass may keep its answers (:meth:`set_blocks`); a third party's hook may keep state of its
+        # own and is asked every time
+        self.pure = pure
 
     def request_blocks(self, view: RunningView) -> int:
         """What one running request keeps free, asked alone."""
@@ -114,8 +123,28 @@ class RatioStrategy:
             return 0
         return self.estimate(view.request_id, view.budget, view.generated, self.ratio.value, self.clip, self.block_size)
 
-    def set_blocks(self, running: Sequence[RunningView]) -> int:
-        return sum(self.request_blocks(view) for view in running)
+    def set_blocks(self, running: Sequence[RunningView], memo: Optional[dict] = None) -> int:
+        """The running set's blocks. ``memo`` (a pass's :attr:`AdmissionBudget.memo`), used when ``estimate`` is
+        the plugin's own formula (``pure()``): each request's answer is kept there with the view it answered and the ratio it used, and reused while the scheduler hands the same
+        view (the same object: nothing about the request changed) and the ratio has not moved, so a pass's later
+        admissions estimate only the requests that are new to it."""
+        if memo is None or not self.decodes or not self.pure():
+            return sum(self.request_blocks(view) for view in running)
+        ratio = self.ratio.value
+        if memo.get(_MEMO_RATIO) != ratio:  # a preemption re-estimated the ratio: every answer is stale
+            memo.clear()
+            memo[_MEMO_RATIO] = ratio
+        estimate, clip, block_size = self.estimate, self.clip, self.block_size
+        total = 0
+        for view in running:
+            kept = memo.get(view.request_id)
+            if kept is not None and kept[0] is view:
+                total += kept[1]
+                continue
+            blocks = estimate(view.request_id, view.budget, view.generated, ratio, clip, block_size)
+            memo[view.request_id] = (view, blocks)
+            total += blocks
+        return total
 
     def after_pass(self, scheduled_anything: bool) -> None:
         self.ratio.after_schedule(scheduled_anything)
@@ -169,7 +198,7 @@ class AdaptiveStrategy(RatioStrategy):
         """One running request's blocks, asked alone: the set of that one request."""
         return self.set_blocks((view,))
 
-    def set_blocks(self, running: Sequence[RunningView]) -> int:
+    def set_blocks(self, running: Sequence[RunningView], memo: Optional[dict] = None) -> int:
         """The whole running set at once (:meth:`fdsched.core.adaptive.AdaptiveReserve.set_reservation`: it
         depends on the set, not on the order of its requests); a request a third party answers for counts
         outside the set."""
@@ -223,6 +252,9 @@ class AdmissionBudget:
     # The scheduler's views of this pass's running requests, by request id (request, generated, view): a pass
     # asks once per admission, and a request that generated nothing since the last ask is seen as it was.
     views: dict = field(default_factory=dict)
+    # What the strategy answered per request in this pass (:meth:`RatioStrategy.set_blocks`): with ``views`` it
+    # makes a pass's later admissions cost the requests new to the pass, not the whole running set again.
+    memo: dict = field(default_factory=dict)
     asks: int = 0
     closed: bool = False
 
@@ -232,7 +264,7 @@ class AdmissionBudget:
             raise RuntimeError("AdmissionBudget: asked after its schedule() pass was closed")
         self.asks += 1
         strategy = self.strategy
-        self.reserved = strategy.set_blocks(running)
+        self.reserved = strategy.set_blocks(running, self.memo)
         total = chunk_blocks + self.reserved
         return total if strategy.relaxed else self.slack(total)
 

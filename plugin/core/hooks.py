@@ -147,6 +147,12 @@ class Policies:
             return policies.select_any_phase_victim(candidates)
         return self.pm.hook.fdsched_select_preemption_victim(candidates=candidates, decode_only=decode_only)
 
+    @property
+    def reserve_is_formula(self) -> bool:
+        """True when no third party answers ``fdsched_estimate_reserve_blocks``: :meth:`reserve_blocks` is then the
+        plugin's formula, a function of its arguments alone (an answer may be reused while they are unchanged)."""
+        return self._direct_reserve
+
     def reserve_blocks_override(self, request_id, max_new_tokens, generated_tokens, ratio, clip, block_size):
         """A third-party ``fdsched_estimate_reserve_blocks`` answer for one request, or None when no third
         party answers (the adaptive estimator then answers; the plugin's default is not consulted)."""

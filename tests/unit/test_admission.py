@@ -86,6 +86,41 @@ def test_the_budget_sees_the_running_set_of_each_ask_and_refuses_asks_after_it_c
         budget.threshold(1, running)
 
 
+def test_a_pass_estimates_each_request_once_while_it_and_the_ratio_stay_as_they_were():
+    calls = []
+
+    def counted(request_id, *rest):
+        calls.append(request_id)
+        return _formula(request_id, *rest)
+
+    strategy = RatioStrategy(_ratio(0.5), 40, 4, 0, counted, pure=lambda: True)
+    budget = AdmissionBudget(strategy)
+    a, b = _view("a", 56, 0), _view("b", 30, 4)
+    assert budget.threshold(1, [a]) == 1 + 5
+    assert budget.threshold(1, [a, b]) == 1 + 5 + 4  # the admission before made b run: only b is new
+    assert calls == ["a", "b"]
+    grown = _view("a", 56, 30)  # the scheduler hands a new view when a request's output grew
+    assert budget.threshold(1, [grown, b]) == 1 + 4 + 4 and calls == ["a", "b", "a"]
+    assert budget.threshold(1, [b]) == 1 + 4 and calls == ["a", "b", "a"]  # a left the running set
+    strategy.on_preemption([_view("b", 30, 4, decoding=True)], 1)  # the ratio moved: every answer is stale
+    moved = strategy.ratio.value
+    assert moved != 0.5
+    assert budget.threshold(1, [b]) == 1 + _formula("b", 30, 4, moved, 40, 4) and calls[-1] == "b"
+    # the same answers as asking afresh each time
+    fresh = RatioStrategy(_ratio(0.5), 40, 4, 0, _formula)
+    fresh.ratio.value = moved
+    assert fresh.set_blocks([b]) == budget.reserved
+
+
+def test_a_hook_that_is_not_the_plugins_formula_is_asked_at_every_ask():
+    calls = []
+    strategy = RatioStrategy(_ratio(0.5), 40, 4, 0, lambda rid, *rest: calls.append(rid) or 1)  # pure: False
+    budget = AdmissionBudget(strategy)
+    a = _view("a", 56, 0)
+    assert budget.threshold(1, [a]) == 2 and budget.threshold(1, [a]) == 2
+    assert calls == ["a", "a"]
+
+
 def test_adaptive_strategy_lets_a_third_party_answer_outside_the_sets_margin():
     adaptive = AdaptiveReserve(min_samples=1, k=0.0)
     for length in (20, 40, 60, 80):
