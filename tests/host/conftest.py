@@ -83,6 +83,24 @@ def host_info():
     return probe()
 
 
+@pytest.fixture(scope="module")
+def replay_host():
+    """The probed host for tests that drive the replay (it installs the plugin per run); skipped without a host.
+    The plugin is uninstalled when the module ends, leaving the process as the other host tests expect it."""
+    from fdsched.install.probe import HOW_TO_POINT, HostNotFound, find_host, probe
+    from fdsched.replay.engine import prepare_host_environment
+
+    prepare_host_environment()
+    try:
+        find_host()
+    except HostNotFound as exc:
+        pytest.skip(f"needs FastDeploy host: {exc}" if HOW_TO_POINT in str(exc) else f"needs FastDeploy host: {HOW_TO_POINT}")
+    yield probe()
+    from fdsched.install import installer
+
+    installer.uninstall()
+
+
 @pytest.fixture
 def install_profile():
     """Install the plugin with a shipped profile (or a dict of env overrides); uninstall afterwards."""

@@ -67,22 +67,6 @@ def replay(replay_host, monkeypatch):
     return run
 
 
-@pytest.fixture(scope="module")
-def replay_host():
-    from fdsched.install.probe import HOW_TO_POINT, HostNotFound, find_host, probe
-    from fdsched.replay.engine import prepare_host_environment
-
-    prepare_host_environment()
-    try:
-        find_host()
-    except HostNotFound:
-        pytest.skip(f"needs FastDeploy host: {HOW_TO_POINT}")
-    yield probe()
-    from fdsched.install import installer
-
-    installer.uninstall()
-
-
 def _violations(run):
     return [v for s in run.steps for v in s.violations] + list(run.request_violations)
 

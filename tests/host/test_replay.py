@@ -10,29 +10,8 @@ import json
 
 import pytest
 
-from fdsched.install.probe import HOW_TO_POINT, HostNotFound
-
 SHIPPED = ("pressure", "shared-prefix", "pd-prefill")
 PROFILES = ("baseline", "recommended")
-
-
-@pytest.fixture(scope="module")
-def replay_host():
-    from fdsched.replay.engine import prepare_host_environment
-
-    prepare_host_environment()
-    from fdsched.install.probe import find_host
-
-    try:
-        find_host()
-    except HostNotFound as exc:
-        pytest.skip(f"needs FastDeploy host: {exc}" if HOW_TO_POINT in str(exc) else f"needs FastDeploy host: {HOW_TO_POINT}")
-    from fdsched.install.probe import probe
-
-    yield probe()
-    from fdsched.install import installer
-
-    installer.uninstall()  # leave the process as the other host tests expect it
 
 
 @pytest.fixture(scope="module")

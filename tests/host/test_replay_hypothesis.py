@@ -8,29 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from fdsched.install.probe import HOW_TO_POINT, HostNotFound
 from fdsched.core.settings import shipped_profiles
 
 hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def replay_host():
-    from fdsched.replay.engine import prepare_host_environment
-
-    prepare_host_environment()
-    from fdsched.install.probe import find_host, probe
-
-    try:
-        find_host()
-    except HostNotFound:
-        pytest.skip(f"needs FastDeploy host: {HOW_TO_POINT}")
-    yield probe()
-    from fdsched.install import installer
-
-    installer.uninstall()
 
 
 @st.composite
