@@ -125,9 +125,10 @@ class RatioStrategy:
 
     def set_blocks(self, running: Sequence[RunningView], memo: Optional[dict] = None) -> int:
         """The running set's blocks. ``memo`` (a pass's :attr:`AdmissionBudget.memo`), used when ``estimate`` is
-        the plugin's own formula (``pure()``): each request's answer is kept there with the view it answered and the ratio it used, and reused while the scheduler hands the same
-        view (the same object: nothing about the request changed) and the ratio has not moved, so a pass's later
-        admissions estimate only the requests that are new to it."""
+        the plugin's own formula (``pure()``): each request's answer is kept there with the view it answered and
+        the ratio it used, and reused while the scheduler hands the same view (the same object: nothing about the
+        request changed) and the ratio has not moved, so a pass's later admissions estimate only the requests that
+        are new to it."""
         if memo is None or not self.decodes or not self.pure():
             return sum(self.request_blocks(view) for view in running)
         ratio = self.ratio.value
