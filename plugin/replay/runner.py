@@ -667,6 +667,7 @@ def _stall_detail(manager, p_queue, remaining: int) -> dict:
     block_size = manager.config.cache_config.block_size
     running = list(manager.running)
     prefilling = [r for r in running if r.num_computed_tokens < r.need_prefill_tokens]
+    preempted = [r for r in manager.waiting if getattr(getattr(r, "status", None), "name", "") == "PREEMPTED"]
     return {
         "remaining": remaining,
         "running": len(running),
@@ -674,7 +675,7 @@ def _stall_detail(manager, p_queue, remaining: int) -> dict:
         "running_with_all_blocks": sum(1 for r in prefilling if len(r.block_tables) * block_size >= r.need_prefill_tokens),
         "waiting": len(manager.waiting),
         # preempted requests back in waiting: the host's admission loop counts them against max_num_seqs
-        "waiting_preempted": sum(1 for r in manager.waiting if getattr(getattr(r, "status", None), "name", "") == "PREEMPTED"),
+        "waiting_preempted": len(preempted),
         "not_admitted": len(p_queue),
         "free_blocks": len(manager.cache_manager.gpu_free_block_list),
     }
