@@ -14,8 +14,6 @@ import pytest
 
 from fdsched.replay.trace import parse_trace
 
-from .test_replay import replay_host  # noqa: F401  (the module's host fixture)
-
 HEADER = ('{"header": {"engine": {"block_size": 16, "num_gpu_blocks": 200, "max_num_seqs": 8, '
           '"max_num_batched_tokens": 512, "max_model_len": 512}}}')
 BURST = 6
@@ -39,7 +37,7 @@ def _starts_per_step(tmp_path, fetch):
     return Counter(row.first_token_step for row in run.requests), run
 
 
-def test_engine_fetch_hands_requests_over_as_the_hosts_engine_does(replay_host, tmp_path):  # noqa: F811
+def test_engine_fetch_hands_requests_over_as_the_hosts_engine_does(replay_host, tmp_path):
     from fdsched.replay.runner import FETCH_ONE_WHEN_EMPTY, FETCH_WHILE_SLOTS, engine_fetch_rule
 
     default, _ = _starts_per_step(tmp_path, "all")
@@ -58,7 +56,7 @@ def test_engine_fetch_hands_requests_over_as_the_hosts_engine_does(replay_host, 
         assert engine == default
 
 
-def test_the_default_and_other_roles_keep_every_arrival_at_once(replay_host):  # noqa: F811
+def test_the_default_and_other_roles_keep_every_arrival_at_once(replay_host):
     from fdsched.replay.runner import FETCH_ALL, engine_fetch_rule
 
     assert engine_fetch_rule("all", "mixed") == FETCH_ALL
