@@ -290,6 +290,7 @@ class DeferredRecycleMixin(PluginBase):
         if need_block_num * KEYED_HEAP_MIN_SHARE < len(heap):
             yield heap, False
             return
+        held = time.perf_counter()
         with collections_held():  # see collections_held: the tuples must never meet a collection
             keyed = [(node.last_used_time, -node.depth, node) for node in heap]
             try:
@@ -297,6 +298,7 @@ class DeferredRecycleMixin(PluginBase):
             finally:
                 heap[:] = [entry[2] for entry in keyed]
                 keyed.clear()  # the tuples die before collections resume: nothing was promoted, nothing is due
+        METRICS.gc_held(time.perf_counter() - held, of=self)  # the hold's length, for operators (docs/gc.md)
 
     def _fdsched_direct_without_cpu_room(self, need_block_num) -> bool:
         """Whether this eviction takes the plugin's path: not where the host swaps to the CPU tier (change 5's path)."""

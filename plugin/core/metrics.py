@@ -146,6 +146,12 @@ def _prometheus():
             "evict_seconds": Counter(
                 "fastdeploy:fdsched_eviction_seconds_total", "Time spent in the eviction loops", LABELS
             ),
+            "gc_hold": Histogram(
+                "fastdeploy:fdsched_gc_hold_seconds",
+                "How long a large eviction held the garbage collector off (process-wide)",
+                LABELS,
+                buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
+            ),
             "unconsumed": Counter(
                 "fastdeploy:fdsched_unconsumed_signals_total",
                 "One-shot signals to the host's control flow that no check consumed by the end of the pass",
@@ -219,6 +225,8 @@ class PluginMetrics:
         self.recycle_batches = 0
         self.recycle_batch_sizes = deque(maxlen=4096)  # the most recent batches only
         self.eviction_seconds = 0.0
+        self.gc_holds = 0  # evictions that held the collector off, and the longest hold (s)
+        self.gc_hold_seconds_max = 0.0
         self.unconsumed_signals = _Tally()
         self.recomputed_tokens = 0
         self.requests_finished = 0
@@ -328,6 +336,14 @@ class PluginMetrics:
             prom["batches"].labels(**labels).inc()
             prom["batch_size"].labels(**labels).observe(num_blocks)
             prom["evict_seconds"].labels(**labels).inc(seconds)
+
+    def gc_held(self, seconds: float, of=None) -> None:
+        """A large eviction held the collector off for ``seconds`` (see deferred_recycle.collections_held)."""
+        self.gc_holds += 1
+        self.gc_hold_seconds_max = max(self.gc_hold_seconds_max, seconds)
+        prom = _prometheus()
+        if prom:
+            prom["gc_hold"].labels(**labels_of(of)).observe(seconds)
 
     def request_finished(self, request, of=None) -> None:
         """A request the scheduler ``of`` finished: its outcome from the request's own timestamps."""

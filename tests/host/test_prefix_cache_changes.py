@@ -245,9 +245,13 @@ def test_large_eviction_holds_collections_off_and_restores_the_collector(filled,
     was = gc.isenabled()
     if caller_disabled:
         gc.disable()
+    from fdsched.core.metrics import METRICS
+
+    holds = METRICS.gc_holds
     try:
         cm.free_block_ids_async(1)  # small: direct pops
         small = list(seen)
+        small_holds = METRICS.gc_holds - holds
         seen.clear()
         cm.free_block_ids_async(len(cm.gpu_lru_leaf_heap))  # large: the keyed mirror
         after = gc.isenabled()
@@ -256,6 +260,9 @@ def test_large_eviction_holds_collections_off_and_restores_the_collector(filled,
             gc.enable()
     assert small and all(not keyed and enabled == (not caller_disabled) for keyed, enabled in small), small
     assert seen and all(keyed and not enabled for keyed, enabled in seen), seen
+    # the hold's length reaches the operators' histogram: once for the large eviction, never for the small one
+    assert small_holds == 0 and METRICS.gc_holds - holds == 1
+    assert 0 < METRICS.gc_hold_seconds_max < 60
     assert after == (not caller_disabled), "the eviction changed the collector's state"
     _check_accounting(rm)
 
