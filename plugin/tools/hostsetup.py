@@ -174,6 +174,11 @@ def _check_member(member: tarfile.TarInfo, original: str) -> None:
                                  "allowed: a source archive whose links stay inside FastDeploy-<commit>/")
 
 
+# The extraction filters' error (Python 3.10.12, 3.11.4, 3.12 and later); on an older Python nothing matches it, and
+# an ``except`` that named the missing attribute would turn every refusal into an AttributeError.
+_FILTER_ERRORS = (tarfile.FilterError,) if hasattr(tarfile, "FilterError") else ()
+
+
 def _unpack(path: Path, original: str, into: Path) -> tuple:
     """Unpack into ``into``; return (tree root, commit named by the top folder or None)."""
     try:
@@ -216,7 +221,7 @@ def _unpack(path: Path, original: str, into: Path) -> tuple:
                 tar.extractall(into, filter="data")
             except TypeError:  # a Python before the extraction filters (3.10.11 and older): _check_member checked
                 tar.extractall(into)  # noqa: S202 - every member was checked above
-    except tarfile.FilterError as exc:  # what the "data" filter refuses that _check_member did not name
+    except _FILTER_ERRORS as exc:  # what the "data" filter refuses that _check_member did not name
         raise HostSetupError(f"{original}: unsafe member ({exc}); allowed: a FastDeploy source archive") from None
     except (tarfile.TarError, EOFError, zlib.error, gzip.BadGzipFile, lzma.LZMAError) as exc:
         raise HostSetupError(

@@ -97,6 +97,23 @@ def test_tree_without_fastdeploy_names_what_is_missing(tmp_path, home):
     _nothing_left(home)
 
 
+def test_a_python_without_extraction_filters_still_refuses_in_one_line(tmp_path, home, monkeypatch):
+    """Python 3.11.3 and older (3.10.11 and older) have no ``tarfile.FilterError``: a refused archive still ends in
+    the one-line refusal, not in an AttributeError from the handler that names the filters' error."""
+    import importlib
+
+    monkeypatch.delattr(tarfile, "FilterError", raising=False)
+    older = importlib.reload(hostsetup)
+    try:
+        archive = make_archive(tmp_path / f"FastDeploy-{COMMIT}.tar.gz", files=("README.md",))
+        with pytest.raises(HostSetupError, match="the tree has no"):
+            older.setup_host(str(archive), install_deps=False)
+        _nothing_left(home)
+    finally:
+        monkeypatch.undo()
+        importlib.reload(hostsetup)
+
+
 def test_directory_or_missing_file_as_archive(tmp_path, home):
     with pytest.raises(HostSetupError, match="is a directory"):
         setup_host(str(tmp_path), install_deps=False)
