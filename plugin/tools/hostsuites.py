@@ -419,9 +419,10 @@ def check_loader(tree: str, plugins: Optional[str], timeout: float = 300) -> dic
     return {"installed": False, "error": tail, "exit": proc.returncode}
 
 
-def profile_decisions(info) -> dict:
+def profile_decisions(info, refusals: Optional[dict] = None) -> dict:
     """Every profile an engine runs differently -> its decisions on the probed host ``info``, or None where the host
-    refuses it (recommended first, then by name)."""
+    refuses it (recommended first, then by name). ``refusals``, if given, receives each refused profile's one-line
+    reason (the message an engine would stop with)."""
     from fdsched.core.settings import engine_profiles, load_settings
     from fdsched.install.installer import InstallError, decide
 
@@ -429,8 +430,10 @@ def profile_decisions(info) -> dict:
     for name in sorted(set(engine_profiles().values()), key=lambda n: (n != "recommended", n)):
         try:
             found[name] = decide(load_settings({}, profile=name), info)
-        except InstallError:
+        except InstallError as exc:
             found[name] = None
+            if refusals is not None:
+                refusals[name] = (str(exc).splitlines() or [type(exc).__name__])[0]
     return found
 
 

@@ -40,7 +40,8 @@ def support_row(info) -> dict:
         d = decisions[change_id]
         reason = d.detail[len("skipped because "):] if d.state == "skipped" else ""
         changes[change_id] = {"state": STATES.get(d.state, d.state), "why": reason}
-    by_profile = profile_decisions(info)
+    refusals = {}
+    by_profile = profile_decisions(info, refusals)
     refused = sorted(name for name, decided in by_profile.items() if decided is None)
     return {
         "line": known.line if known else "?",
@@ -48,6 +49,7 @@ def support_row(info) -> dict:
         "tier": known.tier if known else "unknown",
         "changes": changes,
         "refused_profiles": refused,
+        "refusals": {name: refusals[name] for name in refused},  # each refused profile's one-line reason
         "most_applying_profile": most_applying_profile(decisions=by_profile),
     }
 
