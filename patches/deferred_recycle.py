@@ -99,7 +99,7 @@ def collections_held():
     them: a collection is avoided, not merely postponed.
 
     Process-wide, as the collector is: another thread (the token processor) allocating meanwhile does
-    not collect until the hold ends (tens of milliseconds at most for 20k blocks); only cyclic garbage
+    not collect until the hold ends (one eviction: about 130 ms for 20k blocks, docs/gc.md); only cyclic garbage
     waits, everything else is still freed by reference counting. Nesting and threads: the first holder
     disables the collector only if it was enabled and the last one re-enables it only then; if the
     caller had it disabled it stays disabled. Code that calls ``gc.disable()`` from another thread while
