@@ -393,7 +393,8 @@ def _run_evict(args) -> int:
     _prepare(args)
     modes = _gc_modes(args)
     # what a due full collection costs whoever triggers it, at the heap just grown (before the benches add to it)
-    full = f"one full collection of this process ({len(gc.get_objects())} GC-tracked objects): {full_collection_ms():.1f} ms"
+    objects = len(gc.get_objects())
+    full = f"one full collection of this process ({objects} GC-tracked objects): {full_collection_ms():.1f} ms"
     print(f"evict: chains of {args.chain} blocks, block size {args.block_size}, median of {args.repeat}")
     print_evict(bench_evict(args.sizes, args.chain, args.block_size, args.repeat, modes), modes)
     print(f"{full} (median of 3, before the runs)")
