@@ -298,7 +298,7 @@ def _add_optional_commands(sub) -> None:
 
 
 # commands that import the host in this process (serve and load set up their stacks' environment themselves)
-HOST_IMPORTING = frozenset({"doctor", "explain", "host", "bench", "patches"})
+HOST_IMPORTING = frozenset({"doctor", "explain", "host", "bench", "patches", "serve", "load-vs-replay"})
 
 
 def command_name(args) -> str:
