@@ -297,7 +297,8 @@ def _add_optional_commands(sub) -> None:
     replay_cli.add_commands(sub)
 
 
-# commands that import the host in this process (serve and load set up their stacks' environment themselves)
+# commands that import the host in this process: each gets its own log and metrics directories, removed when it
+# exits (the stacks serve starts get theirs from the launcher; load imports nothing of the host)
 HOST_IMPORTING = frozenset({"doctor", "explain", "host", "bench", "patches", "serve", "load-vs-replay"})
 
 

@@ -230,6 +230,7 @@ def test_large_eviction_holds_collections_off_and_restores_the_collector(filled,
     and the collector is as the caller left it afterwards; a small eviction needs no hold."""
     import gc
 
+    from fdsched.core.metrics import METRICS
     from fdsched.patches import deferred_recycle
 
     rm = filled()
@@ -245,8 +246,6 @@ def test_large_eviction_holds_collections_off_and_restores_the_collector(filled,
     was = gc.isenabled()
     if caller_disabled:
         gc.disable()
-    from fdsched.core.metrics import METRICS
-
     holds = METRICS.gc_holds
     try:
         cm.free_block_ids_async(1)  # small: direct pops
