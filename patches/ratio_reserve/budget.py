@@ -61,6 +61,7 @@ class _BudgetedReserve(ReservationMixin):
         self.cache_manager._fdsched_desk = self._fdsched_desk
         # A draft model (speculative decoding) needs one block more per chunk; fixed for the scheduler's life.
         self._fdsched_speculative_slack = self._fdsched_draft_slack if drafts(self) else _no_slack
+        self._fdsched_reader = _RunningReader(self)
 
     @functools.cached_property
     def _fdsched_strategy(self):
@@ -71,7 +72,9 @@ class _BudgetedReserve(ReservationMixin):
         raise NotImplementedError
 
     def _fdsched_new_budget(self) -> AdmissionBudget:
-        return AdmissionBudget(self._fdsched_strategy, self._fdsched_speculative_slack)
+        strategy = self._fdsched_strategy
+        # How this pass counts the running set is the strategy's choice, made now, once per pass.
+        return AdmissionBudget(strategy, strategy.tally(self._fdsched_reader), self._fdsched_speculative_slack)
 
     def _fdsched_budget(self):
         """The budget of the pass this thread has open, else None."""
@@ -133,9 +136,9 @@ class _BudgetedReserve(ReservationMixin):
         if budget is not None:
             # The pass's figures go to the metrics once, when it ends (_fdsched_end_pass): a pass may ask once
             # per admission, and the gauges' updates cost a fair part of an ask.
-            return budget.threshold(chunk_blocks, self._fdsched_views(kept=budget.views))
+            return budget.threshold(chunk_blocks, self.running)
         budget = self._fdsched_new_budget()  # asked outside a pass: a budget of its own, reported now
-        threshold = budget.threshold(chunk_blocks, self._fdsched_views())
+        threshold = budget.threshold(chunk_blocks, self.running)
         self._fdsched_report(budget)
         return threshold
 
@@ -158,7 +161,7 @@ class _BudgetedReserve(ReservationMixin):
         """``requests`` (default: the running ones) as the strategy sees them (``with_phase``: whether each is
         decoding, asked only where it is used: the hook may be a third party's).
 
-        ``kept``: the open pass's views by request id (:attr:`fdsched.core.admission.AdmissionBudget.views`): a
+        ``kept``: a pass's views by request id (the adaptive estimator's tally keeps them for its pass): a
         request found there, the same object with as many output tokens, is seen as it was at the pass's last
         ask (its client bound and prompt do not change while the scheduler holds its lock; its output grows
         when the token processor appends, and then it is seen afresh). Not with ``with_phase``.
@@ -198,6 +201,30 @@ class _BudgetedReserve(ReservationMixin):
 
 def _no_slack(threshold: int) -> int:
     return threshold
+
+
+class _RunningReader:
+    """What a strategy reads of a scheduler's running requests (:class:`fdsched.core.admission.RunningReader`)."""
+
+    __slots__ = ("scheduler",)
+
+    def __init__(self, scheduler) -> None:
+        self.scheduler = scheduler
+
+    def views(self, requests, kept=None) -> list:
+        return self.scheduler._fdsched_views(requests, kept=kept)
+
+    def lefts(self, requests) -> list:
+        """Each request's budget left (:func:`fdsched.core.policies.max_new_tokens_of` minus its output so far), read
+        afresh: the first ask of every pass reads every running request, so this is the loop to keep short."""
+        max_model_len = self.scheduler.config.model_config.max_model_len
+        lefts = []
+        append = lefts.append
+        for r in requests:
+            max_tokens = getattr(r.sampling_params, "max_tokens", None)
+            budget = max_model_len - r.prompt_token_ids_len if max_tokens is None else int(max_tokens)
+            append(budget - len(r.output_token_ids))
+        return lefts
 
 
 

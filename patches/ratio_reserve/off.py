@@ -25,8 +25,8 @@ class _PreChangePass(AdmissionBudget):
     its end, right before the chunk's task), and a pass that preempted admits nobody (the waiting queue reads as
     empty until the pass ends: :func:`admission_closed`)."""
 
-    def __init__(self, strategy, slack):
-        super().__init__(strategy, slack)
+    def __init__(self, strategy, tally, slack):
+        super().__init__(strategy, tally, slack)
         self.running_chunk = None  # (request id, blocks): the next threshold is that running chunk's
         self.preemptions: list = []  # (the running chunk, its preempt tasks), in order
         self.queue_type = None  # the waiting queue's own type, while admission is closed for the pass
@@ -57,7 +57,8 @@ class PreChangeReserveMixin(_BudgetedReserve):
         return FixedBlockStrategy(self._fdsched_fixed)
 
     def _fdsched_new_budget(self) -> AdmissionBudget:
-        return _PreChangePass(self._fdsched_strategy, self._fdsched_speculative_slack)
+        strategy = self._fdsched_strategy
+        return _PreChangePass(strategy, strategy.tally(self._fdsched_reader), self._fdsched_speculative_slack)
 
     def get_new_block_nums(self, request, num_new_tokens):
         blocks = super().get_new_block_nums(request, num_new_tokens)

@@ -12,11 +12,12 @@ in plain values (nothing here imports FastDeploy):
   a pass that scheduled something does (:meth:`after_pass`) and what a preemption does (:meth:`on_preemption`).
 * an :class:`AdmissionBudget` is opened by the scheduler at the start of every ``schedule()`` pass, asked by
   every admission in it (:meth:`AdmissionBudget.threshold`) and closed at the pass's end. It is the model of
-  SGLang's ``PrefillAdder`` (one object per pass that every admission asks). It keeps no running offset: within a
-  pass the running set changes as requests are admitted and preempted, and the host's own threshold (which
-  decisions must match byte for byte) is a sum over the running set as it is at each ask. Instead it keeps each
-  request's answer for the pass (``memo``), so a later ask estimates only the requests new to the pass (or all of
-  them again after a preemption moved the ratio) and sums the rest.
+  SGLang's ``PrefillAdder`` (one object per pass that every admission asks).
+* a **tally** is how a budget counts the running set's blocks at each ask, chosen by the strategy when the pass
+  opens (:meth:`RatioStrategy.tally`): a :class:`RunningOffset` where the set's blocks are a sum of per-request
+  parts (upstream's formula with no third party answering: counted in full at the pass's first ask, then only
+  the requests admitted since, as SGLang's ``PrefillAdder`` keeps its running offset), else a
+  :class:`RunningRecount` (the whole set at every ask).
 
 The scheduler side (``fdsched.patches.ratio_reserve``) turns host requests into :class:`RunningView` values
 and applies the answers at the host's seams.
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Optional, Sequence
+from typing import Callable, Iterable, NamedTuple, Optional, Protocol, Sequence
 
 from fdsched.core.adaptive import AdaptiveReserve, SetReservation
 from fdsched.core.metrics import METRICS
@@ -38,6 +39,9 @@ __all__ = [
     "RatioStrategy",
     "AdaptiveStrategy",
     "AdmissionBudget",
+    "RunningReader",
+    "RunningOffset",
+    "RunningRecount",
 ]
 
 
@@ -55,6 +59,66 @@ class RunningView(NamedTuple):
     decoding: bool
 
 
+class RunningReader(Protocol):
+    """What the scheduler reads of its running requests for a strategy (``requests``: the host's own objects)."""
+
+    def views(self, requests: Sequence, kept: Optional[dict] = None) -> list:
+        """One :class:`RunningView` per request (``kept``: a pass's views by request id, reused while a request's
+        output has not grown)."""
+
+    def lefts(self, requests: Sequence) -> list:
+        """Each request's budget left: its output budget minus what it generated."""
+
+
+class RunningRecount:
+    """A pass's tally that counts the whole running set at every ask: ``count(requests) -> blocks``."""
+
+    def __init__(self, count: Callable[[Sequence], int]) -> None:
+        self.count = count
+
+    def blocks(self, running: Sequence) -> int:
+        return self.count(running)
+
+    def forget(self) -> None:
+        """Nothing is kept between asks."""
+
+
+class RunningOffset:
+    """A pass's tally for a set whose blocks are a sum of per-request parts (``count(requests) -> blocks`` of
+    those requests alone): counted in full at the pass's first ask, then kept as an offset to which each later ask
+    adds only the requests appended to the running list since (the admissions of the pass).
+
+    It is counted in full again when the list is another object, is shorter than what was counted, or no longer
+    holds the last request counted where it was (a request left from anywhere but the end, or several changed
+    places), and after :meth:`forget` (the scheduler's preemption seam: the ratio moved). What it does not see
+    is a request's output growing while the pass is open (the token processor appends without the scheduler's
+    lock): those tokens count from the next pass's first ask, a pass later than a full count at every ask.
+    """
+
+    def __init__(self, count: Callable[[Sequence], int]) -> None:
+        self.count = count
+        self.members: Optional[Sequence] = None  # the running list counted
+        self.counted = 0  # how many of its first entries
+        self.last = None  # the last of them
+        self.total = 0  # their blocks
+
+    def blocks(self, running: Sequence) -> int:
+        size, counted = len(running), self.counted
+        if running is self.members and counted <= size and (counted == 0 or running[counted - 1] is self.last):
+            if size > counted:
+                self.total += self.count(running[counted:])
+        else:
+            self.total = self.count(running)
+            self.members = running
+        self.counted = size
+        self.last = running[size - 1] if size else None
+        return self.total
+
+    def forget(self) -> None:
+        """Count the whole set again at the next ask."""
+        self.members = None
+
+
 class FixedBlockStrategy:
     """The pre-change policy: ``current`` blocks per running request after a preemption, decaying by ``decay``
     per pass that scheduled something; once at 0 the reservation is off ("relaxed") until the next preemption
@@ -68,8 +132,12 @@ class FixedBlockStrategy:
         """Nothing is reserved, and the threshold is the chunk itself (no speculative slack either)."""
         return self.fixed.relaxed
 
-    def set_blocks(self, running: Sequence[RunningView], memo: Optional[dict] = None) -> int:
+    def set_blocks(self, running: Sequence[RunningView]) -> int:
         return 0 if self.fixed.relaxed else len(running) * self.fixed.current
+
+    def tally(self, reader: RunningReader):
+        """A count of the running requests, nothing read of each."""
+        return RunningRecount(self.set_blocks)
 
     def after_pass(self, scheduled_anything: bool) -> None:
         self.fixed.after_schedule(scheduled_anything)
@@ -82,9 +150,6 @@ class FixedBlockStrategy:
 
     def report_decision(self, of=None) -> None:
         """What the last :meth:`set_blocks` decided, beyond the reserved figure (nothing here)."""
-
-
-_MEMO_RATIO = object()  # the key under which a pass's memo keeps the ratio its answers used
 
 
 class RatioStrategy:
@@ -112,9 +177,9 @@ class RatioStrategy:
         self.extra_blocks_per_decode = extra_blocks_per_decode
         self.estimate = estimate
         self.decodes = decodes
-        # pure(): ``estimate`` answers from its arguments alone now (the plugin's formula, no third party
-        # registered): a pass may keep its answers (:meth:`set_blocks`); a third party's hook may keep state of its
-        # own and is asked every time
+        # pure(): ``estimate`` is the plugin's own formula now (no third party registered): the set's blocks are
+        # then a sum over the requests' budgets left (:meth:`lefts_blocks`), kept through a pass (:meth:`tally`);
+        # a third party's hook may keep state of its own and is asked for every request at every ask
         self.pure = pure
 
     def request_blocks(self, view: RunningView) -> int:
@@ -123,29 +188,38 @@ class RatioStrategy:
             return 0
         return self.estimate(view.request_id, view.budget, view.generated, self.ratio.value, self.clip, self.block_size)
 
-    def set_blocks(self, running: Sequence[RunningView], memo: Optional[dict] = None) -> int:
-        """The running set's blocks. ``memo`` (a pass's :attr:`AdmissionBudget.memo`), used when ``estimate`` is
-        the plugin's own formula (``pure()``): each request's answer is kept there with the view it answered and
-        the ratio it used, and reused while the scheduler hands the same view (the same object: nothing about the
-        request changed) and the ratio has not moved, so a pass's later admissions estimate only the requests that
-        are new to it."""
-        if memo is None or not self.decodes or not self.pure():
-            return sum(self.request_blocks(view) for view in running)
-        ratio = self.ratio.value
-        if memo.get(_MEMO_RATIO) != ratio:  # a preemption re-estimated the ratio: every answer is stale
-            memo.clear()
-            memo[_MEMO_RATIO] = ratio
-        estimate, clip, block_size = self.estimate, self.clip, self.block_size
-        total = 0
-        for view in running:
-            kept = memo.get(view.request_id)
-            if kept is not None and kept[0] is view:
-                total += kept[1]
-                continue
-            blocks = estimate(view.request_id, view.budget, view.generated, ratio, clip, block_size)
-            memo[view.request_id] = (view, blocks)
-            total += blocks
-        return total
+    def set_blocks(self, running: Sequence[RunningView]) -> int:
+        """The running set's blocks: the estimate of each request, summed."""
+        return sum(self.request_blocks(view) for view in running)
+
+    def lefts_blocks(self, lefts: Iterable[int]) -> int:
+        """Upstream's formula summed over requests given by their budget left (``budget - generated``): what
+        :meth:`set_blocks` gives with the plugin's own estimate
+        (:func:`fdsched.core.policies.reserve_blocks_for_request`), in one loop without a call per request. A
+        request with at least ``clip`` left keeps the same ``ceil(int(clip x ratio) / block)``, counted once."""
+        ratio, clip, block_size = self.ratio.value, self.clip, self.block_size
+        if ratio <= 0 or clip <= 0:
+            return 0  # int(min(left, clip) x ratio) is never above 0
+        round_up = block_size - 1
+        whole = partial = 0
+        for left in lefts:
+            if left >= clip:
+                whole += 1
+            elif left > 0:
+                partial += (int(left * ratio) + round_up) // block_size
+        return partial + whole * ((int(clip * ratio) + round_up) // block_size)
+
+    def tally(self, reader: RunningReader):
+        """How a pass counts the running set (chosen when the pass opens): the plugin's own formula as an offset
+        over budgets left (:class:`RunningOffset`); a third party's hook through views, the whole set at every ask
+        (:class:`RunningRecount`); nothing on a prefill node."""
+        if not self.decodes:
+            return RunningRecount(_nothing)
+        if self.pure():
+            lefts_blocks, lefts = self.lefts_blocks, reader.lefts
+            return RunningOffset(lambda requests: lefts_blocks(lefts(requests)))
+        set_blocks, views = self.set_blocks, reader.views
+        return RunningRecount(lambda requests: set_blocks(views(requests)))
 
     def after_pass(self, scheduled_anything: bool) -> None:
         self.ratio.after_schedule(scheduled_anything)
@@ -165,6 +239,10 @@ class RatioStrategy:
 
     def report_decision(self, of=None) -> None:
         """What the last :meth:`set_blocks` decided, beyond the reserved figure (nothing here)."""
+
+
+def _nothing(requests) -> int:
+    return 0
 
 
 class AdaptiveStrategy(RatioStrategy):
@@ -199,7 +277,15 @@ class AdaptiveStrategy(RatioStrategy):
         """One running request's blocks, asked alone: the set of that one request."""
         return self.set_blocks((view,))
 
-    def set_blocks(self, running: Sequence[RunningView], memo: Optional[dict] = None) -> int:
+    def tally(self, reader: RunningReader):
+        """The whole set at every ask (its margin is not a sum of per-request parts), through views kept for the
+        pass (a request whose output has not grown is not viewed again; the estimator keeps its terms)."""
+        if not self.decodes:
+            return RunningRecount(_nothing)
+        set_blocks, views, kept = self.set_blocks, reader.views, {}
+        return RunningRecount(lambda requests: set_blocks(views(requests, kept)))
+
+    def set_blocks(self, running: Sequence[RunningView]) -> int:
         """The whole running set at once (:meth:`fdsched.core.adaptive.AdaptiveReserve.set_reservation`: it
         depends on the set, not on the order of its requests); a request a third party answers for counts
         outside the set."""
@@ -241,33 +327,33 @@ class AdmissionBudget:
     """One ``schedule()`` pass's admission decision: opened at the pass's start, asked by every admission,
     closed at its end.
 
-    ``slack`` is what a speculative-decoding engine adds to a threshold that reserves something (one block,
-    within the per-sequence maximum). ``declined`` (the old host's guard) holds the running chunks the budget
-    refused in this pass: the scheduler declines their preemption call instead of preempting.
+    ``tally`` counts the running set's blocks at each ask (the strategy's :meth:`RatioStrategy.tally`, chosen
+    when the pass opens). ``slack`` is what a speculative-decoding engine adds to a threshold that reserves
+    something (one block, within the per-sequence maximum). ``declined`` (the old host's guard) holds the running
+    chunks the budget refused in this pass: the scheduler declines their preemption call instead of preempting.
     """
 
     strategy: object
+    tally: object  # RunningOffset or RunningRecount
     slack: Callable[[int], int] = lambda blocks: blocks
     declined: set = field(default_factory=set)
     reserved: Optional[int] = None  # the running set's blocks at the last ask
-    # The scheduler's views of this pass's running requests, by request id (request, generated, view): a pass
-    # asks once per admission, and a request that generated nothing since the last ask is seen as it was.
-    views: dict = field(default_factory=dict)
-    # What the strategy answered per request in this pass (:meth:`RatioStrategy.set_blocks`): with ``views`` it
-    # makes a pass's later admissions cost the requests new to the pass, not the whole running set again.
-    memo: dict = field(default_factory=dict)
     asks: int = 0
     closed: bool = False
 
-    def threshold(self, chunk_blocks: int, running: Sequence[RunningView]) -> int:
-        """Blocks that must be free for a chunk of ``chunk_blocks`` to be admitted now."""
+    def threshold(self, chunk_blocks: int, running: Sequence) -> int:
+        """Blocks that must be free for a chunk of ``chunk_blocks`` to be admitted now (``running``: the
+        scheduler's running requests, read through the tally)."""
         if self.closed:
             raise RuntimeError("AdmissionBudget: asked after its schedule() pass was closed")
         self.asks += 1
-        strategy = self.strategy
-        self.reserved = strategy.set_blocks(running, self.memo)
+        self.reserved = self.tally.blocks(running)
         total = chunk_blocks + self.reserved
-        return total if strategy.relaxed else self.slack(total)
+        return total if self.strategy.relaxed else self.slack(total)
+
+    def running_changed(self) -> None:
+        """A preemption re-estimated the ratio: the next ask counts the whole running set."""
+        self.tally.forget()
 
     def close(self) -> set:
         """End the pass; returns the declines nobody consumed (the host did not call what the guard relies on)."""

@@ -61,20 +61,40 @@ def test_fixed_block_strategy_is_relaxed_until_a_preemption_then_decays():
     assert strategy.relaxed
 
 
+class _Reader:
+    """A reader whose requests are views already (fdsched.core.admission.RunningReader); counts its reads."""
+
+    def __init__(self):
+        self.read = []  # request ids, in the order read
+
+    def views(self, requests, kept=None):
+        self.read.extend(v.request_id for v in requests)
+        return list(requests)
+
+    def lefts(self, requests):
+        self.read.extend(v.request_id for v in requests)
+        return [v.budget - v.generated for v in requests]
+
+
+def _budget(strategy, slack=None):
+    return AdmissionBudget(strategy, strategy.tally(_Reader()), *(() if slack is None else (slack,)))
+
+
 def test_the_budget_adds_the_running_sets_blocks_and_slack_unless_relaxed():
     slack = lambda blocks: blocks + 1  # noqa: E731 - a speculative-decoding engine's one extra block
     ratio = RatioStrategy(_ratio(0.5), 40, 4, 0, _formula)
-    budget = AdmissionBudget(ratio, slack)
+    budget = _budget(ratio, slack)
     assert budget.threshold(3, [_view("a", 56, 0)]) == 3 + 5 + 1 and budget.reserved == 5
     fixed = FixedBlockStrategy(FixedBlockReserve(3, 1, 0))
-    relaxed = AdmissionBudget(fixed, slack)
+    relaxed = _budget(fixed, slack)
     assert relaxed.threshold(3, [_view("a", 56, 0)]) == 3  # relaxed: the chunk itself, no slack
     fixed.on_preemption()
-    assert AdmissionBudget(fixed, slack).threshold(3, [_view("a", 56, 0)]) == 3 + 3 + 1
+    assert _budget(fixed, slack).threshold(3, [_view("a", 56, 0)]) == 3 + 3 + 1
 
 
-def test_the_budget_sees_the_running_set_of_each_ask_and_refuses_asks_after_it_closed():
-    budget = AdmissionBudget(RatioStrategy(_ratio(0.5), 40, 4, 0, _formula))
+@pytest.mark.parametrize("pure", [True, False], ids=["plugin-formula", "third-party-hook"])
+def test_the_budget_sees_the_running_set_of_each_ask_and_refuses_asks_after_it_closed(pure):
+    budget = _budget(RatioStrategy(_ratio(0.5), 40, 4, 0, _formula, pure=lambda: pure))
     running = [_view("a", 56, 0)]
     assert budget.threshold(1, running) == 6
     running.append(_view("b", 30, 4))  # a request admitted earlier in the pass now runs
@@ -86,39 +106,108 @@ def test_the_budget_sees_the_running_set_of_each_ask_and_refuses_asks_after_it_c
         budget.threshold(1, running)
 
 
-def test_a_pass_estimates_each_request_once_while_it_and_the_ratio_stay_as_they_were():
-    calls = []
+@pytest.mark.parametrize("ratio", [0.0, 0.05, 0.31, 0.5, 0.7, 1.0])
+@pytest.mark.parametrize("clip", [0, 1, 7, 40, 4096])
+def test_lefts_blocks_is_the_plugins_formula_summed(ratio, clip):
+    strategy = RatioStrategy(_ratio(ratio, minimum=0.0), clip, 4, 0, _formula)
+    views = [_view(f"r{i}", budget, generated) for i, (budget, generated) in enumerate(
+        [(56, 0), (10, 12), (30, 4), (0, 0), (5000, 3), (41, 1), (40, 0), (39, 0), (1, 0), (7, 0), (8, 1)]
+    )]
+    for size in range(len(views) + 1):
+        part = views[:size]
+        assert strategy.lefts_blocks([v.budget - v.generated for v in part]) == strategy.set_blocks(part), size
 
-    def counted(request_id, *rest):
-        calls.append(request_id)
-        return _formula(request_id, *rest)
 
-    strategy = RatioStrategy(_ratio(0.5), 40, 4, 0, counted, pure=lambda: True)
-    budget = AdmissionBudget(strategy)
-    a, b = _view("a", 56, 0), _view("b", 30, 4)
-    assert budget.threshold(1, [a]) == 1 + 5
-    assert budget.threshold(1, [a, b]) == 1 + 5 + 4  # the admission before made b run: only b is new
-    assert calls == ["a", "b"]
-    grown = _view("a", 56, 30)  # the scheduler hands a new view when a request's output grew
-    assert budget.threshold(1, [grown, b]) == 1 + 4 + 4 and calls == ["a", "b", "a"]
-    assert budget.threshold(1, [b]) == 1 + 4 and calls == ["a", "b", "a"]  # a left the running set
-    strategy.on_preemption([_view("b", 30, 4, decoding=True)], 1)  # the ratio moved: every answer is stale
-    moved = strategy.ratio.value
-    assert moved != 0.5
-    assert budget.threshold(1, [b]) == 1 + _formula("b", 30, 4, moved, 40, 4) and calls[-1] == "b"
-    # the same answers as asking afresh each time
-    fresh = RatioStrategy(_ratio(0.5), 40, 4, 0, _formula)
-    fresh.ratio.value = moved
-    assert fresh.set_blocks([b]) == budget.reserved
+def test_a_pass_counts_the_running_set_once_then_only_the_requests_admitted_since():
+    reader = _Reader()
+    strategy = RatioStrategy(_ratio(0.5), 40, 4, 0, _formula, pure=lambda: True)
+    budget = AdmissionBudget(strategy, strategy.tally(reader))
+    a, b, c = _view("a", 56, 0), _view("b", 30, 4), _view("c", 20, 0)
+    running = [a]
+    assert budget.threshold(1, running) == 1 + 5
+    running.append(b)  # admitted earlier in the pass
+    assert budget.threshold(1, running) == 1 + 5 + 4
+    assert reader.read == ["a", "b"]  # b alone was read at the second ask
+    assert budget.threshold(1, running) == 1 + 9 and reader.read == ["a", "b"]  # nothing new: nothing read
+
+
+def _fresh(strategy, running):
+    return RatioStrategy(strategy.ratio, strategy.clip, strategy.block_size, 0, _formula).set_blocks(running)
+
+
+@pytest.mark.parametrize("change", ["remove-first", "remove-last", "pop-and-append", "new-list", "shorter"])
+def test_the_pass_counts_afresh_when_the_running_list_changed_other_than_by_appending(change):
+    reader = _Reader()
+    strategy = RatioStrategy(_ratio(0.5), 40, 4, 0, _formula, pure=lambda: True)
+    budget = AdmissionBudget(strategy, strategy.tally(reader))
+    a, b, c, d = _view("a", 56, 0), _view("b", 30, 4), _view("c", 20, 0), _view("d", 100, 10)
+    running = [a, b, c]
+    budget.threshold(1, running)
+    if change == "remove-first":
+        running.remove(a)
+        running.append(d)
+    elif change == "remove-last":
+        running.remove(c)
+    elif change == "pop-and-append":
+        running.pop()
+        running.append(d)
+    elif change == "new-list":
+        running = [a, b, d]
+    elif change == "shorter":
+        del running[1:]
+    assert budget.reserved is not None
+    assert budget.threshold(0, running) == _fresh(strategy, running)
+
+
+def test_a_preemption_makes_the_next_ask_count_the_whole_set_with_the_moved_ratio():
+    reader = _Reader()
+    strategy = RatioStrategy(_ratio(0.5), 40, 4, 0, _formula, pure=lambda: True)
+    budget = AdmissionBudget(strategy, strategy.tally(reader))
+    running = [_view("a", 56, 0), _view("b", 30, 4)]
+    budget.threshold(1, running)
+    strategy.on_preemption([_view("b", 30, 4, decoding=True)], 1)  # the ratio moved, the list did not
+    assert strategy.ratio.value != 0.5
+    budget.running_changed()  # the scheduler's preemption seam says so
+    assert budget.threshold(0, running) == _fresh(strategy, running)
+    assert reader.read == ["a", "b", "a", "b"]
+
+
+def test_the_offset_matches_a_full_count_through_random_appends_removals_and_preemptions():
+    import random
+
+    rng = random.Random(7)
+    strategy = RatioStrategy(_ratio(0.6, minimum=0.05, decay=0.01), 64, 4, 1, _formula, pure=lambda: True)
+    for trial in range(200):
+        budget = AdmissionBudget(strategy, strategy.tally(_Reader()))
+        running = [_view(f"t{trial}-{i}", rng.randint(0, 200), rng.randint(0, 200)) for i in range(rng.randint(0, 12))]
+        for step in range(rng.randint(1, 12)):
+            for move in range(rng.randint(1, 3)):  # between two asks, one to three changes
+                draw = rng.random()
+                if draw < 0.5:
+                    running.append(_view(f"t{trial}-n{step}.{move}", rng.randint(0, 200), 0))
+                elif draw < 0.7 and running:
+                    running.pop(rng.randrange(len(running)))
+                elif draw < 0.8 and running:
+                    strategy.on_preemption([v._replace(decoding=v.generated > 0) for v in running], 1)
+                    budget.running_changed()
+            assert budget.threshold(0, running) == _fresh(strategy, running), (trial, step)
+        strategy.after_pass(True)
 
 
 def test_a_hook_that_is_not_the_plugins_formula_is_asked_at_every_ask():
     calls = []
     strategy = RatioStrategy(_ratio(0.5), 40, 4, 0, lambda rid, *rest: calls.append(rid) or 1)  # pure: False
-    budget = AdmissionBudget(strategy)
+    budget = _budget(strategy)
     a = _view("a", 56, 0)
     assert budget.threshold(1, [a]) == 2 and budget.threshold(1, [a]) == 2
     assert calls == ["a", "a"]
+
+
+def test_a_prefill_nodes_pass_reads_nothing():
+    reader = _Reader()
+    strategy = RatioStrategy(_ratio(0.7), 4096, 4, 0, _formula, decodes=False, pure=lambda: True)
+    budget = AdmissionBudget(strategy, strategy.tally(reader))
+    assert budget.threshold(2, [_view("a", 100, 0)]) == 2 and reader.read == []
 
 
 def test_adaptive_strategy_lets_a_third_party_answer_outside_the_sets_margin():
