@@ -48,6 +48,7 @@ class _AdaptiveCore(_RatioCore):
             self._fdsched_adaptive,
             self._fdsched_fixed,
             decodes=self._fdsched_decodes,
+            pure=lambda policies=self._fdsched_policies: policies.reserve_is_formula,
         )
 
     def _fdsched_reestimate(self, preemptions: int = 1) -> None:

@@ -226,6 +226,22 @@ class _RunningReader:
             append(budget - len(r.output_token_ids))
         return lefts
 
+    def keys(self, requests) -> list:
+        """Each request as ``(max_tokens, budget, generated)``: its view's client bound
+        (:func:`fdsched.core.adaptive.client_bound`), budget and output so far, without the view."""
+        max_model_len = self.scheduler.config.model_config.max_model_len
+        keys = []
+        append = keys.append
+        for r in requests:
+            max_tokens = getattr(r.sampling_params, "max_tokens", None)
+            room = max_model_len - r.prompt_token_ids_len
+            if max_tokens is None:
+                append((None, room, len(r.output_token_ids)))
+                continue
+            budget = int(max_tokens)
+            append((None if max_tokens < 1 or max_tokens >= room else budget, budget, len(r.output_token_ids)))
+        return keys
+
 
 
 # ---- the host's shapes of the plugin's version ------------------------------------------------------------

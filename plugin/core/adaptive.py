@@ -287,6 +287,60 @@ class SetReservation:
     fallbacks: int  # requests answered by the warm-up fallback
 
 
+class SetTally:
+    """A running set's adaptive reservation, built up request by request (:meth:`AdaptiveReserve.set_tally`): a
+    pass's running offset adds the requests admitted since its last ask instead of going over the whole set
+    again. The per-request terms are added up as they come; the sums themselves are taken at each
+    :meth:`reservation` (:func:`math.fsum`: exact, so the answer is the whole set's whatever the order the
+    requests came in)."""
+
+    __slots__ = ("estimator", "terms_of", "args", "means", "variances", "lefts", "caps", "fallback_blocks",
+                 "fallbacks")
+
+    def __init__(self, estimator: "AdaptiveReserve", terms_of: dict, args: tuple) -> None:
+        self.estimator = estimator
+        self.terms_of = terms_of  # the estimator's kept terms for these arguments
+        self.args = args  # (ratio, clip, block size, fixed blocks)
+        self.means: list = []
+        self.variances: list = []
+        self.lefts: list = []
+        self.caps = 0
+        self.fallback_blocks = 0
+        self.fallbacks = 0
+
+    def add(self, keys: Iterable[tuple]) -> None:
+        """Add requests given as ``(max_tokens, budget, generated)`` (``max_tokens``: the client's bound, or
+        None)."""
+        terms_of, request_terms, args = self.terms_of, self.estimator._request_terms, self.args
+        means, variances, lefts = self.means, self.variances, self.lefts
+        caps = fallback_blocks = fallbacks = 0
+        for key in keys:
+            terms = terms_of.get(key)
+            if terms is None:
+                terms = terms_of[key] = request_terms(key[0], key[1], key[2], *args)
+            if terms[0] is None:
+                fallbacks += 1
+                fallback_blocks += terms[3]
+            else:
+                means.append(terms[0])
+                variances.append(terms[1])
+                lefts.append(terms[2])
+                caps += terms[3]
+        self.caps += caps
+        self.fallback_blocks += fallback_blocks
+        self.fallbacks += fallbacks
+        self.estimator.fallbacks += fallbacks
+        self.estimator._terms_asked = self.fallbacks + len(means)
+
+    def reservation(self) -> SetReservation:
+        """The reservation of every request added so far, with the estimator's margin now."""
+        if not self.means:
+            return SetReservation(self.fallback_blocks, 0.0, 0.0, self.fallbacks)
+        mean, variance = math.fsum(self.means), math.fsum(self.variances)
+        learned = margin_blocks(mean, variance, self.estimator.k, self.args[2], math.fsum(self.lefts), self.caps)
+        return SetReservation(int(learned) + self.fallback_blocks, mean, variance, self.fallbacks)
+
+
 class AdaptiveReserve:
     """The estimator. Feed it events (:meth:`observe_finished`, :meth:`observe_preemption`); ask it
     for one running request's reservation (:meth:`request_blocks`), a whole set's (:meth:`set_reservation`,
@@ -407,29 +461,16 @@ class AdaptiveReserve:
         several times computes each request once. A subclass whose :meth:`remainder` reads anything else must
         call :meth:`forget_terms` when that changes.
         """
-        terms_of = self._terms_for(ratio, clip_max_new_tokens, block_size, fixed_blocks)
-        learned_terms = []
-        fallback_blocks = fallbacks = 0
-        for request in requests:
-            key = (request.max_tokens, request.budget, request.generated)
-            terms = terms_of.get(key)
-            if terms is None:
-                terms = terms_of[key] = self._request_terms(
-                    key[0], key[1], key[2], ratio, clip_max_new_tokens, block_size, fixed_blocks
-                )
-            if terms[0] is None:
-                fallbacks += 1
-                fallback_blocks += terms[3]
-            else:
-                learned_terms.append(terms)
-        self.fallbacks += fallbacks
-        self._terms_asked = fallbacks + len(learned_terms)
-        if not learned_terms:
-            return SetReservation(fallback_blocks, 0.0, 0.0, fallbacks)
-        means, variances, lefts, caps = zip(*learned_terms)
-        mean, variance = math.fsum(means), math.fsum(variances)
-        learned = margin_blocks(mean, variance, self.k, block_size, math.fsum(lefts), sum(caps))
-        return SetReservation(int(learned) + fallback_blocks, mean, variance, fallbacks)
+        tally = self.set_tally(ratio, clip_max_new_tokens, block_size, fixed_blocks)
+        tally.add([(request.max_tokens, request.budget, request.generated) for request in requests])
+        return tally.reservation()
+
+    def set_tally(self, ratio: float, clip_max_new_tokens: int, block_size: int, fixed_blocks: int) -> "SetTally":
+        """An empty running set's reservation, to which requests are added (:class:`SetTally`); its
+        :meth:`SetTally.reservation` is :meth:`set_reservation` of every request added, with these arguments and
+        the current samples and margin."""
+        return SetTally(self, self._terms_for(ratio, clip_max_new_tokens, block_size, fixed_blocks),
+                        (ratio, clip_max_new_tokens, block_size, fixed_blocks))
 
     def _terms_for(self, ratio: float, clip_max_new_tokens: int, block_size: int, fixed_blocks: int) -> dict:
         """The kept per-request terms for these arguments and the current samples (emptied when either changed,

@@ -42,6 +42,7 @@ __all__ = [
     "RunningReader",
     "RunningOffset",
     "RunningRecount",
+    "BlockSum",
 ]
 
 
@@ -69,6 +70,9 @@ class RunningReader(Protocol):
     def lefts(self, requests: Sequence) -> list:
         """Each request's budget left: its output budget minus what it generated."""
 
+    def keys(self, requests: Sequence) -> list:
+        """Each request as ``(max_tokens, budget, generated)``, as its :class:`RunningView` has them."""
+
 
 class RunningRecount:
     """A pass's tally that counts the whole running set at every ask: ``count(requests) -> blocks``."""
@@ -84,39 +88,57 @@ class RunningRecount:
 
 
 class RunningOffset:
-    """A pass's tally for a set whose blocks are a sum of per-request parts (``count(requests) -> blocks`` of
-    those requests alone): counted in full at the pass's first ask, then kept as an offset to which each later ask
-    adds only the requests appended to the running list since (the admissions of the pass).
+    """A pass's tally for a set whose reservation adds up request by request: the whole running list at the
+    pass's first ask, then, at each later ask, only the requests appended to it since (the admissions of the
+    pass). ``new_sum()`` makes an empty sum, with ``add(requests)`` and ``blocks()`` (:class:`BlockSum`,
+    :class:`fdsched.core.adaptive.SetTally`).
 
-    It is counted in full again when the list is another object, is shorter than what was counted, or no longer
-    holds the last request counted where it was (a request left from anywhere but the end, or several changed
-    places), and after :meth:`forget` (the scheduler's preemption seam: the ratio moved). What it does not see
-    is a request's output growing while the pass is open (the token processor appends without the scheduler's
-    lock): those tokens count from the next pass's first ask, a pass later than a full count at every ask.
+    It starts over from the whole list when the list is another object, is shorter than what was counted, or no
+    longer holds the last request counted where it was (a request left from anywhere but the end, or several
+    changed places), and after :meth:`forget` (the scheduler's preemption seam: the ratio moved). What it does
+    not see is a request's output growing while the pass is open (the token processor appends without the
+    scheduler's lock): those tokens count from the next pass's first ask.
     """
 
-    def __init__(self, count: Callable[[Sequence], int]) -> None:
-        self.count = count
+    def __init__(self, new_sum: Callable[[], object]) -> None:
+        self.new_sum = new_sum
+        self.sum = None
         self.members: Optional[Sequence] = None  # the running list counted
         self.counted = 0  # how many of its first entries
         self.last = None  # the last of them
-        self.total = 0  # their blocks
 
     def blocks(self, running: Sequence) -> int:
         size, counted = len(running), self.counted
         if running is self.members and counted <= size and (counted == 0 or running[counted - 1] is self.last):
             if size > counted:
-                self.total += self.count(running[counted:])
+                self.sum.add(running[counted:])
         else:
-            self.total = self.count(running)
+            self.sum = self.new_sum()
+            self.sum.add(running)
             self.members = running
         self.counted = size
         self.last = running[size - 1] if size else None
-        return self.total
+        return self.sum.blocks()
 
     def forget(self) -> None:
         """Count the whole set again at the next ask."""
         self.members = None
+
+
+class BlockSum:
+    """A sum of blocks over requests: ``count(requests)`` gives those requests' blocks."""
+
+    __slots__ = ("count", "total")
+
+    def __init__(self, count: Callable[[Sequence], int]) -> None:
+        self.count = count
+        self.total = 0
+
+    def add(self, requests: Sequence) -> None:
+        self.total += self.count(requests)
+
+    def blocks(self) -> int:
+        return self.total
 
 
 class FixedBlockStrategy:
@@ -217,7 +239,7 @@ class RatioStrategy:
             return RunningRecount(_nothing)
         if self.pure():
             lefts_blocks, lefts = self.lefts_blocks, reader.lefts
-            return RunningOffset(lambda requests: lefts_blocks(lefts(requests)))
+            return RunningOffset(lambda: BlockSum(lambda requests: lefts_blocks(lefts(requests))))
         set_blocks, views = self.set_blocks, reader.views
         return RunningRecount(lambda requests: set_blocks(views(requests)))
 
@@ -263,8 +285,10 @@ class AdaptiveStrategy(RatioStrategy):
         adaptive: AdaptiveReserve,
         fixed: FixedBlockReserve,
         decodes: bool = True,
+        pure: Callable[[], bool] = lambda: False,
     ) -> None:
-        super().__init__(ratio, clip, block_size, extra_blocks_per_decode, override, decodes)
+        # pure(): no third party answers for a request (``override`` then answers None for every one)
+        super().__init__(ratio, clip, block_size, extra_blocks_per_decode, override, decodes, pure)
         self.adaptive = adaptive
         self.fixed = fixed
         self.last: Optional[SetReservation] = None  # the last set_blocks' answer (for the metrics)
@@ -278,10 +302,15 @@ class AdaptiveStrategy(RatioStrategy):
         return self.set_blocks((view,))
 
     def tally(self, reader: RunningReader):
-        """The whole set at every ask (its margin is not a sum of per-request parts), through views kept for the
-        pass (a request whose output has not grown is not viewed again; the estimator keeps its terms)."""
+        """How a pass counts the running set: with no third party answering, the set's terms as an offset
+        (:class:`RunningOffset` over :class:`fdsched.core.adaptive.SetTally`: a request's terms are added once per
+        pass, the sums taken at each ask); else the whole set at every ask through views kept for the pass (a
+        request whose output has not grown is not viewed again)."""
         if not self.decodes:
             return RunningRecount(_nothing)
+        if self.pure():
+            keys = reader.keys
+            return RunningOffset(lambda: _AdaptiveSum(self, keys))
         set_blocks, views, kept = self.set_blocks, reader.views, {}
         return RunningRecount(lambda requests: set_blocks(views(requests, kept)))
 
@@ -320,6 +349,29 @@ class AdaptiveStrategy(RatioStrategy):
         if last is not None:
             k = self.last_k  # as decided: a preemption since (which raises k) does not rewrite the figures
             METRICS.adaptive_decision(last.mean, k * math.sqrt(max(last.variance, 0.0)), k, last.fallbacks, of=of)
+
+
+class _AdaptiveSum:
+    """:class:`AdaptiveStrategy`'s running set for a :class:`RunningOffset`: requests are read as
+    ``(max_tokens, budget, generated)`` keys and added to the estimator's :class:`~fdsched.core.adaptive.SetTally`;
+    every answer is the strategy's last decision (its metrics)."""
+
+    __slots__ = ("strategy", "keys", "set")
+
+    def __init__(self, strategy: "AdaptiveStrategy", keys: Callable[[Sequence], list]) -> None:
+        self.strategy, self.keys = strategy, keys
+        self.set = strategy.adaptive.set_tally(
+            strategy.ratio.value, strategy.clip, strategy.block_size, strategy._fixed_blocks()
+        )
+
+    def add(self, requests: Sequence) -> None:
+        self.set.add(self.keys(requests))
+
+    def blocks(self) -> int:
+        strategy = self.strategy
+        strategy.last = reservation = self.set.reservation()
+        strategy.last_k = strategy.adaptive.k
+        return reservation.blocks
 
 
 @dataclass

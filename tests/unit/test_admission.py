@@ -233,3 +233,64 @@ def test_adaptive_strategy_on_preemption_widens_k_resets_the_fallback_and_reesti
     assert adaptive.k == pytest.approx(-1.0)
     assert not fixed.relaxed and fixed.current == 16
     assert strategy.ratio.value == pytest.approx(50 / 101)
+
+
+class _KeyReader(_Reader):
+    def keys(self, requests):
+        self.read.extend(v.request_id for v in requests)
+        return [(v.max_tokens, v.budget, v.generated) for v in requests]
+
+
+def test_the_adaptive_offset_matches_the_whole_sets_reservation_through_random_changes():
+    import random
+
+    rng = random.Random(11)
+    adaptive = AdaptiveReserve(min_samples=4, k=-1.0)
+    for length in (20, 40, 60, 80, 100, 300):
+        adaptive.observe_finished(None, length)
+        adaptive.observe_finished(200, length // 2)
+    fixed = FixedBlockReserve(16, 1, 0)
+    strategy = AdaptiveStrategy(_ratio(0.6, minimum=0.05, decay=0.01), 256, 4, 1, lambda *a: None, adaptive, fixed,
+                                pure=lambda: True)
+    whole = AdaptiveStrategy(strategy.ratio, 256, 4, 1, lambda *a: None, adaptive, fixed)  # asked afresh each time
+
+    def view(name):
+        bound = rng.choice([None, 200, 50])
+        budget = bound if bound is not None else 1000
+        return _view(name, budget, rng.randint(0, budget + 5), bound)
+
+    for trial in range(150):
+        reader = _KeyReader()
+        budget = AdmissionBudget(strategy, strategy.tally(reader))
+        running = [view(f"t{trial}-{i}") for i in range(rng.randint(0, 10))]
+        for step in range(rng.randint(1, 10)):
+            for move in range(rng.randint(1, 3)):
+                draw = rng.random()
+                if draw < 0.5:
+                    running.append(view(f"t{trial}-n{step}.{move}"))
+                elif draw < 0.7 and running:
+                    running.pop(rng.randrange(len(running)))
+                elif draw < 0.8 and running:
+                    strategy.on_preemption([v._replace(decoding=v.generated > 0) for v in running], 1)
+                    budget.running_changed()
+            got = budget.threshold(0, running)
+            decided = strategy.last
+            assert got == whole.set_blocks(running), (trial, step)
+            assert decided == whole.last, (trial, step)
+        strategy.after_pass(True)
+    assert adaptive.k != -1.0  # preemptions moved the margin along the way
+
+
+def test_the_adaptive_offset_reads_only_the_requests_admitted_since_the_last_ask():
+    adaptive = AdaptiveReserve(min_samples=1, k=0.0)
+    for length in (20, 40, 60, 80):
+        adaptive.observe_finished(None, length)
+    strategy = AdaptiveStrategy(_ratio(0.7), 4096, 4, 0, lambda *a: None, adaptive, FixedBlockReserve(16, 1, 0),
+                                pure=lambda: True)
+    reader = _KeyReader()
+    budget = AdmissionBudget(strategy, strategy.tally(reader))
+    running = [_view("a", 1000, 0), _view("b", 1000, 10)]
+    first = budget.threshold(0, running)
+    running.append(_view("c", 1000, 0))
+    second = budget.threshold(0, running)
+    assert reader.read == ["a", "b", "c"] and second > first

@@ -53,3 +53,24 @@ def test_the_passs_kept_views_are_reused_until_the_request_generates_or_is_anoth
     (fresh,) = _views(scheduler, kept=kept)
     assert fresh.budget == 256
     assert _views(scheduler, kept=kept)[0] == _views(scheduler)[0]  # kept or not, the same values
+
+
+def test_the_readers_lefts_and_keys_are_what_the_views_say():
+    from fdsched.patches.ratio_reserve.budget import _RunningReader
+
+    requests = [
+        _request("bounded", 16, 3, 512),
+        _request("unset", 48, 7, None),
+        _request("at-room", 48, 0, 2000),  # 2000 = 2048 - 48: not the client's bound
+        _request("over-room", 48, 0, 5000),
+        _request("zero", 16, 0, 0),
+        _request("over-budget", 16, 600, 512),
+        _request("float", 16, 2, 100.0),
+    ]
+    scheduler = _scheduler(requests)
+    scheduler._fdsched_views = lambda requests=None, kept=None: _views(scheduler, requests=requests, kept=kept)
+    reader = _RunningReader(scheduler)
+    views = _views(scheduler)
+    assert reader.lefts(requests) == [v.budget - v.generated for v in views]
+    assert reader.keys(requests) == [(v.max_tokens, v.budget, v.generated) for v in views]
+    assert reader.views(requests[:2]) == views[:2]
