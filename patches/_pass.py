@@ -39,10 +39,25 @@ class Expected:
 class SchedulePass:
     """One ``schedule()`` pass of one scheduler, used by the thread that runs it only."""
 
-    def __init__(self, budget) -> None:
-        self.budget = budget  # the pass's admission budget (fdsched.core.admission.AdmissionBudget), or None
+    def __init__(self, new_budget=None) -> None:
+        # makes the pass's admission budget (fdsched.core.admission.AdmissionBudget) when the pass first needs it:
+        # most passes admit nothing and never ask; None: a pass with no budget (a question asked outside a pass)
+        self._new_budget = new_budget
+        self._budget = None
         self.request_id = "(none)"  # the request the pass is deciding on
         self._expected: list = []
+
+    @property
+    def budget(self):
+        """The pass's admission budget, made on first use; None for a pass without one."""
+        if self._budget is None and self._new_budget is not None:
+            self._budget = self._new_budget()
+        return self._budget
+
+    @property
+    def budget_if_made(self):
+        """The budget if the pass made one, else None (nothing is made)."""
+        return self._budget
 
     def focus(self, request_id: str) -> None:
         """The pass's next block checks are for ``request_id``."""

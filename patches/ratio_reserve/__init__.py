@@ -107,10 +107,18 @@ than upstream's ratio formula gives
 the same requests (``k`` defaults to -2: see fdsched.core.adaptive). A preemption raises ``k`` (and resets the
 warm-up fallback); a preempted or still-running request is never a sample. Until a kind (bounded /
 unbounded) has enough samples it answers with :func:`fdsched.core.adaptive.warmup_reserve_blocks`. A third-party
-``fdsched_estimate_reserve_blocks`` hook still answers first, per request (outside the set's margin). Cost per running request and
-decision: O(1) amortised (a bucket's tail sums are cached until the next finished request), O(log buckets)
-at worst; within a pass, a request that generated nothing since the last ask is neither viewed nor estimated
-again (the budget keeps its view, the estimator its terms), and the gauges are set once, at the pass's end.
+``fdsched_estimate_reserve_blocks`` hook still answers first, per request (outside the set's margin).
+
+What an admission costs: the pass counts the running set once, at its first ask, and keeps it as an offset
+(:class:`fdsched.core.admission.RunningOffset`, as SGLang's ``PrefillAdder`` keeps its running offset); a later
+ask adds only the requests appended to the running list since (the pass's admissions), and a preemption, or any
+other change of the list, makes the next ask count it afresh. The first ask reads each running request's budget
+left (upstream's formula: one loop, no call per request) or its ``(max_tokens, budget, generated)`` key (the
+adaptive estimator: a request's terms are kept until a sample arrives or the ratio, clip or fallback moves, a
+bucket's tail sums until the next finished request). That first ask stays O(running): every decoding request's
+term moves with every token, and the host has no seam where a token lands (the token processor appends to
+``output_token_ids`` directly). A third party's estimate hook is asked for every request at every ask. The gauges
+are set once, at the pass's end.
 
 Beyond upstream: on a prefill node (``splitwise_role == "prefill"``) running requests reserve nothing:
 such a node never decodes, and upstream's reservation there stalls it for good (a chunk that needs no

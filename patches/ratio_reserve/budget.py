@@ -77,15 +77,21 @@ class _BudgetedReserve(ReservationMixin):
         return AdmissionBudget(strategy, strategy.tally(self._fdsched_reader), self._fdsched_speculative_slack)
 
     def _fdsched_budget(self):
-        """The budget of the pass this thread has open, else None."""
+        """The budget of the pass this thread has open (made now if it had none yet), else None."""
         schedule_pass = self._fdsched_desk.current()
         return schedule_pass.budget if schedule_pass is not None else None
+
+    def _fdsched_made_budget(self):
+        """The budget of the pass this thread has open if the pass made one yet, else None (nothing is made)."""
+        schedule_pass = self._fdsched_desk.current()
+        return schedule_pass.budget_if_made if schedule_pass is not None else None
 
     # ---- the pass ---------------------------------------------------------------------------------
     def schedule(self):
         # One pass object per call, on this thread's desk entry: a second thread calling schedule() (it then waits
         # for the host's lock) neither replaces nor sees this pass.
-        schedule_pass = SchedulePass(self._fdsched_new_budget())
+        # The budget is made at the pass's first need of it (most passes never ask).
+        schedule_pass = SchedulePass(self._fdsched_new_budget)
         outer = self._fdsched_desk.open(schedule_pass)
         result = None
         try:
@@ -94,19 +100,20 @@ class _BudgetedReserve(ReservationMixin):
             self._fdsched_desk.close(outer)
             with self.lock:
                 self._fdsched_end_pass(schedule_pass, result[0] if result else None)
-        with self.lock:
-            self._fdsched_strategy.after_pass(bool(result[0]))
-            self._fdsched_strategy.report(of=self)
+                if result is not None:
+                    self._fdsched_strategy.after_pass(bool(result[0]))
+                    self._fdsched_strategy.report(of=self)
         return result
 
     def _fdsched_end_pass(self, schedule_pass: SchedulePass, scheduled_reqs) -> None:
-        budget = schedule_pass.budget
-        if budget.asks:
-            self._fdsched_report(budget)
+        budget = schedule_pass.budget_if_made
         logger = host_global(RM, "llm_logger")
-        for request_id in sorted(budget.close()):
-            METRICS.signal_unconsumed(DECLINE_PREEMPTION, of=self)
-            logger.warning(f"[fdsched] the guard refused running chunk {request_id} but no preemption call followed")
+        if budget is not None:
+            if budget.asks:
+                self._fdsched_report(budget)
+            for request_id in sorted(budget.close()):
+                METRICS.signal_unconsumed(DECLINE_PREEMPTION, of=self)
+                logger.warning(f"[fdsched] the guard refused running chunk {request_id} but no preemption call followed")
         schedule_pass.close(logger, of=self)
 
     # ---- the admission threshold ---------------------------------------------------------------------
@@ -266,8 +273,10 @@ class _OldHostGuard(_BudgetedReserve):
 
     def get_new_block_nums(self, request, num_new_tokens):
         blocks = super().get_new_block_nums(request, num_new_tokens)
+        if not self._fdsched_is_running_prefill(request):
+            return blocks
         budget = self._fdsched_budget()
-        if budget is None or not self._fdsched_is_running_prefill(request):
+        if budget is None:
             return blocks
         if self.cache_manager.can_allocate_gpu_blocks(self._fdsched_threshold(blocks)):
             return blocks
@@ -278,7 +287,7 @@ class _OldHostGuard(_BudgetedReserve):
         return blocks
 
     def _trigger_preempt(self, request, num_new_blocks, preempted_reqs, scheduled_reqs):
-        budget = self._fdsched_budget()
+        budget = self._fdsched_made_budget()  # a decline is recorded in a budget the pass made
         if budget is not None and request.request_id in budget.declined:
             # The guard refused this running chunk. Decline without preempting; a non-empty list makes the
             # host skip its waiting pass, as upstream does after a refused chunk.

@@ -62,9 +62,10 @@ class PreChangeReserveMixin(_BudgetedReserve):
 
     def get_new_block_nums(self, request, num_new_tokens):
         blocks = super().get_new_block_nums(request, num_new_tokens)
-        budget = self._fdsched_budget()
-        if budget is not None and self._fdsched_is_running_prefill(request):
-            self._fdsched_pre_change_running_chunk(budget, request, blocks)
+        if self._fdsched_is_running_prefill(request):
+            budget = self._fdsched_budget()
+            if budget is not None:
+                self._fdsched_pre_change_running_chunk(budget, request, blocks)
         return blocks
 
     def _fdsched_pre_change_running_chunk(self, budget: _PreChangePass, request, blocks) -> None:
@@ -112,7 +113,10 @@ class PreChangeReserveMixin(_BudgetedReserve):
     def _fdsched_end_pass(self, schedule_pass: SchedulePass, scheduled_reqs) -> None:
         """Give the pass back what the plugin held for it (under the host's lock): the waiting queue, every request
         that arrived meanwhile in its place, and its preempt tasks in order."""
-        budget: _PreChangePass = schedule_pass.budget
+        budget: _PreChangePass = schedule_pass.budget_if_made
+        if budget is None:  # the pass needed none: the plugin held nothing for it
+            super()._fdsched_end_pass(schedule_pass, scheduled_reqs)
+            return
         if budget.queue_type is not None:
             self.waiting, budget.queue_type = budget.queue_type(self.waiting), None
         if scheduled_reqs is None:  # the host's pass raised: its tasks are gone, and so are the plugin's

@@ -37,10 +37,10 @@ class _RatioCore(_BudgetedReserve):
 
     def _fdsched_reestimate(self, preemptions: int = 1) -> None:
         self._fdsched_strategy.on_preemption(self._fdsched_views(with_phase=True), preemptions)
-        budget = self._fdsched_budget()
+        budget = self._fdsched_made_budget()
         if budget is not None:  # the ratio moved: the pass's next ask counts the running set afresh
             budget.running_changed()
-        METRICS.ratio(self._fdsched_ratio.value, of=self)
+        self._fdsched_strategy.report(of=self)
 
     def fdsched_adaptive_state(self):
         """The adaptive estimator's state (:meth:`fdsched.core.adaptive.AdaptiveReserve.state`), or None when this

@@ -203,6 +203,7 @@ class RatioStrategy:
         # then a sum over the requests' budgets left (:meth:`lefts_blocks`), kept through a pass (:meth:`tally`);
         # a third party's hook may keep state of its own and is asked for every request at every ask
         self.pure = pure
+        self._reported = None  # the ratio this strategy's gauge shows (report)
 
     def request_blocks(self, view: RunningView) -> int:
         """What one running request keeps free, asked alone."""
@@ -257,7 +258,12 @@ class RatioStrategy:
         )
 
     def report(self, of=None) -> None:
-        METRICS.ratio(self.ratio.value, of=of)
+        """The ratio's gauge, set only when the ratio moved since this strategy last set it (at its floor it stays
+        put pass after pass, and a gauge update costs about as much as the rest of a pass's own work)."""
+        value = self.ratio.value
+        if value != self._reported:
+            self._reported = value
+            METRICS.ratio(value, of=of)
 
     def report_decision(self, of=None) -> None:
         """What the last :meth:`set_blocks` decided, beyond the reserved figure (nothing here)."""

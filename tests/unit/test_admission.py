@@ -294,3 +294,22 @@ def test_the_adaptive_offset_reads_only_the_requests_admitted_since_the_last_ask
     running.append(_view("c", 1000, 0))
     second = budget.threshold(0, running)
     assert reader.read == ["a", "b", "c"] and second > first
+
+
+def test_the_ratio_gauge_is_set_only_when_the_ratio_moved(monkeypatch):
+    from fdsched.core.metrics import METRICS
+
+    shown = []
+    monkeypatch.setattr(METRICS, "ratio", lambda value, of=None: shown.append(value))
+    strategy = RatioStrategy(_ratio(0.5, minimum=0.3, decay=0.1), 40, 4, 0, _formula)
+    strategy.report()
+    strategy.report()  # nothing moved
+    strategy.after_pass(True)
+    strategy.report()
+    strategy.after_pass(True)
+    strategy.after_pass(True)  # at the floor
+    strategy.report()
+    strategy.report()
+    strategy.on_preemption([_view("a", 100, 90, decoding=True)], 1)
+    strategy.report()
+    assert shown == pytest.approx([0.5, 0.4, 0.3, strategy.ratio.value]) and strategy.ratio.value != 0.3
