@@ -38,7 +38,7 @@ class ReservationMixin(PluginBase):
 # ---- what the plugin's reservation (impls "plugin" and "off") shares -----------------------------------
 class _BudgetedReserve(ReservationMixin):
     """One :class:`fdsched.core.admission.AdmissionBudget` per ``schedule()`` pass, with this arm's strategy
-    behind it: opened by the ``schedule`` wrapper, asked at the host's threshold seam (and by the old host's
+    behind it: made by the pass the ``schedule`` wrapper opens, at its first need, asked at the host's threshold seam (and by the old host's
     guard), closed when the pass ends. The budget belongs to the thread that opened it: a threshold asked on
     another thread while the pass is open (the old host's PD preallocation) gets a budget of its own."""
 
@@ -73,7 +73,7 @@ class _BudgetedReserve(ReservationMixin):
 
     def _fdsched_new_budget(self) -> AdmissionBudget:
         strategy = self._fdsched_strategy
-        # How this pass counts the running set is the strategy's choice, made now, once per pass.
+        # How this pass counts the running set is the strategy's choice, made here, once per pass.
         return AdmissionBudget(strategy, strategy.tally(self._fdsched_reader), self._fdsched_speculative_slack)
 
     def _fdsched_budget(self):

@@ -14,10 +14,10 @@ in plain values (nothing here imports FastDeploy):
   every admission in it (:meth:`AdmissionBudget.threshold`) and closed at the pass's end. It is the model of
   SGLang's ``PrefillAdder`` (one object per pass that every admission asks).
 * a **tally** is how a budget counts the running set's blocks at each ask, chosen by the strategy when the pass
-  opens (:meth:`RatioStrategy.tally`): a :class:`RunningOffset` where the set's blocks are a sum of per-request
-  parts (upstream's formula with no third party answering: counted in full at the pass's first ask, then only
-  the requests admitted since, as SGLang's ``PrefillAdder`` keeps its running offset), else a
-  :class:`RunningRecount` (the whole set at every ask).
+  makes its budget (:meth:`RatioStrategy.tally`): a :class:`RunningOffset` where the set's reservation adds up
+  request by request (with no third party answering: upstream's formula over budgets left, or the adaptive
+  estimator's terms; counted in full at the pass's first ask, then only the requests admitted since, as SGLang's
+  ``PrefillAdder`` keeps its running offset), else a :class:`RunningRecount` (the whole set at every ask).
 
 The scheduler side (``fdsched.patches.ratio_reserve``) turns host requests into :class:`RunningView` values
 and applies the answers at the host's seams.
@@ -233,7 +233,7 @@ class RatioStrategy:
         return partial + whole * ((int(clip * ratio) + round_up) // block_size)
 
     def tally(self, reader: RunningReader):
-        """How a pass counts the running set (chosen when the pass opens): the plugin's own formula as an offset
+        """How a pass counts the running set (chosen when the pass makes its budget): the plugin's own formula as an offset
         over budgets left (:class:`RunningOffset`); a third party's hook through views, the whole set at every ask
         (:class:`RunningRecount`); nothing on a prefill node."""
         if not self.decodes:
@@ -382,11 +382,11 @@ class _AdaptiveSum:
 
 @dataclass
 class AdmissionBudget:
-    """One ``schedule()`` pass's admission decision: opened at the pass's start, asked by every admission,
+    """One ``schedule()`` pass's admission decision: made at the pass's first need of it, asked by every admission,
     closed at its end.
 
     ``tally`` counts the running set's blocks at each ask (the strategy's :meth:`RatioStrategy.tally`, chosen
-    when the pass opens). ``slack`` is what a speculative-decoding engine adds to a threshold that reserves
+    when the budget is made). ``slack`` is what a speculative-decoding engine adds to a threshold that reserves
     something (one block, within the per-sequence maximum). ``declined`` (the old host's guard) holds the running
     chunks the budget refused in this pass: the scheduler declines their preemption call instead of preempting.
     """
