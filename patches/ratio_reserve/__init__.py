@@ -39,10 +39,11 @@ Relies on: (each probed at install: ``on``, or ``off`` on the new host, fails na
     running status, and takes it out of ``running``; a preempted request is not running.
 
 How: one admission budget per ``schedule()`` pass (:class:`fdsched.core.admission.AdmissionBudget`), with
-this arm's reservation strategy behind it. The ``schedule`` wrapper opens the pass, which makes it at its first need; every admission asks it at the
-host's threshold seam ``_get_can_schedule_prefill_threshold_block`` (a prefill, new or the next chunk of a
-running one, is admitted only when free blocks cover its chunk plus what the running set keeps free); the
-wrapper closes it when the pass ends and then tells the strategy whether the pass scheduled something.
+this arm's reservation strategy behind it. The ``schedule`` wrapper opens the pass, which makes the budget at
+its first need; every admission asks it at the host's threshold seam ``_get_can_schedule_prefill_threshold_block``
+(a prefill, new or the next chunk of a running one, is admitted only when free blocks cover its chunk plus what
+the running set keeps free); the wrapper closes it when the pass ends and then tells the strategy whether the
+pass scheduled something.
 The arm's class holds the mixin for its impl, host version and estimator (``SPEC.variants``), chosen
 once when the class is built; no method asks which impl it runs. One module of this package per implementation:
 

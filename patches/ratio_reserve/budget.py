@@ -38,9 +38,10 @@ class ReservationMixin(PluginBase):
 # ---- what the plugin's reservation (impls "plugin" and "off") shares -----------------------------------
 class _BudgetedReserve(ReservationMixin):
     """One :class:`fdsched.core.admission.AdmissionBudget` per ``schedule()`` pass, with this arm's strategy
-    behind it: made by the pass the ``schedule`` wrapper opens, at its first need, asked at the host's threshold seam (and by the old host's
-    guard), closed when the pass ends. The budget belongs to the thread that opened it: a threshold asked on
-    another thread while the pass is open (the old host's PD preallocation) gets a budget of its own."""
+    behind it: made by the pass the ``schedule`` wrapper opens, at its first need, asked at the host's threshold
+    seam (and by the old host's guard), closed when the pass ends. The budget belongs to the thread that opened
+    it: a threshold asked on another thread while the pass is open (the old host's PD preallocation) gets a budget
+    of its own."""
 
     fdsched_globals = {RM: ("llm_logger",)}
     fdsched_attributes = ("config", "running", "lock", "cache_manager")
@@ -113,7 +114,9 @@ class _BudgetedReserve(ReservationMixin):
                 self._fdsched_report(budget)
             for request_id in sorted(budget.close()):
                 METRICS.signal_unconsumed(DECLINE_PREEMPTION, of=self)
-                logger.warning(f"[fdsched] the guard refused running chunk {request_id} but no preemption call followed")
+                logger.warning(
+                    f"[fdsched] the guard refused running chunk {request_id} but no preemption call followed"
+                )
         schedule_pass.close(logger, of=self)
 
     # ---- the admission threshold ---------------------------------------------------------------------

@@ -10,7 +10,7 @@ in plain values (nothing here imports FastDeploy):
   (upstream's new_token_ratio formula, PR 7444/7783) and :class:`AdaptiveStrategy` (the plugin's learned
   remainder plus one margin for the whole set). A strategy also carries its state between passes: what
   a pass that scheduled something does (:meth:`after_pass`) and what a preemption does (:meth:`on_preemption`).
-* an :class:`AdmissionBudget` is opened by the scheduler at the start of every ``schedule()`` pass, asked by
+* an :class:`AdmissionBudget` is made by the scheduler's ``schedule()`` pass at its first need, asked by
   every admission in it (:meth:`AdmissionBudget.threshold`) and closed at the pass's end. It is the model of
   SGLang's ``PrefillAdder`` (one object per pass that every admission asks).
 * a **tally** is how a budget counts the running set's blocks at each ask, chosen by the strategy when the pass
@@ -233,9 +233,9 @@ class RatioStrategy:
         return partial + whole * ((int(clip * ratio) + round_up) // block_size)
 
     def tally(self, reader: RunningReader):
-        """How a pass counts the running set (chosen when the pass makes its budget): the plugin's own formula as an offset
-        over budgets left (:class:`RunningOffset`); a third party's hook through views, the whole set at every ask
-        (:class:`RunningRecount`); nothing on a prefill node."""
+        """How a pass counts the running set (chosen when the pass makes its budget): the plugin's own formula as
+        an offset over budgets left (:class:`RunningOffset`); a third party's hook through views, the whole set at
+        every ask (:class:`RunningRecount`); nothing on a prefill node."""
         if not self.decodes:
             return RunningRecount(_nothing)
         if self.pure():
