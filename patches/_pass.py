@@ -26,7 +26,9 @@ from dataclasses import dataclass
 
 from fdsched.core.metrics import METRICS
 
-__all__ = ["Expected", "SchedulePass", "PassDesk", "NO_PASSES"]
+__all__ = ["Expected", "SchedulePass", "PassDesk", "NO_PASSES", "NOTHING"]
+
+NOTHING = frozenset()  # what a pass says of a check it expects nothing of (most checks: one object, no allocation)
 
 
 @dataclass(frozen=True)
@@ -70,10 +72,10 @@ class SchedulePass:
     def take(self, num_blocks: int) -> frozenset:
         """The kinds the pass expects of this check of ``num_blocks`` blocks for the request in focus (consumed)."""
         if not self._expected:
-            return frozenset()
+            return NOTHING
         taken = [e for e in self._expected if e.num_blocks == num_blocks and e.request_id == self.request_id]
         if not taken:
-            return frozenset()
+            return NOTHING
         self._expected = [e for e in self._expected if e not in taken]
         return frozenset(e.kind for e in taken)
 
@@ -136,6 +138,14 @@ class PassDesk:
         thread = threading.get_ident()
         return self._open.get(thread) or self._asked.get(thread)
 
+    def take(self, num_blocks: int) -> frozenset:
+        """What the pass :meth:`consulted` on the calling thread says of this check of ``num_blocks`` blocks
+        (:meth:`SchedulePass.take`, consumed); :data:`NOTHING` when no pass is. The cache manager asks this at
+        every block check, most of which no pass expects anything of: one call, no allocation."""
+        thread = threading.get_ident()
+        schedule_pass = self._open.get(thread) or self._asked.get(thread)
+        return NOTHING if schedule_pass is None else schedule_pass.take(num_blocks)
+
     def pending(self) -> tuple:
         """What every open pass still expects (a diagnostic: read from any thread)."""
         return tuple(e for p in list(self._open.values()) for e in p.pending())
@@ -152,6 +162,9 @@ class _NoPasses(PassDesk):
 
     def consulted(self):
         return None
+
+    def take(self, num_blocks: int) -> frozenset:
+        return NOTHING
 
 
 NO_PASSES = _NoPasses()

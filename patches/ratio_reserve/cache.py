@@ -8,7 +8,7 @@ from fdsched.core.metrics import METRICS
 
 from fdsched.patches._spec import Shapes
 from fdsched.patches._base import PluginBase
-from fdsched.patches._pass import NO_PASSES
+from fdsched.patches._pass import NO_PASSES, NOTHING
 from fdsched.patches.ratio_reserve.budget import COUNT_REFUSAL, REFUSE_RUNNING_CHUNK
 
 
@@ -21,16 +21,14 @@ class RatioReserveCacheMixin(PluginBase):
     _fdsched_desk = NO_PASSES  # until a plugin scheduler built with this cache manager hands over its own
 
     def can_allocate_gpu_blocks(self, num_blocks, try_free_gpu_blocks=True):
-        kinds = self._fdsched_signals_for(num_blocks)
+        kinds = self._fdsched_desk.take(num_blocks)
+        if kinds is NOTHING:  # most checks: the pass expects nothing of this one, the pool answers
+            return super().can_allocate_gpu_blocks(num_blocks, try_free_gpu_blocks)
         allowed = REFUSE_RUNNING_CHUNK not in kinds and super().can_allocate_gpu_blocks(num_blocks, try_free_gpu_blocks)
         return self._fdsched_counted(kinds, allowed)
 
-    def _fdsched_signals_for(self, num_blocks) -> frozenset:
-        """What the scheduler's pass open on this thread says of this check (consumed by it): nothing when none is."""
-        schedule_pass = self._fdsched_desk.consulted()
-        return schedule_pass.take(num_blocks) if schedule_pass is not None else frozenset()
-
     def _fdsched_counted(self, kinds, allowed: bool) -> bool:
+        """``allowed``, after counting a refused threshold check the pass said to count."""
         if COUNT_REFUSAL in kinds and not allowed:
             METRICS.admission_blocked(of=self)
         return allowed
@@ -40,7 +38,9 @@ class RatioReserveCacheOneArgMixin(RatioReserveCacheMixin):
     """The block check where the host's takes the count only, ``(num_blocks)`` (FastDeploy 2.4 and 2.5)."""
 
     def can_allocate_gpu_blocks(self, num_blocks):
-        kinds = self._fdsched_signals_for(num_blocks)
+        kinds = self._fdsched_desk.take(num_blocks)
+        if kinds is NOTHING:
+            return super(RatioReserveCacheMixin, self).can_allocate_gpu_blocks(num_blocks)
         allowed = REFUSE_RUNNING_CHUNK not in kinds and super(RatioReserveCacheMixin, self).can_allocate_gpu_blocks(num_blocks)
         return self._fdsched_counted(kinds, allowed)
 
