@@ -7,6 +7,8 @@ takes the request). The catalogue entry, with what the change replaces and relie
 from __future__ import annotations
 
 import functools
+import sys
+import weakref
 
 from fdsched.core.admission import AdmissionBudget, RunningView
 from fdsched.core.adaptive import client_bound
@@ -62,7 +64,8 @@ class _BudgetedReserve(ReservationMixin):
         self.cache_manager._fdsched_desk = self._fdsched_desk
         # A draft model (speculative decoding) needs one block more per chunk; fixed for the scheduler's life.
         self._fdsched_speculative_slack = self._fdsched_draft_slack if drafts(self) else _no_slack
-        self._fdsched_reader = _RunningReader(self)
+        # the host module's request class (every FastDeploy 2.x has one; without it the reader reads afresh)
+        self._fdsched_reader = reader_for(self, getattr(sys.modules.get(RM), "Request", None))
 
     @functools.cached_property
     def _fdsched_strategy(self):
@@ -214,7 +217,8 @@ def _no_slack(threshold: int) -> int:
 
 
 class _RunningReader:
-    """What a strategy reads of a scheduler's running requests (:class:`fdsched.core.admission.RunningReader`)."""
+    """What a strategy reads of a scheduler's running requests (:class:`fdsched.core.admission.RunningReader`),
+    read afresh from each request every time."""
 
     __slots__ = ("scheduler",)
 
@@ -224,34 +228,97 @@ class _RunningReader:
     def views(self, requests, kept=None) -> list:
         return self.scheduler._fdsched_views(requests, kept=kept)
 
+    def terms(self, request) -> tuple:
+        """``(budget, client bound)`` of ``request``: its output budget
+        (:func:`fdsched.core.policies.max_new_tokens_of`) and its view's client bound
+        (:func:`fdsched.core.adaptive.client_bound`), computed inline (this runs for every running request)."""
+        max_tokens = getattr(request.sampling_params, "max_tokens", None)
+        room = self.scheduler.config.model_config.max_model_len - request.prompt_token_ids_len
+        if max_tokens is None:
+            return room, None
+        budget = int(max_tokens)
+        return budget, (None if max_tokens < 1 or max_tokens >= room else budget)
+
     def lefts(self, requests) -> list:
-        """Each request's budget left (:func:`fdsched.core.policies.max_new_tokens_of` minus its output so far), read
-        afresh: the first ask of every pass reads every running request, so this is the loop to keep short."""
-        max_model_len = self.scheduler.config.model_config.max_model_len
+        """Each request's budget left: its budget minus its output so far. The first ask of every pass reads every
+        running request, so this is the loop to keep short."""
+        terms = self.terms
+        return [terms(r)[0] - len(r.output_token_ids) for r in requests]
+
+    def keys(self, requests) -> list:
+        """Each request as ``(max_tokens, budget, generated)``: its view's client bound, budget and output so far,
+        without the view."""
+        keys = []
+        append, terms = keys.append, self.terms
+        for r in requests:
+            budget, bound = terms(r)
+            append((bound, budget, len(r.output_token_ids)))
+        return keys
+
+
+class _KeptTermsReader(_RunningReader):
+    """A :class:`_RunningReader` that keeps each request's terms from the first time it reads them.
+
+    A request's budget and client bound are set before it reaches the scheduler (its prompt length and
+    ``max_tokens``) and stay as they are while it runs; only its output grows. Reading them means following
+    ``request.sampling_params`` into another object for every running request at every pass's first count, which on
+    a host scheduler's pass costs about as much as the rest of the count. They are kept by the request object's
+    identity (``id``, with a weak reference that says it is still that object: a request that ended and another
+    that took its address are told apart, and nothing here keeps a request alive); entries of requests that are
+    gone are dropped whenever the table has doubled since it was last swept.
+    """
+
+    __slots__ = ("_kept", "_sweep_at")
+
+    SWEEP_FLOOR = 1024  # entries before the first sweep
+
+    def __init__(self, scheduler) -> None:
+        super().__init__(scheduler)
+        self._kept: dict = {}  # id(request) -> (weak reference to it, budget, client bound)
+        self._sweep_at = self.SWEEP_FLOOR
+
+    def kept_terms(self, request) -> tuple:
+        """``(weak reference, budget, client bound)`` of ``request``, read now if not kept yet."""
+        kept = self._kept.get(id(request))
+        if kept is None or kept[0]() is not request:
+            kept = (weakref.ref(request), *self.terms(request))
+            self._kept[id(request)] = kept
+            if len(self._kept) > self._sweep_at:
+                self._sweep()
+        return kept
+
+    def _sweep(self) -> None:
+        self._kept = {key: kept for key, kept in self._kept.items() if kept[0]() is not None}
+        self._sweep_at = max(self.SWEEP_FLOOR, 2 * len(self._kept))
+
+    def lefts(self, requests) -> list:
+        get, fresh = self._kept.get, self.kept_terms
         lefts = []
         append = lefts.append
         for r in requests:
-            max_tokens = getattr(r.sampling_params, "max_tokens", None)
-            budget = max_model_len - r.prompt_token_ids_len if max_tokens is None else int(max_tokens)
-            append(budget - len(r.output_token_ids))
+            terms = get(id(r))
+            if terms is None or terms[0]() is not r:
+                terms = fresh(r)
+            append(terms[1] - len(r.output_token_ids))
         return lefts
 
     def keys(self, requests) -> list:
-        """Each request as ``(max_tokens, budget, generated)``: its view's client bound
-        (:func:`fdsched.core.adaptive.client_bound`), budget and output so far, without the view."""
-        max_model_len = self.scheduler.config.model_config.max_model_len
+        get, fresh = self._kept.get, self.kept_terms
         keys = []
         append = keys.append
         for r in requests:
-            max_tokens = getattr(r.sampling_params, "max_tokens", None)
-            room = max_model_len - r.prompt_token_ids_len
-            if max_tokens is None:
-                append((None, room, len(r.output_token_ids)))
-                continue
-            budget = int(max_tokens)
-            append((None if max_tokens < 1 or max_tokens >= room else budget, budget, len(r.output_token_ids)))
+            terms = get(id(r))
+            if terms is None or terms[0]() is not r:
+                terms = fresh(r)
+            append((terms[2], terms[1], len(r.output_token_ids)))
         return keys
 
+
+def reader_for(scheduler, request_class) -> _RunningReader:
+    """The reader for a scheduler whose running requests are ``request_class`` objects: one that keeps their terms
+    where the class allows a weak reference to its objects (every FastDeploy 2.x does), else one that reads
+    afresh."""
+    return _KeptTermsReader(scheduler) if getattr(request_class, "__weakrefoffset__", 0) else _RunningReader(scheduler)
 
 
 # ---- the host's shapes of the plugin's version ------------------------------------------------------------

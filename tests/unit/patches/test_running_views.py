@@ -4,6 +4,7 @@ was; one that did, or another object under the same id, is seen afresh)."""
 
 from __future__ import annotations
 
+import weakref
 from types import SimpleNamespace
 
 from fdsched.patches.ratio_reserve import _BudgetedReserve
@@ -74,3 +75,102 @@ def test_the_readers_lefts_and_keys_are_what_the_views_say():
     assert reader.lefts(requests) == [v.budget - v.generated for v in views]
     assert reader.keys(requests) == [(v.max_tokens, v.budget, v.generated) for v in views]
     assert reader.views(requests[:2]) == views[:2]
+
+
+class _Request:
+    """A plain object a weak reference can point to (as the host's request objects)."""
+
+    def __init__(self, rid, prompt_len, generated, max_tokens):
+        self.request_id, self.prompt_token_ids_len = rid, prompt_len
+        self.output_token_ids = [7] * generated
+        self.sampling_params = SimpleNamespace(max_tokens=max_tokens)
+
+
+class _CountedParams:
+    """Sampling parameters that count how often ``max_tokens`` is read."""
+
+    def __init__(self, max_tokens):
+        self._max_tokens, self.reads = max_tokens, 0
+
+    @property
+    def max_tokens(self):
+        self.reads += 1
+        return self._max_tokens
+
+
+def _kept_reader(requests):
+    from fdsched.patches.ratio_reserve.budget import reader_for
+
+    scheduler = _scheduler(requests)
+    scheduler._fdsched_views = lambda requests=None, kept=None: _views(scheduler, requests=requests, kept=kept)
+    return scheduler, reader_for(scheduler, _Request)
+
+
+def test_the_kept_terms_reader_answers_as_the_views_for_every_kind_of_request():
+    from fdsched.patches.ratio_reserve.budget import _KeptTermsReader
+
+    requests = [_Request("bounded", 16, 3, 512), _Request("unset", 48, 7, None), _Request("at-room", 48, 0, 2000),
+                _Request("over-room", 48, 0, 5000), _Request("zero", 16, 0, 0), _Request("over-budget", 16, 600, 512),
+                _Request("float", 16, 2, 100.0)]
+    scheduler, reader = _kept_reader(requests)
+    assert isinstance(reader, _KeptTermsReader)
+    for _ in range(2):  # read, then kept
+        views = _views(scheduler)
+        assert reader.lefts(requests) == [v.budget - v.generated for v in views]
+        assert reader.keys(requests) == [(v.max_tokens, v.budget, v.generated) for v in views]
+        for r in requests:
+            r.output_token_ids.append(7)  # outputs grow between passes: read afresh every time
+
+
+def test_a_requests_terms_are_read_once_and_its_output_every_time():
+    request = _Request("a", 16, 3, 512)
+    request.sampling_params = _CountedParams(512)
+    _, reader = _kept_reader([request])
+    assert reader.lefts([request]) == [509] and reader.keys([request]) == [(512, 512, 3)]
+    request.output_token_ids += [7, 7]
+    assert reader.lefts([request]) == [507]
+    assert request.sampling_params.reads == 1
+
+
+def test_another_object_at_a_kept_address_is_read_afresh():
+    request = _Request("a", 16, 0, 64)
+    _, reader = _kept_reader([request])
+
+    class Gone:
+        pass
+
+    gone = Gone()
+    stale = weakref.ref(gone)
+    del gone  # an object that ended; another now sits at the address the entry was kept under
+    reader._kept[id(request)] = (stale, 9999, None)
+    assert reader.lefts([request]) == [64] and reader._kept[id(request)][0]() is request
+
+
+def test_the_kept_table_drops_requests_that_are_gone_and_keeps_none_alive(monkeypatch):
+    from fdsched.patches.ratio_reserve.budget import _KeptTermsReader
+
+    monkeypatch.setattr(_KeptTermsReader, "SWEEP_FLOOR", 8)
+    live = [_Request(f"live{i}", 16, 0, 64) for i in range(3)]
+    _, reader = _kept_reader(live)
+    assert reader._sweep_at == 8
+    reader.lefts(live)
+    ended = [_Request(f"ended{i}", 16, 0, 64) for i in range(4)]  # 7 kept: under the floor
+    reader.lefts(ended)
+    watch = weakref.ref(ended[0])
+    del ended  # they left the scheduler: nothing here holds them
+    assert watch() is None
+    assert sum(kept[0]() is None for kept in reader._kept.values()) == 4
+    admitted = [_Request(f"new{i}", 16, 0, 64) for i in range(10)]  # may take the ended ones' addresses
+    reader.lefts(admitted)  # the table passes 8: swept
+    assert len(reader._kept) == 13 and all(kept[0]() is not None for kept in reader._kept.values())
+    assert all(id(r) in reader._kept for r in live + admitted)
+    assert reader.lefts(live) == [64, 64, 64]
+
+
+def test_requests_no_weak_reference_can_point_to_are_read_afresh():
+    from fdsched.patches.ratio_reserve.budget import _KeptTermsReader, _RunningReader, reader_for
+
+    scheduler = _scheduler([])
+    assert type(reader_for(scheduler, SimpleNamespace)) is _RunningReader  # its objects take no weak reference
+    assert type(reader_for(scheduler, None)) is _RunningReader  # the host module has no request class
+    assert type(reader_for(scheduler, _Request)) is _KeptTermsReader
