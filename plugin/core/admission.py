@@ -25,9 +25,10 @@ and applies the answers at the host's seams.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, NamedTuple, Optional, Protocol, Sequence
+from typing import Callable, NamedTuple, Optional, Protocol, Sequence
 
 from fdsched.core.adaptive import AdaptiveReserve, SetReservation
 from fdsched.core.metrics import METRICS
@@ -174,6 +175,17 @@ class FixedBlockStrategy:
         """What the last :meth:`set_blocks` decided, beyond the reserved figure (nothing here)."""
 
 
+def _least_left(tokens: int, ratio: float) -> int:
+    """The least budget left ``n`` (a whole number, at least 1) with ``int(n x ratio) >= tokens``, ``ratio > 0``:
+    estimated by division and settled with the product itself, as the formula computes it."""
+    least = max(1, math.ceil(tokens / ratio))
+    while least > 1 and int((least - 1) * ratio) >= tokens:
+        least -= 1
+    while int(least * ratio) < tokens:
+        least += 1
+    return least
+
+
 class RatioStrategy:
     """Upstream's formula: each running request keeps ``ceil(min(budget - generated, clip) x ratio / block)``
     blocks (``estimate``: the ``fdsched_estimate_reserve_blocks`` hook, whose default is that formula); the
@@ -215,22 +227,38 @@ class RatioStrategy:
         """The running set's blocks: the estimate of each request, summed."""
         return sum(self.request_blocks(view) for view in running)
 
-    def lefts_blocks(self, lefts: Iterable[int]) -> int:
+    def lefts_blocks(self, lefts: Sequence[int]) -> int:
         """Upstream's formula summed over requests given by their budget left (``budget - generated``): what
         :meth:`set_blocks` gives with the plugin's own estimate
-        (:func:`fdsched.core.policies.reserve_blocks_for_request`), in one loop without a call per request. A
-        request with at least ``clip`` left keeps the same ``ceil(int(clip x ratio) / block)``, counted once."""
+        (:func:`fdsched.core.policies.reserve_blocks_for_request`), without a call per request.
+
+        A request's blocks, ``ceil(int(min(left, clip) x ratio) / block)``, only grow with its budget left, by one
+        block at each of a few thresholds (the least budget left that reaches each block). So the sum is, over those
+        thresholds, how many requests reach each: with the budgets left sorted, one bisection per threshold. That is
+        the way when the thresholds are few next to the requests (a short clip, or budgets left that are small
+        next to the block); else one loop over the requests."""
         ratio, clip, block_size = self.ratio.value, self.clip, self.block_size
-        if ratio <= 0 or clip <= 0:
+        if ratio <= 0 or clip <= 0 or not lefts:
             return 0  # int(min(left, clip) x ratio) is never above 0
+        top = min(max(lefts), clip)
+        if top <= 0:
+            return 0
         round_up = block_size - 1
-        whole = partial = 0
-        for left in lefts:
-            if left >= clip:
-                whole += 1
-            elif left > 0:
-                partial += (int(left * ratio) + round_up) // block_size
-        return partial + whole * ((int(clip * ratio) + round_up) // block_size)
+        steps = (int(top * ratio) + round_up) // block_size  # the blocks of the request with the most left
+        if steps * 16 > len(lefts):  # a threshold (its search and bisection) costs about 16 turns of the loop
+            whole = partial = 0
+            for left in lefts:
+                if left >= clip:
+                    whole += 1
+                elif left > 0:
+                    partial += (int(left * ratio) + round_up) // block_size
+            return partial + whole * ((int(clip * ratio) + round_up) // block_size)
+        ordered = sorted(lefts)
+        count, total, low = len(ordered), 0, 0
+        for step in range(steps):
+            low = bisect.bisect_left(ordered, _least_left(step * block_size + 1, ratio), low)
+            total += count - low
+        return total
 
     def tally(self, reader: RunningReader):
         """How a pass counts the running set (chosen when the pass makes its budget): the plugin's own formula as

@@ -313,3 +313,27 @@ def test_the_ratio_gauge_is_set_only_when_the_ratio_moved(monkeypatch):
     strategy.on_preemption([_view("a", 100, 90, decoding=True)], 1)
     strategy.report()
     assert shown == pytest.approx([0.5, 0.4, 0.3, strategy.ratio.value]) and strategy.ratio.value != 0.3
+
+
+@pytest.mark.parametrize("ratio", [0.05, 0.1337, 0.31, 0.698, 1.0, 1.7])
+@pytest.mark.parametrize("clip", [1, 64, 1000, 4096, 10**9])
+@pytest.mark.parametrize("block_size", [1, 16, 64])
+def test_lefts_blocks_counts_by_thresholds_or_by_requests_as_the_formula(ratio, clip, block_size):
+    import random
+
+    strategy = RatioStrategy(_ratio(ratio, minimum=0.0), clip, block_size, 0, _formula)
+    rng = random.Random(f"{ratio}-{clip}-{block_size}")
+    for size, spread in [(1, 50), (40, 3000), (448, 600), (448, 5000), (448, 40)]:
+        # budgets left as a running set has them: spread out, repeated, none or negative (past its budget)
+        views = [_view(f"r{i}", rng.randint(0, spread), rng.randint(0, spread // 4)) for i in range(size)]
+        lefts = [v.budget - v.generated for v in views]
+        assert strategy.lefts_blocks(lefts) == strategy.set_blocks(views), (size, spread)
+
+
+def test_the_least_budget_left_for_a_block_is_the_formulas_own():
+    from fdsched.core.admission import _least_left
+
+    for ratio in (0.05, 0.1, 0.3, 0.7, 0.698, 1.0, 2.5):
+        for tokens in range(1, 400):
+            least = _least_left(tokens, ratio)
+            assert int(least * ratio) >= tokens and (least == 1 or int((least - 1) * ratio) < tokens), (ratio, tokens)
