@@ -8,7 +8,8 @@ nodes from the same heap and detaches them, doing nothing else. The tree is rebu
 every variant (chains of ``--chain`` blocks, one node per block).
 
 ``schedule``: ``schedule()`` CPU time per step with R running decode requests (and a queue of
-waiting requests that the reservation keeps out), host code vs the plugin, interleaved repetitions,
+waiting requests that the reservation keeps out), host code vs the plugin, each arm in fresh processes of its
+own taking turns (``--processes``; 0: both in this process, interleaved repetitions),
 median and mean per-step time and the ratios, and the ratio of the summed per-step minima (each step's least
 disturbed repetition: the figure that holds still on a shared machine, where the medians move by 10-50%), also
 split into the steps that admit a prefill chunk (either variant) and the others.
@@ -25,6 +26,7 @@ import gc
 import heapq
 import statistics
 import time
+from typing import Optional
 
 from fdsched.core.common import bounded_float, bounded_int, percentile
 
@@ -246,42 +248,101 @@ def _schedule_setup(running: int, waiting: int, block_size: int):
     return rm, driver
 
 
+def _schedule_runs(variant: str, mode: str, running: int, waiting: int, steps: int, block_size: int) -> list:
+    """One timed run of one arm (``variant``: "host" or a profile) on a fresh scheduler: ``[(cpu seconds, admitted
+    a prefill chunk)]`` per step."""
+    from fdsched.replay.engine import close_manager, logical_clock
+
+    _install(None if variant == "host" else variant)
+    with logical_clock():
+        rm, driver = _schedule_setup(running, waiting, block_size)
+        gc.collect()
+
+        def run(driver=driver):  # the driver plays worker and token processor; only schedule() is timed
+            # per step, its CPU time and whether it admitted a chunk: the step's record is not kept
+            # alive through the timed run (its lists would be objects for the collector to walk)
+            return [(record.schedule_cpu_seconds, bool(record.prefill_chunks))
+                    for record in (driver.step() for _ in range(steps))]
+
+        _, per_step, _ = _timed(run, {"on": True, "due": "due", "off": False}[mode])
+        close_manager(rm)
+    return per_step
+
+
+def _arm_in_a_process(variant: str, repeat: int, gc_modes: tuple, shape: tuple, heap_objects: int) -> dict:
+    """In a fresh interpreter (:func:`bench_schedule_isolated`): the host made importable, the heap grown as the
+    bench's own process grows it, then ``repeat`` runs of one arm per gc mode: ``{mode: [per-step records]}``."""
+    from fdsched.install.probe import find_host
+    from fdsched.replay.engine import prepare_host_environment
+
+    prepare_host_environment()
+    find_host()
+    import fastdeploy.engine.sched.resource_manager_v1  # noqa: F401  (the host's modules are in the count)
+
+    grow_heap(heap_objects)
+    runs = {mode: [_schedule_runs(variant, mode, *shape) for _ in range(repeat)] for mode in gc_modes}
+    _install(None)
+    return runs
+
+
+def arm_order(repetition: int) -> tuple:
+    """The arms' order in a repetition: they take turns going first (the arm that runs second in a process
+    inherits the first one's heap; in an isolated run, the next process starts a moment after the last one)."""
+    return ("host", "plugin") if repetition % 2 == 0 else ("plugin", "host")
+
+
 def bench_schedule(running: int, waiting: int, steps: int, repeat: int, block_size: int, profile: str,
                    gc_modes=GC_MODES) -> dict:
     """{(variant, gc mode): {"median": s, "mean": s, "minima": [s per step], "admitting": {step index}}} of
-    schedule() CPU per step, interleaved repetitions. ``minima``: each step's least time over the repetitions;
-    ``admitting``: the steps in which that variant scheduled a prefill chunk (the same in every repetition)."""
-    from fdsched.replay.engine import close_manager, logical_clock
-
+    schedule() CPU per step, both arms in this process, interleaved repetitions. ``minima``: each step's least
+    time over the repetitions; ``admitting``: the steps in which that variant scheduled a prefill chunk (the same
+    in every repetition)."""
     runs = {(v, m): [] for v in ("host", "plugin") for m in gc_modes}
-    admitting = {key: set() for key in runs}
-    for _ in range(repeat):
+    for repetition in range(repeat):
         for mode in gc_modes:
-            for variant in ("host", "plugin"):
-                _install(None if variant == "host" else profile)
-                with logical_clock():
-                    rm, driver = _schedule_setup(running, waiting, block_size)
-                    gc.collect()
-
-                    def run(driver=driver):  # the driver plays worker and token processor; only schedule() is timed
-                        # per step, its CPU time and whether it admitted a chunk: the step's record is not kept
-                        # alive through the timed run (its lists would be objects for the collector to walk)
-                        return [(record.schedule_cpu_seconds, bool(record.prefill_chunks))
-                                for record in (driver.step() for _ in range(steps))]
-
-                    _, per_step, _ = _timed(run, {"on": True, "due": "due", "off": False}[mode])
-                    close_manager(rm)
-                runs[(variant, mode)].append([seconds for seconds, _ in per_step])
-                admitting[(variant, mode)].update(i for i, (_, admitted) in enumerate(per_step) if admitted)
+            for variant in arm_order(repetition):
+                arm = "host" if variant == "host" else profile
+                runs[(variant, mode)].append(_schedule_runs(arm, mode, running, waiting, steps, block_size))
     _install(None)
+    return summarise_runs(runs)
+
+
+def bench_schedule_isolated(processes: int, running: int, waiting: int, steps: int, repeat: int, block_size: int,
+                            profile: str, gc_modes=GC_MODES, heap_objects: Optional[int] = None) -> dict:
+    """:func:`bench_schedule` with each arm in processes of its own, as an engine runs one class: ``processes``
+    fresh interpreters per arm, taking turns (:func:`arm_order`), one at a time, each running ``repeat``
+    repetitions of its arm (``heap_objects``: each grows its heap to that first; default
+    :data:`ENGINE_HEAP_OBJECTS`). In one process the arms disturb each other: there, which arm went first in each
+    repetition moved the ratio by up to 5 points (``recommended``, 448 running, old host: 1.05-1.07 host first,
+    1.09-1.13 taking turns)."""
+    import multiprocessing
+
+    heap_objects = ENGINE_HEAP_OBJECTS if heap_objects is None else heap_objects
+
+    spawn = multiprocessing.get_context("spawn")
+    shape = (running, waiting, steps, block_size)
+    runs = {(v, m): [] for v in ("host", "plugin") for m in gc_modes}
+    for process in range(processes):
+        for variant in arm_order(process):
+            arm = "host" if variant == "host" else profile
+            with spawn.Pool(1) as pool:  # one interpreter for this arm's repetitions, gone before the next starts
+                per_mode = pool.apply(_arm_in_a_process, (arm, repeat, tuple(gc_modes), shape, heap_objects))
+            for mode, per_run in per_mode.items():
+                runs[(variant, mode)].extend(per_run)
+    return summarise_runs(runs)
+
+
+def summarise_runs(runs: dict) -> dict:
+    """``{(variant, mode): [per-step records of one run]}`` -> what :func:`bench_schedule` returns."""
     result = {}
     for key, per_run in runs.items():
-        flat = [t for times in per_run for t in times]
+        flat = [seconds for records in per_run for seconds, _ in records]
+        steps = len(per_run[0]) if per_run else 0
         result[key] = {
             "median": statistics.median(flat),
             "mean": statistics.fmean(flat),
-            "minima": [min(times[i] for times in per_run) for i in range(steps)],
-            "admitting": admitting[key],
+            "minima": [min(records[i][0] for records in per_run) for i in range(steps)],
+            "admitting": {i for records in per_run for i, (_, admitted) in enumerate(records) if admitted},
         }
     return result
 
@@ -360,7 +421,12 @@ def add_commands(sub) -> None:
     sched.add_argument("--running", type=bounded_int(1, 65_536), default=256, help="running requests in the batch (default 256)")
     sched.add_argument("--waiting", type=bounded_int(0, 65_536), default=64, help="requests waiting to be admitted (default 64)")
     sched.add_argument("--steps", type=bounded_int(1, 1_000_000), default=200, help="schedule() calls timed per repetition (default 200)")
-    sched.add_argument("--repeat", type=bounded_int(1, 1000), default=5, help="interleaved repetitions (median)")
+    sched.add_argument("--repeat", type=bounded_int(1, 1000), default=5,
+                       help="repetitions of each arm (per process with --processes; default 5)")
+    sched.add_argument("--processes", type=bounded_int(0, 100), default=3, metavar="P",
+                       help="run each arm in P fresh processes of its own, taking turns, as an engine runs one class "
+                       "(default 3); 0: both arms in this process, interleaved (quicker; the arms then share the "
+                       "host's bytecode and disturb each other by a few percent)")
     sched.add_argument("--block-size", type=bounded_int(1, 4096), default=64, help="tokens per KV block (default 64)")
     sched.add_argument("--profile", default="recommended", help="the plugin's profile")
     _add_heap_args(sched)
@@ -408,9 +474,15 @@ def _run_schedule(args) -> int:
     load_settings(environ={}, profile=args.profile)
     _prepare(args)
     modes = _gc_modes(args)
-    result = bench_schedule(args.running, args.waiting, args.steps, args.repeat, args.block_size, args.profile, modes)
-    print(f"schedule() CPU per step, {args.running} running + {args.waiting} waiting, {args.repeat} x {args.steps} "
-          f"steps (plugin profile {args.profile}):")
+    if args.processes:
+        result = bench_schedule_isolated(args.processes, args.running, args.waiting, args.steps, args.repeat,
+                                         args.block_size, args.profile, modes, args.heap_objects)
+        where = f"each arm in {args.processes} processes of its own x {args.repeat} repetitions"
+    else:
+        result = bench_schedule(args.running, args.waiting, args.steps, args.repeat, args.block_size, args.profile, modes)
+        where = f"both arms in this process, {args.repeat} interleaved repetitions"
+    print(f"schedule() CPU per step, {args.running} running + {args.waiting} waiting, {args.steps} steps, {where} "
+          f"(plugin profile {args.profile}):")
     print(f"{'gc':<4} {'host median':>12} {'plugin median':>14} {'ratio':>6}   {'host mean':>10} {'plugin mean':>12} "
           f"{'ratio':>6}   {'minima ratio':>12} {'admitting':>9} {'other':>6}")
     for mode in modes:
@@ -422,6 +494,10 @@ def _run_schedule(args) -> int:
               f"{shown['all']:>12} {shown['admitting']:>9} {shown['other']:>6}")
     print("minima ratio: plugin / host of the per-step minima summed over the steps (each step's least disturbed "
           f"repetition); admitting: the {m['admitting_steps']} steps in which either admitted a prefill chunk; other: the rest")
+    for mode in modes:
+        h, p = result[("host", mode)], result[("plugin", mode)]
+        print(f"per-step minima, gc {mode}: host {statistics.fmean(h['minima']) * 1e6:.1f} us, "
+              f"plugin {statistics.fmean(p['minima']) * 1e6:.1f} us a step")
     return 0
 
 

@@ -18,3 +18,19 @@ def test_schedule_bench_keeps_each_steps_least_time_and_the_admitting_steps():
         assert figures["admitting"] and figures["admitting"] <= set(range(steps))
     ratios = minima_ratios(result[("host", "off")], result[("plugin", "off")])
     assert ratios["all"] > 0 and ratios["admitting"] > 0 and ratios["admitting_steps"] >= 1
+
+
+def test_isolated_schedule_bench_runs_each_arm_in_processes_of_its_own():
+    import fastdeploy.engine.sched.resource_manager_v1 as host_module
+
+    from fdsched.tools.bench import bench_schedule_isolated
+
+    before = host_module.ResourceManagerV1
+    steps = 6
+    result = bench_schedule_isolated(processes=1, running=4, waiting=2, steps=steps, repeat=2, block_size=64,
+                                     profile="recommended", gc_modes=("off",), heap_objects=0)
+    assert set(result) == {("host", "off"), ("plugin", "off")}
+    for figures in result.values():
+        assert len(figures["minima"]) == steps and all(t > 0 for t in figures["minima"])
+        assert figures["admitting"] and figures["admitting"] <= set(range(steps))
+    assert host_module.ResourceManagerV1 is before  # the arms ran in processes of their own: this one is as it was

@@ -20,3 +20,22 @@ def test_minima_ratio_sums_each_part_over_the_host_and_splits_by_admitting_steps
 def test_a_part_without_steps_has_no_ratio():
     ratios = minima_ratios({"minima": [1.0, 1.0], "admitting": set()}, {"minima": [2.0, 1.0], "admitting": set()})
     assert ratios["admitting"] is None and ratios["other"] == pytest.approx(1.5) and ratios["admitting_steps"] == 0
+
+
+def test_runs_summarise_to_each_steps_least_time_and_every_runs_admitting_steps():
+    from fdsched.tools.bench import summarise_runs
+
+    runs = {("host", "off"): [[(3.0, False), (5.0, True)], [(2.0, False), (6.0, False)]],
+            ("plugin", "off"): [[(4.0, True), (1.0, False)]]}
+    result = summarise_runs(runs)
+    assert result[("host", "off")]["minima"] == [2.0, 5.0]
+    assert result[("host", "off")]["admitting"] == {1}
+    assert result[("host", "off")]["median"] == pytest.approx(4.0) and result[("host", "off")]["mean"] == 4.0
+    assert result[("plugin", "off")]["minima"] == [4.0, 1.0] and result[("plugin", "off")]["admitting"] == {0}
+
+
+def test_the_arms_take_turns_going_first():
+    from fdsched.tools.bench import arm_order
+
+    orders = [arm_order(i) for i in range(4)]
+    assert orders == [("host", "plugin"), ("plugin", "host")] * 2
