@@ -277,14 +277,13 @@ class _KeptTermsReader(_RunningReader):
         self._kept: dict = {}  # id(request) -> (weak reference to it, budget, client bound)
         self._sweep_at = self.SWEEP_FLOOR
 
-    def kept_terms(self, request) -> tuple:
-        """``(weak reference, budget, client bound)`` of ``request``, read now if not kept yet."""
-        kept = self._kept.get(id(request))
-        if kept is None or kept[0]() is not request:
-            kept = (weakref.ref(request), *self.terms(request))
-            self._kept[id(request)] = kept
-            if len(self._kept) > self._sweep_at:
-                self._sweep()
+    def _keep(self, request) -> tuple:
+        """Read ``request``'s terms and keep them: ``(weak reference, budget, client bound)`` (called where the
+        table has no entry for it, or one for an object that is gone)."""
+        kept = (weakref.ref(request), *self.terms(request))
+        self._kept[id(request)] = kept
+        if len(self._kept) > self._sweep_at:
+            self._sweep()
         return kept
 
     def _sweep(self) -> None:
@@ -292,24 +291,24 @@ class _KeptTermsReader(_RunningReader):
         self._sweep_at = max(self.SWEEP_FLOOR, 2 * len(self._kept))
 
     def lefts(self, requests) -> list:
-        get, fresh = self._kept.get, self.kept_terms
+        get, keep = self._kept.get, self._keep
         lefts = []
         append = lefts.append
         for r in requests:
             terms = get(id(r))
             if terms is None or terms[0]() is not r:
-                terms = fresh(r)
+                terms = keep(r)
             append(terms[1] - len(r.output_token_ids))
         return lefts
 
     def keys(self, requests) -> list:
-        get, fresh = self._kept.get, self.kept_terms
+        get, keep = self._kept.get, self._keep
         keys = []
         append = keys.append
         for r in requests:
             terms = get(id(r))
             if terms is None or terms[0]() is not r:
-                terms = fresh(r)
+                terms = keep(r)
             append((terms[2], terms[1], len(r.output_token_ids)))
         return keys
 
