@@ -261,8 +261,8 @@ class _KeptTermsReader(_RunningReader):
 
     A request's budget and client bound are set before it reaches the scheduler (its prompt length and
     ``max_tokens``) and stay as they are while it runs; only its output grows. Reading them means following
-    ``request.sampling_params`` into another object for every running request at every pass's first count, which on
-    a host scheduler's pass costs about as much as the rest of the count. They are kept by the request object's
+    ``request.sampling_params`` into another object for every running request at every pass's first count, which
+    with cold caches costs about as much as the rest of the count. They are kept by the request object's
     identity (``id``, with a weak reference that says it is still that object: a request that ended and another
     that took its address are told apart, and nothing here keeps a request alive); entries of requests that are
     gone are dropped whenever the table has doubled since it was last swept.
