@@ -141,9 +141,8 @@ class PassDesk:
     def take(self, num_blocks: int) -> frozenset:
         """What the pass :meth:`consulted` on the calling thread says of this check of ``num_blocks`` blocks
         (:meth:`SchedulePass.take`, consumed); :data:`NOTHING` when no pass is. The cache manager asks this at
-        every block check, most of which no pass expects anything of: one call, no allocation."""
-        thread = threading.get_ident()
-        schedule_pass = self._open.get(thread) or self._asked.get(thread)
+        every block check, most of which no pass expects anything of: no allocation for those."""
+        schedule_pass = self.consulted()
         return NOTHING if schedule_pass is None else schedule_pass.take(num_blocks)
 
     def pending(self) -> tuple:
@@ -162,9 +161,6 @@ class _NoPasses(PassDesk):
 
     def consulted(self):
         return None
-
-    def take(self, num_blocks: int) -> frozenset:
-        return NOTHING
 
 
 NO_PASSES = _NoPasses()
