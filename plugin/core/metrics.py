@@ -12,7 +12,8 @@ runs (its rank's arm under ``FDSCHED_PROFILE_BY_DP_RANK``, else ``FDSCHED_PROFIL
 profile), ``dp_rank`` its data-parallel rank. The host's ``/metrics`` sums the samples of forked ranks that
 share a label set, so without these labels the arms of an online A/B would be added together. One helper,
 :func:`labels_of`, gives an instance's label values; every update takes the recording instance as ``of=``
-(a new metric: declare it with ``LABELS + (its own labels)`` and call ``.labels(**labels_of(of), ...)``).
+(a new metric: declare it with ``LABELS + (its own labels)`` and update it through
+``PluginMetrics._series(family, name, labels_of(of), ...)``, which keeps each labelled child).
 Updates without ``of`` are labelled ``arm="default", dp_rank=""``.
 
 ===========================================================  =========  =====================================
@@ -213,6 +214,7 @@ class PluginMetrics:
     the most recent (ttft, tpot) pairs."""
 
     def __init__(self) -> None:
+        self._kept_series: dict = {}  # (metric, label values...) -> its Prometheus child (see _series)
         self.reset()
 
     def reset(self) -> None:
@@ -235,6 +237,17 @@ class PluginMetrics:
         self.latencies = {}
         self.adaptive = {}  # the adaptive estimator's last state and decision (plain values)
 
+    def _series(self, family: dict, name: str, labels: dict, **extra):
+        """The Prometheus child of metric ``name`` of ``family`` for ``labels`` and ``extra`` labels, kept once
+        made: ``.labels()`` checks the names and takes a lock at every call, which costs more than the update
+        itself, and some of these are updated at every ``schedule()`` pass. The metrics are made once per process
+        (:func:`_prometheus`), so a child kept stays the one the registry holds."""
+        key = (name, labels["arm"], labels["dp_rank"], *extra.values())
+        child = self._kept_series.get(key)
+        if child is None:
+            child = self._kept_series[key] = family[name].labels(**extra, **labels)
+        return child
+
     def _arm(self, labels: dict) -> _Tally:
         key = (labels["arm"], labels["dp_rank"])
         tally = self.by_arm.get(key)
@@ -255,21 +268,21 @@ class PluginMetrics:
         tally["recomputed_tokens"] += recomputed_tokens
         prom = _prometheus()
         if prom:
-            prom["preemptions"].labels(victim_phase=victim_phase, **labels).inc()
+            self._series(prom, "preemptions", labels, victim_phase=victim_phase).inc()
             if recomputed_tokens:
-                prom["recomputed"].labels(**labels).inc(recomputed_tokens)
+                self._series(prom, "recomputed", labels).inc(recomputed_tokens)
 
     def ratio(self, value: float, of=None) -> None:
         self.new_token_ratio = value
         prom = _prometheus()
         if prom:
-            prom["ratio"].labels(**labels_of(of)).set(value)
+            self._series(prom, "ratio", labels_of(of)).set(value)
 
     def reserved(self, blocks: int, of=None) -> None:
         self.reserved_blocks = blocks
         prom = _prometheus()
         if prom:
-            prom["reserved"].labels(**labels_of(of)).set(blocks)
+            self._series(prom, "reserved", labels_of(of)).set(blocks)
 
     def admission_blocked(self, of=None) -> None:
         labels = labels_of(of)
@@ -277,20 +290,20 @@ class PluginMetrics:
         self._arm(labels)["admissions_blocked"] += 1
         prom = _prometheus()
         if prom:
-            prom["blocked"].labels(**labels).inc()
+            self._series(prom, "blocked", labels).inc()
 
     def admission_counting(self, of=None) -> None:
         """``of`` counts refused admissions (the plugin's reservation code runs there): its series exists at 0."""
         self._arm(labels_of(of))["admissions_blocked"] += 0
         prom = _prometheus()
         if prom:
-            prom["blocked"].labels(**labels_of(of)).inc(0)
+            self._series(prom, "blocked", labels_of(of)).inc(0)
 
     def signal_unconsumed(self, signal: str, of=None) -> None:
         self.unconsumed_signals[signal] += 1
         prom = _prometheus()
         if prom:
-            prom["unconsumed"].labels(signal=signal, **labels_of(of)).inc()
+            self._series(prom, "unconsumed", labels_of(of), signal=signal).inc()
 
     def adaptive_samples(self, state: dict, of=None) -> None:
         """The adaptive estimator's samples and learned means (``AdaptiveReserve.state()``)."""
@@ -303,11 +316,11 @@ class PluginMetrics:
         if prom:
             labels = labels_of(of)
             for kind, part in kinds.items():
-                prom["samples"].labels(kind=kind, **labels).set(part["samples"])
-                prom["learned"].labels(kind=kind, **labels).set(1 if part["learned"] else 0)
+                self._series(prom, "samples", labels, kind=kind).set(part["samples"])
+                self._series(prom, "learned", labels, kind=kind).set(1 if part["learned"] else 0)
                 if part["mean"] is not None:
-                    prom["mean"].labels(kind=kind, **labels).set(part["mean"])
-            prom["k"].labels(**labels).set(state["k"])
+                    self._series(prom, "mean", labels, kind=kind).set(part["mean"])
+            self._series(prom, "k", labels).set(state["k"])
 
     def adaptive_decision(
         self, expected_tokens: float, margin_tokens: float, k: float, fallbacks: int, of=None
@@ -319,10 +332,10 @@ class PluginMetrics:
         prom = _adaptive_prometheus()
         if prom:
             labels = labels_of(of)
-            prom["expected"].labels(**labels).set(expected_tokens)
-            prom["margin"].labels(**labels).set(margin_tokens)
-            prom["k"].labels(**labels).set(k)
-            prom["fallbacks"].labels(**labels).set(fallbacks)
+            self._series(prom, "expected", labels).set(expected_tokens)
+            self._series(prom, "margin", labels).set(margin_tokens)
+            self._series(prom, "k", labels).set(k)
+            self._series(prom, "fallbacks", labels).set(fallbacks)
 
     def recycled(self, num_blocks: int, seconds: float, of=None) -> None:
         self.evicted_blocks += num_blocks
@@ -332,10 +345,10 @@ class PluginMetrics:
         prom = _prometheus()
         if prom:
             labels = labels_of(of)
-            prom["evicted"].labels(**labels).inc(num_blocks)
-            prom["batches"].labels(**labels).inc()
-            prom["batch_size"].labels(**labels).observe(num_blocks)
-            prom["evict_seconds"].labels(**labels).inc(seconds)
+            self._series(prom, "evicted", labels).inc(num_blocks)
+            self._series(prom, "batches", labels).inc()
+            self._series(prom, "batch_size", labels).observe(num_blocks)
+            self._series(prom, "evict_seconds", labels).inc(seconds)
 
     def gc_held(self, seconds: float, of=None) -> None:
         """A large eviction held the collector off for ``seconds`` (see deferred_recycle.collections_held)."""
@@ -343,7 +356,7 @@ class PluginMetrics:
         self.gc_hold_seconds_max = max(self.gc_hold_seconds_max, seconds)
         prom = _prometheus()
         if prom:
-            prom["gc_hold"].labels(**labels_of(of)).observe(seconds)
+            self._series(prom, "gc_hold", labels_of(of)).observe(seconds)
 
     def request_finished(self, request, of=None) -> None:
         """A request the scheduler ``of`` finished: its outcome from the request's own timestamps."""
@@ -368,13 +381,13 @@ class PluginMetrics:
         recent.append((ttft, tpot))
         prom = _prometheus()
         if prom:
-            prom["finished"].labels(**labels).inc()
+            self._series(prom, "finished", labels).inc()
             if outputs:
-                prom["output_tokens"].labels(**labels).inc(outputs)
+                self._series(prom, "output_tokens", labels).inc(outputs)
             if ttft is not None:
-                prom["ttft"].labels(**labels).observe(ttft)
+                self._series(prom, "ttft", labels).observe(ttft)
             if tpot is not None:
-                prom["tpot"].labels(**labels).observe(tpot)
+                self._series(prom, "tpot", labels).observe(tpot)
 
 
 METRICS = PluginMetrics()

@@ -281,3 +281,28 @@ def test_a_single_profile_class_has_no_arms_and_instances_match_the_class():
     assert classes["ResourceManagerV1"]._fdsched_arms == {}
     assert rm._fdsched_impl == classes["ResourceManagerV1"]._fdsched_impl and rm._fdsched_arm == "ratio_reserve"
     assert "cache_task_queue" not in vars(classes["PrefixCacheManager"])  # no stamping without arms
+
+
+def test_each_labelled_series_is_made_once_and_every_update_reaches_the_registry():
+    prometheus_client = pytest.importorskip("prometheus_client")
+    m = PluginMetrics()
+    a = types.SimpleNamespace(_fdsched_arm="series-a", _fdsched_dp_rank=3)
+    b = types.SimpleNamespace(_fdsched_arm="series-b", _fdsched_dp_rank=3)
+    made = []
+    real = prometheus_client.Gauge.labels
+
+    def counting(self, *args, **kwargs):
+        made.append((self._name, kwargs.get("arm")))
+        return real(self, *args, **kwargs)
+
+    prometheus_client.Gauge.labels = counting
+    try:
+        for value in (0.7, 0.5, 0.25):
+            m.ratio(value, of=a)
+        m.ratio(0.9, of=b)
+    finally:
+        prometheus_client.Gauge.labels = real
+    assert made == [("fastdeploy:fdsched_new_token_ratio", "series-a"), ("fastdeploy:fdsched_new_token_ratio", "series-b")]
+    sample = prometheus_client.REGISTRY.get_sample_value
+    assert sample("fastdeploy:fdsched_new_token_ratio", {"arm": "series-a", "dp_rank": "3"}) == 0.25
+    assert sample("fastdeploy:fdsched_new_token_ratio", {"arm": "series-b", "dp_rank": "3"}) == 0.9

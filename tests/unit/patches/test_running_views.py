@@ -133,37 +133,30 @@ def test_a_requests_terms_are_read_once_and_its_output_every_time():
 
 
 def test_another_object_at_a_kept_address_is_read_afresh():
-    request = _Request("a", 16, 0, 64)
-    _, reader = _kept_reader([request])
+    """An entry goes with its request, before the address can be reused: a request that takes a gone one's
+    address is read for itself (with the entry left behind, it would be counted with the gone one's budget)."""
+    first = _Request("first", 16, 0, 64)
+    _, reader = _kept_reader([])
+    assert reader.lefts([first]) == [64]
+    address = id(first)
+    del first
+    born = []  # kept alive, so each new object takes a new address until one takes the gone one's
+    while len(born) < 1000 and (not born or id(born[-1]) != address):
+        born.append(_Request(f"new{len(born)}", 16, 0, 512))
+    assert id(born[-1]) == address  # CPython hands the freed memory out again
+    assert reader.lefts([born[-1]]) == [512] and reader.keys([born[-1]]) == [(512, 512, 0)]
 
-    class Gone:
-        pass
 
-    gone = Gone()
-    stale = weakref.ref(gone)
-    del gone  # an object that ended; another now sits at the address the entry was kept under
-    reader._kept[id(request)] = (stale, 9999, None)
-    assert reader.lefts([request]) == [64] and reader._kept[id(request)][0]() is request
-
-
-def test_the_kept_table_drops_requests_that_are_gone_and_keeps_none_alive(monkeypatch):
-    from fdsched.patches.ratio_reserve.budget import _KeptTermsReader
-
-    monkeypatch.setattr(_KeptTermsReader, "SWEEP_FLOOR", 8)
+def test_the_kept_table_holds_the_live_requests_only_and_keeps_none_alive():
     live = [_Request(f"live{i}", 16, 0, 64) for i in range(3)]
-    _, reader = _kept_reader(live)
-    assert reader._sweep_at == 8
-    reader.lefts(live)
-    ended = [_Request(f"ended{i}", 16, 0, 64) for i in range(4)]  # 7 kept: under the floor
-    reader.lefts(ended)
+    _, reader = _kept_reader([])
+    ended = [_Request(f"ended{i}", 16, 0, 32) for i in range(4)]
+    assert reader.lefts(live + ended) == [64] * 3 + [32] * 4
+    assert len(reader._terms) == len(reader._refs) == 7
     watch = weakref.ref(ended[0])
-    del ended  # they left the scheduler: nothing here holds them
+    del ended  # they left the scheduler: nothing here holds them, and their entries go with them
     assert watch() is None
-    assert sum(kept[0]() is None for kept in reader._kept.values()) == 4
-    admitted = [_Request(f"new{i}", 16, 0, 64) for i in range(10)]  # may take the ended ones' addresses
-    reader.lefts(admitted)  # the table passes 8: swept
-    assert len(reader._kept) == 13 and all(kept[0]() is not None for kept in reader._kept.values())
-    assert all(id(r) in reader._kept for r in live + admitted)
+    assert set(reader._terms) == set(reader._refs) == {id(r) for r in live}
     assert reader.lefts(live) == [64, 64, 64]
 
 
