@@ -1,4 +1,6 @@
-"""Benchmarks that print numbers (never assertions): ``fdsched bench evict`` and ``fdsched bench schedule``.
+"""Benchmarks that print numbers (never assertions): ``fdsched bench evict`` and ``fdsched bench schedule``
+(``fdsched bench instructions``, the schedule bench's instruction count under callgrind, is
+:mod:`fdsched.tools.instructions`).
 
 Both run the real host classes (an installed FastDeploy or ``FDSCHED_HOST_SOURCE``).
 
@@ -405,7 +407,8 @@ def _gc_modes(args) -> tuple:
     return GC_MODES if args.gc == "all" else (args.gc,)
 
 
-def add_commands(sub) -> None:
+def add_commands(sub):
+    """``fdsched bench evict|schedule|transfer``; returns the ``bench`` subcommands (for ``instructions``)."""
     bench = sub.add_parser("bench", help="benchmarks that print numbers (need the host)")
     which = bench.add_subparsers(dest="bench", required=True)
 
@@ -437,6 +440,7 @@ def add_commands(sub) -> None:
     transfer.add_argument("--count", type=bounded_int(1, 1_000_000), default=200, help="transfer-done signals to time (default 200)")
     transfer.add_argument("--interval", type=bounded_float(0.0, 60.0), default=0.02, help="seconds between signals")
     transfer.set_defaults(func=_run_transfer)
+    return which
 
 
 def _host_label() -> str:

@@ -278,8 +278,9 @@ def _add_optional_commands(sub) -> None:
     from fdsched.tools import bench
     from fdsched.tools import explain
     from fdsched.tools import hostsetup
+    from fdsched.tools import instructions
 
-    bench.add_commands(sub)
+    instructions.add_command(bench.add_commands(sub))
     hostsetup.add_commands(sub)
     abreport.add_command(sub)
     explain.add_command(sub)
@@ -316,6 +317,7 @@ def command_name(args) -> str:
 def main(argv: Optional[list] = None) -> int:
     from fdsched.install.probe import HostNotFound
     from fdsched.tools.hostsuites import HostSuiteError
+    from fdsched.tools.instructions import InstructionsError
     from fdsched.install.installer import InstallError
 
     args = build_parser().parse_args(argv)
@@ -334,7 +336,7 @@ def main(argv: Optional[list] = None) -> int:
     except HostNotFound as exc:
         print(error_line(command, exc), file=sys.stderr)
         return EXIT_NO_HOST
-    except HostSuiteError as exc:
+    except (HostSuiteError, InstructionsError) as exc:
         print(error_line(command, exc), file=sys.stderr)
         return EXIT_ERROR
     except BrokenPipeError:  # `fdsched ... | head`: the reader left; no traceback for that

@@ -175,6 +175,8 @@ def _cases() -> list:
     add("trace-import-max-tokens-huge", ["trace", "import", "{azure.csv}", "--format", "azure", "--out", "{tmp}/o.jsonl",
                                          "--max-tokens", "1" + "0" * 20], "--max-tokens")
     add("bench-schedule-steps-huge", ["bench", "schedule", "--steps", "1" + "0" * 20], "--steps", 2)
+    add("bench-instructions-unknown-profile", ["bench", "instructions", "--profile", "nosuch"], "--profile")
+    add("bench-instructions-steps-huge", ["bench", "instructions", "--steps", "1" + "0" * 20], "--steps", 2)
     add("trace-generate-kind", ["trace", "generate", "--kind", "nosuch"], "--kind", 2)
     add("trace-generate-requests", ["trace", "generate", "--kind", "pressure", "--requests", "0"], "--requests", 2)
     add("trace-import-no-format", ["trace", "import", "{data.csv}", "--out", "{tmp}/o.jsonl"], "--format", 2)
