@@ -226,18 +226,36 @@ def full_collection_ms(repeat: int = 3) -> float:
 
 
 # ---- schedule() overhead -------------------------------------------------------------------------------
-BUDGETS = ("varied", "same")  # the running requests' max_tokens: spread over 256-1024 tokens, or all 512
+WORKLOADS = ("spread", "uniform")
+FINISHED_BEFORE = 48  # "spread": requests that run to completion before the timed steps
 
 
-def running_budget(index: int, budgets: str) -> int:
-    """The ``max_tokens`` of the bench's ``index``-th running request. "varied" spreads them over 256-1024 tokens (as
-    real traffic's are: a request's terms of the reservation are then its own, as in an engine), "same" gives every
-    one 512 (they then share their terms, which flatters an estimator that keeps them by value). None of them ends
-    within the bench's steps either way."""
-    return 256 + (index * 37) % 769 if budgets == "varied" else 512
+def running_budget(index: int, workload: str) -> Optional[int]:
+    """The ``max_tokens`` of the bench's ``index``-th running request (None: no client bound). "spread": every
+    fourth without a bound, the others spread over 256-1024 tokens, as real traffic's are (a request's terms of the
+    reservation are then its own, as in an engine); "uniform": every one 512 (they then share their terms, which
+    flatters an estimator that keeps them by value). None of them ends within the bench's steps either way."""
+    if workload != "spread":
+        return 512
+    return None if index % 4 == 3 else 256 + (index * 37) % 769
 
 
-def _schedule_setup(running: int, waiting: int, block_size: int, budgets: str = "varied"):
+def _finish_some_first(driver, rm, make_request) -> None:
+    """"spread": :data:`FINISHED_BEFORE` requests run to completion before the running set is admitted, half with a
+    client bound of 64 tokens (4-60 generated), half without (4-600 generated), so an estimator that learns from
+    finished requests has learned, as in an engine that has served for a while."""
+    for i in range(FINISHED_BEFORE):
+        bounded = i % 2 == 0
+        length = 4 + (i * 7) % 57 if bounded else 4 + (i * 97) % 597
+        driver.add(make_request(f"done{i}", [i % 83 + 1] * 16, 64 if bounded else None), true_output_len=length)
+    for _ in range(FINISHED_BEFORE * 600):  # a few at a time where max_num_seqs is small
+        if not rm.running and not rm.waiting:
+            return
+        driver.step()
+    raise RuntimeError(f"{len(rm.running) + len(rm.waiting)} of the {FINISHED_BEFORE} first requests did not finish")
+
+
+def _schedule_setup(running: int, waiting: int, block_size: int, workload: str = "spread"):
     from fdsched.replay.engine import Driver, EngineShape, build_manager, make_request
 
     shape = EngineShape(
@@ -250,9 +268,11 @@ def _schedule_setup(running: int, waiting: int, block_size: int, budgets: str = 
     )
     rm = build_manager(shape)
     driver = Driver(rm)
+    if workload == "spread":
+        _finish_some_first(driver, rm, make_request)
     for i in range(running):
-        budget = running_budget(i, budgets)
-        driver.add(make_request(f"run{i}", [i % 97 + 1] * 16, budget), true_output_len=budget)
+        budget = running_budget(i, workload)
+        driver.add(make_request(f"run{i}", [i % 97 + 1] * 16, budget), true_output_len=budget or 1024)
     for _ in range(8):  # admit and prefill all of them; they decode from here on
         driver.step()
     if len(rm.running) != running:
@@ -263,14 +283,14 @@ def _schedule_setup(running: int, waiting: int, block_size: int, budgets: str = 
 
 
 def _schedule_runs(variant: str, mode: str, running: int, waiting: int, steps: int, block_size: int,
-                   budgets: str = "varied") -> list:
+                   workload: str = "spread") -> list:
     """One timed run of one arm (``variant``: "host" or a profile) on a fresh scheduler: ``[(cpu seconds, admitted
     a prefill chunk)]`` per step."""
     from fdsched.replay.engine import close_manager, logical_clock
 
     _install(None if variant == "host" else variant)
     with logical_clock():
-        rm, driver = _schedule_setup(running, waiting, block_size, budgets)
+        rm, driver = _schedule_setup(running, waiting, block_size, workload)
         gc.collect()
 
         def run(driver=driver):  # the driver plays worker and token processor; only schedule() is timed
@@ -307,7 +327,7 @@ def arm_order(repetition: int) -> tuple:
 
 
 def bench_schedule(running: int, waiting: int, steps: int, repeat: int, block_size: int, profile: str,
-                   gc_modes=GC_MODES, budgets: str = "varied") -> dict:
+                   gc_modes=GC_MODES, workload: str = "spread") -> dict:
     """{(variant, gc mode): {"median": s, "mean": s, "minima": [s per step], "admitting": {step index}}} of
     schedule() CPU per step, both arms in this process, interleaved repetitions. ``minima``: each step's least
     time over the repetitions; ``admitting``: the steps in which that variant scheduled a prefill chunk (the same
@@ -317,14 +337,14 @@ def bench_schedule(running: int, waiting: int, steps: int, repeat: int, block_si
         for mode in gc_modes:
             for variant in arm_order(repetition):
                 arm = "host" if variant == "host" else profile
-                runs[(variant, mode)].append(_schedule_runs(arm, mode, running, waiting, steps, block_size, budgets))
+                runs[(variant, mode)].append(_schedule_runs(arm, mode, running, waiting, steps, block_size, workload))
     _install(None)
     return summarise_runs(runs)
 
 
 def bench_schedule_isolated(processes: int, running: int, waiting: int, steps: int, repeat: int, block_size: int,
                             profile: str, gc_modes=GC_MODES, heap_objects: Optional[int] = None,
-                            budgets: str = "varied") -> dict:
+                            workload: str = "spread") -> dict:
     """:func:`bench_schedule` with each arm in processes of its own, as an engine runs one class: ``processes``
     fresh interpreters per arm, taking turns (:func:`arm_order`), one at a time, each running ``repeat``
     repetitions of its arm (``heap_objects``: each grows its heap to that first; default
@@ -336,7 +356,7 @@ def bench_schedule_isolated(processes: int, running: int, waiting: int, steps: i
     heap_objects = ENGINE_HEAP_OBJECTS if heap_objects is None else heap_objects
 
     spawn = multiprocessing.get_context("spawn")
-    shape = (running, waiting, steps, block_size, budgets)
+    shape = (running, waiting, steps, block_size, workload)
     runs = {(v, m): [] for v in ("host", "plugin") for m in gc_modes}
     for process in range(processes):
         for variant in arm_order(process):
@@ -408,10 +428,11 @@ def _print_heap(heap: dict) -> None:
 _nonneg_int = bounded_int(0, 100_000_000)
 
 
-def add_budgets_arg(parser) -> None:
-    parser.add_argument("--budgets", choices=BUDGETS, default="varied",
-                        help="the running requests' max_tokens: varied (spread over 256-1024 tokens, as real "
-                        "traffic's; default) or same (all 512)")
+def add_workload_arg(parser) -> None:
+    parser.add_argument("--workload", choices=WORKLOADS, default="spread",
+                        help="spread (default): the running requests' max_tokens spread over 256-1024 tokens, one in "
+                        "four without one, after 48 requests ran to completion (an estimator that learns from them "
+                        "has learned); uniform: every running request at 512, nothing finished before")
 
 
 def _add_heap_args(parser) -> None:
@@ -452,7 +473,7 @@ def add_commands(sub):
                        "host's bytecode and disturb each other by a few percent)")
     sched.add_argument("--block-size", type=bounded_int(1, 4096), default=64, help="tokens per KV block (default 64)")
     sched.add_argument("--profile", default="recommended", help="the plugin's profile")
-    add_budgets_arg(sched)
+    add_workload_arg(sched)
     _add_heap_args(sched)
     sched.set_defaults(func=_run_schedule)
 
@@ -501,13 +522,13 @@ def _run_schedule(args) -> int:
     modes = _gc_modes(args)
     if args.processes:
         result = bench_schedule_isolated(args.processes, args.running, args.waiting, args.steps, args.repeat,
-                                         args.block_size, args.profile, modes, args.heap_objects, args.budgets)
+                                         args.block_size, args.profile, modes, args.heap_objects, args.workload)
         where = f"each arm in {args.processes} processes of its own x {args.repeat} repetitions"
     else:
         result = bench_schedule(args.running, args.waiting, args.steps, args.repeat, args.block_size, args.profile, modes,
-                                args.budgets)
+                                args.workload)
         where = f"both arms in this process, {args.repeat} interleaved repetitions"
-    print(f"schedule() CPU per step, {args.running} running ({args.budgets} budgets) + {args.waiting} waiting, "
+    print(f"schedule() CPU per step, {args.running} running ({args.workload}) + {args.waiting} waiting, "
           f"{args.steps} steps, {where} "
           f"(plugin profile {args.profile}):")
     print(f"{'gc':<4} {'host median':>12} {'plugin median':>14} {'ratio':>6}   {'host mean':>10} {'plugin mean':>12} "

@@ -33,7 +33,7 @@ import sys
 import tempfile
 
 from fdsched.core.common import bounded_int
-from fdsched.tools.bench import add_budgets_arg
+from fdsched.tools.bench import add_workload_arg
 
 MARKER = "qsort_r"
 MARKER_ARM = "marker"  # the arm that runs the marker around nothing
@@ -74,7 +74,7 @@ def in_marker(fn):
     return result[0]
 
 
-def run_arm(arm: str, running: int, waiting: int, steps: int, block_size: int, budgets: str = "varied") -> dict:
+def run_arm(arm: str, running: int, waiting: int, steps: int, block_size: int, workload: str = "spread") -> dict:
     """In the counted process: ``steps`` schedule() calls of ``arm`` ("host" or a profile) on the schedule bench's
     workload, each inside the marker; ``arm == MARKER_ARM``: the marker around nothing, ``steps`` times."""
     if arm in (MARKER_ARM, CHECK_ARM):  # no host needed
@@ -94,7 +94,7 @@ def run_arm(arm: str, running: int, waiting: int, steps: int, block_size: int, b
 
     _install(None if arm == "host" else arm)
     with logical_clock():
-        rm, driver = _schedule_setup(running, waiting, block_size, budgets)
+        rm, driver = _schedule_setup(running, waiting, block_size, workload)
         gc.collect()
         gc.disable()
         schedule = rm.schedule
@@ -105,14 +105,14 @@ def run_arm(arm: str, running: int, waiting: int, steps: int, block_size: int, b
     return {"arm": arm, "steps": steps, "admitting_steps": admitting}
 
 
-def count_arm(arm: str, running: int, waiting: int, steps: int, block_size: int, budgets: str, valgrind: str) -> dict:
+def count_arm(arm: str, running: int, waiting: int, steps: int, block_size: int, workload: str, valgrind: str) -> dict:
     """Run :func:`run_arm` in a fresh interpreter under callgrind; its report plus ``instructions``."""
     with tempfile.TemporaryDirectory(prefix="fdsched-callgrind-") as tmp:
         command = [
             valgrind, "--tool=callgrind", "--collect-atstart=no", f"--toggle-collect={MARKER}",
             f"--callgrind-out-file={os.path.join(tmp, 'callgrind.out')}",
             sys.executable, "-m", "fdsched.tools.instructions", arm, str(running), str(waiting), str(steps),
-            str(block_size), budgets,
+            str(block_size), workload,
         ]
         env = dict(os.environ, PYTHONHASHSEED="0")  # the same dict layouts in every arm
         done = subprocess.run(command, capture_output=True, text=True, env=env)
@@ -139,8 +139,8 @@ def run(args) -> int:
     from fdsched.install.probe import find_host
 
     find_host()  # no host: its one line now, not from the first arm minutes later
-    shape = (args.running, args.waiting, args.steps, args.block_size, args.budgets)
-    print(f"schedule() instructions, {args.running} running ({args.budgets} budgets) + {args.waiting} waiting, {args.steps} steps, each arm "
+    shape = (args.running, args.waiting, args.steps, args.block_size, args.workload)
+    print(f"schedule() instructions, {args.running} running ({args.workload}) + {args.waiting} waiting, {args.steps} steps, each arm "
           f"in a process of its own under callgrind (plugin profile {args.profile}); this takes several minutes")
     marker = count_arm(MARKER_ARM, *shape, valgrind)["instructions"]
     inside = count_arm(CHECK_ARM, *shape, valgrind)["instructions"] - marker
@@ -168,14 +168,14 @@ def add_command(which) -> None:
     parser.add_argument("--steps", type=bounded_int(1, 100_000), default=200, help="schedule() calls counted (default 200)")
     parser.add_argument("--block-size", type=bounded_int(1, 4096), default=64, help="tokens per KV block (default 64)")
     parser.add_argument("--profile", default="recommended", help="the plugin's profile")
-    add_budgets_arg(parser)
+    add_workload_arg(parser)
     parser.set_defaults(func=run)
 
 
 def main(argv=None) -> int:
-    """The counted process: ``python -m fdsched.tools.instructions ARM RUNNING WAITING STEPS BLOCK_SIZE BUDGETS``."""
-    arm, running, waiting, steps, block_size, budgets = (argv if argv is not None else sys.argv[1:])
-    report = run_arm(arm, int(running), int(waiting), int(steps), int(block_size), budgets)
+    """The counted process: ``python -m fdsched.tools.instructions ARM RUNNING WAITING STEPS BLOCK_SIZE WORKLOAD``."""
+    arm, running, waiting, steps, block_size, workload = (argv if argv is not None else sys.argv[1:])
+    report = run_arm(arm, int(running), int(waiting), int(steps), int(block_size), workload)
     print(json.dumps(report))
     return 0
 

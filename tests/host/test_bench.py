@@ -36,22 +36,28 @@ def test_isolated_schedule_bench_runs_each_arm_in_processes_of_its_own():
     assert host_module.ResourceManagerV1 is before  # the arms ran in processes of their own: this one is as it was
 
 
-def test_the_running_requests_budgets_are_spread_or_all_the_same_and_none_ends_within_the_steps():
+def test_the_spread_workload_has_its_own_budgets_and_a_learned_estimator_and_nothing_ends_while_timed():
     from fdsched.replay.engine import close_manager, logical_clock
     from fdsched.tools.bench import _install, _schedule_setup
 
-    _install(None)
-    for budgets in ("varied", "same"):
-        with logical_clock():
-            rm, driver = _schedule_setup(64, 2, 64, budgets)
-            first = {r.request_id: r.sampling_params.max_tokens for r in rm.running}
-            for _ in range(200):  # the bench's default steps
-                driver.step()
-            running = {r.request_id for r in rm.running}
-            close_manager(rm)
-        assert {rid for rid in first if rid.startswith("run")} <= running  # none ended
-        values = set(first.values())
-        if budgets == "same":
-            assert values == {512}
-        else:
-            assert len(values) == 64 and min(values) >= 256 and max(values) <= 1024
+    _install("adaptive")
+    try:
+        for workload in ("spread", "uniform"):
+            with logical_clock():
+                rm, driver = _schedule_setup(64, 2, 64, workload)
+                budgets = {r.request_id: r.sampling_params.max_tokens for r in rm.running}
+                learned = rm._fdsched_adaptive.state()
+                for _ in range(200):  # the bench's default steps
+                    driver.step()
+                running = {r.request_id for r in rm.running}
+                close_manager(rm)
+            assert set(budgets) <= running  # none ended
+            values = set(budgets.values())
+            if workload == "uniform":
+                assert values == {512} and learned["finished_seen"] == 0
+            else:
+                assert None in values and len(values - {None}) == 48 and min(values - {None}) >= 256
+                # both kinds learned from the requests that finished before
+                assert learned["absolute_tokens"]["learned"] and learned["relative_to_max_tokens"]["learned"]
+    finally:
+        _install(None)

@@ -42,7 +42,7 @@ def test_without_valgrind_the_command_says_so_in_one_line(tmp_path):
 @pytest.mark.skipif(shutil.which("valgrind") is None, reason="valgrind is not installed here: the marker's count is not checked")
 def test_callgrind_counts_inside_the_marker_and_only_there():
     valgrind = shutil.which("valgrind")
-    empty = instructions.count_arm(MARKER_ARM, 1, 0, 3, 64, "varied", valgrind)["instructions"]
-    looped = instructions.count_arm(CHECK_ARM, 1, 0, 3, 64, "varied", valgrind)["instructions"]
+    empty = instructions.count_arm(MARKER_ARM, 1, 0, 3, 64, "spread", valgrind)["instructions"]
+    looped = instructions.count_arm(CHECK_ARM, 1, 0, 3, 64, "spread", valgrind)["instructions"]
     assert 0 < empty < 200_000  # three empty markers: the ctypes call and qsort's own work
     assert looped - empty > 5 * CHECK_LOOP  # the loop ran inside the marker and was counted
