@@ -260,7 +260,8 @@ def _schedule_setup(running: int, waiting: int, block_size: int, workload: str =
 
     shape = EngineShape(
         block_size=block_size,
-        num_gpu_blocks=running * 8 + waiting * 20 + 64,
+        # room for the running set under every shipped profile's reservation (spread: larger budgets reserve more)
+        num_gpu_blocks=running * (16 if workload == "spread" else 8) + waiting * 20 + 64,
         max_num_seqs=running + waiting,
         max_num_batched_tokens=max(4096, running * 4),
         max_model_len=2048,
