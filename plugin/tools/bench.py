@@ -9,8 +9,9 @@ tier), host code vs the plugin's batched recycling, beside a floor: a plain loop
 nodes from the same heap and detaches them, doing nothing else. The tree is rebuilt identically for
 every variant (chains of ``--chain`` blocks, one node per block).
 
-``schedule``: ``schedule()`` CPU time per step with R running decode requests (and a queue of
-waiting requests that the reservation keeps out), host code vs the plugin, each arm in fresh processes of its
+``schedule``: ``schedule()`` CPU time per step with R running decode requests (``--workload``: their budgets
+spread, after requests that finished taught the estimators, or all the same; :func:`running_budget`) and a queue of
+waiting requests that the reservation keeps out, host code vs the plugin, each arm in fresh processes of its
 own taking turns (``--processes``; 0: both in this process, interleaved repetitions),
 median and mean per-step time and the ratios, and the ratio of the summed per-step minima (each step's least
 disturbed repetition: the figure that holds still on a shared machine, where the medians move by 10-50%), also
@@ -234,7 +235,7 @@ def running_budget(index: int, workload: str) -> Optional[int]:
     """The ``max_tokens`` of the bench's ``index``-th running request (None: no client bound). "spread": every
     fourth without a bound, the others spread over 256-1024 tokens, as real traffic's are (a request's terms of the
     reservation are then its own, as in an engine); "uniform": every one 512 (they then share their terms, which
-    flatters an estimator that keeps them by value). None of them ends within the bench's steps either way."""
+    flatters an estimator that keeps them by value). None of them ends within the default 200 steps either way."""
     if workload != "spread":
         return 512
     return None if index % 4 == 3 else 256 + (index * 37) % 769
