@@ -25,6 +25,7 @@ off (``--gc``), counting the collections that ran while timed. See docs/gc.md.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import heapq
 import statistics
@@ -284,15 +285,37 @@ def _schedule_setup(running: int, waiting: int, block_size: int, workload: str =
     return rm, driver
 
 
-def _schedule_runs(variant: str, mode: str, running: int, waiting: int, steps: int, block_size: int,
-                   workload: str = "spread") -> list:
-    """One timed run of one arm (``variant``: "host" or a profile) on a fresh scheduler: ``[(cpu seconds, admitted
-    a prefill chunk)]`` per step."""
+@contextlib.contextmanager
+def scheduler_for(variant: str, running: int, waiting: int, block_size: int, workload: str = "spread"):
+    """A fresh scheduler of one arm (``variant``: "host" or a profile) on the bench's workload, with its driver,
+    under the logical clock: ``(rm, driver)``, the manager closed on the way out."""
     from fdsched.replay.engine import close_manager, logical_clock
 
     _install(None if variant == "host" else variant)
     with logical_clock():
         rm, driver = _schedule_setup(running, waiting, block_size, workload)
+        try:
+            yield rm, driver
+        finally:
+            close_manager(rm)
+
+
+def import_host() -> None:
+    """In a fresh interpreter: make the host importable and import its scheduler module (its modules are then in
+    the process, as in an engine)."""
+    from fdsched.install.probe import find_host
+    from fdsched.replay.engine import prepare_host_environment
+
+    prepare_host_environment()
+    find_host()
+    import fastdeploy.engine.sched.resource_manager_v1  # noqa: F401
+
+
+def _schedule_runs(variant: str, mode: str, running: int, waiting: int, steps: int, block_size: int,
+                   workload: str = "spread") -> list:
+    """One timed run of one arm (``variant``: "host" or a profile) on a fresh scheduler: ``[(cpu seconds, admitted
+    a prefill chunk)]`` per step."""
+    with scheduler_for(variant, running, waiting, block_size, workload) as (rm, driver):
         gc.collect()
 
         def run(driver=driver):  # the driver plays worker and token processor; only schedule() is timed
@@ -302,20 +325,13 @@ def _schedule_runs(variant: str, mode: str, running: int, waiting: int, steps: i
                     for record in (driver.step() for _ in range(steps))]
 
         _, per_step, _ = _timed(run, {"on": True, "due": "due", "off": False}[mode])
-        close_manager(rm)
     return per_step
 
 
 def _arm_in_a_process(variant: str, repeat: int, gc_modes: tuple, shape: tuple, heap_objects: int) -> dict:
     """In a fresh interpreter (:func:`bench_schedule_isolated`): the host made importable, the heap grown as the
     bench's own process grows it, then ``repeat`` runs of one arm per gc mode: ``{mode: [per-step records]}``."""
-    from fdsched.install.probe import find_host
-    from fdsched.replay.engine import prepare_host_environment
-
-    prepare_host_environment()
-    find_host()
-    import fastdeploy.engine.sched.resource_manager_v1  # noqa: F401  (the host's modules are in the count)
-
+    import_host()
     grow_heap(heap_objects)
     runs = {mode: [_schedule_runs(variant, mode, *shape) for _ in range(repeat)] for mode in gc_modes}
     _install(None)

@@ -84,23 +84,15 @@ def run_arm(arm: str, running: int, waiting: int, steps: int, block_size: int, w
         if arm == CHECK_ARM:
             in_marker(lambda: sum(range(CHECK_LOOP)))
         return {"arm": arm, "steps": steps}
-    from fdsched.install.probe import find_host
-    from fdsched.replay.engine import close_manager, logical_clock, prepare_host_environment
-    from fdsched.tools.bench import _install, _schedule_setup
+    from fdsched.tools.bench import _install, import_host, scheduler_for
 
-    prepare_host_environment()
-    find_host()
-    import fastdeploy.engine.sched.resource_manager_v1  # noqa: F401
-
-    _install(None if arm == "host" else arm)
-    with logical_clock():
-        rm, driver = _schedule_setup(running, waiting, block_size, workload)
+    import_host()
+    with scheduler_for(arm, running, waiting, block_size, workload) as (rm, driver):
         gc.collect()
         gc.disable()
         schedule = rm.schedule
         rm.schedule = lambda: in_marker(schedule)  # the driver calls rm.schedule(); only this call is counted
         admitting = sum(bool(driver.step().prefill_chunks) for _ in range(steps))
-        close_manager(rm)
     _install(None)
     return {"arm": arm, "steps": steps, "admitting_steps": admitting}
 

@@ -37,20 +37,16 @@ def test_isolated_schedule_bench_runs_each_arm_in_processes_of_its_own():
 
 
 def test_the_spread_workload_has_its_own_budgets_and_a_learned_estimator_and_nothing_ends_while_timed():
-    from fdsched.replay.engine import close_manager, logical_clock
-    from fdsched.tools.bench import _install, _schedule_setup
+    from fdsched.tools.bench import _install, scheduler_for
 
-    _install("adaptive")
     try:
         for workload in ("spread", "uniform"):
-            with logical_clock():
-                rm, driver = _schedule_setup(64, 2, 64, workload)
+            with scheduler_for("adaptive", 64, 2, 64, workload) as (rm, driver):
                 budgets = {r.request_id: r.sampling_params.max_tokens for r in rm.running}
                 learned = rm._fdsched_adaptive.state()
                 for _ in range(200):  # the bench's default steps
                     driver.step()
                 running = {r.request_id for r in rm.running}
-                close_manager(rm)
             assert set(budgets) <= running  # none ended
             values = set(budgets.values())
             if workload == "uniform":
