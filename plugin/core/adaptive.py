@@ -37,9 +37,11 @@ the set, not on the order of its requests (:meth:`AdaptiveReserve.set_reservatio
   preemptions), nothing else; no clock, no randomness.
 * **Cost**: lengths go into log-spaced buckets (``buckets_per_octave`` per doubling) whose count,
   sum and sum of squares are kept in Fenwick trees: a sample or a query is O(log buckets). A running set's
-  reservation is asked at every admission of a ``schedule()`` pass; each request's terms (its remainder, or its
-  fallback, and its cap) are kept until a sample arrives or the ratio, clip, block size or fallback amount
-  changes (:meth:`AdaptiveReserve.set_reservation`), so the asks after a pass's first cost a lookup per request.
+  reservation is asked at every admission of a ``schedule()`` pass. The pass's first ask computes every running
+  request's terms (its remainder, or its fallback, and its cap): a decoding request's terms change with every
+  token. Many at once are computed over arrays with numpy (:mod:`fdsched.core.terms`, the same answers bit for
+  bit); a few (the requests a pass admits) one by one, kept until a sample arrives or the ratio, clip, block size
+  or fallback amount changes (:meth:`AdaptiveReserve.set_reservation`).
 
 The query within the bucket that holds ``g`` assumes the samples are spread evenly across it; with 8
 buckets per doubling that bucket is about 9 % wide.
@@ -55,6 +57,7 @@ from typing import Iterable, NamedTuple, Optional
 
 from fdsched.core.common import ceil_div
 from fdsched.core.policies import reserve_blocks_for_request
+from fdsched.core.terms import BATCH_MIN, SetTerms, batch_terms, numpy_or_none
 
 __all__ = [
     "LengthHistogram",
@@ -290,12 +293,12 @@ class SetReservation:
 class SetTally:
     """A running set's adaptive reservation, built up request by request (:meth:`AdaptiveReserve.set_tally`): a
     pass's running offset adds the requests admitted since its last ask instead of going over the whole set
-    again. The per-request terms are added up as they come; the sums themselves are taken at each
-    :meth:`reservation` (:func:`math.fsum`: exact, so the answer is the whole set's whatever the order the
-    requests came in)."""
+    again. The per-request terms are added up as they come; the sums themselves are taken at a
+    :meth:`reservation` that follows an add (:func:`math.fsum`: exact, so the answer is the whole set's whatever
+    the order the requests came in; the budgets left are whole tokens, summed as integers)."""
 
-    __slots__ = ("estimator", "terms_of", "args", "means", "variances", "lefts", "caps", "fallback_blocks",
-                 "fallbacks")
+    __slots__ = ("estimator", "terms_of", "args", "means", "variances", "left", "caps", "fallback_blocks",
+                 "fallbacks", "sums")
 
     def __init__(self, estimator: "AdaptiveReserve", terms_of: dict, args: tuple) -> None:
         self.estimator = estimator
@@ -303,17 +306,25 @@ class SetTally:
         self.args = args  # (ratio, clip, block size, fixed blocks)
         self.means: list = []
         self.variances: list = []
-        self.lefts: list = []
+        self.left = 0  # what the learned requests' budgets still allow, together (tokens: an exact integer sum)
         self.caps = 0
         self.fallback_blocks = 0
         self.fallbacks = 0
+        self.sums = (0, 0.0, 0.0)  # (learned requests summed, sum of means, sum of variances)
 
     def add(self, keys: Iterable[tuple]) -> None:
         """Add requests given as ``(max_tokens, budget, generated)`` (``max_tokens``: the client's bound, or
         None)."""
-        terms_of, request_terms, args = self.terms_of, self.estimator._request_terms, self.args
-        means, variances, lefts = self.means, self.variances, self.lefts
-        caps = fallback_blocks = fallbacks = 0
+        keys = keys if isinstance(keys, list) else list(keys)
+        estimator = self.estimator
+        if estimator._batch and len(keys) >= BATCH_MIN:
+            # Many at once (a pass's first count): over arrays, without the kept terms (a decoding request's key
+            # moves with every token, so last pass's terms are of no use to it).
+            self._add_set(batch_terms(estimator, keys, *self.args, RELATIVE_SCALE))
+            return
+        terms_of, request_terms, args = self.terms_of, estimator._request_terms, self.args
+        means, variances = self.means, self.variances
+        left = caps = fallback_blocks = fallbacks = 0
         for key in keys:
             terms = terms_of.get(key)
             if terms is None:
@@ -324,20 +335,28 @@ class SetTally:
             else:
                 means.append(terms[0])
                 variances.append(terms[1])
-                lefts.append(terms[2])
+                left += int(terms[2])
                 caps += terms[3]
-        self.caps += caps
-        self.fallback_blocks += fallback_blocks
-        self.fallbacks += fallbacks
-        self.estimator.fallbacks += fallbacks
-        self.estimator._terms_asked = self.fallbacks + len(means)
+        self._add_set(SetTerms((), (), left, caps, fallback_blocks, fallbacks))
+
+    def _add_set(self, terms: SetTerms) -> None:
+        self.means.extend(terms.means)
+        self.variances.extend(terms.variances)
+        self.left += terms.left
+        self.caps += terms.caps
+        self.fallback_blocks += terms.fallback_blocks
+        self.fallbacks += terms.fallbacks
+        self.estimator.fallbacks += terms.fallbacks
+        self.estimator._terms_asked = self.fallbacks + len(self.means)
 
     def reservation(self) -> SetReservation:
         """The reservation of every request added so far, with the estimator's margin now."""
         if not self.means:
             return SetReservation(self.fallback_blocks, 0.0, 0.0, self.fallbacks)
-        mean, variance = math.fsum(self.means), math.fsum(self.variances)
-        learned = margin_blocks(mean, variance, self.estimator.k, self.args[2], math.fsum(self.lefts), self.caps)
+        if self.sums[0] != len(self.means):  # requests were added since the last sums (they are only ever added)
+            self.sums = (len(self.means), math.fsum(self.means), math.fsum(self.variances))
+        _, mean, variance = self.sums
+        learned = margin_blocks(mean, variance, self.estimator.k, self.args[2], float(self.left), self.caps)
         return SetReservation(int(learned) + self.fallback_blocks, mean, variance, self.fallbacks)
 
 
@@ -372,6 +391,12 @@ class AdaptiveReserve:
         self._terms: dict = {}
         self._terms_stamp: tuple = ()
         self._terms_asked = 0  # requests in the last set_reservation call
+        # Terms over arrays (numpy) only where they are this class's own: a subclass that reads a request
+        # otherwise (its remainder or its terms) is asked one request at a time.
+        own = type(self).remainder is AdaptiveReserve.remainder and (
+            type(self)._request_terms is AdaptiveReserve._request_terms
+        )
+        self._batch = own and numpy_or_none() is not None
 
     # ---- events -------------------------------------------------------------------------------
     def observe_finished(self, max_tokens: Optional[int], output_tokens: int) -> None:
@@ -457,9 +482,10 @@ class AdaptiveReserve:
         A request is read through its ``max_tokens``, ``budget`` and ``generated`` only (a
         :class:`RunningRequest`, or any value with those attributes: the scheduler's views are passed as they
         are). Its terms (remainder or fallback, and cap) are a function of those three, the other arguments
-        and the samples: they are kept (:meth:`_request_terms`) and reused by later calls, so a pass that asks
-        several times computes each request once. A subclass whose :meth:`remainder` reads anything else must
-        call :meth:`forget_terms` when that changes.
+        and the samples. Many requests at once are computed over arrays (:func:`fdsched.core.terms.batch_terms`);
+        a few are computed one by one (:meth:`_request_terms`), kept and reused by later calls. A subclass whose
+        :meth:`remainder` reads anything else must call :meth:`forget_terms` when that changes (and is always
+        asked one request at a time).
         """
         tally = self.set_tally(ratio, clip_max_new_tokens, block_size, fixed_blocks)
         tally.add([(request.max_tokens, request.budget, request.generated) for request in requests])

@@ -1,0 +1,134 @@
+"""The estimator's terms over arrays (fdsched.core.terms) answer exactly what it answers one request at a time.
+
+Plain values, no host. numpy comes with every FastDeploy host and with the test extra (matplotlib needs it too).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import struct
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from fdsched.core.adaptive import RELATIVE_SCALE, AdaptiveReserve, RunningRequest
+from fdsched.core.terms import BATCH_MIN, SetTerms, batch_terms, numpy_or_none
+
+np = numpy_or_none()
+pytestmark = pytest.mark.skipif(np is None, reason="unit: numpy not installed (the terms are then computed one by one)")
+
+
+def _bits(values) -> tuple:
+    """Floats as their bit patterns: equal only if bit for bit the same (0.0 and -0.0 differ)."""
+    return tuple(struct.pack("<d", float(value)) for value in values)
+
+
+def _one_by_one(est, keys, args) -> SetTerms:
+    """What the one-by-one rule gathers for ``keys``: each request's terms in order, learned ones kept apart."""
+    terms = [est._request_terms(*key, *args) for key in keys]
+    learned = [t for t in terms if t[0] is not None]
+    fallbacks = [t for t in terms if t[0] is None]
+    return SetTerms([t[0] for t in learned], [t[1] for t in learned], int(math.fsum(t[2] for t in learned)),
+                    sum(t[3] for t in learned), sum(t[3] for t in fallbacks), len(fallbacks))
+
+
+def _batch(est, keys, args) -> SetTerms:
+    return batch_terms(est, keys, *args, RELATIVE_SCALE)
+
+
+def _same(est, keys, args) -> None:
+    one, many = _one_by_one(est, keys, args), _batch(est, keys, args)
+    # the one-by-one rule may answer an int mean (the budget left, when that is smaller): the same value
+    for name in ("means", "variances"):
+        assert _bits(getattr(one, name)) == _bits(getattr(many, name)), f"{name} differ for keys {keys}"
+    assert (one.left, one.caps, one.fallback_blocks, one.fallbacks) == (many.left, many.caps, many.fallback_blocks,
+                                                                       many.fallbacks)
+
+
+samples = st.lists(
+    st.tuples(st.one_of(st.none(), st.integers(1, 3000)), st.integers(1, 5000)), min_size=0, max_size=120
+)
+keys = st.lists(
+    st.tuples(
+        st.one_of(st.none(), st.just(0), st.integers(1, 5000)),  # the client's bound (0: treated as none)
+        st.integers(1, 8000),  # budget
+        st.integers(0, 9000),  # generated (beyond the budget too)
+    ),
+    min_size=1,
+    max_size=80,
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(samples=samples, keys=keys, min_samples=st.integers(1, 40), ratio=st.floats(0.05, 1.0),
+       clip=st.integers(1, 4096), block_size=st.sampled_from((1, 16, 64)), fixed=st.integers(0, 16),
+       window=st.integers(3, 3000))
+def test_arrays_answer_every_request_as_one_by_one_does(samples, keys, min_samples, ratio, clip, block_size, fixed,
+                                                        window):
+    # a short window drops old samples: buckets left with a weight of float dust (the estimator's 1e-12 rule)
+    est = AdaptiveReserve(min_samples=min(min_samples, window), window=window)
+    for bound, length in samples:
+        est.observe_finished(bound, length)
+    _same(est, keys, (ratio, clip, block_size, fixed))
+
+
+def test_thresholds_on_and_beside_every_bucket_edge_land_in_the_estimators_bucket():
+    # A relative threshold is 4096 (g + 0.5) / max_tokens: exact powers of two (bucket edges) happen, e.g.
+    # g = 0, max_tokens = 2048 is 1.0. Around every edge, one ulp either side: the bucket is the estimator's.
+    est = AdaptiveReserve(min_samples=1)
+    for bound, length in ((None, 7), (100, 37), (None, 900), (3000, 2999), (None, 40000), (64, 1)):
+        est.observe_finished(bound, length)
+    from fdsched.core.terms import _lower_edges
+
+    rnd = random.Random(3)
+    for histogram in (est.absolute, est.relative):
+        edges = [histogram.lo * 2 ** (k / histogram.per_octave) for k in range(histogram.buckets + 2)]
+        values = []
+        for edge in edges:
+            value = edge
+            for _ in range(3):
+                value = math.nextafter(value, 0.0)
+            for _ in range(7):
+                values.append(value)
+                value = math.nextafter(value, math.inf)
+        values += [0.0, 0.5, histogram.lo, histogram.hi * 3] + [rnd.uniform(0, 5000) for _ in range(2000)]
+        found = np.searchsorted(_lower_edges(np, histogram), np.array(values), side="right") - 1
+        assert found.tolist() == [histogram.bucket(value) for value in values]
+    # and whole requests whose thresholds are exact powers of two
+    keys = [(2048 >> j, 4000, g) for j in range(11) for g in (0, 1, 2, 3)] + [(3 * 512, 4000, 1), (1024, 4000, 0)]
+    _same(est, keys, (0.7, 4096, 16, 0))
+    # a bucket whose own weight is dust (at most 1e-12) is left out of the tail: the same over arrays
+    est.absolute.add(300.0, 1e-13)
+    est.absolute.add(301.0, 5e-13)
+    _same(est, [(None, 10**7, g) for g in range(250, 330)], (0.7, 4096, 16, 0))
+
+
+def test_a_large_running_set_gets_the_same_reservation_either_way():
+    def learned() -> AdaptiveReserve:
+        rnd, est = random.Random(5), AdaptiveReserve()
+        for i in range(300):
+            est.observe_finished(64 if i % 2 else None, rnd.randint(4, 600))
+        return est
+
+    rnd = random.Random(6)
+    running = [RunningRequest(None if i % 4 == 0 else 256 + (i * 37) % 769, 4000, rnd.randint(0, 700))
+               for i in range(448)]
+    arrays, one = learned(), learned()
+    one._batch = False  # the one-by-one rule
+    assert arrays._batch and len(running) >= BATCH_MIN
+    assert arrays.set_reservation(running, 0.7, 4096, 64, 0) == one.set_reservation(running, 0.7, 4096, 64, 0)
+    # and term by term, bit for bit, over many such sets (a dense set puts many thresholds in buckets with samples)
+    for seed in range(20):
+        rnd = random.Random(seed)
+        keys = [(rnd.choice((None, 0, rnd.randint(1, 1200))), rnd.randint(1, 5000), rnd.randint(0, 1500))
+                for _ in range(448)]
+        _same(arrays, keys, (rnd.uniform(0.05, 1.0), rnd.choice((512, 4096)), rnd.choice((16, 64)), rnd.randint(0, 16)))
+
+
+def test_a_subclass_that_reads_requests_its_own_way_is_asked_one_by_one():
+    class Own(AdaptiveReserve):
+        def remainder(self, max_tokens, budget, generated):
+            return super().remainder(max_tokens, budget, generated)
+
+    assert AdaptiveReserve()._batch and not Own()._batch
