@@ -132,3 +132,15 @@ def test_a_subclass_that_reads_requests_its_own_way_is_asked_one_by_one():
             return super().remainder(max_tokens, budget, generated)
 
     assert AdaptiveReserve()._batch and not Own()._batch
+
+
+def test_an_edge_is_found_from_a_guess_far_off_too():
+    from fdsched.core.terms import _lower_edges, _lowest_in
+
+    histogram = AdaptiveReserve().absolute
+    edges = _lower_edges(np, histogram)
+    for b in (1, 7, 8, 9, 80, histogram.buckets - 1):
+        # far below and far above the edge: the short walk gives up and the bisection finds the same float
+        assert _lowest_in(histogram.bucket, b, edges[b] / 3) == edges[b]
+        assert _lowest_in(histogram.bucket, b, edges[b] * 3) == edges[b]
+        assert histogram.bucket(edges[b]) >= b > histogram.bucket(math.nextafter(edges[b], 0.0))
