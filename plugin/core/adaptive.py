@@ -58,6 +58,7 @@ from typing import Iterable, NamedTuple, Optional
 from fdsched.core.common import ceil_div
 from fdsched.core.policies import reserve_blocks_for_request
 from fdsched.core.terms import BATCH_MIN, SetTerms, batch_terms, numpy_or_none
+from fdsched.core.terms import prepare as prepare_terms
 
 __all__ = [
     "LengthHistogram",
@@ -397,6 +398,8 @@ class AdaptiveReserve:
             type(self)._request_terms is AdaptiveReserve._request_terms
         )
         self._batch = own and numpy_or_none() is not None
+        if self._batch:
+            prepare_terms(self)
 
     # ---- events -------------------------------------------------------------------------------
     def observe_finished(self, max_tokens: Optional[int], output_tokens: int) -> None:

@@ -23,7 +23,7 @@ import struct
 import sys
 from typing import NamedTuple, Sequence
 
-__all__ = ["BATCH_MIN", "SetTerms", "batch_terms", "numpy_or_none"]
+__all__ = ["BATCH_MIN", "SetTerms", "batch_terms", "numpy_or_none", "prepare"]
 
 # Fewer keys than this are computed one by one: below about this many, numpy's fixed cost (some 80 operations of
 # one to a few microseconds each) is more than what the arrays save.
@@ -41,6 +41,14 @@ def numpy_or_none():
             numpy = None
         _NUMPY.append(numpy)
     return _NUMPY[0]
+
+
+def prepare(estimator) -> None:
+    """Draw the bucket edges of ``estimator``'s histograms now (:func:`_lower_edges`: once per histogram shape and
+    process), so a scheduler's first admitting pass does not pay for them."""
+    np = numpy_or_none()
+    for histogram in (estimator.absolute, estimator.relative):
+        _lower_edges(np, histogram)
 
 
 class SetTerms(NamedTuple):
@@ -154,7 +162,7 @@ def _lower_edges(np, histogram):
     Found with ``histogram.bucket`` itself, so the edges are exactly where the estimator's own ``math.log2`` puts
     them (numpy's ``log2`` may differ in the last bit): from the edge's value in exact arithmetic, a few floats up
     or down (bisection over the floats if that ever took long). Once per histogram shape and process, about a
-    millisecond."""
+    millisecond, when the estimator is built (:func:`prepare`)."""
     shape = (histogram.lo, histogram.per_octave, histogram.buckets)
     edges = _EDGES.get(shape)
     if edges is None:
