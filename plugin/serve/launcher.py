@@ -26,6 +26,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import subprocess
 import sys
 import tempfile
@@ -330,6 +331,7 @@ class ServedEngine:
         self.metrics_urls: list = []
         self.router_url: Optional[str] = None
         self._descendants: set = set()
+        self._groups: set = set()  # the process groups the stack's top processes lead (start_new_session)
         self._gone_since: dict = {}  # pid -> when deaths() first saw that watched process gone without a record
         self._lease = PortLease()
         self._watched: dict = {}  # (pid, create_time) -> (rank, role): the engine's processes, once it is up
@@ -440,6 +442,7 @@ class ServedEngine:
         out.close()
         self._spawned = True
         self.procs[name] = proc
+        self._groups.add(proc.pid)
         return proc
 
     def start(self):
@@ -725,6 +728,9 @@ class ServedEngine:
                 except (ProcessLookupError, PermissionError):
                     pass
                 proc.wait(timeout=10)
+        # a process of one of the stack's own groups that was never seen as a descendant (started after the last
+        # look, or re-parented) is the stack's too: it must be gone before the ledger is read
+        self._descendants.update(_group_members(self._groups))
         _kill_pids(self._descendants)
         deadline = time.monotonic() + 10  # SIGKILL is not instantaneous: wait until they are gone
         while (still_running(self._descendants) or any(port_in_use(p) for p in self.ports)) \
@@ -773,30 +779,53 @@ class ServedEngine:
 
 
 def _created_entries(state_dir: str, still_there: bool = False) -> list:
-    """(path, inode) of every /dev/shm entry the stack's processes recorded creating (seams' ledger)."""
+    """(path, inode) of every /dev/shm entry the stack's processes recorded creating (seams' ledger).
+
+    A creation is recorded twice: an intent before the call (with the inode at the path then, if any), and the
+    entry's inode after it (or that it failed). An intent left open means the process ended inside the call; the
+    entry at the path is then the one that call made when it is of the kind the call makes and is not the one that
+    was there before it. Such an entry is only known while it is there, whatever ``still_there`` says."""
     from fdsched.serve.seams import SHM_LEDGER
 
-    entries, seen = [], set()
+    entries, seen, open_intents = [], set(), {}
+
+    def add(path, ino):
+        if (path, ino) in seen:
+            return
+        seen.add((path, ino))
+        if still_there:
+            try:
+                if os.stat(path).st_ino != ino:
+                    return
+            except OSError:
+                return
+        entries.append((path, ino))
+
     try:
         with open(os.path.join(state_dir, SHM_LEDGER), errors="replace") as fh:
             for line in fh:
                 try:
                     rec = json.loads(line)
-                except ValueError:
+                    if "intent" in rec:
+                        open_intents[(rec["pid"], rec["intent"])] = rec
+                    elif "failed" in rec:
+                        open_intents.pop((rec["pid"], rec["failed"]), None)
+                    else:
+                        open_intents.pop((rec["pid"], rec["path"]), None)
+                        add(rec["path"], rec["ino"])
+                except (ValueError, KeyError, TypeError):
                     continue
-                key = (rec["path"], rec["ino"])
-                if key in seen:
-                    continue
-                seen.add(key)
-                if still_there:
-                    try:
-                        if os.stat(rec["path"]).st_ino != rec["ino"]:
-                            continue
-                    except OSError:
-                        continue
-                entries.append(key)
     except OSError:
         pass
+    for rec in open_intents.values():
+        path = rec["intent"]
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue
+        kind_ok = stat.S_ISSOCK(st.st_mode) if rec.get("kind") == "socket" else stat.S_ISREG(st.st_mode)
+        if kind_ok and st.st_ino != rec.get("before"):
+            add(path, st.st_ino)
     return entries
 
 
@@ -867,6 +896,23 @@ def _http_ok(url: str) -> bool:
             return r.status == 200
     except Exception:
         return False
+
+
+def _group_members(pgids) -> set:
+    """(pid, create_time) of the live, non-zombie processes in the process groups ``pgids``. A group's number is not
+    handed out again while any process is in it, and a member found here is one: it belongs to the stack."""
+    try:
+        import psutil
+    except ImportError:
+        return set()
+    members = set()
+    for proc in psutil.process_iter():
+        try:
+            if os.getpgid(proc.pid) in pgids and proc.status() != psutil.STATUS_ZOMBIE:
+                members.add((proc.pid, proc.create_time()))
+        except (psutil.Error, OSError):
+            pass
+    return members
 
 
 def _kill_pids(pids):

@@ -215,7 +215,8 @@ SEAMS = (
         "os / _posixshmem / socket / zmq",
         "os.open, _posixshmem.shm_open, socket.socket.bind and zmq.Socket.bind in every process of the stack: each "
         "/dev/shm entry a process creates (a lock file, a shared-memory segment, a unix or ZeroMQ ipc socket) is "
-        "appended to the stack's ledger with its inode",
+        "appended to the stack's ledger with its inode, after an intent record written before the call (a process "
+        "killed between the two still leaves its entry known)",
         {NEW: "added (no host line)", OLD: "added (no host line)"},
         "the launcher removes exactly what its own processes created, never entries found by a name pattern",
         "no",
@@ -680,12 +681,12 @@ def _s11_host_ip(module):
 
 # H4 --------------------------------------------------------------------------------------------
 
-def record_created(path: str, ino: int) -> None:
-    """Append one /dev/shm entry this process created to the stack's ledger (one write, O_APPEND)."""
+def _ledger_write(rec: dict) -> None:
+    """Append one record to the stack's ledger (one write, O_APPEND, so records of concurrent processes do not mix)."""
     state_dir = os.environ.get(STATE_ENV)
     if not state_dir:
         return
-    line = json.dumps({"pid": os.getpid(), "path": path, "ino": ino}) + "\n"
+    line = json.dumps(dict(rec, pid=os.getpid())) + "\n"
     try:
         fd = _REAL_OS_OPEN(os.path.join(state_dir, SHM_LEDGER), os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         try:
@@ -694,6 +695,34 @@ def record_created(path: str, ino: int) -> None:
             os.close(fd)
     except OSError:
         pass
+
+
+def record_created(path: str, ino: int) -> None:
+    """Append one /dev/shm entry this process created to the stack's ledger."""
+    _ledger_write({"path": path, "ino": ino})
+
+
+def _inode_or_none(path: str) -> Optional[int]:
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return None
+
+
+def _creating(path: str, kind: str, create):
+    """Run ``create()``, which may make the /dev/shm entry ``path`` (``kind``: "socket" or "file"), with an intent
+    record written first: a process can end between the entry appearing and its record (SIGKILL, or a daemon thread
+    stopped at interpreter exit while the call had let go of the GIL), and the intent, the inode that was at the path
+    before, lets the launcher still know the entry as its own. A call that fails is closed in the ledger too."""
+    if not os.environ.get(STATE_ENV):
+        return create()
+    _ledger_write({"intent": path, "kind": kind, "before": _inode_or_none(path)})
+    try:
+        out = create()
+    except BaseException:
+        _ledger_write({"failed": path})
+        raise
+    return out
 
 
 _REAL_OS_OPEN = os.open
@@ -711,9 +740,10 @@ def _h4_record_creations() -> None:
         text = os.fsdecode(text) if isinstance(text, bytes) else text
         watched = dir_fd is None and text.startswith(SHM_DIR) and flags & os.O_CREAT
         existed = watched and not flags & os.O_EXCL and os.path.exists(text)
-        fd = _REAL_OS_OPEN(path, flags, mode, dir_fd=dir_fd)
-        if watched and not existed:
-            record_created(text, os.fstat(fd).st_ino)
+        if not watched or existed:
+            return _REAL_OS_OPEN(path, flags, mode, dir_fd=dir_fd)
+        fd = _creating(text, "file", lambda: _REAL_OS_OPEN(path, flags, mode, dir_fd=dir_fd))
+        record_created(text, os.fstat(fd).st_ino)
         return fd
 
     os_open._fdsched = True
@@ -727,9 +757,10 @@ def _h4_record_creations() -> None:
     def shm_open(path, flags, mode=0o777):
         full = "/dev/shm/" + str(path).lstrip("/")
         existed = bool(flags & os.O_CREAT) and not flags & os.O_EXCL and os.path.exists(full)
-        fd = real_open(path, flags, mode=mode)
-        if flags & os.O_CREAT and not existed:
-            record_created(full, os.fstat(fd).st_ino)
+        if not flags & os.O_CREAT or existed:
+            return real_open(path, flags, mode=mode)
+        fd = _creating(full, "file", lambda: real_open(path, flags, mode=mode))
+        record_created(full, os.fstat(fd).st_ino)
         return fd
 
     shm_open._fdsched = True
@@ -737,14 +768,13 @@ def _h4_record_creations() -> None:
     real_bind = socket.socket.bind
 
     def bind(self, address):
-        out = real_bind(self, address)
-        if self.family == socket.AF_UNIX and isinstance(address, (str, bytes)):
-            path = os.fsdecode(address)
-            if path.startswith("/dev/shm/"):
-                try:
-                    record_created(path, os.stat(path).st_ino)
-                except OSError:
-                    pass
+        path = os.fsdecode(address) if self.family == socket.AF_UNIX and isinstance(address, (str, bytes)) else ""
+        if not path.startswith(SHM_DIR):
+            return real_bind(self, address)
+        out = _creating(path, "socket", lambda: real_bind(self, address))
+        ino = _inode_or_none(path)
+        if ino is not None:
+            record_created(path, ino)
         return out
 
     socket.socket.bind = bind
@@ -760,14 +790,14 @@ def _h4_record_zmq(module) -> None:
         return
 
     def bind(self, addr, *args, **kwargs):
-        out = real(self, addr, *args, **kwargs)
         text = addr.decode() if isinstance(addr, bytes) else str(addr)
-        if text.startswith("ipc://" + SHM_DIR):
-            path = text[len("ipc://"):]
-            try:
-                record_created(path, os.stat(path).st_ino)
-            except OSError:
-                pass
+        if not text.startswith("ipc://" + SHM_DIR):
+            return real(self, addr, *args, **kwargs)
+        path = text[len("ipc://"):]
+        out = _creating(path, "socket", lambda: real(self, addr, *args, **kwargs))
+        ino = _inode_or_none(path)
+        if ino is not None:
+            record_created(path, ino)
         return out
 
     bind._fdsched = True

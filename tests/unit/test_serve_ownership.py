@@ -112,6 +112,68 @@ def test_the_ledger_records_creations_through_os_open_and_unix_binds(tmp_path, m
                 os.unlink(f"/dev/shm/{name}{suffix}")
 
 
+def test_an_entry_whose_creator_died_before_recording_it_is_still_known_as_ours(tmp_path):
+    """A process killed after the bind made the socket and before its record (here: SIGKILL inside the bind) leaves
+    only the intent; the socket it made is still the stack's, and stop removes it."""
+    import subprocess
+    import sys
+
+    state = tmp_path / "state"
+    state.mkdir()
+    path = f"/dev/shm/fdsched-unit-{os.getpid()}-dying.sock"
+    code = (f"import os, signal, socket, sys; sys.path.insert(0, {os.path.dirname(seams.__file__)!r}); import seams; "
+            "real = socket.socket.bind\n"
+            "def dying_bind(self, address):\n"
+            "    real(self, address); os.kill(os.getpid(), signal.SIGKILL)\n"
+            "socket.socket.bind = dying_bind; seams._h4_record_creations(); "
+            f"socket.socket(socket.AF_UNIX).bind({path!r})")
+    env = dict(os.environ, **{seams.STATE_ENV: str(state)})
+    try:
+        done = subprocess.run([sys.executable, "-c", code], env=env, timeout=60)
+        assert done.returncode == -signal.SIGKILL and os.path.exists(path)
+        ledger = [json.loads(line) for line in open(state / seams.SHM_LEDGER)]
+        assert [set(rec) for rec in ledger] == [{"pid", "intent", "kind", "before"}]  # no record after the bind
+        assert _created_entries(str(state), still_there=True) == [(path, os.stat(path).st_ino)]
+        assert remove_created(str(state)) == [path] and not os.path.exists(path)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+
+
+def test_an_open_intent_claims_only_a_new_entry_of_its_kind(tmp_path, monkeypatch):
+    state = tmp_path / "state"
+    state.mkdir()
+    monkeypatch.setenv(seams.STATE_ENV, str(state))
+    base = f"/dev/shm/fdsched-unit-{os.getpid()}"
+    made = []
+
+    def unix_socket(path):
+        s = socket.socket(socket.AF_UNIX)
+        s.bind(path)
+        s.close()
+        made.append(path)
+        return os.stat(path).st_ino
+
+    try:
+        before = unix_socket(base + "-there.sock")  # there before the call, and still the same: not the call's
+        seams._ledger_write({"intent": base + "-there.sock", "kind": "socket", "before": before})
+        seams._ledger_write({"intent": base + "-file.sock", "kind": "socket", "before": None})
+        with open(base + "-file.sock", "w"):  # a regular file where a socket was to be made: not the call's
+            made.append(base + "-file.sock")
+        seams._ledger_write({"intent": base + "-failed.sock", "kind": "socket", "before": None})
+        seams._ledger_write({"failed": base + "-failed.sock"})
+        unix_socket(base + "-failed.sock")  # the call failed: what is there now was made by someone else
+        seams._ledger_write({"intent": base + "-new.sock", "kind": "socket", "before": before})
+        new = unix_socket(base + "-new.sock")
+        assert _created_entries(str(state), still_there=True) == [(base + "-new.sock", new)]
+        assert remove_created(str(state)) == [base + "-new.sock"]
+        assert all(os.path.exists(p) for p in made if not p.endswith("-new.sock"))
+    finally:
+        for p in made:
+            if os.path.exists(p):
+                os.unlink(p)
+
+
 # ------------------------------------------------------------------------------------------------ checks
 @pytest.mark.parametrize("config,expected", [
     (EngineConfig(dp=0), "--dp 0: allowed: an integer >= 1"),
