@@ -7,12 +7,15 @@ takes the request). The catalogue entry, with what the change replaces and relie
 from __future__ import annotations
 
 import functools
+import math
 import sys
 import weakref
+from operator import attrgetter, itemgetter
 
 from fdsched.core.admission import AdmissionBudget, RunningView
 from fdsched.core.adaptive import client_bound
 from fdsched.core.metrics import METRICS
+from fdsched.core.terms import numpy_or_none
 from fdsched.core.policies import FixedBlockReserve, NewTokenRatio, max_new_tokens_of
 
 from fdsched.patches._base import PluginBase, drafts, host_global
@@ -255,6 +258,16 @@ class _RunningReader:
             append((bound, budget, len(r.output_token_ids)))
         return keys
 
+    def entry(self, request) -> tuple:
+        """``(budget, client bound, client bound as a float)`` of ``request`` (no bound: None, and NaN)."""
+        budget, bound = self.terms(request)
+        return budget, bound, math.nan if bound is None else float(bound)
+
+    def columns(self, requests) -> tuple:
+        """The requests' keys as three arrays (:func:`fdsched.core.terms.columns_of_keys`): the client's bound
+        (NaN for none), the budget and the output so far, without a tuple per request."""
+        return _columns(list(map(self.entry, requests)), requests)
+
 
 class _Gone(weakref.ref):
     """A weak reference to a kept request whose callback drops the request's entry (``key``) when it goes."""
@@ -279,7 +292,7 @@ class _KeptTermsReader(_RunningReader):
 
     def __init__(self, scheduler) -> None:
         super().__init__(scheduler)
-        terms: dict = {}  # id(request) -> (budget, client bound), while the request lives
+        terms: dict = {}  # id(request) -> (budget, client bound, the bound as a float), while the request lives
         refs: dict = {}  # id(request) -> its _Gone reference (which must live as long as the entry)
 
         def gone(ref) -> None:  # the request went: drop its entry (runs on whichever thread let it go)
@@ -290,15 +303,15 @@ class _KeptTermsReader(_RunningReader):
         self._terms, self._refs, self._gone = terms, refs, gone
 
     def _keep(self, request) -> tuple:
-        """Read ``request``'s terms and keep them as long as it lives: ``(budget, client bound)`` (called where the
-        table has no entry for it)."""
+        """Read ``request``'s entry (:meth:`_RunningReader.entry`) and keep it as long as the request lives (called
+        where the table has none for it)."""
         key = id(request)
         ref = _Gone(request, self._gone)
         ref.key = key
-        terms = self.terms(request)
+        entry = self.entry(request)
         self._refs[key] = ref
-        self._terms[key] = terms
-        return terms
+        self._terms[key] = entry
+        return entry
 
     def lefts(self, requests) -> list:
         # an entry is a non-empty tuple: a request without one is kept on the spot
@@ -310,9 +323,28 @@ class _KeptTermsReader(_RunningReader):
         keys = []
         append = keys.append
         for r in requests:
-            budget, bound = get(id(r)) or keep(r)
+            budget, bound, _ = get(id(r)) or keep(r)
             append((bound, budget, len(r.output_token_ids)))
         return keys
+
+    def columns(self, requests) -> tuple:
+        # the table read in C (map), the few requests not in it yet kept afterwards
+        entries = list(map(self._terms.get, map(id, requests)))
+        if not all(entries):
+            keep = self._keep
+            entries = [entry or keep(r) for entry, r in zip(entries, requests)]
+        return _columns(entries, requests)
+
+
+_BUDGET, _BOUND_FLOAT, _OUTPUT = itemgetter(0), itemgetter(2), attrgetter("output_token_ids")
+
+
+def _columns(entries: list, requests) -> tuple:
+    """(bound, budget, generated) arrays from the requests' entries and their outputs."""
+    np = numpy_or_none()
+    n = len(entries)
+    return (np.fromiter(map(_BOUND_FLOAT, entries), np.float64, n), np.fromiter(map(_BUDGET, entries), np.int64, n),
+            np.fromiter(map(len, map(_OUTPUT, requests)), np.int64, n))
 
 
 def reader_for(scheduler, request_class) -> _RunningReader:

@@ -57,7 +57,7 @@ from typing import Iterable, NamedTuple, Optional
 
 from fdsched.core.common import ceil_div
 from fdsched.core.policies import reserve_blocks_for_request
-from fdsched.core.terms import BATCH_MIN, SetTerms, batch_terms, numpy_or_none
+from fdsched.core.terms import BATCH_MIN, MEAN_SCALE, SetTerms, batch_terms, columns_of_keys, numpy_or_none
 from fdsched.core.terms import prepare as prepare_terms
 
 __all__ = [
@@ -295,17 +295,20 @@ class SetTally:
     """A running set's adaptive reservation, built up request by request (:meth:`AdaptiveReserve.set_tally`): a
     pass's running offset adds the requests admitted since its last ask instead of going over the whole set
     again. The per-request terms are added up as they come; the sums themselves are taken at a
-    :meth:`reservation` that follows an add (:func:`math.fsum`: exact, so the answer is the whole set's whatever
-    the order the requests came in; the budgets left are whole tokens, summed as integers)."""
+    :meth:`reservation` that follows an add, exactly, so the answer is the whole set's whatever the order the
+    requests came in: means added over arrays as an integer count of 2**-52 (each is 0 or at least 1), the others
+    and the variances with :func:`math.fsum`, the budgets left (whole tokens) as integers."""
 
-    __slots__ = ("estimator", "terms_of", "args", "means", "variances", "left", "caps", "fallback_blocks",
-                 "fallbacks", "sums")
+    __slots__ = ("estimator", "terms_of", "args", "means", "mean_units", "learned", "variances", "left", "caps",
+                 "fallback_blocks", "fallbacks", "sums")
 
     def __init__(self, estimator: "AdaptiveReserve", terms_of: dict, args: tuple) -> None:
         self.estimator = estimator
         self.terms_of = terms_of  # the estimator's kept terms for these arguments
         self.args = args  # (ratio, clip, block size, fixed blocks)
-        self.means: list = []
+        self.means: list = []  # the means of requests added one by one
+        self.mean_units = 0  # the means of requests added over arrays: their exact sum, in units of 2**-52
+        self.learned = 0  # requests the estimator answered for
         self.variances: list = []
         self.left = 0  # what the learned requests' budgets still allow, together (tokens: an exact integer sum)
         self.caps = 0
@@ -317,15 +320,12 @@ class SetTally:
         """Add requests given as ``(max_tokens, budget, generated)`` (``max_tokens``: the client's bound, or
         None)."""
         keys = keys if isinstance(keys, list) else list(keys)
-        estimator = self.estimator
-        if estimator._batch and len(keys) >= BATCH_MIN:
-            # Many at once (a pass's first count): over arrays, without the kept terms (a decoding request's key
-            # moves with every token, so last pass's terms are of no use to it).
-            self._add_set(batch_terms(estimator, keys, *self.args, RELATIVE_SCALE))
+        if self.estimator._batch and len(keys) >= BATCH_MIN:
+            self.add_columns(*columns_of_keys(keys))
             return
-        terms_of, request_terms, args = self.terms_of, estimator._request_terms, self.args
+        terms_of, request_terms, args = self.terms_of, self.estimator._request_terms, self.args
         means, variances = self.means, self.variances
-        left = caps = fallback_blocks = fallbacks = 0
+        learned = left = caps = fallback_blocks = fallbacks = 0
         for key in keys:
             terms = terms_of.get(key)
             if terms is None:
@@ -334,28 +334,39 @@ class SetTally:
                 fallbacks += 1
                 fallback_blocks += terms[3]
             else:
+                learned += 1
                 means.append(terms[0])
                 variances.append(terms[1])
                 left += int(terms[2])
                 caps += terms[3]
-        self._add_set(SetTerms((), (), left, caps, fallback_blocks, fallbacks))
+        self._add_set(SetTerms(0, learned, (), left, caps, fallback_blocks, fallbacks))
+
+    def add_columns(self, bound, budget, generated) -> None:
+        """Add many requests at once, over arrays (where the estimator computes so: ``estimator._batch``): the
+        client's bound (float64, NaN for none), budget and output so far (int64), one entry a request
+        (:func:`fdsched.core.terms.columns_of_keys`). A decoding request's key moves with every token, so the
+        kept terms of the passes before are of no use to it: a pass's first count comes here."""
+        self._add_set(batch_terms(self.estimator, bound, budget, generated, *self.args, RELATIVE_SCALE))
 
     def _add_set(self, terms: SetTerms) -> None:
-        self.means.extend(terms.means)
+        self.mean_units += terms.mean_units
+        self.learned += terms.learned
         self.variances.extend(terms.variances)
         self.left += terms.left
         self.caps += terms.caps
         self.fallback_blocks += terms.fallback_blocks
         self.fallbacks += terms.fallbacks
         self.estimator.fallbacks += terms.fallbacks
-        self.estimator._terms_asked = self.fallbacks + len(self.means)
+        self.estimator._terms_asked = self.fallbacks + self.learned
 
     def reservation(self) -> SetReservation:
         """The reservation of every request added so far, with the estimator's margin now."""
-        if not self.means:
+        if not self.learned:
             return SetReservation(self.fallback_blocks, 0.0, 0.0, self.fallbacks)
-        if self.sums[0] != len(self.means):  # requests were added since the last sums (they are only ever added)
-            self.sums = (len(self.means), math.fsum(self.means), math.fsum(self.variances))
+        if self.sums[0] != self.learned:  # requests were added since the last sums (they are only ever added)
+            whole, units = divmod(self.mean_units, MEAN_SCALE)  # two floats whose sum is exactly mean_units
+            mean = math.fsum(self.means + [float(whole), units / MEAN_SCALE])
+            self.sums = (self.learned, mean, math.fsum(self.variances))
         _, mean, variance = self.sums
         learned = margin_blocks(mean, variance, self.estimator.k, self.args[2], float(self.left), self.caps)
         return SetReservation(int(learned) + self.fallback_blocks, mean, variance, self.fallbacks)

@@ -33,6 +33,7 @@ from typing import Callable, NamedTuple, Optional, Protocol, Sequence
 from fdsched.core.adaptive import AdaptiveReserve, SetReservation
 from fdsched.core.metrics import METRICS
 from fdsched.core.policies import FixedBlockReserve, NewTokenRatio
+from fdsched.core.terms import BATCH_MIN
 
 __all__ = [
     "RunningView",
@@ -73,6 +74,10 @@ class RunningReader(Protocol):
 
     def keys(self, requests: Sequence) -> list:
         """Each request as ``(max_tokens, budget, generated)``, as its :class:`RunningView` has them."""
+
+    def columns(self, requests: Sequence) -> tuple:
+        """Optional: the same as three arrays (:func:`fdsched.core.terms.columns_of_keys`), for many requests at
+        once."""
 
 
 class RunningRecount:
@@ -343,8 +348,7 @@ class AdaptiveStrategy(RatioStrategy):
         if not self.decodes:
             return RunningRecount(_nothing)
         if self.pure():
-            keys = reader.keys
-            return RunningOffset(lambda: _AdaptiveSum(self, keys))
+            return RunningOffset(lambda: _AdaptiveSum(self, reader))
         set_blocks, views, kept = self.set_blocks, reader.views, {}
         return RunningRecount(lambda requests: set_blocks(views(requests, kept)))
 
@@ -387,19 +391,25 @@ class AdaptiveStrategy(RatioStrategy):
 
 class _AdaptiveSum:
     """:class:`AdaptiveStrategy`'s running set for a :class:`RunningOffset`: requests are read as
-    ``(max_tokens, budget, generated)`` keys and added to the estimator's :class:`~fdsched.core.adaptive.SetTally`;
-    every answer is the strategy's last decision (its metrics)."""
+    ``(max_tokens, budget, generated)`` keys (many at once: as the reader's three arrays, where the estimator
+    computes over arrays and the reader gives them) and added to the estimator's
+    :class:`~fdsched.core.adaptive.SetTally`; every answer is the strategy's last decision (its metrics)."""
 
-    __slots__ = ("strategy", "keys", "set")
+    __slots__ = ("strategy", "keys", "columns", "set")
 
-    def __init__(self, strategy: "AdaptiveStrategy", keys: Callable[[Sequence], list]) -> None:
-        self.strategy, self.keys = strategy, keys
+    def __init__(self, strategy: "AdaptiveStrategy", reader: RunningReader) -> None:
+        self.strategy, self.keys = strategy, reader.keys
+        columns = getattr(reader, "columns", None)
+        self.columns = columns if strategy.adaptive._batch else None
         self.set = strategy.adaptive.set_tally(
             strategy.ratio.value, strategy.clip, strategy.block_size, strategy._fixed_blocks()
         )
 
     def add(self, requests: Sequence) -> None:
-        self.set.add(self.keys(requests))
+        if self.columns is not None and len(requests) >= BATCH_MIN:
+            self.set.add_columns(*self.columns(requests))
+        else:
+            self.set.add(self.keys(requests))
 
     def blocks(self) -> int:
         strategy = self.strategy

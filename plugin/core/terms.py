@@ -23,11 +23,16 @@ import struct
 import sys
 from typing import NamedTuple, Sequence
 
-__all__ = ["BATCH_MIN", "SetTerms", "batch_terms", "numpy_or_none", "prepare"]
+__all__ = ["BATCH_MIN", "MEAN_SCALE", "Columns", "SetTerms", "batch_terms", "columns_of_keys", "numpy_or_none",
+           "prepare", "request_columns"]
 
 # Fewer keys than this are computed one by one: below about this many, numpy's fixed cost (some 80 operations of
 # one to a few microseconds each) is more than what the arrays save.
 BATCH_MIN = 24
+
+# Every learned mean is 0 or at least 1 (``remainder`` clips it to [1, budget left]), so it is a whole multiple of
+# 2**-52: its sum is kept exactly as an integer count of 2**-52 (SetTerms.mean_units).
+MEAN_SCALE = 2 ** 52
 
 _NUMPY: list = []
 
@@ -52,35 +57,54 @@ def prepare(estimator) -> None:
 
 
 class SetTerms(NamedTuple):
-    """What a set of requests adds to a :class:`fdsched.core.adaptive.SetTally`: the learned requests' terms, in
-    the keys' order, and the fallbacks'."""
+    """What a set of requests adds to a :class:`fdsched.core.adaptive.SetTally`."""
 
-    means: list
-    variances: list
+    mean_units: int  # the learned requests' means, summed exactly, in units of 2**-52 (MEAN_SCALE)
+    learned: int  # how many requests the estimator answered for
+    variances: list  # their variances, in the requests' order
     left: int  # what their budgets still allow, together (tokens)
     caps: int  # upstream's ratio formula over the learned requests
     fallback_blocks: int
     fallbacks: int
 
 
-def batch_terms(
+class Columns(NamedTuple):
+    """Each request's terms, as arrays in the requests' order (:func:`request_columns`)."""
+
+    mean: object  # float64: what _request_terms answers as the mean (where ``answered``)
+    variance: object  # float64
+    left: object  # int64: what the budget still allows
+    cap: object  # int64: upstream's ratio formula
+    answered: object  # bool: the estimator answered (else the warm-up fallback)
+    fallback: object  # int64: the warm-up fallback's blocks (where not ``answered``)
+
+
+def columns_of_keys(keys: Sequence[tuple]) -> tuple:
+    """``(max_tokens, budget, generated)`` keys as the three arrays :func:`request_columns` reads (no bound: NaN)."""
+    np = numpy_or_none()
+    bounds, budget, generated = zip(*keys)
+    bound = np.array([math.nan if value is None else value for value in bounds], dtype=np.float64)
+    return (bound, np.fromiter(budget, dtype=np.int64, count=len(keys)),
+            np.fromiter(generated, dtype=np.int64, count=len(keys)))
+
+
+def request_columns(
     estimator,
-    keys: Sequence[tuple],
+    bound,
+    budget,
+    generated,
     ratio: float,
     clip_max_new_tokens: int,
     block_size: int,
     fixed_blocks: int,
     relative_scale: float,
-) -> SetTerms:
-    """The terms ``estimator._request_terms(*key, ratio, clip, block_size, fixed_blocks)`` gives every
-    ``(max_tokens, budget, generated)`` key, gathered as a set (:class:`SetTerms`); ``relative_scale`` is the
-    estimator's scale of relative samples."""
+) -> Columns:
+    """What ``estimator._request_terms(max_tokens, budget, generated, ratio, clip, block_size, fixed_blocks)``
+    answers for each request, bit for bit, as arrays: ``bound`` (float64, the client's bound, NaN for none),
+    ``budget`` and ``generated`` (int64), one entry a request; ``relative_scale`` is the estimator's scale of
+    relative samples."""
     np = numpy_or_none()
     absolute, relative = estimator.absolute, estimator.relative
-    bounds, budget, generated = zip(*keys)
-    bound = np.array([math.nan if value is None else value for value in bounds], dtype=np.float64)
-    budget = np.fromiter(budget, dtype=np.int64, count=len(keys))
-    generated = np.fromiter(generated, dtype=np.int64, count=len(keys))
     is_relative = bound >= 1  # the client bounded it: learned relative to that bound (NaN, no bound: False)
     scale = np.where(is_relative, bound / relative_scale, 1.0)
     with np.errstate(divide="ignore", invalid="ignore"):  # what is computed for a fallback is not used
@@ -109,14 +133,38 @@ def batch_terms(
     learned = (relative.n >= estimator.min_samples, absolute.n >= estimator.min_samples)
     if not all(learned):
         answered &= np.where(is_relative, *learned)
-    if answered.all():
-        return SetTerms(mean.tolist(), variance.tolist(), int(left.sum()), int(cap.sum()), 0, 0)
     # The others: the warm-up rule (fdsched.core.adaptive.warmup_reserve_blocks): upstream's formula (the cap), or
     # for a request without a bound the fixed amount when that is less.
     fallback = np.where(np.isnan(bound), np.minimum(max(int(fixed_blocks), 0), cap), cap)
-    unanswered = ~answered
-    return SetTerms(mean[answered].tolist(), variance[answered].tolist(), int(left[answered].sum()),
-                    int(cap[answered].sum()), int(fallback[unanswered].sum()), int(np.count_nonzero(unanswered)))
+    return Columns(mean, variance, left, cap, answered, fallback)
+
+
+def batch_terms(estimator, bound, budget, generated, ratio: float, clip_max_new_tokens: int, block_size: int,
+                fixed_blocks: int, relative_scale: float) -> SetTerms:
+    """The requests' terms (:func:`request_columns`) gathered as a set (:class:`SetTerms`)."""
+    np = numpy_or_none()
+    columns = request_columns(estimator, bound, budget, generated, ratio, clip_max_new_tokens, block_size,
+                              fixed_blocks, relative_scale)
+    mean, variance, left, cap, answered = columns[:5]
+    if not answered.all():
+        unanswered = ~answered
+        fallback_blocks, fallbacks = int(columns.fallback[unanswered].sum()), int(np.count_nonzero(unanswered))
+        mean, variance, left, cap = mean[answered], variance[answered], left[answered], cap[answered]
+    else:
+        fallback_blocks = fallbacks = 0
+    return SetTerms(mean_units(np, mean), len(mean), variance.tolist(), int(left.sum()), int(cap.sum()),
+                    fallback_blocks, fallbacks)
+
+
+def mean_units(np, mean) -> int:
+    """The exact sum of ``mean`` (float64, each 0 or at least 1) in units of 2**-52: each mean's whole part, and its
+    fraction times 2**52 (a whole number below 2**52), each summed in integers; the fractions split in two halves
+    of 26 bits, so no partial sum overflows 64 bits for any set that fits in memory."""
+    whole = np.floor(mean)
+    units = ((mean - whole) * float(MEAN_SCALE)).astype(np.int64)
+    high = int((units >> 26).sum())
+    low = int((units & ((1 << 26) - 1)).sum())
+    return (int(whole.astype(np.int64).sum()) << 52) + (high << 26) + low
 
 
 def _tails(np, absolute, relative, is_relative, threshold) -> tuple:

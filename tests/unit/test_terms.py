@@ -8,12 +8,15 @@ from __future__ import annotations
 import math
 import random
 import struct
+from fractions import Fraction
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
 from fdsched.core.adaptive import RELATIVE_SCALE, AdaptiveReserve, RunningRequest
-from fdsched.core.terms import BATCH_MIN, SetTerms, batch_terms, numpy_or_none
+from fdsched.core.terms import (
+    BATCH_MIN, MEAN_SCALE, SetTerms, batch_terms, columns_of_keys, numpy_or_none, request_columns,
+)
 
 np = numpy_or_none()
 pytestmark = pytest.mark.skipif(np is None, reason="unit: numpy not installed (the terms are then computed one by one)")
@@ -24,26 +27,30 @@ def _bits(values) -> tuple:
     return tuple(struct.pack("<d", float(value)) for value in values)
 
 
-def _one_by_one(est, keys, args) -> SetTerms:
-    """What the one-by-one rule gathers for ``keys``: each request's terms in order, learned ones kept apart."""
-    terms = [est._request_terms(*key, *args) for key in keys]
-    learned = [t for t in terms if t[0] is not None]
-    fallbacks = [t for t in terms if t[0] is None]
-    return SetTerms([t[0] for t in learned], [t[1] for t in learned], int(math.fsum(t[2] for t in learned)),
-                    sum(t[3] for t in learned), sum(t[3] for t in fallbacks), len(fallbacks))
-
-
-def _batch(est, keys, args) -> SetTerms:
-    return batch_terms(est, keys, *args, RELATIVE_SCALE)
+def _one_by_one(est, keys, args) -> list:
+    return [est._request_terms(*key, *args) for key in keys]
 
 
 def _same(est, keys, args) -> None:
-    one, many = _one_by_one(est, keys, args), _batch(est, keys, args)
+    """Every request's terms over arrays are the one-by-one rule's, bit for bit; the set's sums are theirs."""
+    one = _one_by_one(est, keys, args)
+    columns = request_columns(est, *columns_of_keys(keys), *args, RELATIVE_SCALE)
+    answered = columns.answered.tolist()
+    assert answered == [t[0] is not None for t in one], f"which are answered differ for keys {keys}"
+    learned = [t for t in one if t[0] is not None]
+    fallbacks = [t for t in one if t[0] is None]
     # the one-by-one rule may answer an int mean (the budget left, when that is smaller): the same value
-    for name in ("means", "variances"):
-        assert _bits(getattr(one, name)) == _bits(getattr(many, name)), f"{name} differ for keys {keys}"
-    assert (one.left, one.caps, one.fallback_blocks, one.fallbacks) == (many.left, many.caps, many.fallback_blocks,
-                                                                       many.fallbacks)
+    for column, index in (("mean", 0), ("variance", 1), ("left", 2), ("cap", 3)):
+        mine = getattr(columns, column)[columns.answered].tolist()
+        assert _bits(mine) == _bits(t[index] for t in learned), f"{column} differs for keys {keys}"
+    assert columns.fallback[~columns.answered].tolist() == [t[3] for t in fallbacks]
+    many = batch_terms(est, *columns_of_keys(keys), *args, RELATIVE_SCALE)
+    assert many.mean_units == sum(int(Fraction(t[0]) * MEAN_SCALE) for t in learned)
+    assert all(Fraction(t[0]) * MEAN_SCALE == int(Fraction(t[0]) * MEAN_SCALE) for t in learned)  # exact units
+    assert _bits(many.variances) == _bits(t[1] for t in learned)
+    assert (many.learned, many.left, many.caps, many.fallback_blocks, many.fallbacks) == (
+        len(learned), int(math.fsum(t[2] for t in learned)), sum(t[3] for t in learned),
+        sum(t[3] for t in fallbacks), len(fallbacks))
 
 
 samples = st.lists(
@@ -144,3 +151,36 @@ def test_an_edge_is_found_from_a_guess_far_off_too():
         assert _lowest_in(histogram.bucket, b, edges[b] / 3) == edges[b]
         assert _lowest_in(histogram.bucket, b, edges[b] * 3) == edges[b]
         assert histogram.bucket(edges[b]) >= b > histogram.bucket(math.nextafter(edges[b], 0.0))
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(st.just(0.0), st.floats(1.0, 2.0 ** 40, allow_nan=False, allow_infinity=False)),
+                min_size=0, max_size=3000))
+def test_means_are_summed_exactly_in_units_of_2_to_the_minus_52(means):
+    from fdsched.core.terms import mean_units
+
+    units = mean_units(np, np.array(means, dtype=np.float64))
+    assert units == sum(Fraction(m) for m in means) * MEAN_SCALE
+    whole, rest = divmod(units, MEAN_SCALE)  # as the tally turns it back into a float: correctly rounded
+    assert math.fsum([float(whole), rest / MEAN_SCALE]) == math.fsum(means)
+
+
+def test_a_tally_added_to_over_arrays_and_one_by_one_answers_as_the_one_by_one_rule():
+    rnd = random.Random(9)
+
+    def learned(batch: bool) -> AdaptiveReserve:
+        est = AdaptiveReserve(min_samples=8)
+        for i in range(200):
+            est.observe_finished(512 if i % 3 else None, 1 + (i * 53) % 700)
+        est._batch = est._batch and batch
+        return est
+
+    arrays, one = learned(True), learned(False)
+    for _ in range(10):
+        parts = [[(rnd.choice((None, 512, 300)), rnd.randint(1, 2000), rnd.randint(0, 800)) for _ in range(n)]
+                 for n in (rnd.randint(BATCH_MIN, 300), rnd.randint(0, 5), rnd.randint(BATCH_MIN, 60), 3)]
+        tallies = [est.set_tally(0.7, 4096, 64, 4) for est in (arrays, one)]
+        for part in parts:
+            for tally in tallies:
+                tally.add(part)
+            assert tallies[0].reservation() == tallies[1].reservation()

@@ -7,6 +7,8 @@ from __future__ import annotations
 import weakref
 from types import SimpleNamespace
 
+import pytest
+
 from fdsched.patches.ratio_reserve import _BudgetedReserve
 
 
@@ -120,6 +122,27 @@ def test_the_kept_terms_reader_answers_as_the_views_for_every_kind_of_request():
         assert reader.keys(requests) == [(v.max_tokens, v.budget, v.generated) for v in views]
         for r in requests:
             r.output_token_ids.append(7)  # outputs grow between passes: read afresh every time
+
+
+def test_both_readers_give_the_keys_as_the_arrays_the_estimator_reads():
+    from fdsched.core.terms import columns_of_keys, numpy_or_none
+    from fdsched.patches.ratio_reserve.budget import _RunningReader
+
+    if numpy_or_none() is None:
+        pytest.skip("unit: numpy not installed (the terms are then computed one by one)")
+    requests = [_Request("bounded", 16, 3, 512), _Request("unset", 48, 7, None), _Request("zero", 16, 0, 0),
+                _Request("over-budget", 16, 600, 512), _Request("float", 16, 2, 100.0)]
+    scheduler, kept = _kept_reader(requests)
+    fresh = _RunningReader(scheduler)
+    late = _Request("late", 16, 9, 64)
+    for reader in (kept, fresh):
+        for _ in range(2):  # kept: first read, then from the table (and one request it has not seen yet)
+            for got, want in zip(reader.columns(requests), columns_of_keys(reader.keys(requests))):
+                assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
+            if late not in requests:
+                requests.append(late)
+            for r in requests:
+                r.output_token_ids.append(7)
 
 
 def test_a_requests_terms_are_read_once_and_its_output_every_time():
