@@ -403,6 +403,7 @@ class AdaptiveReserve:
         self._terms: dict = {}
         self._terms_stamp: tuple = ()
         self._terms_asked = 0  # requests in the last set_reservation call
+        self._tail_rows = None  # the histograms' tail rows as one table, while they stand (fdsched.core.terms)
         # Terms over arrays (numpy) only where they are this class's own: a subclass that reads a request
         # otherwise (its remainder or its terms) is asked one request at a time.
         own = type(self).remainder is AdaptiveReserve.remainder and (

@@ -112,7 +112,7 @@ def request_columns(
         threshold = (generated + 0.5) / scale
         # c: the bucket's own weight, 0 where the estimator leaves the bucket out (its weight <= 1e-12): adding
         # part = 0.0 then leaves count, total and squares as they are, as leaving it out does.
-        count, total, squares, c, low, high = _tails(np, absolute, relative, is_relative, threshold)
+        count, total, squares, c, low, high = _tails(np, estimator, is_relative, threshold)
         part = np.minimum(np.maximum((high - threshold) / np.maximum(high - low, 1e-12), 0.0), 1.0) * c
         a, b = np.maximum(threshold, low), high
         count = np.maximum(count + part, 0.0)
@@ -167,9 +167,14 @@ def mean_units(np, mean) -> int:
     return (int(whole.astype(np.int64).sum()) << 52) + (high << 26) + low
 
 
-def _tails(np, absolute, relative, is_relative, threshold) -> tuple:
+def _tails(np, estimator, is_relative, threshold) -> tuple:
     """The kept tail aggregates (``histogram._tails``: count, sum and sum of squares above the bucket, the bucket's
-    own weight, its edges) of each threshold's bucket in its kind's histogram, as six arrays."""
+    own weight, its edges) of each threshold's bucket in its kind's histogram, as six arrays.
+
+    The rows are kept in one table while both histograms stand (``estimator._tail_rows``, keyed by the histograms
+    and their versions, as each histogram keeps its own tails until its next sample): a pass whose first count
+    follows another with no request finished in between computes no row again."""
+    absolute, relative = estimator.absolute, estimator.relative
     by_absolute = np.searchsorted(_lower_edges(np, absolute), threshold, side="right") - 1
     if (absolute.lo, absolute.per_octave) == (relative.lo, relative.per_octave) and absolute.buckets >= relative.buckets:
         by_relative = by_absolute  # the same edges, the relative histogram's fewer: clamped below
@@ -181,22 +186,30 @@ def _tails(np, absolute, relative, is_relative, threshold) -> tuple:
         np.minimum(by_relative, relative.buckets - 1),
         np.minimum(by_absolute, absolute.buckets - 1) + relative.buckets,
     )
-    present = np.zeros(relative.buckets + absolute.buckets, dtype=bool)
-    present[index] = True
-    wanted = np.flatnonzero(present).tolist()
-    rows = []
-    for bucket in wanted:
-        histogram, own = (relative, bucket) if bucket < relative.buckets else (absolute, bucket - relative.buckets)
-        row = histogram._tails.get(own)
-        if row is None:
-            row = histogram._tails[own] = histogram._bucket_tail(own)
-        if row[3] <= 1e-12:  # the estimator leaves this bucket's own weight out (LengthHistogram.tail)
-            row = row[:3] + (0.0,) + row[4:]
-        rows.append(row)
-    table = np.empty((len(present), 6))
-    table[wanted] = rows
-    table = table[index]
-    return tuple(table[:, column] for column in range(6))
+    stand = (relative, relative.version, absolute, absolute.version)
+    kept = estimator._tail_rows
+    if kept is None or kept[0] != stand:
+        rows = relative.buckets + absolute.buckets
+        kept = estimator._tail_rows = (stand, np.empty((rows, 6)), np.zeros(rows, dtype=bool))
+    _, table, filled = kept
+    missing = np.zeros(len(filled), dtype=bool)
+    missing[index] = True
+    missing &= ~filled
+    if missing.any():
+        wanted = np.flatnonzero(missing).tolist()
+        rows = []
+        for bucket in wanted:
+            histogram, own = (relative, bucket) if bucket < relative.buckets else (absolute, bucket - relative.buckets)
+            row = histogram._tails.get(own)
+            if row is None:
+                row = histogram._tails[own] = histogram._bucket_tail(own)
+            if row[3] <= 1e-12:  # the estimator leaves this bucket's own weight out (LengthHistogram.tail)
+                row = row[:3] + (0.0,) + row[4:]
+            rows.append(row)
+        table[wanted] = rows
+        filled[wanted] = True
+    picked = table[index]
+    return tuple(picked[:, column] for column in range(6))
 
 
 # (lo, per_octave, buckets) -> the lower edges of those buckets (an array), as LengthHistogram.bucket draws them

@@ -184,3 +184,21 @@ def test_a_tally_added_to_over_arrays_and_one_by_one_answers_as_the_one_by_one_r
             for tally in tallies:
                 tally.add(part)
             assert tallies[0].reservation() == tallies[1].reservation()
+
+
+def test_the_tail_rows_are_kept_while_the_histograms_stand_and_redrawn_after_a_sample():
+    rnd = random.Random(12)
+    est = AdaptiveReserve(min_samples=4)
+    for i in range(60):
+        est.observe_finished(700 if i % 2 else None, rnd.randint(2, 900))
+    args = (0.7, 4096, 64, 2)
+    keys = [(rnd.choice((None, 700, 90)), rnd.randint(50, 3000), rnd.randint(0, 900)) for _ in range(200)]
+    _same(est, keys, args)
+    kept = est._tail_rows
+    _same(est, [(bound, budget, generated + 1) for bound, budget, generated in keys], args)  # the next pass
+    assert est._tail_rows is kept  # nothing finished in between: the same rows, more of them filled
+    for i in range(5):  # requests finish: every row is redrawn from the histograms as they are now
+        est.observe_finished(None if i % 2 else 700, rnd.randint(300, 2000))
+        _same(est, keys, args)
+        assert est._tail_rows is not kept
+        kept = est._tail_rows
