@@ -288,7 +288,7 @@ class _KeptTermsReader(_RunningReader):
     one that asks each entry's weak reference whether it is still that request.
     """
 
-    __slots__ = ("_terms", "_refs", "_gone")
+    __slots__ = ("_terms", "_refs", "_gone", "_last")
 
     def __init__(self, scheduler) -> None:
         super().__init__(scheduler)
@@ -301,6 +301,7 @@ class _KeptTermsReader(_RunningReader):
                 terms.pop(ref.key, None)
 
         self._terms, self._refs, self._gone = terms, refs, gone
+        self._last = ((), None, None)  # the last columns call's entries, and its bound and budget arrays
 
     def _keep(self, request) -> tuple:
         """Read ``request``'s entry (:meth:`_RunningReader.entry`) and keep it as long as the request lives (called
@@ -333,18 +334,34 @@ class _KeptTermsReader(_RunningReader):
         if not all(entries):
             keep = self._keep
             entries = [entry or keep(r) for entry, r in zip(entries, requests)]
-        return _columns(entries, requests)
+        # A running list mostly keeps its order from one pass to the next and grows at its end: where the last
+        # call's entries begin this one's, its bound and budget arrays are this one's too, and only the entries
+        # after them are read (entries are compared, not requests: equal entries give equal arrays).
+        np, n = numpy_or_none(), len(entries)
+        last, bound, budget = self._last
+        m = len(last)
+        if not m or m > n or (entries[:m] != last if m < n else entries != last):
+            bound, budget = _bound_and_budget(np, entries)
+        elif m < n:
+            more_bound, more_budget = _bound_and_budget(np, entries[m:])
+            bound, budget = np.concatenate((bound, more_bound)), np.concatenate((budget, more_budget))
+        self._last = (entries, bound, budget)
+        return bound, budget, np.fromiter(map(len, map(_OUTPUT, requests)), np.int64, n)
 
 
 _BUDGET, _BOUND_FLOAT, _OUTPUT = itemgetter(0), itemgetter(2), attrgetter("output_token_ids")
 
 
+def _bound_and_budget(np, entries: list) -> tuple:
+    """The (bound, budget) arrays of the requests' entries."""
+    n = len(entries)
+    return np.fromiter(map(_BOUND_FLOAT, entries), np.float64, n), np.fromiter(map(_BUDGET, entries), np.int64, n)
+
+
 def _columns(entries: list, requests) -> tuple:
     """(bound, budget, generated) arrays from the requests' entries and their outputs."""
     np = numpy_or_none()
-    n = len(entries)
-    return (np.fromiter(map(_BOUND_FLOAT, entries), np.float64, n), np.fromiter(map(_BUDGET, entries), np.int64, n),
-            np.fromiter(map(len, map(_OUTPUT, requests)), np.int64, n))
+    return (*_bound_and_budget(np, entries), np.fromiter(map(len, map(_OUTPUT, requests)), np.int64, len(entries)))
 
 
 def reader_for(scheduler, request_class) -> _RunningReader:

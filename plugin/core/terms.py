@@ -104,6 +104,14 @@ def request_columns(
     ``budget`` and ``generated`` (int64), one entry a request; ``relative_scale`` is the estimator's scale of
     relative samples."""
     np = numpy_or_none()
+    columns = _learned_columns(np, estimator, bound, budget, generated, ratio, clip_max_new_tokens, block_size,
+                               relative_scale)
+    return columns._replace(fallback=_fallback(np, bound, columns.cap, fixed_blocks))
+
+
+def _learned_columns(np, estimator, bound, budget, generated, ratio, clip_max_new_tokens, block_size,
+                     relative_scale) -> Columns:
+    """:func:`request_columns` but the warm-up fallback (None)."""
     absolute, relative = estimator.absolute, estimator.relative
     is_relative = bound >= 1  # the client bounded it: learned relative to that bound (NaN, no bound: False)
     scale = np.where(is_relative, bound / relative_scale, 1.0)
@@ -111,13 +119,14 @@ def request_columns(
         # What estimator.remainder does, over arrays (same operations, same order).
         threshold = (generated + 0.5) / scale
         # c: the bucket's own weight, 0 where the estimator leaves the bucket out (its weight <= 1e-12): adding
-        # part = 0.0 then leaves count, total and squares as they are, as leaving it out does.
-        count, total, squares, c, low, high = _tails(np, estimator, is_relative, threshold)
-        part = np.minimum(np.maximum((high - threshold) / np.maximum(high - low, 1e-12), 0.0), 1.0) * c
-        a, b = np.maximum(threshold, low), high
+        # part = 0.0 then leaves count, total and squares as they are, as leaving it out does. width is the
+        # bucket's max(high - low, 1e-12) and high2 its high * high, each computed once per bucket.
+        count, total, squares, c, low, high, width, high2 = _tails(np, estimator, is_relative, threshold)
+        part = np.minimum(np.maximum((high - threshold) / width, 0.0), 1.0) * c
+        a = np.maximum(threshold, low)
         count = np.maximum(count + part, 0.0)
-        total = total + part * (a + b) / 2.0
-        squares = squares + part * (a * a + a * b + b * b) / 3.0
+        total = total + part * (a + high) / 2.0
+        squares = squares + part * (a * a + a * high + high2) / 3.0
         mean_value = total / count
         variance = np.maximum(squares / count - mean_value * mean_value, 0.0) * scale * scale
         mean = mean_value * scale - generated
@@ -133,64 +142,69 @@ def request_columns(
     learned = (relative.n >= estimator.min_samples, absolute.n >= estimator.min_samples)
     if not all(learned):
         answered &= np.where(is_relative, *learned)
-    # The others: the warm-up rule (fdsched.core.adaptive.warmup_reserve_blocks): upstream's formula (the cap), or
-    # for a request without a bound the fixed amount when that is less.
-    fallback = np.where(np.isnan(bound), np.minimum(max(int(fixed_blocks), 0), cap), cap)
-    return Columns(mean, variance, left, cap, answered, fallback)
+    return Columns(mean, variance, left, cap, answered, None)
+
+
+def _fallback(np, bound, cap, fixed_blocks: int):
+    """The warm-up rule (fdsched.core.adaptive.warmup_reserve_blocks) for each request: upstream's formula (the
+    cap), or for a request without a bound the fixed amount when that is less."""
+    return np.where(np.isnan(bound), np.minimum(max(int(fixed_blocks), 0), cap), cap)
 
 
 def batch_terms(estimator, bound, budget, generated, ratio: float, clip_max_new_tokens: int, block_size: int,
                 fixed_blocks: int, relative_scale: float) -> SetTerms:
     """The requests' terms (:func:`request_columns`) gathered as a set (:class:`SetTerms`)."""
     np = numpy_or_none()
-    columns = request_columns(estimator, bound, budget, generated, ratio, clip_max_new_tokens, block_size,
-                              fixed_blocks, relative_scale)
-    mean, variance, left, cap, answered = columns[:5]
-    if not answered.all():
-        unanswered = ~answered
-        fallback_blocks, fallbacks = int(columns.fallback[unanswered].sum()), int(np.count_nonzero(unanswered))
-        mean, variance, left, cap = mean[answered], variance[answered], left[answered], cap[answered]
-    else:
+    mean, variance, left, cap, answered, _ = _learned_columns(
+        np, estimator, bound, budget, generated, ratio, clip_max_new_tokens, block_size, relative_scale)
+    if answered.all():
         fallback_blocks = fallbacks = 0
+    else:
+        unanswered = ~answered
+        fallback_blocks = int(_fallback(np, bound[unanswered], cap[unanswered], fixed_blocks).sum())
+        fallbacks = int(np.count_nonzero(unanswered))
+        mean, variance, left, cap = mean[answered], variance[answered], left[answered], cap[answered]
     return SetTerms(mean_units(np, mean), len(mean), variance.tolist(), int(left.sum()), int(cap.sum()),
                     fallback_blocks, fallbacks)
 
 
 def mean_units(np, mean) -> int:
-    """The exact sum of ``mean`` (float64, each 0 or at least 1) in units of 2**-52: each mean's whole part, and its
-    fraction times 2**52 (a whole number below 2**52), each summed in integers; the fractions split in two halves
-    of 26 bits, so no partial sum overflows 64 bits for any set that fits in memory."""
-    whole = np.floor(mean)
-    units = ((mean - whole) * float(MEAN_SCALE)).astype(np.int64)
-    high = int((units >> 26).sum())
-    low = int((units & ((1 << 26) - 1)).sum())
-    return (int(whole.astype(np.int64).sum()) << 52) + (high << 26) + low
+    """The exact sum of ``mean`` (float64, each 0 or at least 1, below 2**31) in units of 2**-52.
+
+    Each mean is a whole multiple of 2**-52, split exactly into three whole numbers: its whole part, and the top and
+    bottom 26 bits of its fraction times 2**52. Each is summed as floats, exactly: every partial sum is a whole
+    number below 2**53 for up to 2**22 requests, in any order of addition."""
+    parts = np.empty((3, len(mean)))
+    whole = np.floor(mean, out=parts[0])
+    fraction = mean - whole
+    top = np.floor(fraction * 67108864.0, out=parts[1])  # 2**26
+    np.subtract(fraction * 4503599627370496.0, top * 67108864.0, out=parts[2])  # 2**52: the bottom 26 bits
+    whole_sum, top_sum, bottom_sum = np.add.reduce(parts, axis=1).tolist()
+    return (int(whole_sum) << 52) + (int(top_sum) << 26) + int(bottom_sum)
 
 
 def _tails(np, estimator, is_relative, threshold) -> tuple:
     """The kept tail aggregates (``histogram._tails``: count, sum and sum of squares above the bucket, the bucket's
-    own weight, its edges) of each threshold's bucket in its kind's histogram, as six arrays.
+    own weight, its edges), and the bucket's ``max(high - low, 1e-12)`` and ``high * high``, of each threshold's
+    bucket in its kind's histogram, as eight arrays.
 
     The rows are kept in one table while both histograms stand (``estimator._tail_rows``, keyed by the histograms
     and their versions, as each histogram keeps its own tails until its next sample): a pass whose first count
     follows another with no request finished in between computes no row again."""
     absolute, relative = estimator.absolute, estimator.relative
-    by_absolute = np.searchsorted(_lower_edges(np, absolute), threshold, side="right") - 1
+    # a value's bucket is the number of inner edges at or below it (never more than the histogram's last bucket)
+    by_absolute = np.searchsorted(_inner_edges(np, absolute), threshold, side="right")
     if (absolute.lo, absolute.per_octave) == (relative.lo, relative.per_octave) and absolute.buckets >= relative.buckets:
         by_relative = by_absolute  # the same edges, the relative histogram's fewer: clamped below
     else:
-        by_relative = np.searchsorted(_lower_edges(np, relative), threshold, side="right") - 1
+        by_relative = np.searchsorted(_inner_edges(np, relative), threshold, side="right")
     # one numbering: the relative histogram's buckets, then the absolute one's
-    index = np.where(
-        is_relative,
-        np.minimum(by_relative, relative.buckets - 1),
-        np.minimum(by_absolute, absolute.buckets - 1) + relative.buckets,
-    )
+    index = np.where(is_relative, np.minimum(by_relative, relative.buckets - 1), by_absolute + relative.buckets)
     stand = (relative, relative.version, absolute, absolute.version)
     kept = estimator._tail_rows
     if kept is None or kept[0] != stand:
         rows = relative.buckets + absolute.buckets
-        kept = estimator._tail_rows = (stand, np.empty((rows, 6)), np.zeros(rows, dtype=bool))
+        kept = estimator._tail_rows = (stand, np.empty((8, rows)), np.zeros(rows, dtype=bool))
     _, table, filled = kept
     missing = np.zeros(len(filled), dtype=bool)
     missing[index] = True
@@ -203,16 +217,17 @@ def _tails(np, estimator, is_relative, threshold) -> tuple:
             row = histogram._tails.get(own)
             if row is None:
                 row = histogram._tails[own] = histogram._bucket_tail(own)
-            if row[3] <= 1e-12:  # the estimator leaves this bucket's own weight out (LengthHistogram.tail)
-                row = row[:3] + (0.0,) + row[4:]
-            rows.append(row)
-        table[wanted] = rows
+            count, total, squares, c, low, high = row
+            if c <= 1e-12:  # the estimator leaves this bucket's own weight out (LengthHistogram.tail)
+                c = 0.0
+            rows.append((count, total, squares, c, low, high, max(high - low, 1e-12), high * high))
+        table[:, wanted] = np.array(rows).T
         filled[wanted] = True
-    picked = table[index]
-    return tuple(picked[:, column] for column in range(6))
+    return tuple(table.take(index, axis=1))
 
 
-# (lo, per_octave, buckets) -> the lower edges of those buckets (an array), as LengthHistogram.bucket draws them
+# (lo, per_octave, buckets) -> the lower edges of those buckets (an array), as LengthHistogram.bucket draws them,
+# and the same without bucket 0's
 _EDGES: dict = {}
 
 
@@ -229,8 +244,15 @@ def _lower_edges(np, histogram):
     if edges is None:
         found = [-math.inf] + [_lowest_in(histogram.bucket, b, histogram.lo * 2 ** (b / histogram.per_octave))
                                for b in range(1, histogram.buckets)]
-        edges = _EDGES[shape] = np.array(found)
-    return edges
+        lower = np.array(found)
+        edges = _EDGES[shape] = (lower, lower[1:])
+    return edges[0]
+
+
+def _inner_edges(np, histogram):
+    """:func:`_lower_edges` without bucket 0's: the number of them at or below a value is its bucket."""
+    edges = _EDGES.get((histogram.lo, histogram.per_octave, histogram.buckets))
+    return _lower_edges(np, histogram)[1:] if edges is None else edges[1]
 
 
 def _lowest_in(bucket, b: int, guess: float) -> float:

@@ -190,3 +190,41 @@ def test_requests_no_weak_reference_can_point_to_are_read_afresh():
     assert type(reader_for(scheduler, SimpleNamespace)) is _RunningReader  # its objects take no weak reference
     assert type(reader_for(scheduler, None)) is _RunningReader  # the host module has no request class
     assert type(reader_for(scheduler, _Request)) is _KeptTermsReader
+
+
+def test_the_kept_reader_reuses_the_last_arrays_only_where_the_running_list_begins_as_it_did():
+    import random
+
+    from fdsched.core.terms import columns_of_keys, numpy_or_none
+
+    if numpy_or_none() is None:
+        pytest.skip("unit: numpy not installed (the terms are then computed one by one)")
+    rnd = random.Random(4)
+
+    def made(i):
+        return _Request(f"r{i}", rnd.choice((16, 48)), rnd.randint(0, 40), rnd.choice((None, 0, 64, 512, 5000)))
+
+    running = [made(i) for i in range(30)]
+    _, reader = _kept_reader(running)
+    born = 30
+    for step in range(300):  # admissions at the end, finishes and preemptions anywhere, a new request at an old place
+        change = rnd.randrange(6)
+        if change == 0:
+            running += [made(born + j) for j in range(rnd.randint(1, 3))]
+            born += 3
+        elif change == 1 and running:
+            running.pop(rnd.randrange(len(running)))
+        elif change == 2 and running:
+            running[rnd.randrange(len(running))] = made(born)
+            born += 1
+        elif change == 3:
+            rnd.shuffle(running)
+        for r in running:
+            r.output_token_ids.extend([7] * rnd.randint(0, 2))
+        got = reader.columns(running)
+        want = columns_of_keys(reader.keys(running)) if running else None
+        if want is None:
+            assert all(len(column) == 0 for column in got)
+            continue
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), f"step {step}, change {change}"
