@@ -15,8 +15,8 @@ from operator import attrgetter, itemgetter
 from fdsched.core.admission import AdmissionBudget, RunningView
 from fdsched.core.adaptive import client_bound
 from fdsched.core.metrics import METRICS
-from fdsched.core.terms import numpy_or_none
 from fdsched.core.policies import FixedBlockReserve, NewTokenRatio, max_new_tokens_of
+from fdsched.core.terms import numpy_or_none
 
 from fdsched.patches._base import PluginBase, drafts, host_global
 from fdsched.patches._pass import PassDesk, SchedulePass
@@ -266,7 +266,8 @@ class _RunningReader:
     def columns(self, requests) -> tuple:
         """The requests' keys as three arrays (:func:`fdsched.core.terms.columns_of_keys`): the client's bound
         (NaN for none), the budget and the output so far, without a tuple per request."""
-        return _columns(list(map(self.entry, requests)), requests)
+        entries = list(map(self.entry, requests))
+        return (*_bound_and_budget(numpy_or_none(), entries), _outputs(requests))
 
 
 class _Gone(weakref.ref):
@@ -346,7 +347,7 @@ class _KeptTermsReader(_RunningReader):
             more_bound, more_budget = _bound_and_budget(np, entries[m:])
             bound, budget = np.concatenate((bound, more_bound)), np.concatenate((budget, more_budget))
         self._last = (entries, bound, budget)
-        return bound, budget, np.fromiter(map(len, map(_OUTPUT, requests)), np.int64, n)
+        return bound, budget, _outputs(requests)
 
 
 _BUDGET, _BOUND_FLOAT, _OUTPUT = itemgetter(0), itemgetter(2), attrgetter("output_token_ids")
@@ -358,10 +359,10 @@ def _bound_and_budget(np, entries: list) -> tuple:
     return np.fromiter(map(_BOUND_FLOAT, entries), np.float64, n), np.fromiter(map(_BUDGET, entries), np.int64, n)
 
 
-def _columns(entries: list, requests) -> tuple:
-    """(bound, budget, generated) arrays from the requests' entries and their outputs."""
+def _outputs(requests):
+    """Each request's output so far (its length), as an array: read afresh at every call."""
     np = numpy_or_none()
-    return (*_bound_and_budget(np, entries), np.fromiter(map(len, map(_OUTPUT, requests)), np.int64, len(entries)))
+    return np.fromiter(map(len, map(_OUTPUT, requests)), np.int64, len(requests))
 
 
 def reader_for(scheduler, request_class) -> _RunningReader:
