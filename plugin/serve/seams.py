@@ -709,11 +709,13 @@ def _inode_or_none(path: str) -> Optional[int]:
         return None
 
 
-def _creating(path: str, kind: str, create):
-    """Run ``create()``, which may make the /dev/shm entry ``path`` (``kind``: "socket" or "file"), with an intent
-    record written first: a process can end between the entry appearing and its record (SIGKILL, or a daemon thread
-    stopped at interpreter exit while the call had let go of the GIL), and the intent, the inode that was at the path
-    before, lets the launcher still know the entry as its own. A call that fails is closed in the ledger too."""
+def _creating(path: str, kind: str, create, inode_of=None):
+    """Run ``create()``, which may make the /dev/shm entry ``path`` (``kind``: "socket" or "file"), and record the
+    entry's inode (``inode_of(create())``, default: the inode at ``path``) in the ledger; returns what ``create``
+    returned. An intent record is written first: a process can end between the entry appearing and its record
+    (SIGKILL, or a daemon thread stopped at interpreter exit while the call had let go of the GIL), and the intent,
+    with the inode that was at the path before, lets the launcher still know the entry as its own. A call that fails
+    is closed in the ledger too."""
     if not os.environ.get(STATE_ENV):
         return create()
     _ledger_write({"intent": path, "kind": kind, "before": _inode_or_none(path)})
@@ -722,7 +724,14 @@ def _creating(path: str, kind: str, create):
     except BaseException:
         _ledger_write({"failed": path})
         raise
+    ino = _inode_or_none(path) if inode_of is None else inode_of(out)
+    if ino is not None:
+        record_created(path, ino)
     return out
+
+
+def _fd_inode(fd: int) -> int:
+    return os.fstat(fd).st_ino
 
 
 _REAL_OS_OPEN = os.open
@@ -742,9 +751,7 @@ def _h4_record_creations() -> None:
         existed = watched and not flags & os.O_EXCL and os.path.exists(text)
         if not watched or existed:
             return _REAL_OS_OPEN(path, flags, mode, dir_fd=dir_fd)
-        fd = _creating(text, "file", lambda: _REAL_OS_OPEN(path, flags, mode, dir_fd=dir_fd))
-        record_created(text, os.fstat(fd).st_ino)
-        return fd
+        return _creating(text, "file", lambda: _REAL_OS_OPEN(path, flags, mode, dir_fd=dir_fd), _fd_inode)
 
     os_open._fdsched = True
     os.open = os_open
@@ -759,9 +766,7 @@ def _h4_record_creations() -> None:
         existed = bool(flags & os.O_CREAT) and not flags & os.O_EXCL and os.path.exists(full)
         if not flags & os.O_CREAT or existed:
             return real_open(path, flags, mode=mode)
-        fd = _creating(full, "file", lambda: real_open(path, flags, mode=mode))
-        record_created(full, os.fstat(fd).st_ino)
-        return fd
+        return _creating(full, "file", lambda: real_open(path, flags, mode=mode), _fd_inode)
 
     shm_open._fdsched = True
     _posixshmem.shm_open = shm_open
@@ -771,11 +776,7 @@ def _h4_record_creations() -> None:
         path = os.fsdecode(address) if self.family == socket.AF_UNIX and isinstance(address, (str, bytes)) else ""
         if not path.startswith(SHM_DIR):
             return real_bind(self, address)
-        out = _creating(path, "socket", lambda: real_bind(self, address))
-        ino = _inode_or_none(path)
-        if ino is not None:
-            record_created(path, ino)
-        return out
+        return _creating(path, "socket", lambda: real_bind(self, address))
 
     socket.socket.bind = bind
 
@@ -794,11 +795,7 @@ def _h4_record_zmq(module) -> None:
         if not text.startswith("ipc://" + SHM_DIR):
             return real(self, addr, *args, **kwargs)
         path = text[len("ipc://"):]
-        out = _creating(path, "socket", lambda: real(self, addr, *args, **kwargs))
-        ino = _inode_or_none(path)
-        if ino is not None:
-            record_created(path, ino)
-        return out
+        return _creating(path, "socket", lambda: real(self, addr, *args, **kwargs))
 
     bind._fdsched = True
     cls.bind = bind
