@@ -5,7 +5,9 @@ Why: a decoding request's terms change with every token it generates, so the fir
 (:meth:`fdsched.core.adaptive.AdaptiveReserve._request_terms`) that is five Python calls and some twenty float
 operations a request: at 448 running, about 2 ms a pass. Here the same operations run over arrays.
 
-What: :func:`batch_terms` gathers exactly what ``_request_terms`` answers for each key, bit for bit. Every step
+What: :func:`request_columns` answers exactly what ``_request_terms`` answers for each request, bit for bit, from
+three arrays (the client's bound, the budget, the output so far: :func:`columns_of_keys`, or the scheduler's
+reader); :func:`batch_terms` gathers the same as a set, the means summed exactly (:func:`mean_units`). Every step
 is the same IEEE operation in the same order (numpy's elementwise ``+ - * /``, ``minimum`` and ``maximum`` round
 as Python's floats do; integers stay integers). A length's histogram bucket is found among the bucket edges as
 the estimator's own ``math.log2`` draws them (:func:`_lower_edges`), not with numpy's ``log2``, which may differ
