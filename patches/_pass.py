@@ -82,6 +82,10 @@ class SchedulePass:
     def pending(self) -> tuple:
         return tuple(self._expected)
 
+    def expecting(self) -> bool:
+        """Whether the pass still expects something of a check (what :meth:`close` would drop)."""
+        return bool(self._expected)
+
     def close(self, logger, of=None) -> list:
         """Drop what is still expected; log and count each as unconsumed (labelled by ``of``'s arm)."""
         left, self._expected = self._expected, []
@@ -142,8 +146,9 @@ class PassDesk:
         """What the pass :meth:`consulted` on the calling thread says of this check of ``num_blocks`` blocks
         (:meth:`SchedulePass.take`, consumed); :data:`NOTHING` when no pass is. The cache manager asks this at
         every block check, most of which no pass expects anything of: no allocation for those."""
-        schedule_pass = self.consulted()
-        return NOTHING if schedule_pass is None else schedule_pass.take(num_blocks)
+        thread = threading.get_ident()  # consulted(), inline: this runs at every block check
+        schedule_pass = self._open.get(thread) or self._asked.get(thread)
+        return schedule_pass.take(num_blocks) if schedule_pass is not None and schedule_pass._expected else NOTHING
 
     def pending(self) -> tuple:
         """What every open pass still expects (a diagnostic: read from any thread)."""
@@ -161,6 +166,9 @@ class _NoPasses(PassDesk):
 
     def consulted(self):
         return None
+
+    def take(self, num_blocks: int) -> frozenset:
+        return NOTHING
 
 
 NO_PASSES = _NoPasses()

@@ -6,6 +6,7 @@ takes the request). The catalogue entry, with what the change replaces and relie
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import sys
@@ -18,7 +19,7 @@ from fdsched.core.metrics import METRICS
 from fdsched.core.policies import FixedBlockReserve, NewTokenRatio, max_new_tokens_of
 from fdsched.core.terms import numpy_or_none
 
-from fdsched.patches._base import PluginBase, drafts, host_global
+from fdsched.patches._base import PluginBase, code_names, drafts, host_global
 from fdsched.patches._pass import PassDesk, SchedulePass
 
 RM = "fastdeploy.engine.sched.resource_manager_v1"
@@ -69,6 +70,10 @@ class _BudgetedReserve(ReservationMixin):
         self._fdsched_speculative_slack = self._fdsched_draft_slack if drafts(self) else _no_slack
         # the host module's request class (every FastDeploy 2.x has one; without it the reader reads afresh)
         self._fdsched_reader = reader_for(self, getattr(sys.modules.get(RM), "Request", None))
+        # The pool's free blocks, where the host's block check compares the count with its free list and takes
+        # nothing when the list covers it: a pass's budget may then settle an ask by a bound (AdmissionBudget).
+        self._fdsched_free_blocks = free_blocks_of(self.cache_manager)
+        self._fdsched_most_tally = _most_tally if self._fdsched_free_blocks is not None else _no_bound
 
     @functools.cached_property
     def _fdsched_strategy(self):
@@ -79,9 +84,16 @@ class _BudgetedReserve(ReservationMixin):
         raise NotImplementedError
 
     def _fdsched_new_budget(self) -> AdmissionBudget:
-        strategy = self._fdsched_strategy
+        strategy, reader = self._fdsched_strategy, self._fdsched_reader
         # How this pass counts the running set is the strategy's choice, made here, once per pass.
-        return AdmissionBudget(strategy, strategy.tally(self._fdsched_reader), self._fdsched_speculative_slack)
+        most = self._fdsched_most_tally(strategy, reader)
+        return AdmissionBudget(strategy, strategy.tally(reader), self._fdsched_speculative_slack, most,
+                               self._fdsched_free_blocks if most is not None else None)
+
+    def _fdsched_most_of(self, budget: int) -> int:
+        """The most a running request with output budget ``budget`` can ever keep free (the reader keeps it with
+        the request's other terms)."""
+        return self._fdsched_strategy.most_blocks(budget)
 
     def _fdsched_budget(self):
         """The budget of the pass this thread has open (made now if it had none yet), else None."""
@@ -114,16 +126,15 @@ class _BudgetedReserve(ReservationMixin):
 
     def _fdsched_end_pass(self, schedule_pass: SchedulePass, scheduled_reqs) -> None:
         budget = schedule_pass.budget_if_made
-        logger = host_global(RM, "llm_logger")
         if budget is not None:
-            if budget.asks:
-                self._fdsched_report(budget)
+            self._fdsched_report(budget)
             for request_id in sorted(budget.close()):
                 METRICS.signal_unconsumed(DECLINE_PREEMPTION, of=self)
-                logger.warning(
+                host_global(RM, "llm_logger").warning(
                     f"[fdsched] the guard refused running chunk {request_id} but no preemption call followed"
                 )
-        schedule_pass.close(logger, of=self)
+        if schedule_pass.expecting():  # most passes leave nothing pending: the logger is looked up only when
+            schedule_pass.close(host_global(RM, "llm_logger"), of=self)
 
     # ---- the admission threshold ---------------------------------------------------------------------
     def get_new_block_nums(self, request, num_new_tokens):
@@ -159,9 +170,11 @@ class _BudgetedReserve(ReservationMixin):
         return threshold
 
     def _fdsched_report(self, budget: AdmissionBudget) -> None:
-        """The running set's blocks at ``budget``'s last ask, and the strategy's last decision, to the metrics."""
-        METRICS.reserved(budget.reserved, of=self)
-        self._fdsched_strategy.report_decision(of=self)
+        """The running set's blocks at ``budget``'s last ask that counted them, and the strategy's decision then, to
+        the metrics (nothing when no ask counted: every one was settled by the bound, or none came)."""
+        if budget.reserved is not None:
+            METRICS.reserved(budget.reserved, of=self)
+            self._fdsched_strategy.report_decision(of=self)
 
     def fdsched_running_reserve(self) -> int:
         """The blocks the running set keeps free now (what an admission's threshold adds to its chunk); the
@@ -219,14 +232,44 @@ def _no_slack(threshold: int) -> int:
     return threshold
 
 
+def _most_tally(strategy, reader):
+    return strategy.most_tally(reader)
+
+
+def _no_bound(strategy, reader):
+    return None
+
+
+def free_blocks_of(cache_manager):
+    """A function that gives ``cache_manager``'s free GPU blocks now, where the host's block check
+    (``can_allocate_gpu_blocks``, the first definition in its class that is not the plugin's) compares the count
+    with its ``gpu_free_block_list`` (every FastDeploy 2.x's does: it answers True and takes nothing when the list
+    covers the count); else None."""
+    for cls in type(cache_manager).__mro__:
+        check = cls.__dict__.get("can_allocate_gpu_blocks")
+        if check is None or cls.__module__.startswith("fdsched."):
+            continue
+        if "gpu_free_block_list" in code_names(check) and isinstance(
+            getattr(cache_manager, "gpu_free_block_list", None), list
+        ):
+            return functools.partial(_free_list_length, cache_manager)
+        return None
+    return None
+
+
+def _free_list_length(cache_manager) -> int:
+    return len(cache_manager.gpu_free_block_list)
+
+
 class _RunningReader:
     """What a strategy reads of a scheduler's running requests (:class:`fdsched.core.admission.RunningReader`),
     read afresh from each request every time."""
 
-    __slots__ = ("scheduler",)
+    __slots__ = ("scheduler", "most")
 
-    def __init__(self, scheduler) -> None:
+    def __init__(self, scheduler, most) -> None:
         self.scheduler = scheduler
+        self.most = most  # a request's most possible reservation, from its output budget
 
     def views(self, requests, kept=None) -> list:
         return self.scheduler._fdsched_views(requests, kept=kept)
@@ -263,6 +306,10 @@ class _RunningReader:
         budget, bound = self.terms(request)
         return budget, bound, math.nan if bound is None else float(bound)
 
+    def mosts(self, requests) -> int:
+        most, terms = self.most, self.terms
+        return sum(most(terms(r)[0]) for r in requests)
+
     def columns(self, requests) -> tuple:
         """The requests' keys as three arrays (:func:`fdsched.core.terms.columns_of_keys`): the client's bound
         (NaN for none), the budget and the output so far, without a tuple per request."""
@@ -289,19 +336,21 @@ class _KeptTermsReader(_RunningReader):
     one that asks each entry's weak reference whether it is still that request.
     """
 
-    __slots__ = ("_terms", "_refs", "_gone", "_last")
+    __slots__ = ("_terms", "_mosts", "_refs", "_gone", "_last")
 
-    def __init__(self, scheduler) -> None:
-        super().__init__(scheduler)
+    def __init__(self, scheduler, most) -> None:
+        super().__init__(scheduler, most)
         terms: dict = {}  # id(request) -> (budget, client bound, the bound as a float), while the request lives
+        mosts: dict = {}  # id(request) -> its most possible reservation (apart: a bound reads nothing else)
         refs: dict = {}  # id(request) -> its _Gone reference (which must live as long as the entry)
 
         def gone(ref) -> None:  # the request went: drop its entry (runs on whichever thread let it go)
             if refs.get(ref.key) is ref:
                 del refs[ref.key]
                 terms.pop(ref.key, None)
+                mosts.pop(ref.key, None)
 
-        self._terms, self._refs, self._gone = terms, refs, gone
+        self._terms, self._mosts, self._refs, self._gone = terms, mosts, refs, gone
         self._last = ((), None, None)  # the last columns call's entries, and its bound and budget arrays
 
     def _keep(self, request) -> tuple:
@@ -312,6 +361,7 @@ class _KeptTermsReader(_RunningReader):
         ref.key = key
         entry = self.entry(request)
         self._refs[key] = ref
+        self._mosts[key] = self.most(entry[0])
         self._terms[key] = entry
         return entry
 
@@ -319,6 +369,26 @@ class _KeptTermsReader(_RunningReader):
         # an entry is a non-empty tuple: a request without one is kept on the spot
         get, keep = self._terms.get, self._keep
         return [(get(id(r)) or keep(r))[0] - len(r.output_token_ids) for r in requests]
+
+    def mosts(self, requests) -> int:
+        # read in C; a request not kept yet (admitted after its pass's last ask) is kept now
+        values = list(map(self._mosts.get, map(id, requests)))
+        if None in values:
+            place = -1
+            with contextlib.suppress(ValueError):  # no None left
+                while True:
+                    place = values.index(None, place + 1)
+                    self._keep(requests[place])
+                    values[place] = self._mosts[id(requests[place])]
+        return sum(values)
+
+    def _entries(self, requests) -> list:
+        """Each request's entry, the table read in C (map), the few requests not in it yet kept afterwards."""
+        entries = list(map(self._terms.get, map(id, requests)))
+        if not all(entries):
+            keep = self._keep
+            entries = [entry or keep(r) for entry, r in zip(entries, requests)]
+        return entries
 
     def keys(self, requests) -> list:
         get, keep = self._terms.get, self._keep
@@ -330,11 +400,7 @@ class _KeptTermsReader(_RunningReader):
         return keys
 
     def columns(self, requests) -> tuple:
-        # the table read in C (map), the few requests not in it yet kept afterwards
-        entries = list(map(self._terms.get, map(id, requests)))
-        if not all(entries):
-            keep = self._keep
-            entries = [entry or keep(r) for entry, r in zip(entries, requests)]
+        entries = self._entries(requests)
         # A running list mostly keeps its order from one pass to the next and grows at its end: where the last
         # call's entries begin this one's, its bound and budget arrays are this one's too, and only the entries
         # after them are read (entries are compared, not requests: equal entries give equal arrays).
@@ -369,7 +435,8 @@ def reader_for(scheduler, request_class) -> _RunningReader:
     """The reader for a scheduler whose running requests are ``request_class`` objects: one that keeps their terms
     where the class allows a weak reference to its objects (every FastDeploy 2.x does), else one that reads
     afresh."""
-    return _KeptTermsReader(scheduler) if getattr(request_class, "__weakrefoffset__", 0) else _RunningReader(scheduler)
+    kind = _KeptTermsReader if getattr(request_class, "__weakrefoffset__", 0) else _RunningReader
+    return kind(scheduler, scheduler._fdsched_most_of)
 
 
 # ---- the host's shapes of the plugin's version ------------------------------------------------------------

@@ -32,7 +32,7 @@ from typing import Callable, NamedTuple, Optional, Protocol, Sequence
 
 from fdsched.core.adaptive import AdaptiveReserve, SetReservation
 from fdsched.core.metrics import METRICS
-from fdsched.core.policies import FixedBlockReserve, NewTokenRatio
+from fdsched.core.policies import FixedBlockReserve, NewTokenRatio, reserve_blocks_for_request
 from fdsched.core.terms import BATCH_MIN
 
 __all__ = [
@@ -71,6 +71,10 @@ class RunningReader(Protocol):
 
     def lefts(self, requests: Sequence) -> list:
         """Each request's budget left: its output budget minus what it generated."""
+
+    def mosts(self, requests: Sequence) -> int:
+        """The most the requests can ever reserve together: each one's :meth:`RatioStrategy.most_blocks`, which
+        depends only on its output budget."""
 
     def keys(self, requests: Sequence) -> list:
         """Each request as ``(max_tokens, budget, generated)``, as its :class:`RunningView` has them."""
@@ -167,6 +171,14 @@ class FixedBlockStrategy:
         """A count of the running requests, nothing read of each."""
         return RunningRecount(self.set_blocks)
 
+    def most_tally(self, reader: RunningReader):
+        """No bound ahead of the count: the count itself reads nothing of each request."""
+        return None
+
+    def most_blocks(self, budget: int) -> int:
+        """The most one request keeps free under this policy, whatever its budget: the amount after a preemption."""
+        return max(self.fixed.init, self.fixed.minimum, 0)
+
     def after_pass(self, scheduled_anything: bool) -> None:
         self.fixed.after_schedule(scheduled_anything)
 
@@ -221,6 +233,22 @@ class RatioStrategy:
         # a third party's hook may keep state of its own and is asked for every request at every ask
         self.pure = pure
         self._reported = None  # the ratio this strategy's gauge shows (report)
+
+    def most_blocks(self, budget: int) -> int:
+        """The most a request with output budget ``budget`` can ever keep free here: upstream's formula over its
+        whole budget at the ratio's top (:attr:`NewTokenRatio.top`). Its reservation only shrinks from there as it
+        generates and as the ratio decays, and the adaptive estimator's never exceeds the formula's."""
+        return reserve_blocks_for_request(budget, 0, self.ratio.top, self.clip, self.block_size)
+
+    def most_tally(self, reader: RunningReader):
+        """A bound on the running set's blocks that reads each request's kept entry only (:meth:`RunningReader.mosts`),
+        kept through a pass as the tally is (:class:`RunningOffset`): an admission whose chunk fits beside it needs
+        no count. None where a third party answers for requests (its answer has no known bound) or nothing is
+        reserved."""
+        if not self.decodes or not self.pure():
+            return None
+        mosts = reader.mosts
+        return RunningOffset(lambda: BlockSum(mosts))
 
     def request_blocks(self, view: RunningView) -> int:
         """What one running request keeps free, asked alone."""
@@ -427,13 +455,21 @@ class AdmissionBudget:
     when the budget is made). ``slack`` is what a speculative-decoding engine adds to a threshold that reserves
     something (one block, within the per-sequence maximum). ``declined`` (the old host's guard) holds the running
     chunks the budget refused in this pass: the scheduler declines their preemption call instead of preempting.
+
+    ``most`` and ``free`` (both or neither): a bound on the running set's blocks (:meth:`RatioStrategy.most_tally`)
+    and the pool's free blocks now. Where the host checks a threshold by comparing it with its free blocks (taking
+    nothing when they cover it), any threshold they cover gets the same answer: an ask whose threshold at the bound
+    is covered returns that threshold without counting the running set, and only an ask the bound does not settle
+    counts it (``reserved``).
     """
 
     strategy: object
     tally: object  # RunningOffset or RunningRecount
     slack: Callable[[int], int] = lambda blocks: blocks
+    most: object = None  # RunningOffset over each request's most, or None
+    free: Optional[Callable[[], int]] = None
     declined: set = field(default_factory=set)
-    reserved: Optional[int] = None  # the running set's blocks at the last ask
+    reserved: Optional[int] = None  # the running set's blocks at the last ask that counted them
     asks: int = 0
     closed: bool = False
 
@@ -443,6 +479,11 @@ class AdmissionBudget:
         if self.closed:
             raise RuntimeError("AdmissionBudget: asked after its schedule() pass was closed")
         self.asks += 1
+        if self.most is not None:
+            # never relaxed here: only a strategy that reserves per request has a bound
+            total = self.slack(chunk_blocks + self.most.blocks(running))
+            if total <= self.free():
+                return total
         self.reserved = self.tally.blocks(running)
         total = chunk_blocks + self.reserved
         return total if self.strategy.relaxed else self.slack(total)
@@ -450,6 +491,8 @@ class AdmissionBudget:
     def running_changed(self) -> None:
         """A preemption re-estimated the ratio: the next ask counts the whole running set."""
         self.tally.forget()
+        if self.most is not None:
+            self.most.forget()
 
     def close(self) -> set:
         """End the pass; returns the declines nobody consumed (the host did not call what the guard relies on)."""

@@ -160,6 +160,12 @@ class NewTokenRatio:
         self.cap = init if cap is None else cap
         self.value = init
 
+    @property
+    def top(self) -> float:
+        """The most the ratio can ever be: it starts at ``init``, only decays after a pass, and a re-estimate gives
+        at most ``cap`` (``init`` again when nothing runs)."""
+        return max(self.init, self.cap)
+
     def after_schedule(self, scheduled_anything: bool) -> None:
         """Relax the reservation a little after every pass that scheduled something."""
         if scheduled_anything:

@@ -138,3 +138,30 @@ def test_the_running_sets_reservation_does_not_depend_on_the_order_of_running(ad
         rm.running[:] = original
     assert len(answers) == 1, f"the set's reservation depends on the order of running: {answers}"
     assert answers == {1}
+
+
+def test_an_admission_the_free_blocks_cover_at_the_bound_is_decided_without_a_count(adaptive_rm):
+    """The host's block check takes nothing when its free list covers the count: an ask whose threshold at every
+    running request's most is covered is answered with that threshold, and only a tighter pool counts."""
+    from fdsched.core.policies import reserve_blocks_for_request
+    from fdsched.patches.ratio_reserve.budget import free_blocks_of
+
+    rm = adaptive_rm()
+    free_list = rm.cache_manager.gpu_free_block_list
+    free_of = free_blocks_of(rm.cache_manager)  # this host's check reads its free list: the bound applies
+    assert free_of is not None and free_of() == len(free_list)
+    _place(rm, "a", 8, generated=3, max_tokens=None)
+    _place(rm, "b", 8, generated=0, computed=8, max_tokens=20)
+    strategy = rm._fdsched_strategy
+    top = rm._fdsched_ratio.top
+    most = sum(reserve_blocks_for_request(budget, 0, top, strategy.clip, SHAPE["block_size"]) for budget in (56, 20))
+    assert 2 + most <= len(free_list)  # the pool covers the bound
+    METRICS.reserved(-1, of=rm)  # a mark: an answer by the bound leaves the gauge as it was
+    before = len(free_list)
+    threshold = rm._get_can_schedule_prefill_threshold_block(2)
+    assert threshold == 2 + most and METRICS.reserved_blocks == -1
+    assert rm.cache_manager.can_allocate_gpu_blocks(threshold) and len(free_list) == before  # nothing taken
+    _drain_pool(rm, keep=2 + most - 1)  # one block short of the bound: the ask counts
+    threshold = rm._get_can_schedule_prefill_threshold_block(2)
+    counted = rm.fdsched_running_reserve()
+    assert threshold == 2 + counted and METRICS.reserved_blocks == counted < most

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from fdsched.core.adaptive import AdaptiveReserve
 from fdsched.core.admission import AdaptiveStrategy, AdmissionBudget, FixedBlockStrategy, RatioStrategy, RunningView
@@ -337,3 +339,103 @@ def test_the_least_budget_left_for_a_block_is_the_formulas_own():
         for tokens in range(1, 400):
             least = _least_left(tokens, ratio)
             assert int(least * ratio) >= tokens and (least == 1 or int((least - 1) * ratio) < tokens), (ratio, tokens)
+
+
+# ---- the bound ahead of the count ---------------------------------------------------------------------------
+class _MostReader(_KeyReader):
+    """A reader that also gives each request's most (``most_of``: the strategy's formula) and counts those reads."""
+
+    def __init__(self, most_of):
+        super().__init__()
+        self.most_of, self.mosts_read = most_of, []
+
+    def mosts(self, requests):
+        self.mosts_read.extend(v.request_id for v in requests)
+        return sum(self.most_of(v.budget) for v in requests)
+
+
+def _bounded_budget(strategy, reader, free, slack=None):
+    most = strategy.most_tally(reader)
+    extra = {} if slack is None else {"slack": slack}
+    return AdmissionBudget(strategy, strategy.tally(reader), most=most, free=(lambda: free) if most is not None else None,
+                           **extra)
+
+
+@pytest.mark.parametrize("kind", ["ratio", "adaptive"])
+def test_an_ask_the_free_blocks_cover_at_the_bound_is_answered_without_a_count(kind):
+    adaptive = AdaptiveReserve(min_samples=1, k=0.0)
+    for length in (20, 40, 60, 80):
+        adaptive.observe_finished(None, length)
+    ratio = _ratio(0.5, minimum=0.1, decay=0.1)
+    strategy = (RatioStrategy(ratio, 40, 4, 0, _formula, pure=lambda: True) if kind == "ratio" else
+                AdaptiveStrategy(ratio, 40, 4, 0, lambda *a: None, adaptive, FixedBlockReserve(16, 1, 0),
+                                 pure=lambda: True))
+    running = [_view("a", 56, 3), _view("b", 30, 4)]
+    most = strategy.most_blocks(56) + strategy.most_blocks(30)
+    assert most == 5 + 4  # ceil(int(min(budget, 40) x 0.5) / 4) at the ratio's top, whatever each generated
+    slack = lambda blocks: blocks + 1  # noqa: E731
+    reader = _MostReader(strategy.most_blocks)
+    roomy = _bounded_budget(strategy, reader, free=2 + most + 1 + strategy.most_blocks(20), slack=slack)
+    assert roomy.threshold(2, running) == 2 + most + 1  # covered: no request's terms are read
+    assert reader.read == [] and roomy.reserved is None and roomy.asks == 1
+    running.append(_view("c", 20, 0))  # admitted: the bound adds c's most alone
+    assert roomy.threshold(0, running) == 0 + most + strategy.most_blocks(20) + 1
+    assert reader.mosts_read == ["a", "b", "c"] and reader.read == []
+    # one block short of the bound: the ask counts, and answers what the count gives
+    tight_reader = _MostReader(strategy.most_blocks)
+    tight = _bounded_budget(strategy, tight_reader, free=2 + most + strategy.most_blocks(20) - 1)
+    exact = AdmissionBudget(strategy, strategy.tally(_KeyReader())).threshold(2, running)
+    assert tight.threshold(2, running) == exact and tight.reserved == exact - 2
+    assert tight_reader.read == ["a", "b", "c"]
+
+
+def test_a_strategy_without_a_known_bound_counts_every_ask():
+    hooked = RatioStrategy(_ratio(0.5), 40, 4, 0, _formula, pure=lambda: False)  # a third party answers
+    assert hooked.most_tally(_MostReader(hooked.most_blocks)) is None
+    prefill_node = RatioStrategy(_ratio(0.5), 40, 4, 0, _formula, decodes=False, pure=lambda: True)
+    assert prefill_node.most_tally(_MostReader(prefill_node.most_blocks)) is None
+    fixed = FixedBlockStrategy(FixedBlockReserve(3, 1, 0))
+    assert fixed.most_tally(_MostReader(fixed.most_blocks)) is None
+
+
+def test_the_ratios_top_is_never_exceeded_by_decay_or_a_reestimate():
+    ratio = NewTokenRatio(0.7, 0.1, 0.05, cap=0.9)
+    assert ratio.top == 0.9
+    seen = [ratio.value]
+    for generated in ([], [1, 2], [500, 500], [0, 0]):
+        ratio.after_schedule(True)
+        seen.append(ratio.value)
+        ratio.on_preemption(generated, [10] * len(generated), len(generated), 64, 16)
+        seen.append(ratio.value)
+    assert max(seen) <= ratio.top and 0.9 in seen  # a re-estimate reached the cap
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    requests=st.lists(st.tuples(st.integers(0, 5000), st.integers(0, 6000), st.sampled_from([None, 64, 512])),
+                      max_size=40),
+    samples=st.lists(st.tuples(st.sampled_from([None, 64, 512]), st.integers(1, 3000)), max_size=60),
+    decays=st.integers(0, 30),
+    k=st.floats(-6.0, 6.0),
+    clip=st.sampled_from([1, 40, 512, 4096]),
+    block_size=st.sampled_from([1, 4, 64]),
+)
+def test_no_reservation_exceeds_the_sum_of_the_requests_mosts(requests, samples, decays, k, clip, block_size):
+    """The bound the budget settles asks by: whatever each request generated, the ratio's decay, the samples and the
+    margin, neither strategy keeps more than the requests' mosts together."""
+    adaptive = AdaptiveReserve(min_samples=4, k=k)
+    for bound, length in samples:
+        adaptive.observe_finished(bound, length)
+    ratio = NewTokenRatio(0.7, 0.05, 0.03)
+    for _ in range(decays):
+        ratio.after_schedule(True)
+    fixed = FixedBlockReserve(16, 1, 0)
+    fixed.on_preemption()
+    views = [_view(f"r{i}", budget, generated, bound if bound is not None and bound < budget else None)
+             for i, (budget, generated, bound) in enumerate(requests)]
+    for strategy in (RatioStrategy(ratio, clip, block_size, 0, _formula, pure=lambda: True),
+                     AdaptiveStrategy(ratio, clip, block_size, 0, lambda *a: None, adaptive, fixed,
+                                      pure=lambda: True)):
+        most = sum(strategy.most_blocks(v.budget) for v in views)
+        assert strategy.set_blocks(views) <= most
+        assert AdmissionBudget(strategy, strategy.tally(_KeyReader())).threshold(0, views) <= most

@@ -17,7 +17,19 @@ def _scheduler(running, max_model_len=2048):
         config=SimpleNamespace(model_config=SimpleNamespace(max_model_len=max_model_len)),
         running=running,
         _fdsched_is_decoding=lambda request: len(request.output_token_ids) > 0,
+        _fdsched_most_of=_most,
     )
+
+
+def _most(budget):
+    """A request's most possible reservation, as a ratio strategy gives it (ratio 0.7, clip 4096, block 64)."""
+    from fdsched.core.policies import reserve_blocks_for_request
+
+    return reserve_blocks_for_request(budget, 0, 0.7, 4096, 64)
+
+
+def _no_most(budget):
+    return 0
 
 
 def _request(rid, prompt_len, generated, max_tokens):
@@ -72,7 +84,7 @@ def test_the_readers_lefts_and_keys_are_what_the_views_say():
     ]
     scheduler = _scheduler(requests)
     scheduler._fdsched_views = lambda requests=None, kept=None: _views(scheduler, requests=requests, kept=kept)
-    reader = _RunningReader(scheduler)
+    reader = _RunningReader(scheduler, _no_most)
     views = _views(scheduler)
     assert reader.lefts(requests) == [v.budget - v.generated for v in views]
     assert reader.keys(requests) == [(v.max_tokens, v.budget, v.generated) for v in views]
@@ -133,7 +145,7 @@ def test_both_readers_give_the_keys_as_the_arrays_the_estimator_reads():
     requests = [_Request("bounded", 16, 3, 512), _Request("unset", 48, 7, None), _Request("zero", 16, 0, 0),
                 _Request("over-budget", 16, 600, 512), _Request("float", 16, 2, 100.0)]
     scheduler, kept = _kept_reader(requests)
-    fresh = _RunningReader(scheduler)
+    fresh = _RunningReader(scheduler, _no_most)
     late = _Request("late", 16, 9, 64)
     for reader in (kept, fresh):
         for _ in range(2):  # kept: first read, then from the table (and one request it has not seen yet)
@@ -235,3 +247,19 @@ def test_the_kept_reader_reuses_the_last_arrays_only_where_the_running_list_begi
             continue
         for a, b in zip(got, want):
             assert a.dtype == b.dtype and a.tobytes() == b.tobytes(), f"step {step}, change {change}"
+
+
+def test_both_readers_give_the_requests_mosts_together_kept_or_not():
+    from fdsched.patches.ratio_reserve.budget import _RunningReader
+
+    requests = [_Request(f"r{i}", 16 + i, i % 5, [None, 64, 512, 3000][i % 4]) for i in range(40)]
+    scheduler, kept = _kept_reader(requests)
+    fresh = _RunningReader(scheduler, _most)
+    expected = sum(_most(budget) for budget, _ in map(fresh.terms, requests))
+    assert fresh.mosts(requests) == expected
+    kept.keys(requests[5:9])  # a few kept already, in the middle; the rest are kept by the count itself
+    assert kept.mosts(requests) == expected
+    assert kept.mosts(requests) == expected  # and read from the table the second time
+    for r in requests:
+        r.output_token_ids.extend([7] * 50)  # a request's most does not depend on what it generated
+    assert kept.mosts(requests) == fresh.mosts(requests) == expected
