@@ -22,17 +22,19 @@ and counted (``fastdeploy:fdsched_unconsumed_signals_total{signal}``).
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from fdsched.core.metrics import METRICS
 
 __all__ = ["Expected", "SchedulePass", "PassDesk", "NO_PASSES", "NOTHING"]
 
 NOTHING = frozenset()  # what a pass says of a check it expects nothing of (most checks: one object, no allocation)
+_KINDS: dict = {}  # kind -> frozenset({kind}), made once per kind
 
 
-@dataclass(frozen=True)
-class Expected:
+class Expected(NamedTuple):
+    """What a pass expects of one block check (a named tuple: one is made per admission a pass asks about)."""
+
     kind: str  # what the pass expects of the check, e.g. "refuse-running-chunk"
     request_id: str  # the request whose check it is
     num_blocks: int  # the block count of that check
@@ -48,6 +50,7 @@ class SchedulePass:
         self._budget = None
         self.request_id = "(none)"  # the request the pass is deciding on
         self._expected: list = []
+        self.desk = None  # the desk it was opened on (PassDesk.open, ask_outside_a_pass), told what it expects
 
     @property
     def budget(self):
@@ -67,17 +70,34 @@ class SchedulePass:
 
     def expect(self, kind: str, num_blocks: int) -> None:
         """The next check of ``num_blocks`` blocks, for the request in focus, is for ``kind``."""
+        if kind not in _KINDS:
+            _KINDS[kind] = frozenset((kind,))
         self._expected.append(Expected(kind, self.request_id, int(num_blocks)))
+        if self.desk is not None:
+            self.desk.waiting.add(threading.get_ident())
 
     def take(self, num_blocks: int) -> frozenset:
         """The kinds the pass expects of this check of ``num_blocks`` blocks for the request in focus (consumed)."""
-        if not self._expected:
+        expected = self._expected
+        if not expected:
             return NOTHING
-        taken = [e for e in self._expected if e.num_blocks == num_blocks and e.request_id == self.request_id]
+        if len(expected) == 1:  # the common case: the one threshold just asked
+            kind, request_id, blocks = expected[0]
+            if blocks != num_blocks or request_id != self.request_id:
+                return NOTHING
+            self._expected = []
+            self._settled()
+            return _KINDS.get(kind) or frozenset((kind,))
+        taken = [e for e in expected if e.num_blocks == num_blocks and e.request_id == self.request_id]
         if not taken:
             return NOTHING
         self._expected = [e for e in self._expected if e not in taken]
+        self._settled()
         return frozenset(e.kind for e in taken)
+
+    def _settled(self) -> None:
+        if self.desk is not None:
+            self.desk.settle()
 
     def pending(self) -> tuple:
         return tuple(self._expected)
@@ -89,6 +109,7 @@ class SchedulePass:
     def close(self, logger, of=None) -> list:
         """Drop what is still expected; log and count each as unconsumed (labelled by ``of``'s arm)."""
         left, self._expected = self._expected, []
+        self._settled()
         for e in left:
             METRICS.signal_unconsumed(e.kind, of=of)
             logger.warning(
@@ -110,18 +131,33 @@ class PassDesk:
     def __init__(self) -> None:
         self._open: dict = {}
         self._asked: dict = {}  # thread id -> a threshold asked outside a pass, until that thread asks the next
+        # Threads whose open pass or question expects something of a check: the cache manager's check reads it first
+        # (most checks, on every thread, find it empty). Only a thread itself adds or drops its own id (settle).
+        self.waiting: set = set()
+
+    def settle(self) -> None:
+        """Put the calling thread in :attr:`waiting` exactly while its open pass or its question expects something."""
+        thread = threading.get_ident()
+        schedule_pass, question = self._open.get(thread), self._asked.get(thread)
+        if (schedule_pass is not None and schedule_pass.expecting()) or (question is not None and question.expecting()):
+            self.waiting.add(thread)
+        else:
+            self.waiting.discard(thread)
 
     def ask_outside_a_pass(self, schedule_pass: SchedulePass) -> None:
         """A threshold asked on a thread with no pass open (the old host's PD preallocation): its one question for
         the check that follows is kept for that thread until it asks the next one (it is never a scheduler's
         pass: :meth:`current` does not see it)."""
         self._asked[threading.get_ident()] = schedule_pass
+        schedule_pass.desk = self
+        self.settle()
 
     def open(self, schedule_pass: SchedulePass):
         """Open ``schedule_pass`` on the calling thread; returns the pass it covers (a nested call), or None."""
         thread = threading.get_ident()
         outer = self._open.get(thread)
         self._open[thread] = schedule_pass
+        schedule_pass.desk = self
         return outer
 
     def close(self, outer) -> None:
@@ -131,6 +167,8 @@ class PassDesk:
             self._open.pop(thread, None)
         else:
             self._open[thread] = outer
+        if self.waiting:
+            self.settle()
 
     def current(self):
         """The pass the calling thread has open, or None."""

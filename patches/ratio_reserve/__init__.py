@@ -110,7 +110,13 @@ warm-up fallback); a preempted or still-running request is never a sample. Until
 unbounded) has enough samples it answers with :func:`fdsched.core.adaptive.warmup_reserve_blocks`. A third-party
 ``fdsched_estimate_reserve_blocks`` hook still answers first, per request (outside the set's margin).
 
-What an admission costs: the pass counts the running set once, at its first ask, and keeps it as an offset
+What an admission costs: first a bound. The host's block check compares a threshold with its free list and takes
+nothing when the list covers it (every FastDeploy 2.x's; probed when the scheduler is built, else no bound), so every
+threshold the free blocks cover gets the same answer. Each running request's most possible reservation (upstream's
+formula over its whole budget at the ratio's top, which neither strategy ever exceeds for it) is kept with its other
+terms; an ask whose chunk plus that sum is covered is answered with that threshold, the sum read in C and kept
+through the pass like the count below. Only an ask the bound does not settle counts. Else the pass counts the running
+set once, at its first such ask, and keeps it as an offset
 (:class:`fdsched.core.admission.RunningOffset`, as SGLang's ``PrefillAdder`` keeps its running offset); a later
 ask adds only the requests appended to the running list since (the pass's admissions), and a preemption, or any
 other change of the list, makes the next ask count it afresh. The first ask reads each running request's budget

@@ -126,7 +126,9 @@ class _BudgetedReserve(ReservationMixin):
 
     def _fdsched_end_pass(self, schedule_pass: SchedulePass, scheduled_reqs) -> None:
         budget = schedule_pass.budget_if_made
-        if budget is not None:
+        if budget is None:
+            self._fdsched_strategy.idle_pass()
+        else:
             self._fdsched_report(budget)
             for request_id in sorted(budget.close()):
                 METRICS.signal_unconsumed(DECLINE_PREEMPTION, of=self)
@@ -149,24 +151,19 @@ class _BudgetedReserve(ReservationMixin):
 
     def _fdsched_threshold_seam(self, num_chunk_new_block: int) -> int:
         """The answer at the host's threshold seam, whichever shape the host gives it."""
-        threshold = self._fdsched_threshold(num_chunk_new_block)
         schedule_pass = self._fdsched_desk.current()
-        if schedule_pass is None:  # asked outside a pass (the old host's PD preallocation): a question of its own
+        if schedule_pass is not None:
+            # The pass's figures go to the metrics once, when it ends (_fdsched_end_pass): a pass may ask once
+            # per admission, and the gauges' updates cost a fair part of an ask.
+            threshold = schedule_pass.budget.threshold(num_chunk_new_block, self.running)
+        else:  # asked outside a pass (the old host's PD preallocation): a budget and a question of its own
+            budget = self._fdsched_new_budget()
+            threshold = budget.threshold(num_chunk_new_block, self.running)
+            self._fdsched_report(budget)
             schedule_pass = SchedulePass(None)
             self._fdsched_desk.ask_outside_a_pass(schedule_pass)
         # Its caller checks the threshold with can_allocate_gpu_blocks next: count that check's refusal.
         schedule_pass.expect(COUNT_REFUSAL, threshold)
-        return threshold
-
-    def _fdsched_threshold(self, chunk_blocks: int) -> int:
-        budget = self._fdsched_budget()
-        if budget is not None:
-            # The pass's figures go to the metrics once, when it ends (_fdsched_end_pass): a pass may ask once
-            # per admission, and the gauges' updates cost a fair part of an ask.
-            return budget.threshold(chunk_blocks, self.running)
-        budget = self._fdsched_new_budget()  # asked outside a pass: a budget of its own, reported now
-        threshold = budget.threshold(chunk_blocks, self.running)
-        self._fdsched_report(budget)
         return threshold
 
     def _fdsched_report(self, budget: AdmissionBudget) -> None:
@@ -336,7 +333,7 @@ class _KeptTermsReader(_RunningReader):
     one that asks each entry's weak reference whether it is still that request.
     """
 
-    __slots__ = ("_terms", "_mosts", "_refs", "_gone", "_last")
+    __slots__ = ("_terms", "_mosts", "_most_by_budget", "_refs", "_gone", "_last")
 
     def __init__(self, scheduler, most) -> None:
         super().__init__(scheduler, most)
@@ -351,6 +348,7 @@ class _KeptTermsReader(_RunningReader):
                 mosts.pop(ref.key, None)
 
         self._terms, self._mosts, self._refs, self._gone = terms, mosts, refs, gone
+        self._most_by_budget: dict = {}  # budget -> its most (the figures behind it are the scheduler's, fixed)
         self._last = ((), None, None)  # the last columns call's entries, and its bound and budget arrays
 
     def _keep(self, request) -> tuple:
@@ -361,9 +359,15 @@ class _KeptTermsReader(_RunningReader):
         ref.key = key
         entry = self.entry(request)
         self._refs[key] = ref
-        self._mosts[key] = self.most(entry[0])
+        self._mosts[key] = self._most_by_budget.get(entry[0]) or self._most_of_budget(entry[0])
         self._terms[key] = entry
         return entry
+
+    def _most_of_budget(self, budget: int) -> int:
+        """A budget's most (:meth:`_RunningReader.most`), kept by budget: budgets repeat (a client's max_tokens, or
+        what the context leaves after a prompt length)."""
+        most = self._most_by_budget[budget] = self.most(budget)
+        return most
 
     def lefts(self, requests) -> list:
         # an entry is a non-empty tuple: a request without one is kept on the spot
@@ -463,14 +467,15 @@ class _OldHostGuard(_BudgetedReserve):
         blocks = super().get_new_block_nums(request, num_new_tokens)
         if not self._fdsched_is_running_prefill(request):
             return blocks
-        budget = self._fdsched_budget()
-        if budget is None:
+        schedule_pass = self._fdsched_desk.current()
+        if schedule_pass is None:  # outside a pass the host's own check stands
             return blocks
-        if self.cache_manager.can_allocate_gpu_blocks(self._fdsched_threshold(blocks)):
+        budget = schedule_pass.budget
+        if self.cache_manager.can_allocate_gpu_blocks(budget.threshold(blocks, self.running)):
             return blocks
         METRICS.admission_blocked(of=self)
         # The pass's one decision for this chunk: its block check is refused and its preemption call declined.
-        self._fdsched_desk.current().expect(REFUSE_RUNNING_CHUNK, blocks)
+        schedule_pass.expect(REFUSE_RUNNING_CHUNK, blocks)
         budget.declined.add(request.request_id)
         return blocks
 

@@ -21,8 +21,9 @@ class RatioReserveCacheMixin(PluginBase):
     _fdsched_desk = NO_PASSES  # until a plugin scheduler built with this cache manager hands over its own
 
     def can_allocate_gpu_blocks(self, num_blocks, try_free_gpu_blocks=True):
-        kinds = self._fdsched_desk.take(num_blocks)
-        if kinds is NOTHING:  # most checks: the pass expects nothing of this one, the pool answers
+        # most checks: no pass on any thread expects anything of a check, the pool answers
+        kinds = self._fdsched_desk.take(num_blocks) if self._fdsched_desk.waiting else NOTHING
+        if kinds is NOTHING:
             return super().can_allocate_gpu_blocks(num_blocks, try_free_gpu_blocks)
         allowed = REFUSE_RUNNING_CHUNK not in kinds and super().can_allocate_gpu_blocks(num_blocks, try_free_gpu_blocks)
         return self._fdsched_counted(kinds, allowed)
@@ -38,7 +39,7 @@ class RatioReserveCacheOneArgMixin(RatioReserveCacheMixin):
     """The block check where the host's takes the count only, ``(num_blocks)`` (FastDeploy 2.4 and 2.5)."""
 
     def can_allocate_gpu_blocks(self, num_blocks):
-        kinds = self._fdsched_desk.take(num_blocks)
+        kinds = self._fdsched_desk.take(num_blocks) if self._fdsched_desk.waiting else NOTHING
         if kinds is NOTHING:
             return super(RatioReserveCacheMixin, self).can_allocate_gpu_blocks(num_blocks)
         allowed = REFUSE_RUNNING_CHUNK not in kinds and super(RatioReserveCacheMixin, self).can_allocate_gpu_blocks(num_blocks)

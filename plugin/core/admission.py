@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import operator
 from dataclasses import dataclass, field
 from typing import Callable, NamedTuple, Optional, Protocol, Sequence
 
@@ -45,6 +46,7 @@ __all__ = [
     "RunningOffset",
     "RunningRecount",
     "BlockSum",
+    "KeptSum",
 ]
 
 
@@ -135,6 +137,51 @@ class RunningOffset:
         self.members = None
 
 
+class KeptSum:
+    """A sum over the running list kept from one pass to the next (``count(requests) -> int``, a sum over
+    requests): at a pass's first ask the list is compared with the one counted, request by request (identity, in C:
+    no request is read); where it begins with it, only the requests appended since are counted, else the whole list
+    is. Later asks in the pass add the requests appended since as :class:`RunningOffset` does. It holds the list
+    counted (a copy) until :meth:`forget`, which the scheduler calls after a pass that asked nothing."""
+
+    __slots__ = ("count", "source", "members", "counted", "total", "strict")
+
+    def __init__(self, count: Callable[[Sequence], int], source=None) -> None:
+        self.count = count
+        self.source = source  # what ``count`` reads (the reader it was made for)
+        self.members = None  # the running list last counted
+        self.counted: Optional[list] = None  # a copy of it as counted
+        self.total = 0
+        self.strict = True  # the next ask compares every request (a pass's first)
+
+    def open_pass(self) -> "KeptSum":
+        """A pass begins: its first ask compares the whole list with the one counted."""
+        self.strict = True
+        return self
+
+    def blocks(self, running: Sequence) -> int:
+        counted, size = self.counted, len(running)
+        if counted is not None:
+            n = len(counted)
+            if self.strict:  # from another pass: anything may have changed; every request is compared
+                same = size >= n and all(map(operator.is_, running, counted))
+            else:  # within the pass, as RunningOffset
+                same = running is self.members and size >= n and (n == 0 or running[n - 1] is counted[n - 1])
+            if same:
+                if size > n:
+                    self.total += self.count(running[n:])
+                    self.counted = list(running)
+                self.members, self.strict = running, False
+                return self.total
+        self.total = self.count(running)
+        self.counted, self.members, self.strict = list(running), running, False
+        return self.total
+
+    def forget(self) -> None:
+        """Count the whole list at the next ask, and hold no request meanwhile."""
+        self.counted = self.members = None
+
+
 class BlockSum:
     """A sum of blocks over requests: ``count(requests)`` gives those requests' blocks."""
 
@@ -174,6 +221,9 @@ class FixedBlockStrategy:
     def most_tally(self, reader: RunningReader):
         """No bound ahead of the count: the count itself reads nothing of each request."""
         return None
+
+    def idle_pass(self) -> None:
+        """Nothing is kept between passes."""
 
     def most_blocks(self, budget: int) -> int:
         """The most one request keeps free under this policy, whatever its budget: the amount after a preemption."""
@@ -233,6 +283,7 @@ class RatioStrategy:
         # a third party's hook may keep state of its own and is asked for every request at every ask
         self.pure = pure
         self._reported = None  # the ratio this strategy's gauge shows (report)
+        self._most: Optional[KeptSum] = None  # the running set's bound, kept from pass to pass (most_tally)
 
     def most_blocks(self, budget: int) -> int:
         """The most a request with output budget ``budget`` can ever keep free here: upstream's formula over its
@@ -241,14 +292,22 @@ class RatioStrategy:
         return reserve_blocks_for_request(budget, 0, self.ratio.top, self.clip, self.block_size)
 
     def most_tally(self, reader: RunningReader):
-        """A bound on the running set's blocks that reads each request's kept entry only (:meth:`RunningReader.mosts`),
-        kept through a pass as the tally is (:class:`RunningOffset`): an admission whose chunk fits beside it needs
-        no count. None where a third party answers for requests (its answer has no known bound) or nothing is
+        """A bound on the running set's blocks (:meth:`RunningReader.mosts`: each request's most, read from what the
+        reader keeps), kept from pass to pass (:class:`KeptSum`): an admission whose chunk fits beside it needs no
+        count. None where a third party answers for requests (its answer has no known bound) or nothing is
         reserved."""
         if not self.decodes or not self.pure():
+            self._most = None
             return None
-        mosts = reader.mosts
-        return RunningOffset(lambda: BlockSum(mosts))
+        kept = self._most
+        if kept is None or kept.source is not reader:
+            kept = self._most = KeptSum(reader.mosts, reader)
+        return kept.open_pass()
+
+    def idle_pass(self) -> None:
+        """A pass asked nothing: the kept bound lets go of the requests it holds (it counts afresh next time)."""
+        if self._most is not None:
+            self._most.forget()
 
     def request_blocks(self, view: RunningView) -> int:
         """What one running request keeps free, asked alone."""

@@ -25,7 +25,10 @@ fastdeploy:fdsched_recomputed_tokens_total                   counter    computed
                                                                         preemptions (computed again later)
 fastdeploy:fdsched_new_token_ratio                           gauge      current new_token_ratio
 fastdeploy:fdsched_reserved_blocks                           gauge      blocks reserved for running requests
-                                                                        at the last admission decision
+                                                                        at the last admission decision that
+                                                                        counted them (one the free blocks
+                                                                        cover at every request's most is
+                                                                        decided without a count)
 fastdeploy:fdsched_admissions_blocked_total                  counter    prefills (new or next chunk) refused
                                                                         by the reservation threshold
 fastdeploy:fdsched_evicted_blocks_total                      counter    GPU blocks freed by LRU eviction

@@ -145,6 +145,10 @@ def test_reserve_estimate_max_tokens_none_remaining_negative_and_clip(rm_with):
     # plain: (30 - 4) * 0.5 = 13 tokens -> ceil(13 / 4) = 4 blocks
     _place(rm, "plain", 8, generated=4, max_tokens=30)
     assert rm.fdsched_running_reserve() == 5 + 0 + 4
+    # Where the free blocks cover the chunk at every request's most (their whole budgets: 5 + 2 + 4), the threshold
+    # is that bound (any threshold the free list covers is checked alike); below it the ask counts the set.
+    assert rm._get_can_schedule_prefill_threshold_block(3) == 3 + 11
+    _drain_pool(rm, keep=3 + 11 - 1)
     assert rm._get_can_schedule_prefill_threshold_block(3) == 3 + 9
     if hasattr(rm, "_get_running_request_reserve_blocks"):  # the host's own 7783 code agrees
         rm.new_token_ratio, rm.clip_max_new_tokens = 0.5, 40

@@ -439,3 +439,51 @@ def test_no_reservation_exceeds_the_sum_of_the_requests_mosts(requests, samples,
         most = sum(strategy.most_blocks(v.budget) for v in views)
         assert strategy.set_blocks(views) <= most
         assert AdmissionBudget(strategy, strategy.tally(_KeyReader())).threshold(0, views) <= most
+
+
+def test_the_kept_bound_adds_only_what_was_appended_since_and_sums_afresh_after_any_other_change():
+    from fdsched.core.admission import KeptSum
+
+    read = []
+
+    def count(requests):
+        read.append([r.request_id for r in requests])
+        return sum(r.budget for r in requests)
+
+    kept = KeptSum(count)
+    a, b, c, d, e = (_view(name, budget, 0) for name, budget in zip("abcde", (1, 2, 4, 8, 16)))
+    running = [a, b, c]
+    assert kept.open_pass().blocks(running) == 7 and read == [["a", "b", "c"]]
+    running.append(d)  # admitted in the pass
+    assert kept.blocks(running) == 15 and read[-1] == ["d"]
+    # the next pass: the same requests, another list object: nothing is read
+    running = [a, b, c, d]
+    assert kept.open_pass().blocks(running) == 15 and len(read) == 2
+    running.append(e)  # appended between the passes
+    assert kept.open_pass().blocks(running) == 31 and read[-1] == ["e"]
+    changes = {
+        "a request gone": lambda rs: rs.remove(b),
+        "another in its place": lambda rs: rs.__setitem__(1, _view("b2", 2, 0)),
+        "inserted first, one gone": lambda rs: (rs.insert(0, _view("z", 32, 0)), rs.remove(c)),
+        "reordered": lambda rs: rs.reverse(),
+    }
+    for name, change in changes.items():
+        running = [a, b, c, d, e]
+        kept.forget()
+        kept.open_pass().blocks(running)
+        change(running)
+        before = len(read)
+        assert kept.open_pass().blocks(running) == sum(r.budget for r in running), name
+        assert read[before:] == [[r.request_id for r in running]], name  # summed afresh
+    kept.forget()
+    assert kept.counted is None and kept.members is None  # holds no request
+
+
+def test_a_pass_that_asks_nothing_lets_the_kept_bound_go():
+    strategy = RatioStrategy(_ratio(0.5), 40, 4, 0, _formula, pure=lambda: True)
+    reader = _MostReader(strategy.most_blocks)
+    running = [_view("a", 56, 0)]
+    strategy.most_tally(reader).blocks(running)
+    assert strategy.most_tally(reader).counted == running  # the same object is kept from pass to pass
+    strategy.idle_pass()
+    assert strategy.most_tally(reader).counted is None

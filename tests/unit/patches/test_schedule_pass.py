@@ -123,3 +123,39 @@ def test_a_pass_makes_its_budget_at_its_first_need_and_only_once():
     first = schedule_pass.budget
     assert schedule_pass.budget is first and schedule_pass.budget_if_made is first and len(made) == 1
     assert SchedulePass(None).budget is None  # a question asked outside a pass has no budget
+
+
+def test_the_desk_lists_a_thread_exactly_while_its_pass_or_question_expects_something():
+    """The cache manager's check looks at ``desk.waiting`` first and asks the desk only when it is not empty: a thread
+    is there from its first expectation until the last is taken, dropped or its pass is closed."""
+    desk, me = PassDesk(), threading.get_ident()
+    schedule_pass = SchedulePass(None)
+    outer = desk.open(schedule_pass)
+    assert desk.waiting == set()  # a pass that expects nothing
+    schedule_pass.focus("r1")
+    schedule_pass.expect("count-refusal", 3)
+    schedule_pass.expect("refuse-running-chunk", 4)
+    assert desk.waiting == {me}
+    assert _on_another_thread(lambda: desk.take(3)) == frozenset()  # another thread's check: the pool answers
+    assert desk.take(3) == {"count-refusal"} and desk.waiting == {me}  # one still expected
+    assert desk.take(4) == {"refuse-running-chunk"} and desk.waiting == set()
+    schedule_pass.expect("count-refusal", 5)
+    desk.close(outer)  # closed with something still expected: no longer consulted, no longer waiting
+    assert desk.waiting == set()
+    question = SchedulePass(None)
+    desk.ask_outside_a_pass(question)
+    question.expect("count-refusal", 6)
+    assert desk.waiting == {me}
+    other = SchedulePass(None)
+
+    def on_other():
+        outer = desk.open(other)
+        other.focus("r9")
+        other.expect("count-refusal", 7)
+        mine = desk.waiting == {me, threading.get_ident()}
+        other.close(logging.getLogger("test"))
+        desk.close(outer)
+        return mine
+
+    assert _on_another_thread(on_other) and desk.waiting == {me}  # the other thread came and went
+    assert desk.take(6) == {"count-refusal"} and desk.waiting == set()
