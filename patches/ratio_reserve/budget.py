@@ -110,18 +110,23 @@ class _BudgetedReserve(ReservationMixin):
         # One pass object per call, on this thread's desk entry: a second thread calling schedule() (it then waits
         # for the host's lock) neither replaces nor sees this pass.
         # The budget is made at the pass's first need of it (most passes never ask).
+        desk = self._fdsched_desk
         schedule_pass = SchedulePass(self._fdsched_new_budget)
-        outer = self._fdsched_desk.open(schedule_pass)
+        outer = desk.open(schedule_pass)
         result = None
         try:
             result = super().schedule()
         finally:
-            self._fdsched_desk.close(outer)
+            desk.close(outer)
+            strategy = self._fdsched_strategy
             with self.lock:
-                self._fdsched_end_pass(schedule_pass, result[0] if result else None)
+                if schedule_pass.budget_if_made is None and not schedule_pass.expecting():
+                    strategy.idle_pass()  # most passes: nothing was asked, nothing is left to end
+                else:
+                    self._fdsched_end_pass(schedule_pass, result[0] if result else None)
                 if result is not None:
-                    self._fdsched_strategy.after_pass(bool(result[0]))
-                    self._fdsched_strategy.report(of=self)
+                    strategy.after_pass(bool(result[0]))
+                    strategy.report(of=self)
         return result
 
     def _fdsched_end_pass(self, schedule_pass: SchedulePass, scheduled_reqs) -> None:
