@@ -60,7 +60,8 @@ plugin, adaptive (new / old)    ``adaptive``: ``AdaptiveReserveMixin`` / ``Adapt
 off (new host only)             ``off``: ``PreChangeReserveMixin``: :class:`~fdsched.core.admission.FixedBlockStrategy`
                                 and the pre-change running pass
 (shared by plugin and off)      ``budget``: the pass's admission budget, the host-shape adapters (new host's seams,
-                                old host's guard); ``cache``: the cache manager's block check
+                                old host's guard); ``reader``: what the budget reads of the running requests;
+                                ``cache``: the cache manager's block check
 ==============================  ==================================================================================
 
 Upstream's formula keeps ``ceil(min(max_tokens - generated, clip) * ratio / block_size)`` blocks per running

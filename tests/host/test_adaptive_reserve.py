@@ -144,7 +144,7 @@ def test_an_admission_the_free_blocks_cover_at_the_bound_is_decided_without_a_co
     """The host's block check takes nothing when its free list covers the count: an ask whose threshold at every
     running request's most is covered is answered with that threshold, and only a tighter pool counts."""
     from fdsched.core.policies import reserve_blocks_for_request
-    from fdsched.patches.ratio_reserve.budget import free_blocks_of
+    from fdsched.patches.ratio_reserve.reader import free_blocks_of
 
     rm = adaptive_rm()
     free_list = rm.cache_manager.gpu_free_block_list

@@ -71,7 +71,7 @@ def test_the_passs_kept_views_are_reused_until_the_request_generates_or_is_anoth
 
 
 def test_the_readers_lefts_and_keys_are_what_the_views_say():
-    from fdsched.patches.ratio_reserve.budget import _RunningReader
+    from fdsched.patches.ratio_reserve.reader import _RunningReader
 
     requests = [
         _request("bounded", 16, 3, 512),
@@ -113,7 +113,7 @@ class _CountedParams:
 
 
 def _kept_reader(requests):
-    from fdsched.patches.ratio_reserve.budget import reader_for
+    from fdsched.patches.ratio_reserve.reader import reader_for
 
     scheduler = _scheduler(requests)
     scheduler._fdsched_views = lambda requests=None, kept=None: _views(scheduler, requests=requests, kept=kept)
@@ -121,7 +121,7 @@ def _kept_reader(requests):
 
 
 def test_the_kept_terms_reader_answers_as_the_views_for_every_kind_of_request():
-    from fdsched.patches.ratio_reserve.budget import _KeptTermsReader
+    from fdsched.patches.ratio_reserve.reader import _KeptTermsReader
 
     requests = [_Request("bounded", 16, 3, 512), _Request("unset", 48, 7, None), _Request("at-room", 48, 0, 2000),
                 _Request("over-room", 48, 0, 5000), _Request("zero", 16, 0, 0), _Request("over-budget", 16, 600, 512),
@@ -138,7 +138,7 @@ def test_the_kept_terms_reader_answers_as_the_views_for_every_kind_of_request():
 
 def test_both_readers_give_the_keys_as_the_arrays_the_estimator_reads():
     from fdsched.core.terms import columns_of_keys, numpy_or_none
-    from fdsched.patches.ratio_reserve.budget import _RunningReader
+    from fdsched.patches.ratio_reserve.reader import _RunningReader
 
     if numpy_or_none() is None:
         pytest.skip("unit: numpy not installed (the terms are then computed one by one)")
@@ -203,7 +203,7 @@ def test_the_kept_table_holds_the_live_requests_only_and_keeps_none_alive():
 
 
 def test_requests_no_weak_reference_can_point_to_are_read_afresh():
-    from fdsched.patches.ratio_reserve.budget import _KeptTermsReader, _RunningReader, reader_for
+    from fdsched.patches.ratio_reserve.reader import _KeptTermsReader, _RunningReader, reader_for
 
     scheduler = _scheduler([])
     assert type(reader_for(scheduler, SimpleNamespace)) is _RunningReader  # its objects take no weak reference
@@ -250,7 +250,7 @@ def test_the_kept_reader_reuses_the_last_arrays_only_where_the_running_list_begi
 
 
 def test_both_readers_give_the_requests_mosts_together_kept_or_not():
-    from fdsched.patches.ratio_reserve.budget import _RunningReader
+    from fdsched.patches.ratio_reserve.reader import _RunningReader
 
     requests = [_Request(f"r{i}", 16 + i, i % 5, [None, 64, 512, 3000][i % 4]) for i in range(40)]
     scheduler, kept = _kept_reader(requests)
@@ -263,3 +263,14 @@ def test_both_readers_give_the_requests_mosts_together_kept_or_not():
     for r in requests:
         r.output_token_ids.extend([7] * 50)  # a request's most does not depend on what it generated
     assert kept.mosts(requests) == fresh.mosts(requests) == expected
+
+
+def test_every_patches_module_stays_under_450_lines():
+    """One file, one implementation: a module that grows past this is split."""
+    from pathlib import Path
+
+    import fdsched.patches
+
+    root = Path(fdsched.patches.__file__).parent
+    sizes = {str(p.relative_to(root)): len(p.read_text().splitlines()) for p in root.rglob("*.py")}
+    assert sizes and {name: n for name, n in sizes.items() if n >= 450} == {}
