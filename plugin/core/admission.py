@@ -142,9 +142,11 @@ class KeptSum:
     requests): at a pass's first ask the list is compared with the one counted, request by request (identity, in C:
     no request is read); where it begins with it, only the requests appended since are counted, else the whole list
     is. Later asks in the pass add the requests appended since as :class:`RunningOffset` does. It holds the list
-    counted (a copy) until :meth:`forget`, which the scheduler calls after a pass that asked nothing."""
+    counted (a copy) until :meth:`forget`, which the scheduler calls after a pass that asked nothing. ``floor`` is
+    what the budget counted last: a pool whose free blocks do not cover it cannot cover the bound either, most
+    likely, and is counted without reading the bound."""
 
-    __slots__ = ("count", "source", "members", "counted", "total", "strict")
+    __slots__ = ("count", "source", "members", "counted", "total", "strict", "floor")
 
     def __init__(self, count: Callable[[Sequence], int], source=None) -> None:
         self.count = count
@@ -153,6 +155,7 @@ class KeptSum:
         self.counted: Optional[list] = None  # a copy of it as counted
         self.total = 0
         self.strict = True  # the next ask compares every request (a pass's first)
+        self.floor = 0  # the running set's blocks at the last count (AdmissionBudget): the bound is never below it
 
     def open_pass(self) -> "KeptSum":
         """A pass begins: its first ask compares the whole list with the one counted."""
@@ -538,12 +541,19 @@ class AdmissionBudget:
         if self.closed:
             raise RuntimeError("AdmissionBudget: asked after its schedule() pass was closed")
         self.asks += 1
-        if self.most is not None:
-            # never relaxed here: only a strategy that reserves per request has a bound
-            total = self.slack(chunk_blocks + self.most.blocks(running))
-            if total <= self.free():
-                return total
+        most = self.most
+        if most is not None:
+            # Never relaxed here: only a strategy that reserves per request has a bound. The bound is never below
+            # the count, which moves little from one count to the next: where the free blocks do not cover the last
+            # count's figure (a pool under pressure), the bound is not looked at, and the ask counts at once.
+            free = self.free()
+            if chunk_blocks + most.floor <= free:
+                total = self.slack(chunk_blocks + most.blocks(running))
+                if total <= free:
+                    return total
         self.reserved = self.tally.blocks(running)
+        if most is not None:
+            most.floor = self.reserved
         total = chunk_blocks + self.reserved
         return total if self.strategy.relaxed else self.slack(total)
 

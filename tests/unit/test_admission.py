@@ -487,3 +487,16 @@ def test_a_pass_that_asks_nothing_lets_the_kept_bound_go():
     assert strategy.most_tally(reader).counted == running  # the same object is kept from pass to pass
     strategy.idle_pass()
     assert strategy.most_tally(reader).counted is None
+
+
+def test_a_pool_short_of_the_last_count_is_counted_without_reading_the_bound():
+    strategy = RatioStrategy(_ratio(0.5), 40, 4, 0, _formula, pure=lambda: True)
+    reader = _MostReader(strategy.most_blocks)
+    running = [_view("a", 56, 3), _view("b", 30, 4)]
+    counted = _budget(strategy).threshold(0, running)  # 5 + 4 blocks, below the mosts' 5 + 4 (same here)
+    short = _bounded_budget(strategy, reader, free=counted - 1)
+    assert short.threshold(0, running) == counted and reader.mosts_read == ["a", "b"]  # no count yet: the bound read
+    again = _bounded_budget(strategy, reader, free=counted - 1)
+    assert again.threshold(0, running) == counted and reader.mosts_read == ["a", "b"]  # short of the last count
+    roomy = _bounded_budget(strategy, reader, free=100)
+    assert roomy.threshold(0, running) == strategy.most_blocks(56) + strategy.most_blocks(30)  # room: the bound
