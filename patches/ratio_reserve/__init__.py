@@ -115,10 +115,11 @@ What an admission costs: first a bound. The host's block check compares a thresh
 nothing when the list covers it (every FastDeploy 2.x's; probed when the scheduler is built, else no bound), so every
 threshold the free blocks cover gets the same answer. Each running request's most possible reservation (upstream's
 formula over its whole budget at the ratio's top, which neither strategy ever exceeds for it) is kept with its other
-terms; an ask whose chunk plus that sum is covered is answered with that threshold, the sum read in C and kept
-through the pass like the count below. Only an ask the bound does not settle counts. Else the pass counts the running
-set once, at its first such ask, and keeps it as an offset
-(:class:`fdsched.core.admission.RunningOffset`, as SGLang's ``PrefillAdder`` keeps its running offset); a later
+terms; an ask whose chunk plus that sum is covered is answered with that threshold, the sum read in C and kept from
+one pass to the next (:class:`fdsched.core.admission.KeptSum`). Only an ask the bound does not settle counts, and a
+pool short of the last count's figure counts without reading the bound. A count counts the running set once per
+pass, at its first such ask, and keeps it as an offset (:class:`fdsched.core.admission.RunningOffset`, as SGLang's
+``PrefillAdder`` keeps its running offset); a later
 ask adds only the requests appended to the running list since (the pass's admissions), and a preemption, or any
 other change of the list, makes the next ask count it afresh. The first ask reads each running request's budget
 left (upstream's formula: one loop, no call per request) or its ``(max_tokens, budget, generated)`` key (the
