@@ -6,32 +6,52 @@ pool's free blocks where the host's block check reads its free list. The catalog
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import functools
+import inspect
 import math
+import textwrap
 import weakref
 from operator import attrgetter, itemgetter
 
 from fdsched.core.terms import numpy_or_none
 
-from fdsched.patches._base import code_names
-
 
 def free_blocks_of(cache_manager):
     """A function that gives ``cache_manager``'s free GPU blocks now, where the host's block check
-    (``can_allocate_gpu_blocks``, the first definition in its class that is not the plugin's) compares the count
-    with its ``gpu_free_block_list`` (every FastDeploy 2.x's does: it answers True and takes nothing when the list
-    covers the count); else None."""
+    (``can_allocate_gpu_blocks``, the first definition in its class that is not the plugin's) answers True, taking
+    nothing, whenever its free list covers the count (:func:`answers_true_when_covered`; every FastDeploy 2.x's
+    does); else None: the budget then counts every ask."""
     for cls in type(cache_manager).__mro__:
         check = cls.__dict__.get("can_allocate_gpu_blocks")
         if check is None or cls.__module__.startswith("fdsched."):
             continue
-        if "gpu_free_block_list" in code_names(check) and isinstance(
-            getattr(cache_manager, "gpu_free_block_list", None), list
-        ):
+        if answers_true_when_covered(check) and isinstance(getattr(cache_manager, "gpu_free_block_list", None), list):
             return functools.partial(_free_list_length, cache_manager)
         return None
     return None
+
+
+def answers_true_when_covered(check) -> bool:
+    """Whether the block check ``check(self, num_blocks, ...)`` begins with ``if len(self.gpu_free_block_list) <
+    num_blocks:`` whose ``else`` is ``return True`` (nothing else): read from its source, so that a check that keeps
+    a watermark, or does anything before it answers, is not taken for one."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(check)))
+    except (OSError, TypeError, SyntaxError):
+        return False
+    func = tree.body[0] if tree.body else None
+    if not isinstance(func, ast.FunctionDef) or len(func.args.args) < 2:
+        return False
+    body = [stmt for stmt in func.body if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant))]
+    first = body[0] if body else None
+    if not isinstance(first, ast.If) or len(first.orelse) != 1:
+        return False
+    expected = f"len({func.args.args[0].arg}.gpu_free_block_list) < {func.args.args[1].arg}"
+    answer = first.orelse[0]
+    return (ast.unparse(first.test) == expected and isinstance(answer, ast.Return)
+            and isinstance(answer.value, ast.Constant) and answer.value.value is True)
 
 
 def _free_list_length(cache_manager) -> int:

@@ -274,3 +274,38 @@ def test_every_patches_module_stays_under_450_lines():
     root = Path(fdsched.patches.__file__).parent
     sizes = {str(p.relative_to(root)): len(p.read_text().splitlines()) for p in root.rglob("*.py")}
     assert sizes and {name: n for name, n in sizes.items() if n >= 450} == {}
+
+
+def test_a_block_check_is_taken_to_answer_true_when_covered_only_in_the_hosts_shape():
+    from fdsched.patches.ratio_reserve.reader import answers_true_when_covered
+
+    def hosts(self, num_blocks: int, try_free_gpu_blocks: bool = True):
+        """Check if num_blocks gpu blocks can be allocated."""
+        if len(self.gpu_free_block_list) < num_blocks:
+            if try_free_gpu_blocks:
+                self.free_block_ids(num_blocks)
+            return len(self.gpu_free_block_list) >= num_blocks
+        else:
+            return True
+
+    def watermark(self, num_blocks):
+        if len(self.gpu_free_block_list) - self.watermark < num_blocks:
+            return False
+        else:
+            return True
+
+    def acts_first(self, num_blocks):
+        self.touch()
+        if len(self.gpu_free_block_list) < num_blocks:
+            return False
+        else:
+            return True
+
+    def answers_otherwise(self, num_blocks):
+        if len(self.gpu_free_block_list) < num_blocks:
+            return False
+        else:
+            return self.reserve(num_blocks)
+
+    assert answers_true_when_covered(hosts)
+    assert not any(map(answers_true_when_covered, (watermark, acts_first, answers_otherwise, len)))
