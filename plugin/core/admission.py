@@ -528,7 +528,7 @@ class AdmissionBudget:
     strategy: object
     tally: object  # RunningOffset or RunningRecount
     slack: Callable[[int], int] = lambda blocks: blocks
-    most: object = None  # RunningOffset over each request's most, or None
+    most: object = None  # KeptSum over each request's most, or None
     free: Optional[Callable[[], int]] = None
     declined: set = field(default_factory=set)
     reserved: Optional[int] = None  # the running set's blocks at the last ask that counted them
