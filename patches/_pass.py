@@ -29,7 +29,6 @@ from fdsched.core.metrics import METRICS
 __all__ = ["Expected", "SchedulePass", "PassDesk", "NO_PASSES", "NOTHING"]
 
 NOTHING = frozenset()  # what a pass says of a check it expects nothing of (most checks: one object, no allocation)
-_KINDS: dict = {}  # kind -> frozenset({kind}), made once per kind
 
 
 class Expected(NamedTuple):
@@ -70,8 +69,6 @@ class SchedulePass:
 
     def expect(self, kind: str, num_blocks: int) -> None:
         """The next check of ``num_blocks`` blocks, for the request in focus, is for ``kind``."""
-        if kind not in _KINDS:
-            _KINDS[kind] = frozenset((kind,))
         self._expected.append(Expected(kind, self.request_id, int(num_blocks)))
         if self.desk is not None:
             self.desk.waiting.add(threading.get_ident())
@@ -87,7 +84,7 @@ class SchedulePass:
                 return NOTHING
             self._expected = []
             self._settled()
-            return _KINDS.get(kind) or frozenset((kind,))
+            return frozenset((kind,))
         taken = [e for e in expected if e.num_blocks == num_blocks and e.request_id == self.request_id]
         if not taken:
             return NOTHING
@@ -182,11 +179,10 @@ class PassDesk:
 
     def take(self, num_blocks: int) -> frozenset:
         """What the pass :meth:`consulted` on the calling thread says of this check of ``num_blocks`` blocks
-        (:meth:`SchedulePass.take`, consumed); :data:`NOTHING` when no pass is. The cache manager asks this at
-        every block check, most of which no pass expects anything of: no allocation for those."""
-        thread = threading.get_ident()  # consulted(), inline: this runs at every block check
-        schedule_pass = self._open.get(thread) or self._asked.get(thread)
-        return schedule_pass.take(num_blocks) if schedule_pass is not None and schedule_pass._expected else NOTHING
+        (:meth:`SchedulePass.take`, consumed); :data:`NOTHING` when no pass is. The cache manager asks this only while
+        :attr:`waiting` holds a thread (most checks find it empty and ask nothing)."""
+        schedule_pass = self.consulted()
+        return NOTHING if schedule_pass is None else schedule_pass.take(num_blocks)
 
     def pending(self) -> tuple:
         """What every open pass still expects (a diagnostic: read from any thread)."""
@@ -204,9 +200,6 @@ class _NoPasses(PassDesk):
 
     def consulted(self):
         return None
-
-    def take(self, num_blocks: int) -> frozenset:
-        return NOTHING
 
 
 NO_PASSES = _NoPasses()

@@ -133,7 +133,7 @@ class _KeptTermsReader(_RunningReader):
     one that asks each entry's weak reference whether it is still that request.
     """
 
-    __slots__ = ("_terms", "_mosts", "_most_by_budget", "_refs", "_gone", "_last")
+    __slots__ = ("_terms", "_mosts", "_refs", "_gone", "_last")
 
     def __init__(self, scheduler, most) -> None:
         super().__init__(scheduler, most)
@@ -148,7 +148,6 @@ class _KeptTermsReader(_RunningReader):
                 mosts.pop(ref.key, None)
 
         self._terms, self._mosts, self._refs, self._gone = terms, mosts, refs, gone
-        self._most_by_budget: dict = {}  # budget -> its most (the figures behind it are the scheduler's, fixed)
         self._last = ((), None, None)  # the last columns call's entries, and its bound and budget arrays
 
     def _keep(self, request) -> tuple:
@@ -159,17 +158,9 @@ class _KeptTermsReader(_RunningReader):
         ref.key = key
         entry = self.entry(request)
         self._refs[key] = ref
-        self._mosts[key] = self._most_by_budget.get(entry[0]) or self._most_of_budget(entry[0])
+        self._mosts[key] = self.most(entry[0])
         self._terms[key] = entry
         return entry
-
-    def _most_of_budget(self, budget: int) -> int:
-        """A budget's most (:meth:`_RunningReader.most`), kept by budget: budgets repeat (a client's max_tokens, or
-        what the context leaves after a prompt length)."""
-        if len(self._most_by_budget) >= 4096:  # as many budgets as a long context has lengths: keep it small
-            self._most_by_budget.clear()
-        most = self._most_by_budget[budget] = self.most(budget)
-        return most
 
     def lefts(self, requests) -> list:
         # an entry is a non-empty tuple: a request without one is kept on the spot
@@ -177,24 +168,20 @@ class _KeptTermsReader(_RunningReader):
         return [(get(id(r)) or keep(r))[0] - len(r.output_token_ids) for r in requests]
 
     def mosts(self, requests) -> int:
-        # read in C; a request not kept yet (admitted after its pass's last ask) is kept now
-        values = list(map(self._mosts.get, map(id, requests)))
+        return sum(self._read(self._mosts, requests))
+
+    def _read(self, table: dict, requests) -> list:
+        """Each request's value in ``table`` (one of the kept tables), read in C (map); the few requests not kept yet
+        (admitted after their pass's last ask) are kept now, found in C too (``index``)."""
+        values = list(map(table.get, map(id, requests)))
         if None in values:
             place = -1
             with contextlib.suppress(ValueError):  # no None left
                 while True:
                     place = values.index(None, place + 1)
                     self._keep(requests[place])
-                    values[place] = self._mosts[id(requests[place])]
-        return sum(values)
-
-    def _entries(self, requests) -> list:
-        """Each request's entry, the table read in C (map), the few requests not in it yet kept afterwards."""
-        entries = list(map(self._terms.get, map(id, requests)))
-        if not all(entries):
-            keep = self._keep
-            entries = [entry or keep(r) for entry, r in zip(entries, requests)]
-        return entries
+                    values[place] = table[id(requests[place])]
+        return values
 
     def keys(self, requests) -> list:
         get, keep = self._terms.get, self._keep
@@ -206,7 +193,7 @@ class _KeptTermsReader(_RunningReader):
         return keys
 
     def columns(self, requests) -> tuple:
-        entries = self._entries(requests)
+        entries = self._read(self._terms, requests)
         # A running list mostly keeps its order from one pass to the next and grows at its end: where the last
         # call's entries begin this one's, its bound and budget arrays are this one's too, and only the entries
         # after them are read (entries are compared, not requests: equal entries give equal arrays).
