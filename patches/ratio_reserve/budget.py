@@ -156,7 +156,10 @@ class _BudgetedReserve(ReservationMixin):
         if schedule_pass is not None:
             # The pass's figures go to the metrics once, when it ends (_fdsched_end_pass): a pass may ask once
             # per admission, and the gauges' updates cost a fair part of an ask.
-            threshold = schedule_pass.budget.threshold(num_chunk_new_block, self.running)
+            budget = schedule_pass.budget
+            threshold = budget.threshold(num_chunk_new_block, self.running)
+            if budget.settled:  # the free blocks cover it: the check that follows answers True, nothing to count
+                return threshold
         else:  # asked outside a pass (the old host's PD preallocation): a budget and a question of its own
             budget = self._fdsched_new_budget()
             threshold = budget.threshold(num_chunk_new_block, self.running)
@@ -266,7 +269,9 @@ class _OldHostGuard(_BudgetedReserve):
         if schedule_pass is None:  # outside a pass the host's own check stands
             return blocks
         budget = schedule_pass.budget
-        if self.cache_manager.can_allocate_gpu_blocks(budget.threshold(blocks, self.running)):
+        threshold = budget.threshold(blocks, self.running)
+        # settled by the bound: the free blocks cover the threshold, and the pool's check would answer True
+        if budget.settled or self.cache_manager.can_allocate_gpu_blocks(threshold):
             return blocks
         METRICS.admission_blocked(of=self)
         # The pass's one decision for this chunk: its block check is refused and its preemption call declined.

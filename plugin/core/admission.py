@@ -534,6 +534,9 @@ class AdmissionBudget:
     reserved: Optional[int] = None  # the running set's blocks at the last ask that counted them
     asks: int = 0
     closed: bool = False
+    # whether the last ask was settled by the bound: the free blocks covered its threshold then, so the host's
+    # check of it answers True (its caller need not expect a refusal)
+    settled: bool = False
 
     def threshold(self, chunk_blocks: int, running: Sequence) -> int:
         """Blocks that must be free for a chunk of ``chunk_blocks`` to be admitted now (``running``: the
@@ -550,7 +553,9 @@ class AdmissionBudget:
             if chunk_blocks + most.floor <= free:
                 total = self.slack(chunk_blocks + most.blocks(running))
                 if total <= free:
+                    self.settled = True
                     return total
+        self.settled = False
         self.reserved = self.tally.blocks(running)
         if most is not None:
             most.floor = self.reserved
