@@ -116,7 +116,9 @@ nothing when the list covers it (every FastDeploy 2.x's; probed when the schedul
 threshold the free blocks cover gets the same answer. Each running request's most possible reservation (upstream's
 formula over its whole budget at the ratio's top, which neither strategy ever exceeds for it) is kept with its other
 terms; an ask whose chunk plus that sum is covered is answered with that threshold, the sum read in C and kept from
-one pass to the next (:class:`fdsched.core.admission.KeptSum`). Only an ask the bound does not settle counts, and a
+one pass to the next (:class:`fdsched.core.admission.KeptSum`). An ask the bound settles expects nothing of the check
+that follows (it answers True: the free blocks cover it), and the old host's guard takes that answer without the
+check. Only an ask the bound does not settle counts, and a
 pool short of the last count's figure counts without reading the bound. A count counts the running set once per
 pass, at its first such ask, and keeps it as an offset (:class:`fdsched.core.admission.RunningOffset`, as SGLang's
 ``PrefillAdder`` keeps its running offset); a later

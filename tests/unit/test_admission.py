@@ -378,6 +378,7 @@ def test_an_ask_the_free_blocks_cover_at_the_bound_is_answered_without_a_count(k
     roomy = _bounded_budget(strategy, reader, free=2 + most + 1 + strategy.most_blocks(20), slack=slack)
     assert roomy.threshold(2, running) == 2 + most + 1  # covered: no request's terms are read
     assert reader.read == [] and roomy.reserved is None and roomy.asks == 1
+    assert roomy.settled  # the free blocks covered it: its caller need not expect a refusal of the check
     running.append(_view("c", 20, 0))  # admitted: the bound adds c's most alone
     assert roomy.threshold(0, running) == 0 + most + strategy.most_blocks(20) + 1
     assert reader.mosts_read == ["a", "b", "c"] and reader.read == []
@@ -386,7 +387,15 @@ def test_an_ask_the_free_blocks_cover_at_the_bound_is_answered_without_a_count(k
     tight = _bounded_budget(strategy, tight_reader, free=2 + most + strategy.most_blocks(20) - 1)
     exact = AdmissionBudget(strategy, strategy.tally(_KeyReader())).threshold(2, running)
     assert tight.threshold(2, running) == exact and tight.reserved == exact - 2
-    assert tight_reader.read == ["a", "b", "c"]
+    assert tight_reader.read == ["a", "b", "c"] and not tight.settled
+    # a pool the bound does not fit after one that it did: the flag follows the last ask
+    shrinking = iter([10_000, 0])
+    moving = AdmissionBudget(strategy, strategy.tally(_KeyReader()), most=strategy.most_tally(_MostReader(
+        strategy.most_blocks)), free=lambda: next(shrinking))
+    moving.threshold(2, running)
+    assert moving.settled
+    moving.threshold(2, running)
+    assert not moving.settled and moving.reserved is not None
 
 
 def test_a_strategy_without_a_known_bound_counts_every_ask():
