@@ -42,26 +42,23 @@ class Expected(NamedTuple):
 class SchedulePass:
     """One ``schedule()`` pass of one scheduler, used by the thread that runs it only."""
 
+    __slots__ = ("_new_budget", "made", "request_id", "expected", "desk")
+
     def __init__(self, new_budget=None) -> None:
         # makes the pass's admission budget (fdsched.core.admission.AdmissionBudget) when the pass first needs it:
         # most passes admit nothing and never ask; None: a pass with no budget (a question asked outside a pass)
         self._new_budget = new_budget
-        self._budget = None
+        self.made = None  # the budget, once the pass made it (read as it is: nothing is made)
         self.request_id = "(none)"  # the request the pass is deciding on
-        self._expected: list = []
+        self.expected: list = []  # what the pass still expects of its checks (Expected), in order
         self.desk = None  # the desk it was opened on (PassDesk.open, ask_outside_a_pass), told what it expects
 
     @property
     def budget(self):
         """The pass's admission budget, made on first use; None for a pass without one."""
-        if self._budget is None and self._new_budget is not None:
-            self._budget = self._new_budget()
-        return self._budget
-
-    @property
-    def budget_if_made(self):
-        """The budget if the pass made one, else None (nothing is made)."""
-        return self._budget
+        if self.made is None and self._new_budget is not None:
+            self.made = self._new_budget()
+        return self.made
 
     def focus(self, request_id: str) -> None:
         """The pass's next block checks are for ``request_id``."""
@@ -69,26 +66,26 @@ class SchedulePass:
 
     def expect(self, kind: str, num_blocks: int) -> None:
         """The next check of ``num_blocks`` blocks, for the request in focus, is for ``kind``."""
-        self._expected.append(Expected(kind, self.request_id, int(num_blocks)))
+        self.expected.append(Expected(kind, self.request_id, int(num_blocks)))
         if self.desk is not None:
             self.desk.waiting.add(threading.get_ident())
 
     def take(self, num_blocks: int) -> frozenset:
         """The kinds the pass expects of this check of ``num_blocks`` blocks for the request in focus (consumed)."""
-        expected = self._expected
+        expected = self.expected
         if not expected:
             return NOTHING
         if len(expected) == 1:  # the common case: the one threshold just asked
             kind, request_id, blocks = expected[0]
             if blocks != num_blocks or request_id != self.request_id:
                 return NOTHING
-            self._expected = []
+            self.expected = []
             self._settled()
             return frozenset((kind,))
         taken = [e for e in expected if e.num_blocks == num_blocks and e.request_id == self.request_id]
         if not taken:
             return NOTHING
-        self._expected = [e for e in self._expected if e not in taken]
+        self.expected = [e for e in self.expected if e not in taken]
         self._settled()
         return frozenset(e.kind for e in taken)
 
@@ -97,15 +94,15 @@ class SchedulePass:
             self.desk.settle()
 
     def pending(self) -> tuple:
-        return tuple(self._expected)
+        return tuple(self.expected)
 
     def expecting(self) -> bool:
         """Whether the pass still expects something of a check (what :meth:`close` would drop)."""
-        return bool(self._expected)
+        return bool(self.expected)
 
     def close(self, logger, of=None) -> list:
         """Drop what is still expected; log and count each as unconsumed (labelled by ``of``'s arm)."""
-        left, self._expected = self._expected, []
+        left, self.expected = self.expected, []
         self._settled()
         for e in left:
             METRICS.signal_unconsumed(e.kind, of=of)

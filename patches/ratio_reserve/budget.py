@@ -73,8 +73,11 @@ class _BudgetedReserve(ReservationMixin):
 
     @functools.cached_property
     def _fdsched_strategy(self):
-        """This arm's strategy (built on first use: it reads the host's config)."""
-        return self._fdsched_make_strategy()
+        """This arm's strategy (built on first use: it reads the host's config). The reader asks it for each request's
+        most from then on (before, through :meth:`_fdsched_most_of`, which makes it)."""
+        strategy = self._fdsched_make_strategy()
+        self._fdsched_reader.most = strategy.most_blocks
+        return strategy
 
     def _fdsched_make_strategy(self):
         raise NotImplementedError
@@ -99,7 +102,7 @@ class _BudgetedReserve(ReservationMixin):
     def _fdsched_made_budget(self):
         """The budget of the pass this thread has open if the pass made one yet, else None (nothing is made)."""
         schedule_pass = self._fdsched_desk.current()
-        return schedule_pass.budget_if_made if schedule_pass is not None else None
+        return schedule_pass.made if schedule_pass is not None else None
 
     # ---- the pass ---------------------------------------------------------------------------------
     def schedule(self):
@@ -114,22 +117,19 @@ class _BudgetedReserve(ReservationMixin):
             result = super().schedule()
         finally:
             desk.close(outer)
-            strategy = self._fdsched_strategy
             with self.lock:
-                if schedule_pass.budget_if_made is None and not schedule_pass.expecting():
-                    strategy.idle_pass()  # most passes: nothing was asked, nothing is left to end
-                else:
+                budget = schedule_pass.made
+                if budget is not None or schedule_pass.expected:  # most passes: nothing was asked or is left
                     self._fdsched_end_pass(schedule_pass, result[0] if result else None)
-                if result is not None:
-                    strategy.after_pass(bool(result[0]))
-                    strategy.report(of=self)
+                # one call ends the strategy's pass (None: the host's pass raised, the ratio stays)
+                self._fdsched_strategy.pass_ended(None if result is None else bool(result[0]), budget is not None, self)
         return result
 
     def _fdsched_end_pass(self, schedule_pass: SchedulePass, scheduled_reqs) -> None:
-        budget = schedule_pass.budget_if_made
-        if budget is None:
-            self._fdsched_strategy.idle_pass()
-        else:
+        """What a pass that asked, or left something expected, leaves: its figures to the metrics, and what nobody
+        consumed logged and counted."""
+        budget = schedule_pass.made
+        if budget is not None:
             self._fdsched_report(budget)
             for request_id in sorted(budget.close()):
                 METRICS.signal_unconsumed(DECLINE_PREEMPTION, of=self)

@@ -113,7 +113,7 @@ class PreChangeReserveMixin(_BudgetedReserve):
     def _fdsched_end_pass(self, schedule_pass: SchedulePass, scheduled_reqs) -> None:
         """Give the pass back what the plugin held for it (under the host's lock): the waiting queue, every request
         that arrived meanwhile in its place, and its preempt tasks in order."""
-        budget: _PreChangePass = schedule_pass.budget_if_made
+        budget: _PreChangePass = schedule_pass.made
         if budget is None:  # the pass needed none: the plugin held nothing for it
             super()._fdsched_end_pass(schedule_pass, scheduled_reqs)
             return

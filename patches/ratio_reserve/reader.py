@@ -7,7 +7,6 @@ pool's free blocks where the host's block check reads its free list. The catalog
 from __future__ import annotations
 
 import ast
-import contextlib
 import functools
 import inspect
 import math
@@ -174,13 +173,11 @@ class _KeptTermsReader(_RunningReader):
         """Each request's value in ``table`` (one of the kept tables), read in C (map); the few requests not kept yet
         (admitted after their pass's last ask) are kept now, found in C too (``index``)."""
         values = list(map(table.get, map(id, requests)))
-        if None in values:
-            place = -1
-            with contextlib.suppress(ValueError):  # no None left
-                while True:
-                    place = values.index(None, place + 1)
-                    self._keep(requests[place])
-                    values[place] = table[id(requests[place])]
+        place = -1
+        for _ in range(values.count(None)):
+            place = values.index(None, place + 1)
+            self._keep(requests[place])
+            values[place] = table[id(requests[place])]
         return values
 
     def keys(self, requests) -> list:

@@ -33,7 +33,7 @@ from typing import Callable, NamedTuple, Optional, Protocol, Sequence
 
 from fdsched.core.adaptive import AdaptiveReserve, SetReservation
 from fdsched.core.metrics import METRICS
-from fdsched.core.policies import FixedBlockReserve, NewTokenRatio, reserve_blocks_for_request
+from fdsched.core.policies import FixedBlockReserve, NewTokenRatio
 from fdsched.core.terms import BATCH_MIN
 
 __all__ = [
@@ -235,6 +235,12 @@ class FixedBlockStrategy:
     def after_pass(self, scheduled_anything: bool) -> None:
         self.fixed.after_schedule(scheduled_anything)
 
+    def pass_ended(self, scheduled_anything: Optional[bool], counted: bool, of=None) -> None:
+        """A ``schedule()`` pass ended (:meth:`RatioStrategy.pass_ended`): the amount decays after one that scheduled
+        something."""
+        if scheduled_anything:
+            self.fixed.after_schedule(True)
+
     def on_preemption(self, running: Sequence[RunningView] = (), count: int = 1) -> None:
         self.fixed.on_preemption()
 
@@ -291,8 +297,11 @@ class RatioStrategy:
     def most_blocks(self, budget: int) -> int:
         """The most a request with output budget ``budget`` can ever keep free here: upstream's formula over its
         whole budget at the ratio's top (:attr:`NewTokenRatio.top`). Its reservation only shrinks from there as it
-        generates and as the ratio decays, and the adaptive estimator's never exceeds the formula's."""
-        return reserve_blocks_for_request(budget, 0, self.ratio.top, self.clip, self.block_size)
+        generates and as the ratio decays, and the adaptive estimator's never exceeds the formula's.
+        (:func:`fdsched.core.policies.reserve_blocks_for_request` with nothing generated, inline: the reader asks it
+        for every request it keeps.)"""
+        tokens = int(min(budget, self.clip) * self.ratio.top)
+        return -(-tokens // self.block_size) if tokens > 0 else 0
 
     def most_tally(self, reader: RunningReader):
         """A bound on the running set's blocks (:meth:`RunningReader.mosts`: each request's most, read from what the
@@ -369,6 +378,21 @@ class RatioStrategy:
 
     def after_pass(self, scheduled_anything: bool) -> None:
         self.ratio.after_schedule(scheduled_anything)
+
+    def pass_ended(self, scheduled_anything: Optional[bool], counted: bool, of=None) -> None:
+        """A ``schedule()`` pass ended, in one call (the scheduler makes it at the end of every pass):
+        :meth:`idle_pass` where the pass ``counted`` nothing, then, unless the host's pass raised
+        (``scheduled_anything`` None), :meth:`after_pass` and :meth:`report`."""
+        if not counted and self._most is not None:
+            self._most.forget()
+        if scheduled_anything is None:
+            return
+        ratio = self.ratio
+        if scheduled_anything:
+            ratio.after_schedule(True)
+        if ratio.value != self._reported:
+            self._reported = ratio.value
+            METRICS.ratio(ratio.value, of=of)
 
     def on_preemption(self, running: Sequence[RunningView] = (), count: int = 1) -> None:
         """Re-estimate the ratio from what the running requests did (back to init when nothing runs)."""
@@ -465,6 +489,11 @@ class AdaptiveStrategy(RatioStrategy):
     def after_pass(self, scheduled_anything: bool) -> None:
         super().after_pass(scheduled_anything)
         self.fixed.after_schedule(scheduled_anything)  # the warm-up fallback for unbounded requests
+
+    def pass_ended(self, scheduled_anything: Optional[bool], counted: bool, of=None) -> None:
+        super().pass_ended(scheduled_anything, counted, of)
+        if scheduled_anything:
+            self.fixed.after_schedule(True)  # the warm-up fallback for unbounded requests
 
     def on_preemption(self, running: Sequence[RunningView] = (), count: int = 1) -> None:
         # The reservation was too small: widen the margin; the warm-up fallback resets like the legacy policy.

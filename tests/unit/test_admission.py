@@ -317,6 +317,51 @@ def test_the_ratio_gauge_is_set_only_when_the_ratio_moved(monkeypatch):
     assert shown == pytest.approx([0.5, 0.4, 0.3, strategy.ratio.value]) and strategy.ratio.value != 0.3
 
 
+@pytest.mark.parametrize("kind", ["fixed", "ratio", "adaptive"])
+def test_a_passes_one_end_call_does_what_its_three_did(kind, monkeypatch):
+    """pass_ended(scheduled, counted) == idle_pass (when nothing was counted), after_pass and report (unless the
+    host's pass raised: scheduled None), on two strategies built alike, pass after pass."""
+    from fdsched.core.metrics import METRICS
+
+    shown = {"one": [], "three": []}
+
+    def make():
+        adaptive = AdaptiveReserve(min_samples=1, k=0.0)
+        ratio = _ratio(0.5, minimum=0.2, decay=0.1)
+        if kind == "fixed":
+            return FixedBlockStrategy(FixedBlockReserve(3, 1, 1))
+        if kind == "ratio":
+            return RatioStrategy(ratio, 40, 4, 0, _formula, pure=lambda: True)
+        return AdaptiveStrategy(ratio, 40, 4, 0, lambda *a: None, adaptive, FixedBlockReserve(3, 1, 1),
+                                pure=lambda: True)
+
+    one, three = make(), make()
+    reader = _MostReader(getattr(one, "most_blocks"))
+    passes = [(True, True), (False, False), (None, True), (True, False), (True, True), (None, False), (False, True)]
+    for scheduled, counted in passes:
+        for strategy, name in ((one, "one"), (three, "three")):
+            monkeypatch.setattr(METRICS, "ratio", lambda value, of=None, name=name: shown[name].append(value))
+            kept = strategy.most_tally(reader)
+            if kept is not None:
+                kept.blocks([_view("a", 56, 0)])
+            if strategy is one:
+                strategy.pass_ended(scheduled, counted)
+            else:
+                if not counted:
+                    strategy.idle_pass()
+                if scheduled is not None:
+                    strategy.after_pass(scheduled)
+                    strategy.report()
+            held = None if kept is None else kept.counted
+            state = (getattr(strategy, "ratio", None) and strategy.ratio.value, getattr(strategy, "fixed", None)
+                     and (strategy.fixed.current, strategy.fixed.relaxed), held)
+            if strategy is one:
+                first = state
+            else:
+                assert state == first, (scheduled, counted)
+    assert shown["one"] == shown["three"]
+
+
 @pytest.mark.parametrize("ratio", [0.05, 0.1337, 0.31, 0.698, 1.0, 1.7])
 @pytest.mark.parametrize("clip", [1, 64, 1000, 4096, 10**9])
 @pytest.mark.parametrize("block_size", [1, 16, 64])
@@ -396,6 +441,15 @@ def test_an_ask_the_free_blocks_cover_at_the_bound_is_answered_without_a_count(k
     assert moving.settled
     moving.threshold(2, running)
     assert not moving.settled and moving.reserved is not None
+
+
+@settings(max_examples=300, deadline=None)
+@given(budget=st.integers(-64, 4096), clip=st.integers(0, 2048), block_size=st.integers(1, 128),
+       init=st.floats(0.0, 1.0), cap=st.floats(0.0, 1.0))
+def test_a_requests_most_is_the_formula_over_its_whole_budget_at_the_ratios_top(budget, clip, block_size, init, cap):
+    ratio = NewTokenRatio(init, 0.0, 0.01, cap)
+    strategy = RatioStrategy(ratio, clip, block_size, 0, _formula, pure=lambda: True)
+    assert strategy.most_blocks(budget) == reserve_blocks_for_request(budget, 0, ratio.top, clip, block_size)
 
 
 def test_a_strategy_without_a_known_bound_counts_every_ask():

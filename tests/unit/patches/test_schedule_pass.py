@@ -119,9 +119,9 @@ def test_a_cache_manager_no_scheduler_was_built_with_consults_nothing():
 def test_a_pass_makes_its_budget_at_its_first_need_and_only_once():
     made = []
     schedule_pass = SchedulePass(lambda: made.append(object()) or made[-1])
-    assert schedule_pass.budget_if_made is None and made == []  # a pass that never asks makes none
+    assert schedule_pass.made is None and made == []  # a pass that never asks makes none
     first = schedule_pass.budget
-    assert schedule_pass.budget is first and schedule_pass.budget_if_made is first and len(made) == 1
+    assert schedule_pass.budget is first and schedule_pass.made is first and len(made) == 1
     assert SchedulePass(None).budget is None  # a question asked outside a pass has no budget
 
 
