@@ -147,16 +147,16 @@ class _BudgetedReserve(ReservationMixin):
             schedule_pass.focus(request.request_id)
         return super().get_new_block_nums(request, num_new_tokens)
 
-    def _get_can_schedule_prefill_threshold_block(self, num_chunk_new_block):
-        return self._fdsched_threshold_seam(num_chunk_new_block)
-
     def _fdsched_threshold_seam(self, num_chunk_new_block: int) -> int:
-        """The answer at the host's threshold seam, whichever shape the host gives it."""
+        """The answer at the host's threshold seam, whichever shape the host gives it (it is the seam itself where the
+        host passes the count only: a pass asks it once per admission)."""
         schedule_pass = self._fdsched_desk.current()
         if schedule_pass is not None:
             # The pass's figures go to the metrics once, when it ends (_fdsched_end_pass): a pass may ask once
             # per admission, and the gauges' updates cost a fair part of an ask.
-            budget = schedule_pass.budget
+            budget = schedule_pass.made
+            if budget is None:
+                budget = schedule_pass.budget
             threshold = budget.threshold(num_chunk_new_block, self.running)
             if budget.settled:  # the free blocks cover it: the check that follows answers True, nothing to count
                 return threshold
@@ -169,6 +169,8 @@ class _BudgetedReserve(ReservationMixin):
         # Its caller checks the threshold with can_allocate_gpu_blocks next: count that check's refusal.
         schedule_pass.expect(COUNT_REFUSAL, threshold)
         return threshold
+
+    _get_can_schedule_prefill_threshold_block = _fdsched_threshold_seam
 
     def _fdsched_report(self, budget: AdmissionBudget) -> None:
         """The running set's blocks at ``budget``'s last ask that counted them, and the strategy's decision then, to

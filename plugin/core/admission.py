@@ -172,8 +172,9 @@ class KeptSum:
                 same = running is self.members and size >= n and (n == 0 or running[n - 1] is counted[n - 1])
             if same:
                 if size > n:
-                    self.total += self.count(running[n:])
-                    self.counted = list(running)
+                    more = running[n:]
+                    self.total += self.count(more)
+                    counted += more  # the list as counted (its first n are running's own, as just compared)
                 self.members, self.strict = running, False
                 return self.total
         self.total = self.count(running)
