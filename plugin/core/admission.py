@@ -9,7 +9,8 @@ in plain values (nothing here imports FastDeploy):
   pre-change policy, ``FD_RESERVE_*_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL``), :class:`RatioStrategy`
   (upstream's new_token_ratio formula, PR 7444/7783) and :class:`AdaptiveStrategy` (the plugin's learned
   remainder plus one margin for the whole set). A strategy also carries its state between passes: what
-  a pass that scheduled something does (:meth:`after_pass`) and what a preemption does (:meth:`on_preemption`).
+  a pass that scheduled something does (:meth:`after_pass`; the scheduler ends each pass with one call,
+  :meth:`RatioStrategy.pass_ended`) and what a preemption does (:meth:`on_preemption`).
 * an :class:`AdmissionBudget` is made by the scheduler's ``schedule()`` pass at its first need, asked by
   every admission in it (:meth:`AdmissionBudget.threshold`) and closed at the pass's end. It is the model of
   SGLang's ``PrefillAdder`` (one object per pass that every admission asks).
@@ -142,7 +143,8 @@ class KeptSum:
     requests): at a pass's first ask the list is compared with the one counted, request by request (identity, in C:
     no request is read); where it begins with it, only the requests appended since are counted, else the whole list
     is. Later asks in the pass add the requests appended since as :class:`RunningOffset` does. It holds the list
-    counted (a copy) until :meth:`forget`, which the scheduler calls after a pass that asked nothing. ``floor`` is
+    counted (a copy of its own, to which an ask appends the requests it added: no ask copies the whole list) until
+    :meth:`forget`, which the scheduler calls after a pass that asked nothing. ``floor`` is
     what the budget counted last: a pool whose free blocks do not cover it cannot cover the bound either, most
     likely, and is counted without reading the bound."""
 

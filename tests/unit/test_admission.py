@@ -517,8 +517,11 @@ def test_the_kept_bound_adds_only_what_was_appended_since_and_sums_afresh_after_
     a, b, c, d, e = (_view(name, budget, 0) for name, budget in zip("abcde", (1, 2, 4, 8, 16)))
     running = [a, b, c]
     assert kept.open_pass().blocks(running) == 7 and read == [["a", "b", "c"]]
+    held = kept.counted
     running.append(d)  # admitted in the pass
     assert kept.blocks(running) == 15 and read[-1] == ["d"]
+    # the list as counted grows by what the ask added: its own copy, not a new copy of the whole list
+    assert kept.counted is held and kept.counted == running and kept.counted is not running
     # the next pass: the same requests, another list object: nothing is read
     running = [a, b, c, d]
     assert kept.open_pass().blocks(running) == 15 and len(read) == 2
