@@ -242,7 +242,7 @@ class FixedBlockStrategy:
         """A ``schedule()`` pass ended (:meth:`RatioStrategy.pass_ended`): the amount decays after one that scheduled
         something."""
         if scheduled_anything:
-            self.fixed.after_schedule(True)
+            self.after_pass(True)
 
     def on_preemption(self, running: Sequence[RunningView] = (), count: int = 1) -> None:
         self.fixed.on_preemption()
@@ -386,16 +386,13 @@ class RatioStrategy:
         """A ``schedule()`` pass ended, in one call (the scheduler makes it at the end of every pass):
         :meth:`idle_pass` where the pass ``counted`` nothing, then, unless the host's pass raised
         (``scheduled_anything`` None), :meth:`after_pass` and :meth:`report`."""
-        if not counted and self._most is not None:
-            self._most.forget()
+        if not counted:
+            self.idle_pass()
         if scheduled_anything is None:
             return
-        ratio = self.ratio
         if scheduled_anything:
-            ratio.after_schedule(True)
-        if ratio.value != self._reported:
-            self._reported = ratio.value
-            METRICS.ratio(ratio.value, of=of)
+            self.after_pass(True)
+        self.report(of)
 
     def on_preemption(self, running: Sequence[RunningView] = (), count: int = 1) -> None:
         """Re-estimate the ratio from what the running requests did (back to init when nothing runs)."""
@@ -492,11 +489,6 @@ class AdaptiveStrategy(RatioStrategy):
     def after_pass(self, scheduled_anything: bool) -> None:
         super().after_pass(scheduled_anything)
         self.fixed.after_schedule(scheduled_anything)  # the warm-up fallback for unbounded requests
-
-    def pass_ended(self, scheduled_anything: Optional[bool], counted: bool, of=None) -> None:
-        super().pass_ended(scheduled_anything, counted, of)
-        if scheduled_anything:
-            self.fixed.after_schedule(True)  # the warm-up fallback for unbounded requests
 
     def on_preemption(self, running: Sequence[RunningView] = (), count: int = 1) -> None:
         # The reservation was too small: widen the margin; the warm-up fallback resets like the legacy policy.
