@@ -31,6 +31,7 @@ def _load_catalogue() -> tuple:
         decode_only_preempt,
         deferred_recycle,
         nonpolling_transfer,
+        one_node_per_block,
         pd_prefill_cache,
         ratio_reserve,
     )
@@ -41,6 +42,7 @@ def _load_catalogue() -> tuple:
         ratio_reserve.SPEC,
         pd_prefill_cache.SPEC,
         nonpolling_transfer.SPEC,
+        one_node_per_block.SPEC,
     )
 
 

@@ -27,6 +27,8 @@ from fdsched.core.common import SettingsError, read_utf8
 __all__ = [
     "CHANGES",
     "CHANGE_IDS",
+    "HOST_FIXES",
+    "UPSTREAM_CHANGE_IDS",
     "OTHERS_KEY",
     "SWITCH_VALUES",
     "PROFILE_ENV",
@@ -59,8 +61,14 @@ CHANGES: tuple[tuple[str, str], ...] = (
     ("ratio_reserve", "new_token_ratio KV reservation and chunked-prefill guard (PR 7444/7783)."),
     ("pd_prefill_cache", "record prefill-node blocks in the radix tree (PR 7364/7387)."),
     ("nonpolling_transfer", "wait on a blocking queue for CPU-cache transfer results (idea of PR 7520)."),
+    ("one_node_per_block", "host fix: a fully cached prompt never gets a second radix node for a cached block."),
 )
 CHANGE_IDS = tuple(change_id for change_id, _ in CHANGES)
+# The plugin's fixes of defects in FastDeploy's own code (the entries above whose text starts "host fix"). A
+# profile's ``changes.others`` does not set them: "every change off" (``baseline``) is the pre-change policy, not
+# the host's defects; ``off`` named on its own keeps the host's code, to reproduce a defect.
+HOST_FIXES = tuple(change_id for change_id, text in CHANGES if text.startswith("host fix"))
+UPSTREAM_CHANGE_IDS = tuple(change_id for change_id in CHANGE_IDS if change_id not in HOST_FIXES)
 # A profile's ``changes.others`` sets every switch that profile does not name (e.g. baseline: ``others: "off"``),
 # so a new change needs no line in the profiles that mean "every change off" or "every change on".
 OTHERS_KEY = "changes.others"
@@ -665,7 +673,7 @@ def load_settings(environ: Optional[Mapping[str, str]] = None, profile: Optional
             if key != OTHERS_KEY:
                 values[key], sources[key] = value, f"profile {profile_name}"
                 continue
-            for change_id in CHANGE_IDS:  # every switch the profile does not name
+            for change_id in UPSTREAM_CHANGE_IDS:  # every upstream change's switch the profile does not name
                 if f"changes.{change_id}" not in written:
                     values[f"changes.{change_id}"] = value
                     sources[f"changes.{change_id}"] = f"profile {profile_name} via {OTHERS_KEY}"

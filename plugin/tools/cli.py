@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Optional
 
 from fdsched import __version__
-from fdsched.core.settings import CHANGE_IDS, PROFILE_ENV, SettingsError, load_settings, profile_description, shipped_profiles
+from fdsched.core.settings import CHANGE_IDS, HOST_FIXES, UPSTREAM_CHANGE_IDS, PROFILE_ENV, SettingsError, load_settings, profile_description, shipped_profiles
 
 from fdsched.core.common import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK, error_line, plural, read_utf8
 from fdsched.core.common import text_table as _table
@@ -66,8 +66,8 @@ def cmd_doctor(args) -> int:
     for spec in CATALOGUE:
         has = "-" if info is None else ("yes" if info.has.get(spec.change_id) else "no")
         would = decisions[spec.change_id].detail if spec.change_id in decisions else "-"
-        prs = "/".join(str(p) for p in spec.upstream_prs)
-        rows.append((spec.change_id, f"{prs} ({spec.upstream_state})", has, settings.change_mode(spec.change_id), would))
+        rows.append((spec.change_id, _upstream_text(spec, "{prs} ({state})"), has, settings.change_mode(spec.change_id),
+                     would))
     print()
     print(_table(rows, ("change", "upstream PR", "host has it", "switch", "would be")))
     if arm_settings:
@@ -161,10 +161,9 @@ def cmd_patches(args) -> int:
     for number, spec in enumerate(specs):
         if number:
             print()
-        prs = "/".join(str(p) for p in spec.upstream_prs)
         print(f"{spec.change_id}: {spec.title}")
         rows = [
-            ("upstream", f"PR {prs} ({spec.upstream_state})"),
+            ("upstream", _upstream_text(spec, "PR {prs} ({state})")),
             ("switch", f"{spec.switch} (profile key changes.{spec.change_id}) = auto | on | off"),
             ("why", spec.why),
             ("how", spec.how),
@@ -181,13 +180,23 @@ def cmd_patches(args) -> int:
     return EXIT_OK
 
 
+def _upstream_text(spec, form: str) -> str:
+    """The change's upstream PRs in ``form``, or what a host fix is (no upstream PR)."""
+    if not spec.upstream_prs:
+        return "none: host fix"
+    return form.format(prs="/".join(str(p) for p in spec.upstream_prs), state=spec.upstream_state)
+
+
 def _changes_text(settings) -> str:
-    modes = {cid: settings.change_mode(cid) for cid in CHANGE_IDS}
+    """The upstream changes' switches in a few words; a host fix only where it is not ``auto`` (its default in
+    every shipped profile)."""
+    modes = {cid: settings.change_mode(cid) for cid in UPSTREAM_CHANGE_IDS}
+    fixes = [f"{cid}={settings.change_mode(cid)}" for cid in HOST_FIXES if settings.change_mode(cid) != "auto"]
     if len(set(modes.values())) == 1:
-        return f"all {next(iter(modes.values()))}"
+        return ", ".join([f"all {next(iter(modes.values()))}", *fixes])
     common = max(set(modes.values()), key=list(modes.values()).count)
     odd = [f"{cid}={mode}" for cid, mode in modes.items() if mode != common]
-    return ", ".join(odd) + f", rest {common}"
+    return ", ".join(odd + fixes) + f", rest {common}"
 
 
 def _differs_from(settings, reference) -> str:

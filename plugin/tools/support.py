@@ -72,22 +72,31 @@ def _sorted(rows: list) -> list:
 
 
 def summary_table(rows: list) -> str:
-    """README's table: line, commit, what CI runs, how many changes apply with no profile, refused profiles."""
-    from fdsched.core.settings import CHANGE_IDS
+    """README's table: line, commit, what CI runs, how many upstream changes and host fixes apply with no profile,
+    refused profiles."""
+    from fdsched.core.settings import HOST_FIXES, UPSTREAM_CHANGE_IDS
 
-    lines = ["| FastDeploy line | commit | CI | changes the plugin applies (all `auto`) | shipped profiles refused |",
-             "|---|---|---|---|---|"]
+    lines = ["| FastDeploy line | commit | CI | upstream changes the plugin applies (all `auto`) | host fixes applied "
+             "| shipped profiles refused |",
+             "|---|---|---|---|---|---|"]
     for r in _sorted(rows):
         if r["tier"] == "refused":
-            lines.append(f"| {r['line']} | `{r['commit'][:7]}` | set-up refuses | none: {r['refused']} | all |")
+            lines.append(f"| {r['line']} | `{r['commit'][:7]}` | set-up refuses | none: {r['refused']} | none | all |")
             continue
-        applied = [c for c in CHANGE_IDS if r["changes"][c]["state"] == "applied"]
-        present = [c for c in CHANGE_IDS if r["changes"][c]["state"] == "in host"]
-        what = f"{len(applied)} of {len(CHANGE_IDS)}" + (f" (+{len(present)} in the host)" if present else "")
+        applied = [c for c in UPSTREAM_CHANGE_IDS if _state(r, c) == "applied"]
+        present = [c for c in UPSTREAM_CHANGE_IDS if _state(r, c) == "in host"]
+        what = f"{len(applied)} of {len(UPSTREAM_CHANGE_IDS)}" + (f" (+{len(present)} in the host)" if present else "")
+        fixed = [c for c in HOST_FIXES if _state(r, c) == "applied"]
         tier = {"full": "unit, host, engine tiers", "compat": "compatibility tier"}.get(r["tier"], r["tier"])
         refused = ", ".join(r["refused_profiles"]) or "none"
-        lines.append(f"| {r['line']} | `{r['commit'][:7]}` | {tier} | {what} | {refused} |")
+        lines.append(f"| {r['line']} | `{r['commit'][:7]}` | {tier} | {what} | {len(fixed)} of {len(HOST_FIXES)} "
+                     f"| {refused} |")
     return "\n".join(lines)
+
+
+def _state(row: dict, change_id: str) -> str:
+    """A row's state for a change; ``not probed`` in a row written before the change existed."""
+    return row["changes"].get(change_id, {}).get("state", "not probed")
 
 
 def detail_table(rows: list) -> str:
@@ -101,7 +110,7 @@ def detail_table(rows: list) -> str:
     for change_id in CHANGE_IDS:
         cells = []
         for r in live:
-            cell = r["changes"][change_id]
+            cell = r["changes"].get(change_id, {"state": "not probed"})
             if cell["state"] == "declined":
                 notes.append(f"- {change_id} on {r['line']} `{r['commit'][:7]}`: {cell['why']}")
                 cells.append(f"declined ({len(notes)})")

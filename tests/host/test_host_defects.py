@@ -1,5 +1,5 @@
-"""Two defects of the host's own pre-change code, found by random short traces, pinned with the host alone and
-under the plugin.
+"""Two defects of the host's own code, found by random short traces, pinned with the host alone and under the
+plugin.
 
 Both need the pre-change KV reservation (``FD_RESERVE_*_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL``), whose schedules
 preempt more: the host alone shows them where it lacks upstream's ratio reservation (the old host) and not where it
@@ -11,8 +11,13 @@ in host code that none of the five changes touches (docs/changes.md, "Host defec
 1. **Preempted requests hold every seat.** The host's admission loop counts the PREEMPTED requests in ``waiting``
    against ``max_num_seqs`` before it admits anything, those included. Once ``max_num_seqs`` requests are preempted
    and nothing runs, the loop stops at its first check in every pass: nothing is admitted again.
-2. **A prefix block reused while free.** After a decode preemption and a prefix-cache eviction, a block is both in
-   the free list and in the radix tree (and, at the next step, in a request's block table as well).
+2. **A prefix block reused while free.** A fully cached prompt whose recomputed last block is recorded in two
+   chunks gets a second radix-tree node for a block its path already holds; after a decode preemption and an
+   eviction that block is both in the free list and in the radix tree (and, at the next step, in a request's block
+   table as well). The host fix ``one_node_per_block`` (``auto`` under every profile) removes it: the trace shows it
+   with the host alone where the host's reservation preempts (the old host) and under ``baseline`` with the fix
+   ``off`` on both hosts, and under no shipped profile. Its smallest reproduction is
+   ``tests/host/test_one_node_per_block.py``.
 
 When a host or the plugin stops showing one, the test that pins it fails and says so: update docs/changes.md.
 """
@@ -52,6 +57,9 @@ def replay(replay_host, monkeypatch):
 
     def run(rows, arm):
         with monkeypatch.context() as m:
+            inherit = arm == "fix-off"
+            if inherit:
+                m.setenv("FDSCHED_ONE_NODE_PER_BLOCK", "off")
             if arm == "host":
                 real = installer.install
 
@@ -61,8 +69,8 @@ def replay(replay_host, monkeypatch):
                     return report
 
                 m.setattr(installer, "install", host_only)
-            return run_profile(_trace(rows), "baseline" if arm == "host" else arm, dict(ENGINE), max_steps=3000,
-                               stall_steps=40)
+            return run_profile(_trace(rows), "baseline" if arm in ("host", "fix-off") else arm, dict(ENGINE),
+                               max_steps=3000, stall_steps=40, inherit_env=inherit)
 
     return run
 
@@ -95,12 +103,14 @@ def test_preempted_requests_holding_every_seat_stop_admission(replay, replay_hos
         assert run.drained, run.stop_reason
 
 
-@pytest.mark.parametrize("arm", ["host", "baseline", "adaptive", "recommended"])
+@pytest.mark.parametrize("arm", ["host", "fix-off", "baseline", "adaptive", "recommended"])
 def test_a_prefix_block_reused_while_free(replay, replay_host, arm):
+    """Shown by the host's own recording where the schedule preempts (the host alone on the old host; ``baseline``
+    with the fix ``off`` on both); no shipped profile shows it (the fix is ``auto`` in every one)."""
     run = replay(REUSED, arm)
     assert run.drained, run.stop_reason
     found = _violations(run)
-    if _pre_change(replay_host, arm):
+    if arm == "fix-off" or (arm == "host" and _pre_change(replay_host, arm)):
         assert found, f"{arm}: this trace no longer reuses a free prefix block: update docs/changes.md"
         assert all("both free and in use" in v and "prefix cache" in v for v in found), found
     else:

@@ -15,7 +15,7 @@ import pytest
 import fdsched.patches
 from fdsched.patches import CATALOGUE, TARGETS, PatchSpec, Shapes, spec_for
 from fdsched.patches._spec import declared
-from fdsched.core.settings import CHANGE_IDS, SCHEMA
+from fdsched.core.settings import CHANGE_IDS, HOST_FIXES, SCHEMA
 
 SCHEMA_BY_KEY = {s.key: s for s in SCHEMA}
 PATCH_MODULES = sorted(
@@ -147,7 +147,8 @@ def test_spec_text_fields_are_filled(change_id):
     for field in ("title", "why", "how", "hosts_needing", "delete_when", "upstream_state"):
         value = getattr(spec, field)
         assert isinstance(value, str) and value.strip(), f"{change_id}.{field} is empty"
-    assert spec.upstream_state in ("merged", "open", "closed")
+    assert spec.upstream_state in ("merged", "open", "closed", "none")
+    assert (spec.upstream_state == "none") == (change_id in HOST_FIXES)  # a host fix has no upstream PR (yet)
 
 
 @pytest.mark.parametrize("change_id", CHANGE_IDS)
@@ -160,7 +161,7 @@ def test_switch_is_the_settings_variable(change_id):
 @pytest.mark.parametrize("change_id", CHANGE_IDS)
 def test_upstream_prs_are_ints(change_id):
     prs = SPECS[change_id].upstream_prs
-    assert isinstance(prs, tuple) and prs
+    assert isinstance(prs, tuple) and (bool(prs) or change_id in HOST_FIXES)
     assert all(type(pr) is int and pr > 0 for pr in prs)
 
 
@@ -277,6 +278,12 @@ WRAP_ORDER = {
         "ratio_reserve opens the pass's state before, and closes it (preempt tasks in place, waiting queue back) "
         "after, everything inside; pd_prefill_cache (off on the new host) records the chunks of the pass's final "
         "task list, so it must wrap the pass that ratio_reserve closes",
+    ),
+    ("PrefixCacheManager", "update_cache_blocks"): (
+        ("one_node_per_block", "pd_prefill_cache"),
+        "one_node_per_block raises a record below the request's cached count before anything else sees it, so the "
+        "prefill node's gate decides on (and the host builds from) the corrected count; the gate's own records at "
+        "finish pass the whole prompt, which no fix changes",
     ),
     ("ResourceManagerV1", "_trigger_preempt"): (
         ("ratio_reserve", "decode_only_preempt"),

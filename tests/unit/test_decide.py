@@ -7,7 +7,7 @@ import types
 import pytest
 
 from fdsched.install.installer import Decision, InstallError, decide
-from fdsched.core.settings import CHANGE_IDS, load_settings
+from fdsched.core.settings import CHANGE_IDS, HOST_FIXES, load_settings
 
 LABEL = "FastDeploy 9.9 at /nowhere"
 PROBLEM = "Thing.method is missing"
@@ -166,7 +166,9 @@ def test_pd_on_safe_over_upstream_host_is_plain_applied():
 def test_decide_uses_the_profile():
     s = load_settings(environ={}, profile="baseline")
     decisions = decide(s, host())
-    assert {(d.mode, d.impl, d.state) for d in decisions.values()} == {("off", "host", "off")}
+    assert {(d.mode, d.impl, d.state) for cid, d in decisions.items() if cid not in HOST_FIXES} == {("off", "host", "off")}
+    # baseline is the pre-change policy, not the host's defects: each host fix applies where the host has the defect
+    assert {(d.mode, d.impl, d.state) for cid, d in decisions.items() if cid in HOST_FIXES} == {("auto", "plugin", "applied")}
 
 
 # ---- "Relies on:" assumptions probed at install -----------------------------------------------------------------

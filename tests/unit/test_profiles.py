@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from fdsched.core.settings import CHANGE_IDS, load_settings, profile_description, shipped_profiles
+from fdsched.core.settings import HOST_FIXES, UPSTREAM_CHANGE_IDS as CHANGE_IDS, load_settings, profile_description, shipped_profiles
 
 PROFILES = shipped_profiles()
 SINGLE_CHANGE_PROFILES = [name for name in PROFILES if name in CHANGE_IDS]
@@ -95,6 +95,21 @@ def test_pd_prefill_cache_profile_uses_the_default_safe_mode():
 @pytest.mark.parametrize("name", ALL_ON_PROFILES)
 def test_recommended_and_the_profiles_built_on_it_turn_every_change_on(name):
     assert switches(name) == {change_id: "on" for change_id in CHANGE_IDS}
+
+
+@pytest.mark.parametrize("name", [None, *PROFILES])
+def test_every_shipped_profile_and_the_default_leave_each_host_fix_auto(name):
+    """A host fix applies wherever the host has the defect under every profile, ``baseline`` included (it means the
+    pre-change policy, not the host's defects); ``changes.others`` does not reach it."""
+    s = load_settings(environ={}, profile=name)
+    assert HOST_FIXES
+    for fix in HOST_FIXES:
+        assert s.change_mode(fix) == "auto" and s.sources[f"changes.{fix}"] == "default"
+
+
+def test_a_host_fix_named_off_keeps_the_host_code():
+    s = load_settings(environ={"FDSCHED_PROFILE": "baseline", "FDSCHED_ONE_NODE_PER_BLOCK": "off"})
+    assert s.change_mode("one_node_per_block") == "off"
 
 
 def test_recommended_selects_the_safe_pd_mode_explicitly():

@@ -9,6 +9,8 @@ import pytest
 from fdsched.install.installer import effective_ratio_mode
 from fdsched.core.settings import (
     CHANGE_IDS,
+    HOST_FIXES,
+    UPSTREAM_CHANGE_IDS,
     PROFILE_ENV,
     SCHEMA,
     SettingsError,
@@ -244,7 +246,7 @@ def test_every_shipped_profile_sets_what_its_file_says_and_nothing_else():
         for key, value in written.items():
             assert s.sources[key] == f"profile {name}", (name, key)
             assert s[key] == SCHEMA_BY_KEY[key].parse(value), (name, key)
-        via_others = {f"changes.{cid}" for cid in CHANGE_IDS} - set(written) if others is not None else set()
+        via_others = {f"changes.{cid}" for cid in UPSTREAM_CHANGE_IDS} - set(written) if others is not None else set()
         for key in via_others:
             assert s.sources[key] == f"profile {name} via changes.others", (name, key)
             assert s[key] == others, (name, key)
@@ -257,7 +259,7 @@ def test_every_shipped_profile_sets_what_its_file_says_and_nothing_else():
 def test_others_sets_only_the_switches_the_profile_does_not_name(write_profile):
     path = write_profile('changes:\n  others: "off"\n  ratio_reserve: "on"\n', name="mine.yaml")
     s = load_settings(environ={}, profile=path)
-    for change_id in CHANGE_IDS:
+    for change_id in UPSTREAM_CHANGE_IDS:
         expected = "on" if change_id == "ratio_reserve" else "off"
         assert s.change_mode(change_id) == expected, change_id
         source = "profile mine" if change_id == "ratio_reserve" else "profile mine via changes.others"
@@ -269,7 +271,8 @@ def test_others_sets_only_the_switches_the_profile_does_not_name(write_profile):
 def test_others_takes_the_values_of_a_switch(write_profile, raw, expected):
     path = write_profile(f"changes:\n  others: {raw}\n")
     s = load_settings(environ={}, profile=path)
-    assert {s.change_mode(change_id) for change_id in CHANGE_IDS} == {expected}
+    assert {s.change_mode(change_id) for change_id in UPSTREAM_CHANGE_IDS} == {expected}
+    assert {s.change_mode(fix) for fix in HOST_FIXES} == {"auto"}  # a host fix is not "every other change"
 
 
 @pytest.mark.parametrize("raw", ['"maybe"', "1", "null", "[on]"])

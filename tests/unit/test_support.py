@@ -10,6 +10,7 @@ from fdsched.tools.support import MARKERS, cmd_support, detail_table, refused_ro
 
 
 def _row(line, commit, states, refused=(), tier="compat"):
+    states = list(states) + ["applied"] * (len(CHANGE_IDS) - len(states))  # the host fixes: applied
     changes = {c: {"state": s, "why": "X.y is missing" if s == "declined" else ""} for c, s in zip(CHANGE_IDS, states)}
     return {"line": line, "commit": commit, "tier": tier, "changes": changes, "refused_profiles": list(refused)}
 
@@ -24,8 +25,8 @@ ROWS = [
 def test_the_summary_counts_what_applies_and_orders_lines_oldest_first():
     lines = summary_table(ROWS).splitlines()
     assert [line.split("|")[1].strip() for line in lines[2:]] == ["2.0", "2.4", "develop"]
-    assert "| 2.4 | `fffffff` | compatibility tier | 3 of 5 | recommended |" in lines
-    assert "| develop | `ccccccc` | compatibility tier | 3 of 5 (+2 in the host) | none |" in lines
+    assert "| 2.4 | `fffffff` | compatibility tier | 3 of 5 | 1 of 1 | recommended |" in lines
+    assert "| develop | `ccccccc` | compatibility tier | 3 of 5 (+2 in the host) | 1 of 1 | none |" in lines
     assert lines[2].startswith("| 2.0 | `aaaaaaa` | set-up refuses | none: no V1 scheduler")
 
 
