@@ -33,6 +33,7 @@ def _load_catalogue() -> tuple:
         nonpolling_transfer,
         one_node_per_block,
         pd_prefill_cache,
+        prefill_node_reserve,
         ratio_reserve,
     )
 
@@ -43,6 +44,7 @@ def _load_catalogue() -> tuple:
         pd_prefill_cache.SPEC,
         nonpolling_transfer.SPEC,
         one_node_per_block.SPEC,
+        prefill_node_reserve.SPEC,
     )
 
 

@@ -254,8 +254,12 @@ def run_profile(
     progress: Optional[Callable[[int], None]] = None,
     inherit_env: bool = False,
     check_every: Optional[int] = None,
+    host_only: bool = False,
 ) -> ProfileRun:
     """Replay ``trace`` under one profile. Raises HostNotFound, SettingsError, InstallError, TraceError.
+
+    ``host_only``: replay FastDeploy's own classes (the plugin's install is undone before the scheduler is built;
+    ``profile`` then only gives the host tunables and the replay's keys).
 
     ``check_every``: run the block invariants every N steps (and always at the last step); 1 checks
     every step; None: :func:`auto_check_every`. ``check_every_step=False`` checks only at the end.
@@ -271,6 +275,10 @@ def run_profile(
     find_host()
     settings, env_applied, env_ignored = arm_settings(profile, inherit_env)
     report = install(settings)
+    if host_only:
+        from fdsched.install.installer import uninstall
+
+        uninstall()
     cost = cost_from_settings(settings, cost_overrides)
     unbounded = settings["replay.unbounded_memory"]
     if unbounded:
@@ -280,7 +288,7 @@ def run_profile(
     outputs = node_output_lengths(trace, role)
 
     run = ProfileRun(profile=profile, num_gpu_blocks=shape.num_gpu_blocks, cost=cost)
-    run.decisions = {cid: d.detail for cid, d in report.decisions.items()}
+    run.decisions = {cid: "host alone" if host_only else d.detail for cid, d in report.decisions.items()}
     run.host = {"version": report.host.version, "commit": report.host.commit, "label": report.host.name}
     run.settings = {key: settings[key] for key, *_ in settings.describe()}
     run.environment = {
@@ -345,7 +353,7 @@ def run_profile(
     adaptive_state = getattr(manager, "fdsched_adaptive_state", None)
     if adaptive_state is not None:
         run.estimator = adaptive_state()  # the engine path's estimator (profile adaptive); None when it does not run
-    ratio_impl = report.decisions["ratio_reserve"].impl
+    ratio_impl = "host" if host_only else report.decisions["ratio_reserve"].impl
     run.admissions_blocked = None if ratio_impl == "host" else METRICS.admissions_blocked
     return run
 

@@ -115,3 +115,47 @@ def test_a_prefix_block_reused_while_free(replay, replay_host, arm):
         assert all("both free and in use" in v and "prefix cache" in v for v in found), found
     else:
         assert found == []
+
+
+# ---- 3. a PD prefill node under upstream's ratio reservation ---------------------------------------------------
+def _pd_prefill(arm, monkeypatch):
+    """The shipped pd-prefill trace; ``host``: FastDeploy alone; ``fix-off``: no profile with the fix off; else a
+    profile (None: no profile)."""
+    from fdsched.replay.runner import run_profile
+    from fdsched.replay.trace import load_trace, resolve_trace
+
+    trace = load_trace(resolve_trace("pd-prefill"))
+    with monkeypatch.context() as m:
+        for var in ("FDSCHED_PROFILE", "FDSCHED_PREFILL_NODE_RESERVE"):
+            m.delenv(var, raising=False)
+        if arm == "fix-off":
+            m.setenv("FDSCHED_PREFILL_NODE_RESERVE", "off")
+        profile = None if arm in ("host", "fix-off", None) else arm
+        return run_profile(trace, profile, trace.engine_with(), stall_steps=100, host_only=arm == "host",
+                           inherit_env=arm == "fix-off")
+
+
+@pytest.mark.parametrize("arm", ["host", "fix-off", None, "baseline", "adaptive", "recommended"])
+def test_a_prefill_node_under_the_hosts_ratio_reservation(replay_host, monkeypatch, arm):
+    """Where the host has upstream's ratio reservation and its code reserves decode tokens on a prefill node, the
+    node stalls with the host alone and with the fix off; with no profile (the host's reservation, the fix ``auto``)
+    and under every shipped profile it drains."""
+    run = _pd_prefill(arm, monkeypatch)
+    stalls_alone = replay_host.has.get("ratio_reserve", False) and not replay_host.has.get("prefill_node_reserve")
+    if arm in ("host", "fix-off") and stalls_alone and not _drains_alone(monkeypatch):
+        assert not run.drained and run.stop_reason.startswith("stalled"), run.stop_reason
+        assert run.stall["running"] > 0 and run.stall["running_with_all_blocks"] == run.stall["running"]
+    else:
+        assert run.drained, run.stop_reason
+    assert _violations(run) == []
+
+
+_ALONE: dict = {}
+
+
+def _drains_alone(monkeypatch) -> bool:
+    """Whether this line's own code drains the node (a later 2.6 commit skips the reservation for a prefill node's
+    running chunks itself); measured once with the host alone."""
+    if "drains" not in _ALONE:
+        _ALONE["drains"] = _pd_prefill("host", monkeypatch).drained
+    return _ALONE["drains"]

@@ -61,10 +61,10 @@ def test_pressure_preempts_under_baseline_but_never_a_prefill_under_recommended(
 @pytest.mark.requires_host_change("ratio_reserve")
 def test_a_prefill_node_drains_under_the_plugin_and_as_the_host_drains_it_where_it_does(replays, replay_host, tmp_path):
     """7783's reservation on a prefill node (the host's own code, ``auto`` there) counts every running prefill's
-    future decode tokens although the node never decodes: on the new host (d38eeb8) and develop, preallocation has
-    already taken the pool, a refused chunk schedules nothing, and the ratio never decays: it stalls. The plugin
-    reserves nothing there. A later host (the 2.6 branch head, 7198b58) skips the reservation for a prefill node's
-    running chunks itself: there the host drains the node, and the plugin must decide exactly as it does."""
+    future decode tokens although the node never decodes; with the host alone it stalls (test_host_defects.py). The
+    host fix ``prefill_node_reserve`` (``auto``) answers 0 for each running request there, and a later host (the 2.6
+    branch head, 7198b58) skips the reservation for a prefill node's running chunks itself: either way the host's
+    own reservation drains the node, and the plugin's version must decide exactly as it does."""
     from fdsched.replay.figures import compute_figures
 
     assert replay_host.has["ratio_reserve"]  # deselected on a host without it (see tests/host/conftest.py)

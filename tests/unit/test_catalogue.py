@@ -264,7 +264,7 @@ def test_relies_on_section_lists_exactly_the_spec_reliances(change_id):
 # method -> (outermost first) change ids whose mixins override it, and why that order is the right one.
 WRAP_ORDER = {
     ("ResourceManagerV1", "__init__"): (
-        ("pd_prefill_cache", "ratio_reserve", "decode_only_preempt"),
+        ("prefill_node_reserve", "pd_prefill_cache", "ratio_reserve", "decode_only_preempt"),
         "each calls super().__init__() first, so the host's constructor has finished before any plugin state is set "
         "or any choice is bound; no mixin's state reads another's, so this order only fixes which exists first",
     ),
@@ -284,6 +284,12 @@ WRAP_ORDER = {
         "one_node_per_block raises a record below the request's cached count before anything else sees it, so the "
         "prefill node's gate decides on (and the host builds from) the corrected count; the gate's own records at "
         "finish pass the whole prompt, which no fix changes",
+    ),
+    ("ResourceManagerV1", "_get_running_request_reserve_blocks"): (
+        ("prefill_node_reserve", "ratio_reserve"),
+        "prefill_node_reserve is in an arm's class only where the host's own reservation runs (ratio_reserve auto "
+        "on a host with it: ratio_reserve's own mixin is absent there), so the two never both answer; pinned for the "
+        "base classes",
     ),
     ("ResourceManagerV1", "_trigger_preempt"): (
         ("ratio_reserve", "decode_only_preempt"),

@@ -1,0 +1,90 @@
+"""Host fix — a PD prefill node reserves no decode blocks for its running requests.
+
+Replaces:  ResourceManagerV1._get_running_request_reserve_blocks (0 on a prefill node), ResourceManagerV1.__init__
+           (binds the node's role, once)
+Why:       upstream's new_token_ratio reservation (PR 7444/7783, as merged) reserves, before a running request's next
+           prefill chunk, every running request's future decode tokens, although a prefill node never decodes. On a
+           prefill node ``preallocate_resource_in_p`` fills the pool without that check, a running prefill that needs
+           0 new blocks is then refused because the free blocks do not cover the reservation, nothing is scheduled
+           so the ratio never decays, and nothing finishes so nothing is freed: the node stalls for good.
+Upstream:  none: a defect of FastDeploy's own reservation on a prefill node, not proposed upstream yet.
+Needs it:  the lines with upstream's ratio reservation (2.6 with 7783, develop); a line whose own code skips the
+           reservation for a prefill node's running chunks drains the same with it.
+Switch:    FDSCHED_PREFILL_NODE_RESERVE / changes.prefill_node_reserve = auto | on | off. It acts where FastDeploy's
+           own reservation runs (``changes.ratio_reserve`` ``auto`` on a line that has it; the plugin's own
+           reservation already reserves nothing for running requests on a prefill node), and on a prefill node only.
+           A profile's ``changes.others`` does not set it; ``off`` keeps the host's reservation, to reproduce the stall.
+Delete:    when FastDeploy reserves nothing for running requests on a prefill node on every supported line.
+Relies on: (probed at install: ``on`` fails naming it; ``auto`` skips)
+  * reserve-per-running-request: the host's reservation threshold sums
+    ``_get_running_request_reserve_blocks(request)`` over the running requests.
+
+How: the role is read once when the scheduler is built (``splitwise_role``); on a prefill node each running
+request's reserve is 0, so a running chunk needs only its own new blocks; every other role gets the host's answer.
+"""
+
+from __future__ import annotations
+
+from fdsched.patches._spec import PatchSpec, Reliance, Variant
+from fdsched.patches._base import PluginBase, code_names, node_role
+
+
+class PrefillNodeReserveMixin(PluginBase):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._fdsched_prefill_node = node_role(self) == "prefill"
+
+    def _get_running_request_reserve_blocks(self, request) -> int:
+        if self._fdsched_prefill_node:
+            return 0  # a prefill node never decodes: nothing to reserve for a running request's output
+        return super()._get_running_request_reserve_blocks(request)
+
+
+def _has_no_ratio_reservation(info) -> bool:
+    """The line has no per-request ratio reservation, so it cannot have this defect."""
+    return not callable(getattr(info.rm_class, "_get_running_request_reserve_blocks", None))
+
+
+def _reserve_per_running_request(info):
+    threshold = getattr(info.rm_class, "_get_can_schedule_prefill_threshold_block", None)
+    if threshold is None:
+        return "ResourceManagerV1._get_can_schedule_prefill_threshold_block is missing"
+    if "_get_running_request_reserve_blocks" not in code_names(threshold):
+        return "ResourceManagerV1._get_can_schedule_prefill_threshold_block no longer uses _get_running_request_reserve_blocks"
+    return None
+
+
+def _where_the_host_reserves(host_has: bool, settings):
+    """The mixin where FastDeploy's own ratio reservation runs (``ratio_reserve`` ``auto``); the plugin's own
+    reservation (``on``) and the pre-change one (``off``) do not ask this seam for a prefill node's decode tokens."""
+    if settings is not None and settings.change_mode("ratio_reserve") != "auto":
+        return None
+    return PrefillNodeReserveMixin
+
+
+SPEC = PatchSpec(
+    change_id="prefill_node_reserve",
+    title="No decode reservation on a PD prefill node (upstream's ratio reservation)",
+    upstream_prs=(),
+    upstream_state="none",
+    replaces=("ResourceManagerV1.__init__", "ResourceManagerV1._get_running_request_reserve_blocks"),
+    why=(
+        "Upstream's ratio reservation reserves running requests' future decode tokens on a prefill node, which never "
+        "decodes; with the pool filled by preallocation a running prefill needing 0 blocks is refused for good."
+    ),
+    how="On a prefill node (role read once when the scheduler is built) each running request's reserve is 0.",
+    hosts_needing="lines with upstream's ratio reservation (2.6 with 7783, develop)",
+    switch="FDSCHED_PREFILL_NODE_RESERVE",
+    delete_when="FastDeploy reserves nothing for running requests on a prefill node on every supported line",
+    mixins={"ResourceManagerV1": PrefillNodeReserveMixin},
+    variants={"plugin": {"ResourceManagerV1": Variant(_where_the_host_reserves, (PrefillNodeReserveMixin,))}},
+    host_has=_has_no_ratio_reservation,
+    relies_on=(
+        Reliance(
+            "reserve-per-running-request",
+            "the reservation threshold sums _get_running_request_reserve_blocks over the running requests",
+            _reserve_per_running_request,
+            when=("plugin",),
+        ),
+    ),
+)
