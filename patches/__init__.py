@@ -33,6 +33,7 @@ def _load_catalogue() -> tuple:
         nonpolling_transfer,
         one_node_per_block,
         pd_prefill_cache,
+        preempted_seat_resume,
         prefill_node_reserve,
         ratio_reserve,
     )
@@ -45,6 +46,7 @@ def _load_catalogue() -> tuple:
         nonpolling_transfer.SPEC,
         one_node_per_block.SPEC,
         prefill_node_reserve.SPEC,
+        preempted_seat_resume.SPEC,
     )
 
 

@@ -53,13 +53,15 @@ class Finding:
     detail: str
     case: Case
     path: Optional[Path] = None
+    known: str = ""  # the documented host defect it is, if it is one
 
     def line(self) -> str:
         where = f" -> {self.path}" if self.path else ""
+        known = f" [known: {self.known}]" if self.known else ""
         engine = self.case.engine
         shape = (f"{len(self.case.requests)} requests, {engine['num_gpu_blocks']} blocks, "
                  f"max_num_seqs {engine['max_num_seqs']}, role {engine['splitwise_role']}")
-        return f"{self.arm}: {self.kind}: {self.detail} ({shape}){where}"
+        return f"{self.arm}: {self.kind}: {self.detail} ({shape}){known}{where}"
 
 
 def draw_case(rng: random.Random) -> Case:
@@ -89,23 +91,29 @@ def draw_case(rng: random.Random) -> Case:
     return Case(engine, tuple(requests))
 
 
+SEATS_DEFECT = "preempted requests hold every seat"
+
+
 def failure_of(run, case: Case) -> Optional[tuple]:
-    """``(kind, detail)`` of the first failed check of a finished replay, or None when every check holds."""
+    """``(kind, detail, known)`` of the first failed check of a finished replay (``known``: the documented host
+    defect it is, or ""), or None when every check holds."""
     for step in run.steps:
         if step.violations:
-            return "blocks", f"step {step.step}: {step.violations[0]}"
+            return "blocks", f"step {step.step}: {step.violations[0]}", ""
     if run.request_violations:
-        return "requests", run.request_violations[0]
+        return "requests", run.request_violations[0], ""
     if not run.drained:
         stall = run.stall or {}
-        if stall:
-            return "stall", (f"running {stall.get('running')}, waiting {stall.get('waiting')} "
-                             f"({stall.get('waiting_preempted')} preempted), not admitted {stall.get('not_admitted')}, "
-                             f"free blocks {stall.get('free_blocks')}")
-        return "stall", run.stop_reason or "the run did not drain"
+        if not stall:
+            return "stall", run.stop_reason or "the run did not drain", ""
+        seats = (stall.get("running") == 0 and stall.get("free_blocks", 0) > 0
+                 and stall.get("waiting_preempted", 0) >= case.engine["max_num_seqs"])
+        return "stall", (f"running {stall.get('running')}, waiting {stall.get('waiting')} "
+                         f"({stall.get('waiting_preempted')} preempted), not admitted {stall.get('not_admitted')}, "
+                         f"free blocks {stall.get('free_blocks')}"), SEATS_DEFECT if seats else ""
     short = [row.id for row in run.requests if row.output_tokens < row.target_output]
     if short:
-        return "requests", f"finished with fewer tokens than it produces: {', '.join(short[:8])}"
+        return "requests", f"finished with fewer tokens than it produces: {', '.join(short[:8])}", ""
     return None
 
 
@@ -190,8 +198,8 @@ def search(arms: Sequence[str], seed: int, budget_s: float, out: Optional[Path] 
                 continue
             kind = found[0]
             small = shrink(case, arm, kind, fails, deadline=time.monotonic() + max(5.0, budget_s / 10))
-            detail = (fails(small, arm) or found)[1]
-            finding = Finding(arm, kind, detail, small)
+            _, detail, known = fails(small, arm) or found
+            finding = Finding(arm, kind, detail, small, known=known)
             if out is not None:
                 finding = replace(finding, path=_write(out, len(seen) + 1, finding))
             seen[(arm, kind)] = finding

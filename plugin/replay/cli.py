@@ -127,6 +127,10 @@ def add_commands(sub) -> None:
                     help="check the block invariants every N steps and at the end (default 32; 1: every step)")
     ev.set_defaults(func=cmd_eval)
 
+    from fdsched.replay.check_cli import add_check_command
+
+    add_check_command(sub)
+
     trace = sub.add_parser("trace", help="generate, validate or list replay traces (no host needed)")
     trace_sub = trace.add_subparsers(dest="trace_command", required=True)
     gen = trace_sub.add_parser("generate", help="write a synthetic trace")

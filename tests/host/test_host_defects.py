@@ -10,7 +10,9 @@ in host code that none of the five changes touches (docs/changes.md, "Host defec
 
 1. **Preempted requests hold every seat.** The host's admission loop counts the PREEMPTED requests in ``waiting``
    against ``max_num_seqs`` before it admits anything, those included. Once ``max_num_seqs`` requests are preempted
-   and nothing runs, the loop stops at its first check in every pass: nothing is admitted again.
+   and nothing runs, the loop stops at its first check in every pass: nothing is admitted again. The host fix
+   ``preempted_seat_resume`` (``auto`` under every profile) resumes the first of them on its own seat; its smallest
+   reproduction is ``tests/host/test_preempted_seat_resume.py``.
 2. **A prefix block reused while free.** A fully cached prompt whose recomputed last block is recorded in two
    chunks gets a second radix-tree node for a block its path already holds; after a decode preemption and an
    eviction that block is both in the free list and in the radix tree (and, at the next step, in a request's block
@@ -50,27 +52,18 @@ def _trace(rows):
 
 @pytest.fixture
 def replay(replay_host, monkeypatch):
-    """run(rows, arm) -> the replay's run; arm ``host`` replays the host's own classes (the plugin's install is
-    undone before the scheduler is built, so the replay drives exactly what FastDeploy ships)."""
-    from fdsched.install import installer
+    """run(rows, arm, fix=None) -> the replay's run; arm ``host`` replays the host's own classes (the plugin is not
+    installed, so the replay drives exactly what FastDeploy ships); ``fix-off``: ``baseline`` with the host fix whose
+    switch is ``fix`` off."""
     from fdsched.replay.runner import run_profile
 
-    def run(rows, arm):
+    def run(rows, arm, fix=None):
         with monkeypatch.context() as m:
             inherit = arm == "fix-off"
             if inherit:
-                m.setenv("FDSCHED_ONE_NODE_PER_BLOCK", "off")
-            if arm == "host":
-                real = installer.install
-
-                def host_only(settings):
-                    report = real(settings)
-                    installer.uninstall()
-                    return report
-
-                m.setattr(installer, "install", host_only)
+                m.setenv(fix, "off")
             return run_profile(_trace(rows), "baseline" if arm in ("host", "fix-off") else arm, dict(ENGINE),
-                               max_steps=3000, stall_steps=40, inherit_env=inherit)
+                               max_steps=3000, stall_steps=40, inherit_env=inherit, host_only=arm == "host")
 
     return run
 
@@ -90,11 +83,14 @@ def _pre_change(replay_host, arm) -> bool:
     return arm in ("baseline", "adaptive") or (arm == "host" and not replay_host.has.get("ratio_reserve", False))
 
 
-@pytest.mark.parametrize("arm", ["host", "baseline", "adaptive", "recommended"])
+@pytest.mark.parametrize("arm", ["host", "fix-off", "baseline", "adaptive", "recommended"])
 def test_preempted_requests_holding_every_seat_stop_admission(replay, replay_host, arm):
-    run = replay(SEATS, arm)
+    """The host alone stalls where its reservation preempts this much (the old host) and its loop counts preempted
+    requests (every 2.6 commit); ``baseline`` with the fix off stalls on both hosts; every shipped profile drains
+    (the host fix ``preempted_seat_resume`` is ``auto`` in each)."""
+    run = replay(SEATS, arm, fix="FDSCHED_PREEMPTED_SEAT_RESUME")
     assert _violations(run) == []
-    if _pre_change(replay_host, arm):
+    if arm == "fix-off" or (arm == "host" and _pre_change(replay_host, arm)):
         assert _seats_stall(run), (
             f"{arm}: this trace no longer stalls with every seat held by a preempted request "
             f"({run.stop_reason or 'drained'}): update docs/changes.md")
@@ -107,7 +103,7 @@ def test_preempted_requests_holding_every_seat_stop_admission(replay, replay_hos
 def test_a_prefix_block_reused_while_free(replay, replay_host, arm):
     """Shown by the host's own recording where the schedule preempts (the host alone on the old host; ``baseline``
     with the fix ``off`` on both); no shipped profile shows it (the fix is ``auto`` in every one)."""
-    run = replay(REUSED, arm)
+    run = replay(REUSED, arm, fix="FDSCHED_ONE_NODE_PER_BLOCK")
     assert run.drained, run.stop_reason
     found = _violations(run)
     if arm == "fix-off" or (arm == "host" and _pre_change(replay_host, arm)):

@@ -264,7 +264,7 @@ def test_relies_on_section_lists_exactly_the_spec_reliances(change_id):
 # method -> (outermost first) change ids whose mixins override it, and why that order is the right one.
 WRAP_ORDER = {
     ("ResourceManagerV1", "__init__"): (
-        ("prefill_node_reserve", "pd_prefill_cache", "ratio_reserve", "decode_only_preempt"),
+        ("preempted_seat_resume", "prefill_node_reserve", "pd_prefill_cache", "ratio_reserve", "decode_only_preempt"),
         "each calls super().__init__() first, so the host's constructor has finished before any plugin state is set "
         "or any choice is bound; no mixin's state reads another's, so this order only fixes which exists first",
     ),
@@ -274,10 +274,11 @@ WRAP_ORDER = {
         "neither reads the other's",
     ),
     ("ResourceManagerV1", "schedule"): (
-        ("pd_prefill_cache", "ratio_reserve", "decode_only_preempt"),
+        ("preempted_seat_resume", "pd_prefill_cache", "ratio_reserve", "decode_only_preempt"),
         "ratio_reserve opens the pass's state before, and closes it (preempt tasks in place, waiting queue back) "
         "after, everything inside; pd_prefill_cache (off on the new host) records the chunks of the pass's final "
-        "task list, so it must wrap the pass that ratio_reserve closes",
+        "task list, so it must wrap the pass that ratio_reserve closes; preempted_seat_resume acts only between two "
+        "whole passes (after one that scheduled nothing), so it wraps them all",
     ),
     ("PrefixCacheManager", "update_cache_blocks"): (
         ("one_node_per_block", "pd_prefill_cache"),

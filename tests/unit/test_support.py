@@ -25,8 +25,8 @@ ROWS = [
 def test_the_summary_counts_what_applies_and_orders_lines_oldest_first():
     lines = summary_table(ROWS).splitlines()
     assert [line.split("|")[1].strip() for line in lines[2:]] == ["2.0", "2.4", "develop"]
-    assert "| 2.4 | `fffffff` | compatibility tier | 3 of 5 | 2 of 2 | recommended |" in lines
-    assert "| develop | `ccccccc` | compatibility tier | 3 of 5 (+2 in the host) | 2 of 2 | none |" in lines
+    assert "| 2.4 | `fffffff` | compatibility tier | 3 of 5 | 3 of 3 | recommended |" in lines
+    assert "| develop | `ccccccc` | compatibility tier | 3 of 5 (+2 in the host) | 3 of 3 | none |" in lines
     assert lines[2].startswith("| 2.0 | `aaaaaaa` | set-up refuses | none: no V1 scheduler")
 
 

@@ -1,0 +1,156 @@
+"""Host fix — a preempted request resumes on the seat it holds: the admission loop never locks every seat for good.
+
+Replaces:  ResourceManagerV1.schedule (wrapper: after a pass that scheduled nothing while every seat is held by
+           preempted requests and nothing runs, the first of them resumes on its own seat and the pass runs again),
+           ResourceManagerV1.__init__ (reads once whether the resume path matches the prefix cache)
+Why:       FastDeploy's admission loop counts the preempted requests waiting to resume against ``max_num_seqs`` before
+           it admits anything, those requests included (slot accounting, PR 7141 / 7181). Once ``max_num_seqs``
+           requests sit preempted with nothing running, every pass stops at that first check: no request is admitted
+           again while blocks are free, and nothing runs that could finish and free a seat. The smallest case: one seat,
+           one request that preempts itself near ``max_model_len`` on the smallest pool.
+Upstream:  none: a defect of FastDeploy's own admission loop (the 2.6 commits with PR 7181, develop), not proposed
+           upstream yet. The upstream fix is one condition: a preempted request at the head of the queue already holds
+           a seat, so the check should not ask it for another.
+Needs it:  the lines whose admission loop counts preempted requests in the waiting queue (2.6 with PR 7181, develop).
+           On a line without that count the state never outlives a pass, and the fix never acts.
+Switch:    FDSCHED_PREEMPTED_SEAT_RESUME / changes.preempted_seat_resume = auto | on | off. ``auto`` applies it on
+           every line; ``off`` keeps FastDeploy's own loop, to reproduce the stall. A profile's ``changes.others`` does
+           not set it.
+Delete:    when FastDeploy's admission loop lets a preempted request at the head of the queue resume on its own seat,
+           on every supported line.
+Relies on: (probed at install: ``on`` fails naming it; ``auto`` skips)
+  * running-prefill-chunks: ``schedule()`` gives a running request whose prefill is not finished its next chunk
+    (``_get_num_new_tokens``, ``get_new_block_nums``), and ``get_prefix_cached_blocks`` matches a request's tokens
+    against the prefix cache and records the match.
+
+How: the host's pass runs first, unchanged. When it scheduled nothing and the scheduler is locked (nothing running,
+nothing waiting for a preemption or an abort to be acknowledged, the request at the head of the waiting queue
+preempted, and the preempted requests in the queue at least ``max_num_seqs``), the fix, holding the scheduler's
+lock, does for that one request what the host's resume path does before it allocates (the tokens to recompute are
+all it holds; the prefix cache is matched and recorded) and moves it from the waiting queue to the running list with
+the host's running-prefill status. It held a seat and still holds exactly one, so no request enters running without
+a seat. The host's pass then runs once more and schedules its prefill chunks as for any running request. The others
+resume as seats free, through the host's own loop.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from fdsched.patches._spec import PatchSpec, Reliance
+from fdsched.patches._base import PluginBase, code_names, node_role
+
+_log = logging.getLogger("fdsched")
+
+
+def nothing_scheduled(tasks) -> bool:
+    """Whether a pass's task collection is empty (a list, or develop's ``BatchRequest`` with ``__len__``); False
+    when it cannot tell (the fix then does nothing)."""
+    try:
+        return len(tasks) == 0
+    except TypeError:
+        return False
+
+
+def seats_locked(running: int, in_flight: int, head_preempted: bool, preempted_waiting: int, seats: int) -> bool:
+    """The state the host's admission loop never leaves by itself: nothing running or in flight, the head of the
+    waiting queue preempted, and the preempted requests waiting at least ``seats``."""
+    return running == 0 and in_flight == 0 and head_preempted and preempted_waiting >= seats
+
+
+class PreemptedSeatResumeMixin(PluginBase):
+    fdsched_attributes = ("running", "waiting", "lock", "to_be_rescheduled_request_id_set", "to_be_aborted_req_id_set",
+                          "max_num_seqs", "cache_manager", "config")
+    fdsched_calls = {"ResourceManagerV1.get_prefix_cached_blocks": ("request",),
+                     "ResourceManagerV1._free_blocks": ("request",)}
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        # the host's resume path matches the prefix cache except on a decode node or without prefix caching: read once
+        cache_config = getattr(getattr(self, "config", None), "cache_config", None)
+        self._fdsched_match_on_resume = bool(getattr(cache_config, "enable_prefix_caching", False)) and (
+            node_role(self) != "decode")
+
+    def schedule(self):
+        result = super().schedule()
+        if not nothing_scheduled(result[0]) or not self._fdsched_resume_locked_head():
+            return result
+        again = super().schedule()
+        return (again[0], list(result[1]) + list(again[1])) + tuple(again[2:])
+
+    def _fdsched_resume_locked_head(self) -> bool:
+        """Under the scheduler's lock: move the preempted head of the waiting queue to running when the seats are
+        locked; True when it moved."""
+        preempted = self._fdsched_statuses.PREEMPTED
+        with self.lock:
+            waiting = self.waiting
+            head_preempted = bool(waiting) and waiting[0].status == preempted
+            in_flight = len(self.to_be_rescheduled_request_id_set) + len(self.to_be_aborted_req_id_set)
+            if not seats_locked(len(self.running), in_flight, head_preempted,
+                                sum(1 for r in waiting if r.status == preempted), self.max_num_seqs):
+                return False
+            request = waiting[0]
+            if not self._fdsched_match_prefix(request):
+                return False
+            waiting.popleft()
+            request.status = self._fdsched_prefill_status
+            self.running.append(request)
+        _log.warning("fdsched: every seat was held by a preempted request and nothing ran; request %s resumes on the "
+                     "seat it holds (host fix preempted_seat_resume)", request.request_id)
+        return True
+
+    def _fdsched_match_prefix(self, request) -> bool:
+        """What the host's resume path does before it allocates: the request recomputes every token it holds, matched
+        against the prefix cache first (a failed match frees what it took, and the request stays waiting)."""
+        request.need_prefill_tokens = request.num_total_tokens
+        if not self._fdsched_match_on_resume:
+            return True
+        cache_config = self.config.cache_config
+        if self.cache_manager.num_cpu_blocks > 0 or getattr(cache_config, "kvcache_storage_backend", None):
+            needed = -(-request.need_prefill_tokens // cache_config.block_size)
+            if not self.cache_manager.can_allocate_gpu_blocks(needed):
+                return False  # as the host: a match that swaps in from the CPU tier needs room first
+        if self.get_prefix_cached_blocks(request):
+            return True
+        self._free_blocks(request)
+        return False
+
+
+def _running_prefill_chunks(info):
+    schedule = getattr(info.rm_class, "schedule", None)
+    missing = {"_get_num_new_tokens", "get_new_block_nums", "get_prefix_cached_blocks", "waiting", "running"} - (
+        code_names(schedule) if schedule else set())
+    if missing:
+        return f"ResourceManagerV1.schedule no longer uses {', '.join(sorted(missing))}"
+    if getattr(getattr(info, "request_status", None), "PREEMPTED", None) is None:
+        return "RequestStatus has no PREEMPTED"
+    return None
+
+
+SPEC = PatchSpec(
+    change_id="preempted_seat_resume",
+    title="A preempted request resumes on the seat it holds",
+    upstream_prs=(),
+    upstream_state="none",
+    replaces=("ResourceManagerV1.__init__", "ResourceManagerV1.schedule"),
+    why=(
+        "The admission loop counts preempted requests waiting to resume against max_num_seqs before admitting any, "
+        "those included: once max_num_seqs requests sit preempted and nothing runs, nothing is admitted again."
+    ),
+    how="After a pass that scheduled nothing in that state, the first preempted request moves to running on its own "
+        "seat (its prefix matched as the host's resume path does) and the pass runs again.",
+    hosts_needing="lines that count preempted requests against max_num_seqs (2.6 with PR 7181, develop)",
+    switch="FDSCHED_PREEMPTED_SEAT_RESUME",
+    delete_when="FastDeploy lets a preempted request at the head of the queue resume on its own seat",
+    mixins={"ResourceManagerV1": PreemptedSeatResumeMixin},
+    host_has=lambda info: False,
+    relies_on=(
+        Reliance(
+            "running-prefill-chunks",
+            "schedule() gives a running request's unfinished prefill its next chunk; get_prefix_cached_blocks matches "
+            "and records a request's prefix",
+            _running_prefill_chunks,
+            when=("plugin",),
+        ),
+    ),
+)

@@ -1,0 +1,100 @@
+"""``fdsched check``: the command line of the defect search (:mod:`fdsched.replay.check`)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from fdsched.core.common import EXIT_ERROR, EXIT_OK
+
+__all__ = ["add_check_command", "cmd_check", "MARKER"]
+
+MARKER = ".fdsched-check"  # written into --out: a folder holding it (and only what check writes) may be reused
+
+
+def add_check_command(sub) -> None:
+    from fdsched.core.settings import shipped_profiles
+
+    check = sub.add_parser(
+        "check",
+        help="search the host's real scheduler for stalls, block-accounting errors and lost requests",
+        description="Replay random short traces on random small engines (pool, seats, token budget, prefix "
+        "caching, PD prefill role) through FastDeploy's own classes alone (arm host) and under each shipped "
+        "profile, checking the block invariants after every step, progress, and every request's output. Each "
+        "failure is shrunk to a small trace, written to --out and printed as one line.",
+    )
+    check.add_argument("--seed", type=int, default=0, help="seed of the drawn cases (default 0)")
+    check.add_argument("--budget", type=float, default=60.0, metavar="SECONDS",
+                       help="stop drawing new cases after this many seconds (default 60)")
+    check.add_argument("--cases", type=int, default=0, metavar="N", help="stop after N cases (default: the budget)")
+    check.add_argument("--arms", default=None, metavar="A,B",
+                       help="comma-separated arms: host (FastDeploy alone) and profile names (default: host and "
+                       f"every shipped profile: {', '.join(sorted(shipped_profiles()))})")
+    check.add_argument("--out", default="fdsched-check", help="folder for the shrunk traces (default fdsched-check)")
+    check.add_argument("-v", "--verbose", action="store_true", help="show the host's own messages here")
+    check.set_defaults(func=cmd_check)
+
+
+def _arms(value) -> list:
+    from fdsched.core.settings import SettingsError, shipped_profiles
+    from fdsched.replay.check import HOST_ARM
+
+    known = sorted(shipped_profiles())
+    if value is None:
+        return [HOST_ARM, *known]
+    arms = [a.strip() for a in value.split(",") if a.strip()]
+    bad = [a for a in arms if a != HOST_ARM and a not in known]
+    if not arms or bad:
+        raise SettingsError(f"--arms: bad value {value!r}; allowed: a comma-separated list of {HOST_ARM} and "
+                            f"shipped profiles ({', '.join(known)})")
+    return arms
+
+
+def _out_dir(value: str) -> Path:
+    """The output folder: new, empty, or one an earlier ``fdsched check`` wrote (it holds the marker)."""
+    from fdsched.core.settings import SettingsError
+
+    out = Path(value)
+    if out.exists() and not out.is_dir():
+        raise SettingsError(f"--out: bad value {value!r} (a file); allowed: a new or empty folder, or one an earlier "
+                            "fdsched check wrote")
+    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
+        raise SettingsError(f"--out: bad value {value!r} (a folder holding files fdsched check did not write); "
+                            "allowed: a new or empty folder, or one an earlier fdsched check wrote")
+    return out
+
+
+def cmd_check(args) -> int:
+    """Exit code: EXIT_OK when no shipped profile fails a case outside the documented host defects; EXIT_ERROR
+    otherwise (the lines say which)."""
+    from fdsched.replay.check import HOST_ARM, search
+    from fdsched.replay.engine import prepare_host_environment
+    from fdsched.install.probe import find_host
+    from fdsched.tools.quiet import host_output_to
+
+    if args.budget <= 0 or args.cases < 0:
+        from fdsched.core.settings import SettingsError
+
+        raise SettingsError(f"--budget/--cases: bad value {args.budget!r}/{args.cases!r}; allowed: a budget > 0 "
+                            "seconds and cases >= 0")
+    arms = _arms(args.arms)
+    out = _out_dir(args.out)
+    prepare_host_environment()
+    for stale in out.glob("finding-*.jsonl") if out.is_dir() else ():
+        stale.unlink()  # an earlier check's findings (the marker says this folder is check's)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / MARKER).write_text("written by fdsched check\n", encoding="utf-8")
+    with host_output_to(out / "host.log", verbose=args.verbose):
+        find_host()  # the host's import chatter goes to the log too
+        result = search(arms, args.seed, args.budget, out=out, max_cases=args.cases,
+                        report=lambda line: None)
+    findings = result["findings"]
+    for finding in findings:
+        print(finding.line())
+    unknown = [f for f in findings if f.arm != HOST_ARM and not f.known]
+    print(f"fdsched check: {result['cases']} cases x {len(arms)} arms in {result['seconds']} s (seed {args.seed}): "
+          f"{len(findings)} finding(s), {len(unknown)} under a shipped profile outside the documented host defects; "
+          f"traces in {out}")
+    return EXIT_ERROR if unknown else EXIT_OK
+
+
