@@ -4,12 +4,14 @@ through the load generator, print the per-arm report). The launcher itself only 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import time
 
 from fdsched.core.common import EXIT_ERROR, EXIT_NO_HOST
+from fdsched.serve.load_cli import out_dir_problems, owned_out_dir
 from fdsched.serve.launcher import (
     LOOPBACK, PORT_RANGE, PORTS_PER_RANK, EngineConfig, HostMissing, ServedEngine, ServeError, check_config,
     check_host_modules, format_schedule_times, port_in_use, receiver_rpc_rate,
@@ -85,6 +87,11 @@ def _shape_from_args(args, trace=None) -> dict:
     return shape
 
 
+def report_dir(args):
+    """Where a --trace run writes its report (--out, default serve-out); None without --trace."""
+    return (args.out or "serve-out") if args.trace else None
+
+
 def sequential_arms(args) -> list:
     """``--arms A,B`` (no ranks): the arms run one after another, each on the whole trace; [] otherwise."""
     if not args.arms or "=" in args.arms:
@@ -120,6 +127,7 @@ def check_serve_args(args) -> tuple:
         problems.append("--time-schedule: allowed only with --trace")
     if args.out and not args.trace:
         problems.append(f"--out {args.out}: allowed only with --trace (the report directory)")
+    problems += out_dir_problems(report_dir(args), "fdsched serve")
     arms = sequential_arms(args)
     if arms:
         if not args.trace:
@@ -192,6 +200,11 @@ def _say(line: str) -> None:
 def cmd_serve(args) -> int:
     signals = _Signals()
     signals.install()
+    with contextlib.ExitStack() as owned:  # the --out folder, settled however the run ends
+        return _serve(args, signals, owned)
+
+
+def _serve(args, signals, owned) -> int:
     engine = None
     try:
         problems, trace, configs = check_serve_args(args)
@@ -199,6 +212,7 @@ def cmd_serve(args) -> int:
             for problem in problems:
                 print(f"fdsched serve: {problem}", file=sys.stderr)
             return EXIT_ERROR
+        owned.enter_context(owned_out_dir(report_dir(args), "fdsched serve"))
         _check_host_quietly()
         signals.install()  # the host's import may have installed its own handlers: ours go after it
         if sequential_arms(args):
@@ -345,8 +359,7 @@ def _sendable(trace):
 def _write_report(report, load, args) -> int:
     from fdsched.serve.load_cli import write_outputs
 
-    out = args.out or "serve-out"
-    for path in write_outputs(report, load["results"], out):
+    for path in write_outputs(report, load["results"], report_dir(args)):
         print(f"wrote {path}")
     failed = sum(p["figures"]["errors"] for p in report["profiles"])
     return 1 if failed else 0
