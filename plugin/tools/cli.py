@@ -10,7 +10,7 @@ from typing import Optional
 from fdsched import __version__
 from fdsched.core.settings import CHANGE_IDS, PROFILE_ENV, SettingsError, load_settings, profile_description, shipped_profiles
 
-from fdsched.core.common import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK, error_line, plural, read_utf8
+from fdsched.core.common import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK, bounded_int, error_line, plural, read_utf8
 from fdsched.core.common import text_table as _table
 
 
@@ -27,9 +27,10 @@ def cmd_doctor(args) -> int:
         settings = load_settings()
         arm_settings = load_arm_settings()
     except SettingsError as exc:
+        _print_preflight(args, None)
         print(error_line("doctor", f"settings: {exc}"), file=sys.stderr)
         return EXIT_ERROR
-    print(f"profile: {settings.profile or 'none'}" + (f" ({settings.profile_path})" if settings.profile_path else ""))
+    print(f"profile: {settings.profile or 'default'}" + (f" ({settings.profile_path})" if settings.profile_path else ""))
 
     info = None
     from fdsched.tools.hostsetup import cache_dir
@@ -54,6 +55,7 @@ def cmd_doctor(args) -> int:
     else:
         print(error_line("doctor", f"host not found: {not_found}"), file=sys.stderr)
         status = EXIT_NO_HOST
+    _print_preflight(args, info.location if info is not None else None)
 
     decisions = {}
     if info is not None:
@@ -100,6 +102,15 @@ def cmd_doctor(args) -> int:
     if note:
         print("\n" + note)
     return status
+
+
+def _print_preflight(args, location) -> None:
+    """The environment's mistakes that stop the plugin doing what the settings say, one line each with the fix."""
+    from fdsched.tools.preflight import environment_lines, loader_when_unset
+
+    print("\npre-flight (this environment, as the engine would see it):")
+    for ok, line in environment_lines(when_unset=loader_when_unset(location), ranks=args.dp):
+        print(f"  {'ok' if ok else '!!'}  {line}")
 
 
 def _adaptive_report(settings, ratio_decision) -> str:
@@ -256,6 +267,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="host, what it already has, what the settings would apply")
     doctor.add_argument("-v", "--verbose", action="store_true",
                         help="show the host's own import messages here instead of in a log file")
+    doctor.add_argument("--dp", type=bounded_int(1, 4096), metavar="N",
+                        help="the engine's data-parallel ranks: check FDSCHED_PROFILE_BY_DP_RANK against them")
     doctor.set_defaults(func=cmd_doctor)
 
     patches = sub.add_parser("patches", help="the catalogue: what each change replaces, why, when to delete it, "
