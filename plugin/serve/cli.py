@@ -12,6 +12,7 @@ import time
 
 from fdsched.core.common import EXIT_ERROR, EXIT_NO_HOST
 from fdsched.serve.load_cli import out_dir_problems, owned_out_dir
+from fdsched.serve.preflight import host_shape_problems, profiles_line, rank_arm_problems, rank_profiles
 from fdsched.serve.launcher import (
     LOOPBACK, PORT_RANGE, PORTS_PER_RANK, EngineConfig, HostMissing, ServedEngine, ServeError, check_config,
     check_host_modules, format_schedule_times, port_in_use, receiver_rpc_rate,
@@ -157,6 +158,7 @@ def check_serve_args(args) -> tuple:
                                 time_schedule=args.time_schedule, health_timeout=args.health_timeout, **shape)]
     for config in configs:
         problems += [p for p in check_config(config) if p not in problems]
+    problems += rank_arm_problems(args.arms, args.dp)
     if trace is not None and configs and not any("max-model-len" in p for p in problems):
         from fdsched.serve.compare import exact_output_trace
         from fdsched.serve.load import LoadError, check_servable
@@ -212,8 +214,13 @@ def _serve(args, signals, owned) -> int:
             for problem in problems:
                 print(f"fdsched serve: {problem}", file=sys.stderr)
             return EXIT_ERROR
-        owned.enter_context(owned_out_dir(report_dir(args), "fdsched serve"))
         _check_host_quietly()
+        problems = _check_shapes_quietly(configs)
+        for problem in problems:  # the host's own config checks on the shape, before anything is spawned
+            print(f"fdsched serve: {problem}", file=sys.stderr)
+        if problems:
+            return EXIT_ERROR
+        owned.enter_context(owned_out_dir(report_dir(args), "fdsched serve"))
         signals.install()  # the host's import may have installed its own handlers: ours go after it
         if sequential_arms(args):
             return _run_arms_in_turn(args, trace, configs, signals)
@@ -221,6 +228,7 @@ def _serve(args, signals, owned) -> int:
         with engine:
             where = "loopback only; --host to choose otherwise" if args.host == LOOPBACK else "--host"
             _say(f"up on {args.host} ({where}); logs in {engine.log_dir}")
+            _say(profiles_line(args.profile, args.arms, args.dp))
             for rank, (url, metrics) in enumerate(zip(engine.urls, engine.metrics_urls)):
                 print(f"  rank {rank}: {url}/v1/completions  metrics {metrics}")
             if engine.router_url:
@@ -265,6 +273,18 @@ def _check_host_quietly() -> None:
 
     with host_output_to(cache_dir() / "logs" / "serve-host-import.log"):
         check_host_modules()
+
+
+def _check_shapes_quietly(configs) -> list:
+    """The host's own config checks on each stack's engine shape (its import chatter into the log, as above)."""
+    from fdsched.tools.hostsetup import cache_dir
+    from fdsched.tools.quiet import host_output_to
+
+    problems = []
+    with host_output_to(cache_dir() / "logs" / "serve-host-import.log"):
+        for config in configs[:1]:  # the stacks differ only in their profile: one shape
+            problems += host_shape_problems(config)
+    return problems
 
 
 def _finish(engine, args, failed: bool) -> None:
@@ -367,12 +387,7 @@ def _write_report(report, load, args) -> int:
 
 def _arm_names(engine, args) -> list:
     """Each rank's arm: its profile from --arms, else --profile (the plugin's default profile when neither)."""
-    by_rank = {}
-    for item in (args.arms or "").split(","):
-        if "=" in item:
-            rank, profile = item.split("=", 1)
-            by_rank[int(rank.strip())] = profile.strip()
-    names = [by_rank.get(rank, args.profile or "default") for rank in range(len(engine.urls))]
+    names = rank_profiles(args.profile, args.arms, len(engine.urls))
     # two ranks on one profile are still two arms: name them apart
     return [f"{name}@rank{rank}" if names.count(name) > 1 else name for rank, name in enumerate(names)]
 
