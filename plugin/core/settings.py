@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Optional
 import yaml
 
 from fdsched.core.adaptive import K_BOUND, K_DECAY, K_DEFAULT, K_STEP
-from fdsched.core.common import SettingsError, read_utf8
+from fdsched.core.common import SettingsError, did_you_mean, read_utf8
 
 __all__ = [
     "CHANGES",
@@ -532,9 +532,9 @@ def resolve_profile(value: str, origin: str = PROFILE_ENV) -> tuple[str, Path]:
         return path.stem, path
     profiles = shipped_profiles()
     if value not in profiles:
-        raise SettingsError(
-            f"{origin}: bad value {value!r} (unknown profile); allowed: {', '.join(profiles)} or the path of a YAML file"
-        )
+        hint = did_you_mean(value, profiles).replace(" (", "; ").rstrip(")")
+        raise SettingsError(f"{origin}: bad value {value!r} (unknown profile{hint}); "
+                            f"allowed: {', '.join(profiles)} or the path of a YAML file")
     return value, profiles[value]
 
 
@@ -613,7 +613,8 @@ def read_profile(path: Path) -> dict[str, Any]:
     for top, value in document.items():
         if top not in _PROFILE_TOP_KEYS:
             raise SettingsError(
-                f"profile {path}, key {top}: unknown key; allowed top-level keys: {', '.join(_PROFILE_TOP_KEYS)}"
+                f"profile {path}, key {top}: unknown key{did_you_mean(top, _PROFILE_TOP_KEYS)}; allowed top-level keys: "
+                f"{', '.join(_PROFILE_TOP_KEYS)}"
             )
         if top == "description":
             if not isinstance(value, str):
@@ -625,7 +626,8 @@ def read_profile(path: Path) -> dict[str, Any]:
             key = f"{top}.{sub}"
             if key not in _BY_KEY and key != OTHERS_KEY:
                 allowed = sorted(k.split(".", 1)[1] for k in (*_BY_KEY, OTHERS_KEY) if k.startswith(top + "."))
-                raise SettingsError(f"profile {path}, key {key}: unknown key; allowed under {top}: {', '.join(allowed)}")
+                raise SettingsError(f"profile {path}, key {key}: unknown key{did_you_mean(sub, allowed)}; allowed under "
+                                    f"{top}: {', '.join(allowed)}")
             flat[key] = raw
     return flat
 

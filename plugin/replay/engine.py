@@ -97,13 +97,10 @@ def build_manager(shape: EngineShape, dp_rank: int = 0, dp_size: Optional[int] =
     except TraceError:
         raise
     except Exception as exc:  # noqa: BLE001 - the host's own check (an assert) or a config shape it does not take
-        import fastdeploy
-
         first = (str(exc).splitlines() or ["?"])[0]
         first = first if len(first) <= 160 else first[:157] + "..."
-        where = os.path.dirname(os.path.dirname(os.path.abspath(fastdeploy.__file__)))
         raise HostConfigError(
-            f"FastDeploy at {where} refuses the replay's engine shape ({type(exc).__name__}: {first}); the replay "
+            f"FastDeploy (fdsched doctor says which) refuses the replay's engine shape ({type(exc).__name__}: {first}); the replay "
             "builds the scheduler's configs as FastDeploy 2.4 and later do: if the message names a setting, change "
             "it with the replay's flag of that name, else this host cannot be replayed"
         ) from None

@@ -13,23 +13,18 @@ Nothing here imports the host: the loader is read as source text.
 from __future__ import annotations
 
 import ast
-import difflib
 import os
 from typing import Mapping, Optional
 
-__all__ = ["PLUGIN", "loader_when_unset", "fd_plugins_line", "environment_lines", "known_variables", "did_you_mean"]
+from fdsched.core.common import did_you_mean
+
+__all__ = ["PLUGIN", "loader_when_unset", "fd_plugins_line", "environment_lines", "known_variables"]
 
 PLUGIN = "fdsched"
 FIX = f"export FD_PLUGINS={PLUGIN}"
 # Variables the tools set for the processes they start, and the test suites' own: read, not the operator's.
 TOOL_PREFIXES = ("FDSCHED_SERVE_", "FDSCHED_HOSTSUITE_")
 TEST_VARIABLES = ("FDSCHED_TEST_ALL_PROFILES", "FDSCHED_GOLDEN_FULL")
-
-
-def did_you_mean(word: str, choices) -> str:
-    """`` (did you mean X?)`` for the closest of ``choices``, or ``""`` when none is close."""
-    close = difflib.get_close_matches(word, list(choices), n=1, cutoff=0.6)
-    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def loader_when_unset(location: Optional[str]) -> Optional[str]:
