@@ -127,3 +127,16 @@ def test_check_out_file_refuses_a_directory_and_a_path_under_a_file(tmp_path):
     (tmp_path / "f").write_text("x", encoding="utf-8")
     with pytest.raises(OutputError, match="is a file, not a directory"):
         check_out_file(str(tmp_path / "f" / "t.jsonl"), "fdsched trace import", lambda p: True)
+
+
+def test_host_support_json_writes_over_a_row_it_wrote_and_nothing_else(tmp_path, capsys):
+    mine = tmp_path / "notes.json"
+    mine.write_text('{"my": "notes"}', encoding="utf-8")
+    argv = ["host", "support", "--refused", "2.0", "a" * 40, "no V1 scheduler", "--json"]
+    assert main(argv + [str(mine)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--json" in err[0] and "did not write" in err[0]
+    assert mine.read_text(encoding="utf-8") == '{"my": "notes"}'
+    row = tmp_path / "row.json"
+    assert main(argv + [str(row)]) == 0 and main(argv + [str(row)]) == 0  # new, then its own row again
+    assert json.loads(row.read_text(encoding="utf-8"))["tier"] == "refused"
