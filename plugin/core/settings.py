@@ -78,14 +78,14 @@ def _switch(raw: Any) -> str:
         return "off"
     if isinstance(raw, str) and raw.strip().lower() in SWITCH_VALUES:
         return raw.strip().lower()
-    raise ValueError("one of auto, on, off")
+    raise ValueError("one of auto, on, off" + (did_you_mean(raw.strip().lower(), SWITCH_VALUES) if isinstance(raw, str) else ""))
 
 
 def _choice(*allowed: str) -> Callable[[Any], str]:
     def parse(raw: Any) -> str:
         if isinstance(raw, str) and raw.strip().lower() in allowed:
             return raw.strip().lower()
-        raise ValueError("one of " + ", ".join(allowed))
+        raise ValueError("one of " + ", ".join(allowed) + (did_you_mean(raw.strip().lower(), allowed) if isinstance(raw, str) else ""))
 
     return parse
 
@@ -447,7 +447,7 @@ SCHEMA: tuple[Setting, ...] = (
         _choice("default", "peak", "clip-learned"),
         "default",
         "default | peak | clip-learned",
-        "Replay only, issue 18's candidates (docs/peak-admission.md): peak admits a prefill only when the running "
+        "Replay only, the candidate policies of docs/peak-admission.md: peak admits a prefill only when the running "
         "set's predicted peak KV demand fits the pool (remainders learned from finished requests); clip-learned is "
         "upstream's ratio formula with the clip learned online. default: the profile's own reservation.",
     ),

@@ -406,6 +406,9 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>", name: Optional[st
 def load_trace(path) -> Trace:
     path = Path(path)
     text = read_utf8(path, "trace", "a JSONL trace file (fdsched trace validate checks one)", TraceError)
+    if path.suffix.lower() == ".csv" and not text.lstrip().startswith("{"):
+        raise TraceError(f"trace {path}: a CSV file, not a trace; allowed: {TRACE_FORMAT}. A CSV request log becomes "
+                         f"one with: fdsched trace import {path} --format azure|burstgpt|generic --out TRACE.jsonl")
     return parse_trace(text.splitlines(), source=str(path), name=path.name[: -len(".jsonl")] if path.name.endswith(".jsonl") else path.stem)
 
 

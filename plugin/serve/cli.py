@@ -158,7 +158,7 @@ def check_serve_args(args) -> tuple:
                                 time_schedule=args.time_schedule, health_timeout=args.health_timeout, **shape)]
     for config in configs:
         problems += [p for p in check_config(config) if p not in problems]
-    problems += rank_arm_problems(args.arms, args.dp)
+    problems += rank_arm_problems(args.arms, args.dp, args.profile)
     if trace is not None and configs and not any("max-model-len" in p for p in problems):
         from fdsched.serve.compare import exact_output_trace
         from fdsched.serve.load import LoadError, check_servable

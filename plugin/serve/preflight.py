@@ -22,12 +22,13 @@ HOST_NAMES = (
 )
 
 
-def rank_arm_problems(arms_text: Optional[str], dp: int) -> list:
-    """``--arms RANK=PROFILE,...`` with ``--dp N``: every rank 0..N-1 needs an arm (a rank without one would run
-    the default profile unannounced). Ranks beyond N and the syntax are checked by the launcher's check."""
+def rank_arm_problems(arms_text: Optional[str], dp: int, profile: Optional[str] = None) -> list:
+    """``--arms RANK=PROFILE,...`` with ``--dp N``: every rank 0..N-1 needs an arm, or ``--profile`` for the ranks
+    without one (else such a rank would run the default profile unannounced). Ranks beyond N and the syntax are
+    checked by the launcher's check."""
     from fdsched.core.settings import SettingsError, parse_dp_arms
 
-    if not arms_text or "=" not in arms_text or not isinstance(dp, int) or dp < 2:
+    if profile or not arms_text or "=" not in arms_text or not isinstance(dp, int) or dp < 2:
         return []
     try:
         arms = parse_dp_arms(arms_text, origin="--arms")
@@ -38,7 +39,8 @@ def rank_arm_problems(arms_text: Optional[str], dp: int) -> list:
         return []
     example = ",".join(f"{rank}=PROFILE" for rank in missing)
     return [f"--arms {arms_text!r} with --dp {dp}: rank {', '.join(map(str, missing))} has no arm; allowed: one "
-            f"RANK=PROFILE per rank 0-{dp - 1} (add {example}), or --dp {len(arms)} if fewer ranks were meant"]
+            f"RANK=PROFILE per rank 0-{dp - 1} (add {example}), --profile P for the ranks without one, or --dp "
+            f"{len(arms)} if fewer ranks were meant"]
 
 
 def rank_profiles(profile: Optional[str], arms_text: Optional[str], dp: int) -> list:

@@ -74,6 +74,9 @@ def check_out_dir(value: str, command: str, flag: str = "--out") -> Path:
                 raise _refuse(flag, value, f"{what}, not a folder", again)
             break
     if not out.exists():
+        parent = next(p for p in out.parents if p.exists())
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise _refuse(flag, value, f"cannot make it: {str(parent)!r} is not writable", again)
         return out
     if not os.access(out, os.W_OK | os.X_OK):
         raise _refuse(flag, value, "a folder you cannot write to", again)

@@ -72,3 +72,11 @@ def test_a_near_miss_profile_name_or_key_gets_a_did_you_mean(tmp_path):
 def test_a_near_miss_trace_name_gets_a_did_you_mean(capsys):
     assert main(["trace", "validate", "azure-cnv"]) == 1
     assert "unknown (did you mean azure-conv?); allowed: a shipped trace" in _one_error(capsys)
+
+
+def test_a_csv_log_given_as_a_trace_says_how_to_import_it(tmp_path, capsys):
+    log = tmp_path / "AzureLLMInferenceTrace_conv.csv"
+    log.write_text("TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n", encoding="utf-8")
+    assert main(["replay", "--trace", str(log)]) == 1
+    line = _one_error(capsys)
+    assert "a CSV file, not a trace" in line and f"fdsched trace import {log} --format" in line

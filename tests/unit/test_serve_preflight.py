@@ -22,11 +22,14 @@ def test_a_rank_without_an_arm_is_refused_before_start_up():
 
     problems, _trace, _configs = check_serve_args(_serve_args("--dp", "3", "--arms", "0=baseline,1=recommended"))
     assert problems == ["--arms '0=baseline,1=recommended' with --dp 3: rank 2 has no arm; allowed: one "
-                        "RANK=PROFILE per rank 0-2 (add 2=PROFILE), or --dp 2 if fewer ranks were meant"]
+                        "RANK=PROFILE per rank 0-2 (add 2=PROFILE), --profile P for the ranks without one, or --dp 2 "
+                        "if fewer ranks were meant"]
     assert rank_arm_problems("0=baseline,2=adaptive", 3)[0].startswith("--arms '0=baseline,2=adaptive' with --dp 3: "
                                                                        "rank 1 has no arm")
     assert rank_arm_problems("0=baseline,1=adaptive", 2) == []
     assert rank_arm_problems("baseline,adaptive", 1) == []  # arms in turn: not per rank
+    assert rank_arm_problems("0=baseline", 2, profile="adaptive") == []  # rank 1 runs --profile, said in the banner
+    assert profiles_line("adaptive", "0=baseline", 2) == "profiles: rank 0 baseline, rank 1 adaptive"
 
 
 def test_the_banner_names_each_ranks_profile():
