@@ -106,10 +106,11 @@ def cmd_doctor(args) -> int:
 
 def _print_preflight(args, location) -> None:
     """The environment's mistakes that stop the plugin doing what the settings say, one line each with the fix."""
-    from fdsched.tools.preflight import environment_lines, loader_when_unset
+    from fdsched.tools.preflight import environment_lines, host_variables, loader_when_unset
 
     print("\npre-flight (this environment, as the engine would see it):")
-    for ok, line in environment_lines(when_unset=loader_when_unset(location), ranks=args.dp):
+    for ok, line in environment_lines(when_unset=loader_when_unset(location), ranks=args.dp,
+                                      read_by_host=host_variables(location)):
         print(f"  {'ok' if ok else '!!'}  {line}")
 
 

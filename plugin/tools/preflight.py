@@ -5,7 +5,8 @@
   ``FD_PLUGINS`` is unset, 2.4 and later none; either way the plugin acts only when ``FD_PLUGINS`` names it);
 * ``FDSCHED_*`` settings set while ``FD_PLUGINS`` does not name the plugin (the engine ignores them);
 * a per-rank profile list (``FDSCHED_PROFILE_BY_DP_RANK``) that does not match the data-parallel ranks;
-* an ``FDSCHED_*`` variable the plugin does not read (with the one it most likely meant).
+* an ``FDSCHED_*`` variable the plugin does not read, and an ``FD_*`` variable neither the host nor the plugin reads
+  (with the one it most likely meant).
 
 Nothing here imports the host: the loader is read as source text.
 """
@@ -14,17 +15,19 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 from typing import Mapping, Optional
 
 from fdsched.core.common import did_you_mean
 
-__all__ = ["PLUGIN", "loader_when_unset", "fd_plugins_line", "environment_lines", "known_variables"]
+__all__ = ["PLUGIN", "loader_when_unset", "host_variables", "fd_plugins_line", "environment_lines", "known_variables"]
 
 PLUGIN = "fdsched"
 FIX = f"export FD_PLUGINS={PLUGIN}"
 # Variables the tools set for the processes they start, and the test suites' own: read, not the operator's.
 TOOL_PREFIXES = ("FDSCHED_SERVE_", "FDSCHED_HOSTSUITE_")
 TEST_VARIABLES = ("FDSCHED_TEST_ALL_PROFILES", "FDSCHED_GOLDEN_FULL")
+_FD_NAME = re.compile(r"[\"'](FD_[A-Z0-9_]+)[\"']")
 
 
 def loader_when_unset(location: Optional[str]) -> Optional[str]:
@@ -90,6 +93,34 @@ def known_variables() -> set:
     return {s.env for s in SCHEMA if s.env} | {PROFILE_ENV, DP_PROFILE_ENV, DISABLE_ENV, HOME_ENV, HOST_SOURCE_ENV}
 
 
+def host_variables(location: Optional[str]) -> Optional[set]:
+    """Every ``FD_*`` name the host's source spells out as a string (what its ``envs`` table and its direct
+    ``os.getenv`` calls can read), or None when there is no host tree to read."""
+    root = os.path.join(location or "", "fastdeploy")
+    if not location or not os.path.isdir(root):
+        return None
+    names = set()
+    for folder, _dirs, files in os.walk(root):
+        for name in files:
+            if name.endswith(".py"):
+                try:
+                    with open(os.path.join(folder, name), encoding="utf-8", errors="replace") as handle:
+                        names.update(_FD_NAME.findall(handle.read()))
+                except OSError:
+                    continue
+    return names
+
+
+def _fd_lines(environ: Mapping[str, str], read_by_host: Optional[set]) -> list:
+    from fdsched.core.settings import SCHEMA
+
+    if read_by_host is None:
+        return []
+    known = read_by_host | {s.env for s in SCHEMA if s.env}
+    return [f"{name} is set, but neither this FastDeploy nor fdsched reads it{did_you_mean(name, known)}; fix: rename "
+            "or unset it" for name in sorted(environ) if name.startswith("FD_") and name not in known]
+
+
 def _rank_lines(environ: Mapping[str, str], ranks: Optional[int]) -> list:
     from fdsched.core.settings import DP_PROFILE_ENV, PROFILE_ENV, SettingsError, parse_dp_arms
 
@@ -120,10 +151,11 @@ def _rank_lines(environ: Mapping[str, str], ranks: Optional[int]) -> list:
 
 
 def environment_lines(environ: Optional[Mapping[str, str]] = None, when_unset: Optional[str] = None,
-                      ranks: Optional[int] = None) -> list:
+                      ranks: Optional[int] = None, read_by_host: Optional[set] = None) -> list:
     """The pre-flight: ``(ok, line)`` per finding, the ``FD_PLUGINS`` line first (``ok``: the plugin will be
     loaded); every other line is a mistake, with its fix. ``ranks``: the engine's data-parallel size when known
-    (``fdsched doctor --dp N``)."""
+    (``fdsched doctor --dp N``); ``read_by_host``: the ``FD_*`` names the host reads (:func:`host_variables`), to
+    flag the ones nothing reads."""
     from fdsched.core.settings import DP_PROFILE_ENV, PROFILE_ENV
 
     environ = os.environ if environ is None else environ
@@ -140,6 +172,7 @@ def environment_lines(environ: Optional[Mapping[str, str]] = None, when_unset: O
     for name in unknown:
         lines.append(f"{name} is not a variable fdsched reads{did_you_mean(name, known)}; fix: rename or unset it "
                      "(every variable: docs/configuration.md)")
+    lines += _fd_lines(environ, read_by_host)
     return [(loaded, first)] + [(False, line) for line in lines]
 
 

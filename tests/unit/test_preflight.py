@@ -109,3 +109,22 @@ def test_doctor_prints_the_preflight_even_without_a_host(tmp_path, monkeypatch, 
     assert "profile: baseline" in out
     assert "  !!  FD_PLUGINS is unset: " in out
     assert "  !!  FDSCHED_PROFILE set, but FD_PLUGINS does not name fdsched" in out
+
+
+def test_an_fd_variable_neither_the_host_nor_the_plugin_reads_is_flagged(tmp_path):
+    from fdsched.tools.preflight import host_variables
+
+    (tmp_path / "fastdeploy" / "engine").mkdir(parents=True)
+    (tmp_path / "fastdeploy" / "envs.py").write_text('table = {"FD_LOG_DIR": 1, \'FD_MAX_STOP_SEQS_NUM\': 2}\n',
+                                                      encoding="utf-8")
+    (tmp_path / "fastdeploy" / "engine" / "x.py").write_text('os.getenv("FD_ENABLE_MAX_PREFILL")\n', encoding="utf-8")
+    read = host_variables(str(tmp_path))
+    assert read == {"FD_LOG_DIR", "FD_MAX_STOP_SEQS_NUM", "FD_ENABLE_MAX_PREFILL"}
+    assert host_variables(str(tmp_path / "none")) is None
+    environ = {"FD_PLUGINS": "fdsched", "FD_LOG_DIR": "/x", "FD_ENABLE_MAX_PREFIL": "1",
+               "FD_INIT_NEW_TOKEN_RATIO": "0.5"}  # the last one: a setting the plugin reads on any host
+    lines = environment_lines(environ, "none", read_by_host=read | {"FD_PLUGINS"})
+    assert [line for _, line in lines[1:]] == [
+        "FD_ENABLE_MAX_PREFIL is set, but neither this FastDeploy nor fdsched reads it (did you mean "
+        "FD_ENABLE_MAX_PREFILL?); fix: rename or unset it"]
+    assert len(environment_lines(environ, "none")) == 1  # no host tree read: nothing said about FD_* names
