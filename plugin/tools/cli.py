@@ -17,7 +17,6 @@ from fdsched.core.common import text_table as _table
 def cmd_doctor(args) -> int:
     from fdsched.patches import CATALOGUE
 
-    from fdsched.install.probe import HostNotFound
     from fdsched.install.installer import InstallError, current, decide, decide_arms
     from fdsched.core.settings import load_arm_settings
 
@@ -32,22 +31,7 @@ def cmd_doctor(args) -> int:
         return EXIT_ERROR
     print(f"profile: {settings.profile or 'default'}" + (f" ({settings.profile_path})" if settings.profile_path else ""))
 
-    info = None
-    from fdsched.tools.hostsetup import cache_dir
-    from fdsched.tools.quiet import host_output_to, log_note
-
-    log_path = cache_dir() / "logs" / "doctor-host.log"
-    if log_path.is_file():
-        log_path.unlink()
-    not_found = None
-    with host_output_to(log_path, verbose=args.verbose) as host_log:  # the host's import chatter: into the log
-        try:
-            from fdsched.install.probe import probe
-
-            info = probe()
-        except HostNotFound as exc:
-            not_found = exc
-    note = log_note(host_log)
+    info, not_found, note = _probe_quietly(args)
     if not_found is None:
         print(f"host: {info.label}")
         print(f"host support: {info.support}")
@@ -102,6 +86,24 @@ def cmd_doctor(args) -> int:
     if note:
         print("\n" + note)
     return status
+
+
+def _probe_quietly(args) -> tuple:
+    """(info or None, HostNotFound or None, the note about the host's log): the probe, its chatter in a log file."""
+    from fdsched.install.probe import HostNotFound, probe
+    from fdsched.tools.hostsetup import cache_dir
+    from fdsched.tools.quiet import host_output_to, log_note
+
+    log_path = cache_dir() / "logs" / "doctor-host.log"
+    if log_path.is_file():
+        log_path.unlink()
+    info = not_found = None
+    with host_output_to(log_path, verbose=args.verbose) as host_log:  # the host's import chatter: into the log
+        try:
+            info = probe()
+        except HostNotFound as exc:
+            not_found = exc
+    return info, not_found, log_note(host_log)
 
 
 def _print_preflight(args, location) -> None:
