@@ -48,7 +48,7 @@ def _read_marker(folder: Path) -> Optional[dict]:
 def _foreign(folder: Path, command: str) -> tuple:
     """(whose, names): what in ``folder`` the command did not write. ``whose`` names the other command whose
     folder it is (or None); ``names`` the entries no earlier run of ``command`` recorded."""
-    entries = sorted(entry.name for entry in folder.iterdir() if entry.name != MARKER)
+    entries = sorted(entry.name for entry in folder.iterdir() if entry.name not in (MARKER, MARKER + ".tmp"))
     record = _read_marker(folder)
     if record is None:
         return None, entries
