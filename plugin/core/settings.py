@@ -70,6 +70,10 @@ OTHERS_KEY = "changes.others"
 # Value parsers: each takes the raw value (a string from the environment, or whatever YAML gave)
 # and returns the typed value, or raises ValueError with what is allowed.
 # --------------------------------------------------------------------------------------------
+def _near(raw: Any, words) -> str:
+    return did_you_mean(raw.strip().lower(), words) if isinstance(raw, str) else ""  # a typed word only
+
+
 def _switch(raw: Any) -> str:
     # YAML 1.1 reads bare on/off as booleans; accept them as the words they were meant to be.
     if raw is True:
@@ -78,14 +82,14 @@ def _switch(raw: Any) -> str:
         return "off"
     if isinstance(raw, str) and raw.strip().lower() in SWITCH_VALUES:
         return raw.strip().lower()
-    raise ValueError("one of auto, on, off" + (did_you_mean(raw.strip().lower(), SWITCH_VALUES) if isinstance(raw, str) else ""))
+    raise ValueError("one of auto, on, off" + _near(raw, SWITCH_VALUES))
 
 
 def _choice(*allowed: str) -> Callable[[Any], str]:
     def parse(raw: Any) -> str:
         if isinstance(raw, str) and raw.strip().lower() in allowed:
             return raw.strip().lower()
-        raise ValueError("one of " + ", ".join(allowed) + (did_you_mean(raw.strip().lower(), allowed) if isinstance(raw, str) else ""))
+        raise ValueError("one of " + ", ".join(allowed) + _near(raw, allowed))
 
     return parse
 

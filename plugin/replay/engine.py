@@ -114,9 +114,9 @@ def _build_manager(shape: EngineShape, dp_rank: int = 0, dp_size: Optional[int] 
     """
     from fastdeploy.engine.sched import resource_manager_v1
 
-    return resource_manager_v1.ResourceManagerV1(max_num_seqs=shape.max_num_seqs, config=host_config(shape, dp_rank, dp_size),
-                                                 tensor_parallel_size=1, splitwise_role=shape.splitwise_role,
-                                                 local_data_parallel_id=dp_rank)
+    config = host_config(shape, dp_rank, dp_size)
+    return resource_manager_v1.ResourceManagerV1(max_num_seqs=shape.max_num_seqs, config=config, tensor_parallel_size=1,
+                                                 splitwise_role=shape.splitwise_role, local_data_parallel_id=dp_rank)
 
 
 def host_config(shape: EngineShape, dp_rank: int = 0, dp_size: Optional[int] = None, replay_check: bool = True):

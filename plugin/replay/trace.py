@@ -374,9 +374,11 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>", name: Optional[st
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise where.error(None, f"not valid JSON: {exc.msg} (column {exc.colno}); allowed: {TRACE_FORMAT}") from None
+            detail = f"not valid JSON: {exc.msg} (column {exc.colno}); allowed: {TRACE_FORMAT}"
+            raise where.error(None, detail) from None
         if not isinstance(obj, dict):
-            raise where.error(None, f"each line must be a JSON object, got {type(obj).__name__}; allowed: {TRACE_FORMAT}")
+            got = type(obj).__name__
+            raise where.error(None, f"each line must be a JSON object, got {got}; allowed: {TRACE_FORMAT}")
         if "header" in obj:
             if not first_object:
                 raise where.error("header", "a header is only allowed on the first line")
