@@ -69,6 +69,7 @@ def test_serve_stops_at_the_shape_check_before_spawning(monkeypatch, capsys, tmp
     import fdsched.serve.cli as cli
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(cli._Signals, "install", lambda self: None)  # this test process keeps its own handlers
     monkeypatch.setattr(cli, "_check_host_quietly", lambda: None)
     monkeypatch.setattr(cli, "_check_shapes_quietly", lambda configs: ["engine shape refused by FastDeploy: x"])
 
