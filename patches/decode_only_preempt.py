@@ -81,6 +81,8 @@ class HostPreemptMixin(DecodeOnlyPreemptMixin):
     """impl ``host`` on a host with the seam: the host's own victim choice, its victims counted by phase for the
     metrics (the host's own loop asks this seam for each victim)."""
 
+    fdsched_host_role = "counts the host's preemption victims by phase for its metrics; the host's own code picks them"
+
     def _select_preempt_candidate(self):
         """The new host's seam: ``(victim, its index in running)``, or ``(None, -1)`` when none qualifies."""
         victim, index = super()._select_preempt_candidate()
@@ -91,6 +93,8 @@ class HostPreemptMixin(DecodeOnlyPreemptMixin):
 
 class HostPreemptOldHostMixin(DecodeOnlyPreemptMixin):
     """impl ``host`` on a host without the seam: the host's own preemption, its victims counted by phase."""
+
+    fdsched_host_role = HostPreemptMixin.fdsched_host_role
 
     def _trigger_preempt(self, request, num_new_blocks, preempted_reqs, scheduled_reqs):
         phase_before = {r.request_id: self._fdsched_is_decoding(r) for r in self.running}

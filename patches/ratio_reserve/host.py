@@ -23,6 +23,8 @@ _HOST_ATTRS = {
 class HostReserveMixin(ReservationMixin):
     """The host's own reservation code runs; a profile may set the values it reads."""
 
+    fdsched_host_role = "sets the values the host's reservation reads from the profile; the host's own code reserves"
+
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         s = self._fdsched_settings
@@ -42,6 +44,8 @@ class HostReserveOldHostMixin(HostReserveMixin):
     that keeps that reservation (:data:`HOST_RESERVE_OLD_HOST`; elsewhere :class:`HostReserveMixin`)."""
 
     fdsched_attributes = ("init_reserve_output_block_num",)
+    fdsched_host_role = (HostReserveMixin.fdsched_host_role + ", and its reservation is reset after each "
+                         "preemption, as the host's own loop resets it")
 
     def _trigger_preempt(self, request, num_new_blocks, preempted_reqs, scheduled_reqs):
         result = super()._trigger_preempt(request, num_new_blocks, preempted_reqs, scheduled_reqs)

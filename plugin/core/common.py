@@ -12,7 +12,7 @@ import math
 import os
 from typing import Iterable, Optional, Sequence
 
-__all__ = ["SettingsError", "EXIT_OK", "EXIT_ERROR", "EXIT_NO_HOST", "error_line", "plural", "bounded_int", "bounded_float", "read_utf8", "remove_files", "ceil_div", "blocks_for_tokens", "percentile", "mean", "text_table"]
+__all__ = ["SettingsError", "EXIT_OK", "EXIT_ERROR", "EXIT_NO_HOST", "error_line", "did_you_mean", "plural", "bounded_int", "bounded_float", "read_utf8", "remove_files", "ceil_div", "blocks_for_tokens", "percentile", "mean", "text_table"]
 
 
 class SettingsError(ValueError):
@@ -27,6 +27,14 @@ def plural(count, noun: str) -> str:
     """``1 request``, ``2 requests``: a count and its noun (regular plurals only)."""
     shown = f"{count:g}" if isinstance(count, float) else str(count)
     return f"{shown} {noun}" if count == 1 else f"{shown} {noun}s"
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """`` (did you mean X?)`` for the closest of ``choices`` to a mistyped ``word``, or ``""`` when none is close."""
+    import difflib
+
+    close = difflib.get_close_matches(str(word), [str(c) for c in choices], n=1, cutoff=0.6)
+    return f" (did you mean {close[0]}?)" if close else ""
 
 
 def error_line(command: str, message) -> str:

@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Optional
 import yaml
 
 from fdsched.core.adaptive import K_BOUND, K_DECAY, K_DEFAULT, K_STEP
-from fdsched.core.common import SettingsError, read_utf8
+from fdsched.core.common import SettingsError, did_you_mean, read_utf8
 
 __all__ = [
     "CHANGES",
@@ -80,6 +80,10 @@ OTHERS_KEY = "changes.others"
 # Value parsers: each takes the raw value (a string from the environment, or whatever YAML gave)
 # and returns the typed value, or raises ValueError with what is allowed.
 # --------------------------------------------------------------------------------------------
+def _near(raw: Any, words) -> str:
+    return did_you_mean(raw.strip().lower(), words) if isinstance(raw, str) else ""  # a typed word only
+
+
 def _switch(raw: Any) -> str:
     # YAML 1.1 reads bare on/off as booleans; accept them as the words they were meant to be.
     if raw is True:
@@ -88,14 +92,14 @@ def _switch(raw: Any) -> str:
         return "off"
     if isinstance(raw, str) and raw.strip().lower() in SWITCH_VALUES:
         return raw.strip().lower()
-    raise ValueError("one of auto, on, off")
+    raise ValueError("one of auto, on, off" + _near(raw, SWITCH_VALUES))
 
 
 def _choice(*allowed: str) -> Callable[[Any], str]:
     def parse(raw: Any) -> str:
         if isinstance(raw, str) and raw.strip().lower() in allowed:
             return raw.strip().lower()
-        raise ValueError("one of " + ", ".join(allowed))
+        raise ValueError("one of " + ", ".join(allowed) + _near(raw, allowed))
 
     return parse
 
@@ -457,7 +461,7 @@ SCHEMA: tuple[Setting, ...] = (
         _choice("default", "peak", "clip-learned"),
         "default",
         "default | peak | clip-learned",
-        "Replay only, issue 18's candidates (docs/peak-admission.md): peak admits a prefill only when the running "
+        "Replay only, the candidate policies of docs/peak-admission.md: peak admits a prefill only when the running "
         "set's predicted peak KV demand fits the pool (remainders learned from finished requests); clip-learned is "
         "upstream's ratio formula with the clip learned online. default: the profile's own reservation.",
     ),
@@ -542,9 +546,9 @@ def resolve_profile(value: str, origin: str = PROFILE_ENV) -> tuple[str, Path]:
         return path.stem, path
     profiles = shipped_profiles()
     if value not in profiles:
-        raise SettingsError(
-            f"{origin}: bad value {value!r} (unknown profile); allowed: {', '.join(profiles)} or the path of a YAML file"
-        )
+        hint = did_you_mean(value, profiles).replace(" (", "; ").rstrip(")")
+        raise SettingsError(f"{origin}: bad value {value!r} (unknown profile{hint}); "
+                            f"allowed: {', '.join(profiles)} or the path of a YAML file")
     return value, profiles[value]
 
 
@@ -623,7 +627,8 @@ def read_profile(path: Path) -> dict[str, Any]:
     for top, value in document.items():
         if top not in _PROFILE_TOP_KEYS:
             raise SettingsError(
-                f"profile {path}, key {top}: unknown key; allowed top-level keys: {', '.join(_PROFILE_TOP_KEYS)}"
+                f"profile {path}, key {top}: unknown key{did_you_mean(top, _PROFILE_TOP_KEYS)}; allowed top-level keys: "
+                f"{', '.join(_PROFILE_TOP_KEYS)}"
             )
         if top == "description":
             if not isinstance(value, str):
@@ -635,7 +640,8 @@ def read_profile(path: Path) -> dict[str, Any]:
             key = f"{top}.{sub}"
             if key not in _BY_KEY and key != OTHERS_KEY:
                 allowed = sorted(k.split(".", 1)[1] for k in (*_BY_KEY, OTHERS_KEY) if k.startswith(top + "."))
-                raise SettingsError(f"profile {path}, key {key}: unknown key; allowed under {top}: {', '.join(allowed)}")
+                raise SettingsError(f"profile {path}, key {key}: unknown key{did_you_mean(sub, allowed)}; allowed under "
+                                    f"{top}: {', '.join(allowed)}")
             flat[key] = raw
     return flat
 

@@ -9,7 +9,6 @@ ones; ``fdsched trace import`` turns a public request log (CSV) into a time-base
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from typing import Optional
 from fdsched.replay.trace import ENGINE_KEYS, ENGINE_MAX, MAX_ARRIVAL_S, MAX_ARRIVAL_STEP, TraceError, check_engine, load_trace, resolve_trace, shipped_traces
 
 from fdsched.core.common import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK, bounded_float, bounded_int, error_line, plural
+from fdsched.tools.outdir import settle_out_dir
 
 DEFAULT_TRACE = "pressure"
 DEFAULT_PROFILES = ("baseline", "recommended")
@@ -184,7 +184,7 @@ def cmd_trace_generate(args) -> int:
         sys.stdout.write(text)
     else:
         try:
-            _check_out_file(args.out)
+            _check_out_file(args.out, "fdsched trace generate")
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(text, encoding="utf-8")
         except (TraceError, OSError) as exc:
@@ -252,7 +252,7 @@ def cmd_trace_import(args) -> int:
             },
             description=args.description,
         )
-        _check_out_file(args.out)
+        _check_out_file(args.out, "fdsched trace import")
         result = import_trace(args.csv, args.out, options)
     except TraceError as exc:
         print(error_line("trace import", exc), file=sys.stderr)
@@ -262,11 +262,9 @@ def cmd_trace_import(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from fdsched.install.probe import HOW_TO_POINT, HostNotFound
-    from fdsched.install.installer import InstallError
     from fdsched.core.settings import SettingsError, load_settings
 
-    from fdsched.replay.evaluate import format_eval_markdown, format_eval_table, load_results, load_windows, run_plan, window_trace_name
+    from fdsched.replay.evaluate import format_eval_markdown, format_eval_table, load_results, load_windows, window_trace_name
 
     from fdsched.core.costmodel import resolve_cost_model
 
@@ -301,12 +299,24 @@ def cmd_eval(args) -> int:
         print(f"cost model: {', '.join(models)}; host: {', '.join(hosts)}")
         print(fmt(results))
         return EXIT_OK
-    created = not Path(args.out).expanduser().exists()
     try:
-        _check_out_dir(args.out)  # before the imports and arms run, not after
+        out, created = _check_out_dir(args.out, "fdsched eval")  # before the imports and arms run, not after
     except TraceError as exc:
         print(error_line("eval", exc), file=sys.stderr)
         return EXIT_ERROR
+    try:
+        return _run_eval(args, plan, arms, fmt)
+    finally:
+        settle_out_dir(out, "fdsched eval", created)
+
+
+def _run_eval(args, plan, arms, fmt) -> int:
+    """``fdsched eval`` after its checks: import, replay every arm, print the table (the output folder is claimed)."""
+    from fdsched.install.probe import HOW_TO_POINT, HostNotFound
+    from fdsched.install.installer import InstallError
+    from fdsched.core.settings import SettingsError
+    from fdsched.replay.evaluate import run_plan
+
     tqdm = None
     if not args.no_progress:
         try:
@@ -315,7 +325,6 @@ def cmd_eval(args) -> int:
             pass
     from fdsched.tools.quiet import host_output_to, log_note
 
-    Path(args.out).mkdir(parents=True, exist_ok=True)
     error = None
     # as fdsched replay: the host's import-time and run-time messages go to OUT/host.log (-v: here)
     with host_output_to(Path(args.out) / "host.log", verbose=args.verbose) as host_log:
@@ -333,7 +342,6 @@ def cmd_eval(args) -> int:
             error = run_failure(exc, Path(args.out) / "host.log")
     note = log_note(host_log)
     if isinstance(error, HostNotFound):
-        _tidy_after_failure(Path(args.out).expanduser(), created)
         message = str(error)
         if HOW_TO_POINT not in message:
             message += f"; {HOW_TO_POINT}"
@@ -394,37 +402,27 @@ def _import_host() -> None:
         raise HostNotFound(f"importing the host's scheduler modules failed: {type(exc).__name__}: {exc}") from None
 
 
-def _check_out_file(value: str) -> None:
-    """An output file's path: not a directory, and no file where a folder on its way must be."""
-    if not value.strip():
-        raise TraceError(f"--out {value!r}: bad value (empty); allowed: a file path, or - (standard output)")
-    out = Path(value).expanduser()
-    if out.is_dir():
-        raise TraceError(f"--out {value!r}: bad value (a directory); allowed: a file path")
-    for parent in out.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise TraceError(f"--out {value!r}: bad value ({str(parent)!r} is a file, not a directory); "
-                                 "allowed: a file path whose folders are folders")
-            break
+def _check_out_file(value: str, command: str) -> None:
+    """An output trace's path: a new file, or a trace the same command wrote (never a file it did not write)."""
+    from fdsched.replay.generate import KINDS
+    from fdsched.tools.outdir import OutputError, check_out_file, trace_written_by
 
-
-def _check_out_dir(value: str) -> Path:
-    """The output directory, made now: a bad --out must fail before the arms run, not after (minutes later)."""
-    if not value.strip():
-        raise TraceError(f"--out {value!r}: bad value (empty); allowed: a directory (it is made if missing)")
-    out = Path(value).expanduser()
-    if out.exists() and not out.is_dir():
-        raise TraceError(f"--out {value!r}: bad value (an existing file, not a directory); allowed: a directory "
-                         "(it is made if missing; report.json and replay.png go in it)")
+    kinds = ("import",) if command.endswith("import") else tuple(KINDS)
     try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise TraceError(f"--out {value!r}: cannot make the directory ({exc.strerror}); allowed: a writable "
-                         "directory path") from None
-    if not os.access(out, os.W_OK):
-        raise TraceError(f"--out {value!r}: the directory is not writable; allowed: a writable directory")
-    return out
+        check_out_file(value, command, trace_written_by(kinds))
+    except OutputError as exc:
+        raise TraceError(str(exc)) from None
+
+
+def _check_out_dir(value: str, command: str) -> tuple:
+    """(folder, created): the output folder, made and marked now (a bad --out fails before the arms run, not
+    minutes later); only a new or empty folder or one the same command wrote is taken. Raises TraceError."""
+    from fdsched.tools.outdir import OutputError, claim_out_dir
+
+    try:
+        return claim_out_dir(value, command)
+    except OutputError as exc:
+        raise TraceError(str(exc)) from None
 
 
 REPORT_FILES = ("report.json", "replay.png")
@@ -448,7 +446,7 @@ class _ReplayPlan:
 
     ``path``: the trace file; ``engine``: the trace's engine shape with the command line's overrides;
     ``profiles``: the arms in order (with ``--dp-arms``: each rank's profile); ``dp_arms``: rank -> profile,
-    or None without ``--dp-arms``; ``out``: the output directory (already made).
+    or None without ``--dp-arms``; ``out``: the output directory (already made and marked; ``created``: by this run).
     """
 
     path: Path
@@ -457,6 +455,7 @@ class _ReplayPlan:
     profiles: list
     dp_arms: Optional[dict]
     out: Path
+    created: bool = False
 
 
 def cmd_replay(args) -> int:
@@ -465,18 +464,19 @@ def cmd_replay(args) -> int:
     Exit code: EXIT_OK; EXIT_ERROR on bad input or an invariant violation; EXIT_NO_HOST without the host."""
     from fdsched.core.settings import SettingsError
 
-    created = not Path(args.out).expanduser().exists()
     try:
         plan = _replay_plan(args)
     except (TraceError, SettingsError) as exc:
         print(error_line("replay", exc), file=sys.stderr)
         return EXIT_ERROR
-    tqdm = _progress_module(args)
-    runs, error, note = _run_arms_logged(args, plan, tqdm)
-    if error is not None:
-        _tidy_after_failure(plan.out, created)
-        return _report_run_error(error)
-    return _write_and_print_report(args, plan, runs, note)
+    try:
+        tqdm = _progress_module(args)
+        runs, error, note = _run_arms_logged(args, plan, tqdm)
+        if error is not None:
+            return _report_run_error(error)
+        return _write_and_print_report(args, plan, runs, note)
+    finally:  # every file now in the folder is this command's; a folder this run made and left empty goes
+        settle_out_dir(plan.out, "fdsched replay", plan.created)
 
 
 def _replay_plan(args) -> _ReplayPlan:
@@ -502,9 +502,10 @@ def _replay_plan(args) -> _ReplayPlan:
     if args.cost_model is not None:
         resolve_cost_model(args.cost_model, "--cost-model")
     _check_profiles(args, profiles, dp_arms)
-    out = _check_out_dir(args.out)
+    out, created = _check_out_dir(args.out, "fdsched replay")
     _say_if_replacing(out)
-    return _ReplayPlan(path=path, trace=trace, engine=engine, profiles=profiles, dp_arms=dp_arms, out=out)
+    return _ReplayPlan(path=path, trace=trace, engine=engine, profiles=profiles, dp_arms=dp_arms, out=out,
+                       created=created)
 
 
 def _parse_dp_arms(args) -> Optional[dict]:
@@ -641,16 +642,6 @@ def _run_arms(args, plan: _ReplayPlan, progress_factory) -> list:
         plan.trace, plan.profiles, plan.engine, cost_overrides, max_steps,
         progress_factory=progress_factory, inherit_env=args.inherit_env, check_every=args.check_every,
     )
-
-
-def _tidy_after_failure(out: Path, created: bool) -> None:
-    """Nothing half-written when no arm ran: an empty host.log goes, and so does the output directory when this
-    run made it and nothing else is in it (a host.log with the host's own messages stays: it says why)."""
-    log = out / "host.log"
-    if log.is_file() and log.stat().st_size == 0:
-        log.unlink()
-    if created and out.is_dir() and not any(out.iterdir()):
-        out.rmdir()
 
 
 def _report_run_error(error: Exception) -> int:

@@ -97,13 +97,10 @@ def build_manager(shape: EngineShape, dp_rank: int = 0, dp_size: Optional[int] =
     except TraceError:
         raise
     except Exception as exc:  # noqa: BLE001 - the host's own check (an assert) or a config shape it does not take
-        import fastdeploy
-
         first = (str(exc).splitlines() or ["?"])[0]
         first = first if len(first) <= 160 else first[:157] + "..."
-        where = os.path.dirname(os.path.dirname(os.path.abspath(fastdeploy.__file__)))
         raise HostConfigError(
-            f"FastDeploy at {where} refuses the replay's engine shape ({type(exc).__name__}: {first}); the replay "
+            f"FastDeploy (fdsched doctor says which) refuses the replay's engine shape ({type(exc).__name__}: {first}); the replay "
             "builds the scheduler's configs as FastDeploy 2.4 and later do: if the message names a setting, change "
             "it with the replay's flag of that name, else this host cannot be replayed"
         ) from None
@@ -115,13 +112,25 @@ def _build_manager(shape: EngineShape, dp_rank: int = 0, dp_size: Optional[int] 
     ``dp_rank`` / ``dp_size``: the data-parallel rank this scheduler is for (passed as the engine passes it,
     ``local_data_parallel_id``, and set in ``parallel_config``) and the number of ranks.
     """
+    from fastdeploy.engine.sched import resource_manager_v1
+
+    config = host_config(shape, dp_rank, dp_size)
+    return resource_manager_v1.ResourceManagerV1(max_num_seqs=shape.max_num_seqs, config=config, tensor_parallel_size=1,
+                                                 splitwise_role=shape.splitwise_role, local_data_parallel_id=dp_rank)
+
+
+def host_config(shape: EngineShape, dp_rank: int = 0, dp_size: Optional[int] = None, replay_check: bool = True):
+    """The host's ``FDConfig`` for ``shape``, built with the host's own config classes, so the host's own checks
+    (``FDConfig``'s post-processing and ``check``: the KV pool against ``max_model_len``, the batch token budget
+    against the sequences, ...) run on it. Raises what the host raises (mostly ``AssertionError``); first, with
+    ``replay_check``, :class:`TraceError` for a shape the replay cannot drive."""
     from types import SimpleNamespace
 
-    shape.check()
+    if replay_check:
+        shape.check()
     prepare_host_environment()
     from fastdeploy.config import CacheConfig, FDConfig, ParallelConfig, SchedulerConfig
     from fastdeploy.engine import args_utils
-    from fastdeploy.engine.sched import resource_manager_v1
 
     v1_flag = os.environ.get("ENABLE_V1_KVCACHE_SCHEDULER")
     engine_args = args_utils.EngineArgs(
@@ -146,14 +155,8 @@ def _build_manager(shape: EngineShape, dp_rank: int = 0, dp_size: Optional[int] 
     cache.bytes_per_token_per_layer = 1
     cache.bytes_per_layer_per_block = 1  # what 2.4's prefix cache reads instead (sizes only its log line here)
     cache.kv_cache_ratio = 1.0
-    model = SimpleNamespace(
-        enable_mm=False,
-        max_model_len=shape.max_model_len,
-        architectures=["fdsched_replay_model"],
-        mm_max_tokens_per_item=None,
-        version=None,
-        print=lambda *a, **k: None,
-    )
+    model = SimpleNamespace(enable_mm=False, max_model_len=shape.max_model_len, architectures=["fdsched_replay_model"],
+                            mm_max_tokens_per_item=None, version=None, print=lambda *a, **k: None)
     scheduler = SchedulerConfig(args)
     scheduler.splitwise_role = shape.splitwise_role
     fd_config = FDConfig(
@@ -170,14 +173,7 @@ def _build_manager(shape: EngineShape, dp_rank: int = 0, dp_size: Optional[int] 
     fd_config.parallel_config.local_data_parallel_id = dp_rank
     if dp_size is not None:
         fd_config.parallel_config.data_parallel_size = dp_size
-    manager = resource_manager_v1.ResourceManagerV1(
-        max_num_seqs=shape.max_num_seqs,
-        config=fd_config,
-        tensor_parallel_size=1,
-        splitwise_role=shape.splitwise_role,
-        local_data_parallel_id=dp_rank,
-    )
-    return manager
+    return fd_config
 
 
 def _drop_cpu_v1_override() -> None:

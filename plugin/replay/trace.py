@@ -63,7 +63,8 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-from fdsched.core.common import ceil_div, read_utf8
+from fdsched.core.common import ceil_div, did_you_mean, read_utf8
+from fdsched.replay.tracehelp import TRACE_FORMAT, fitting_max_model_len, shown_source
 
 __all__ = [
     "TraceError",
@@ -239,7 +240,7 @@ class _Where:
         self.source, self.line = source, line
 
     def error(self, field_name: Optional[str], problem: str) -> TraceError:
-        where = f"{self.source} line {self.line}"
+        where = f"{shown_source(self.source)} line {self.line}"
         if field_name:
             where += f", field {field_name!r}"
         return TraceError(f"trace {where}: {problem}")
@@ -373,9 +374,11 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>", name: Optional[st
         try:
             obj = json.loads(text)
         except json.JSONDecodeError as exc:
-            raise where.error(None, f"not valid JSON: {exc.msg} (column {exc.colno})") from None
+            detail = f"not valid JSON: {exc.msg} (column {exc.colno}); allowed: {TRACE_FORMAT}"
+            raise where.error(None, detail) from None
         if not isinstance(obj, dict):
-            raise where.error(None, f"each line must be a JSON object, got {type(obj).__name__}")
+            got = type(obj).__name__
+            raise where.error(None, f"each line must be a JSON object, got {got}; allowed: {TRACE_FORMAT}")
         if "header" in obj:
             if not first_object:
                 raise where.error("header", "a header is only allowed on the first line")
@@ -397,7 +400,7 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>", name: Optional[st
             requests.append(request)
         first_object = False
     if not requests:
-        raise TraceError(f"trace {source}: no requests")
+        raise TraceError(f"trace {shown_source(source)}: no requests; allowed: {TRACE_FORMAT}")
     stem = name or Path(source).name.split(".")[0] or "trace"
     return Trace(tuple(requests), engine, description, generator, source, stem)
 
@@ -405,6 +408,9 @@ def parse_trace(lines: Iterable[str], source: str = "<trace>", name: Optional[st
 def load_trace(path) -> Trace:
     path = Path(path)
     text = read_utf8(path, "trace", "a JSONL trace file (fdsched trace validate checks one)", TraceError)
+    if path.suffix.lower() == ".csv" and not text.lstrip().startswith("{"):
+        raise TraceError(f"trace {path}: a CSV file, not a trace; allowed: {TRACE_FORMAT}. A CSV request log becomes "
+                         f"one with: fdsched trace import {path} --format azure|burstgpt|generic --out TRACE.jsonl")
     return parse_trace(text.splitlines(), source=str(path), name=path.name[: -len(".jsonl")] if path.name.endswith(".jsonl") else path.stem)
 
 
@@ -432,7 +438,8 @@ def resolve_trace(value: str) -> Path:
         if not path.is_file():
             raise TraceError(f"trace {value!r}: no such file; allowed: a shipped trace ({', '.join(shipped)}) or a path")
         return path
-    raise TraceError(f"trace {value!r}: unknown; allowed: a shipped trace ({', '.join(shipped)}) or the path of a JSONL file")
+    raise TraceError(f"trace {value!r}: unknown{did_you_mean(value, shipped)}; allowed: a shipped trace ({', '.join(shipped)}) "
+                     "or the path of a JSONL file")
 
 
 def check_engine_shape(engine: dict) -> None:
@@ -469,15 +476,16 @@ def check_engine(trace: Trace, engine: dict) -> None:
     max_len = engine["max_model_len"]
     for request in trace.requests:
         where = _Where(trace.source, request.line)
+        raise_to = f"allowed: max_model_len (--max-model-len) {fitting_max_model_len(trace.requests)} or more, where every request fits"
         if request.prompt_len >= max_len:
-            raise where.error("prompt_len", f"{request.prompt_len} does not fit max_model_len={max_len}; allowed: < {max_len}")
+            raise where.error("prompt_len", f"{request.prompt_len} does not fit max_model_len={max_len}; {raise_to}")
         total = request.prompt_len + request.effective_output_len
         if total > max_len:
             field_name = "output_len" if request.max_tokens is None or request.output_len <= request.max_tokens else "max_tokens"
             raise where.error(
                 field_name,
                 f"prompt ({request.prompt_len}) + output ({request.effective_output_len}) = {total} exceeds "
-                f"max_model_len={max_len}",
+                f"max_model_len={max_len}; {raise_to}",
             )
 
 

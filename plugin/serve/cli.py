@@ -4,12 +4,15 @@ through the load generator, print the per-arm report). The launcher itself only 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import sys
 import time
 
 from fdsched.core.common import EXIT_ERROR, EXIT_NO_HOST
+from fdsched.serve.load_cli import out_dir_problems, owned_out_dir
+from fdsched.serve.preflight import host_shape_problems, profiles_line, rank_arm_problems, rank_profiles
 from fdsched.serve.launcher import (
     LOOPBACK, PORT_RANGE, PORTS_PER_RANK, EngineConfig, HostMissing, ServedEngine, ServeError, check_config,
     check_host_modules, format_schedule_times, port_in_use, receiver_rpc_rate,
@@ -85,6 +88,11 @@ def _shape_from_args(args, trace=None) -> dict:
     return shape
 
 
+def report_dir(args):
+    """Where a --trace run writes its report (--out, default serve-out); None without --trace."""
+    return (args.out or "serve-out") if args.trace else None
+
+
 def sequential_arms(args) -> list:
     """``--arms A,B`` (no ranks): the arms run one after another, each on the whole trace; [] otherwise."""
     if not args.arms or "=" in args.arms:
@@ -96,8 +104,6 @@ def check_serve_args(args) -> tuple:
     """(problems, trace, configs): every problem of the flags, the profile(s) and the FDSCHED_* variables, one line
     each, found before anything is spawned; the loaded trace (or None) and one EngineConfig per stack to run."""
     import math
-
-    from fdsched.core.settings import SettingsError, resolve_profile
 
     problems, trace = [], None
     if args.trace:
@@ -120,24 +126,9 @@ def check_serve_args(args) -> tuple:
         problems.append("--time-schedule: allowed only with --trace")
     if args.out and not args.trace:
         problems.append(f"--out {args.out}: allowed only with --trace (the report directory)")
+    problems += out_dir_problems(report_dir(args), "fdsched serve")
     arms = sequential_arms(args)
-    if arms:
-        if not args.trace:
-            problems.append(f"--arms {args.arms!r}: arms without ranks run in turn on a trace: add --trace, or give "
-                            "one arm per rank (RANK=PROFILE, with --dp >= 2)")
-        if args.dp != 1:
-            problems.append(f"--arms {args.arms!r} with --dp {args.dp}: arms run in turn use one rank each; allowed: "
-                            "--dp 1, or RANK=PROFILE items for one arm per rank")
-        if args.profile:
-            problems.append(f"--profile {args.profile} with --arms {args.arms!r}: allowed: one of them")
-        if "" in arms or len(set(arms)) != len(arms):
-            problems.append(f"--arms {args.arms!r}: allowed: distinct profile names or paths, comma-separated")
-        for arm in arms:
-            if arm:
-                try:
-                    resolve_profile(arm, "--arms")
-                except SettingsError as exc:
-                    problems.append(str(exc))
+    problems += _arms_in_turn_problems(args, arms)
     shape = _shape_from_args(args, trace)
     if arms:
         configs = [EngineConfig(profile=arm, dp=1, port=args.port, host=args.host, num_cpu_blocks=args.num_cpu_blocks,
@@ -149,6 +140,7 @@ def check_serve_args(args) -> tuple:
                                 time_schedule=args.time_schedule, health_timeout=args.health_timeout, **shape)]
     for config in configs:
         problems += [p for p in check_config(config) if p not in problems]
+    problems += rank_arm_problems(args.arms, args.dp, args.profile)
     if trace is not None and configs and not any("max-model-len" in p for p in problems):
         from fdsched.serve.compare import exact_output_trace
         from fdsched.serve.load import LoadError, check_servable
@@ -164,6 +156,32 @@ def check_serve_args(args) -> tuple:
             problems.append(f"--port {args.port}: port {busy} is in use (the stack needs ports {args.port}-"
                             f"{args.port + need - 1}); allowed: a first port whose {need} ports are free")
     return problems, trace, configs
+
+
+def _arms_in_turn_problems(args, arms: list) -> list:
+    """``--arms A,B`` (no ranks): it needs --trace and --dp 1, no --profile, and distinct known profiles."""
+    from fdsched.core.settings import SettingsError, resolve_profile
+
+    if not arms:
+        return []
+    problems = []
+    if not args.trace:
+        problems.append(f"--arms {args.arms!r}: arms without ranks run in turn on a trace: add --trace, or give "
+                        "one arm per rank (RANK=PROFILE, with --dp >= 2)")
+    if args.dp != 1:
+        problems.append(f"--arms {args.arms!r} with --dp {args.dp}: arms run in turn use one rank each; allowed: "
+                        "--dp 1, or RANK=PROFILE items for one arm per rank")
+    if args.profile:
+        problems.append(f"--profile {args.profile} with --arms {args.arms!r}: allowed: one of them")
+    if "" in arms or len(set(arms)) != len(arms):
+        problems.append(f"--arms {args.arms!r}: allowed: distinct profile names or paths, comma-separated")
+    for arm in arms:
+        if arm:
+            try:
+                resolve_profile(arm, "--arms")
+            except SettingsError as exc:
+                problems.append(str(exc))
+    return problems
 
 
 class _Signals:
@@ -192,6 +210,11 @@ def _say(line: str) -> None:
 def cmd_serve(args) -> int:
     signals = _Signals()
     signals.install()
+    with contextlib.ExitStack() as owned:  # the --out folder, settled however the run ends
+        return _serve(args, signals, owned)
+
+
+def _serve(args, signals, owned) -> int:
     engine = None
     try:
         problems, trace, configs = check_serve_args(args)
@@ -200,6 +223,12 @@ def cmd_serve(args) -> int:
                 print(f"fdsched serve: {problem}", file=sys.stderr)
             return EXIT_ERROR
         _check_host_quietly()
+        problems = _check_shapes_quietly(configs)
+        for problem in problems:  # the host's own config checks on the shape, before anything is spawned
+            print(f"fdsched serve: {problem}", file=sys.stderr)
+        if problems:
+            return EXIT_ERROR
+        owned.enter_context(owned_out_dir(report_dir(args), "fdsched serve"))
         signals.install()  # the host's import may have installed its own handlers: ours go after it
         if sequential_arms(args):
             return _run_arms_in_turn(args, trace, configs, signals)
@@ -207,6 +236,7 @@ def cmd_serve(args) -> int:
         with engine:
             where = "loopback only; --host to choose otherwise" if args.host == LOOPBACK else "--host"
             _say(f"up on {args.host} ({where}); logs in {engine.log_dir}")
+            _say(profiles_line(args.profile, args.arms, args.dp))
             for rank, (url, metrics) in enumerate(zip(engine.urls, engine.metrics_urls)):
                 print(f"  rank {rank}: {url}/v1/completions  metrics {metrics}")
             if engine.router_url:
@@ -251,6 +281,18 @@ def _check_host_quietly() -> None:
 
     with host_output_to(cache_dir() / "logs" / "serve-host-import.log"):
         check_host_modules()
+
+
+def _check_shapes_quietly(configs) -> list:
+    """The host's own config checks on each stack's engine shape (its import chatter into the log, as above)."""
+    from fdsched.tools.hostsetup import cache_dir
+    from fdsched.tools.quiet import host_output_to
+
+    problems = []
+    with host_output_to(cache_dir() / "logs" / "serve-host-import.log"):
+        for config in configs[:1]:  # the stacks differ only in their profile: one shape
+            problems += host_shape_problems(config)
+    return problems
 
 
 def _finish(engine, args, failed: bool) -> None:
@@ -345,8 +387,7 @@ def _sendable(trace):
 def _write_report(report, load, args) -> int:
     from fdsched.serve.load_cli import write_outputs
 
-    out = args.out or "serve-out"
-    for path in write_outputs(report, load["results"], out):
+    for path in write_outputs(report, load["results"], report_dir(args)):
         print(f"wrote {path}")
     failed = sum(p["figures"]["errors"] for p in report["profiles"])
     return 1 if failed else 0
@@ -354,12 +395,7 @@ def _write_report(report, load, args) -> int:
 
 def _arm_names(engine, args) -> list:
     """Each rank's arm: its profile from --arms, else --profile (the plugin's default profile when neither)."""
-    by_rank = {}
-    for item in (args.arms or "").split(","):
-        if "=" in item:
-            rank, profile = item.split("=", 1)
-            by_rank[int(rank.strip())] = profile.strip()
-    names = [by_rank.get(rank, args.profile or "default") for rank in range(len(engine.urls))]
+    names = rank_profiles(args.profile, args.arms, len(engine.urls))
     # two ranks on one profile are still two arms: name them apart
     return [f"{name}@rank{rank}" if names.count(name) > 1 else name for rank, name in enumerate(names)]
 

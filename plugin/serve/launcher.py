@@ -270,10 +270,8 @@ def check_host_modules() -> str:
         raise HostMissing(f"needs FastDeploy engine: {exc}") from None
     missing = [m for m in REQUIRED_MODULES if importlib.util.find_spec(m) is None]
     if missing:
-        from fdsched.tools.hostsetup import REQUIREMENTS
-
         raise HostMissing(f"needs FastDeploy engine: the serving stack's modules are missing: {', '.join(missing)}; "
-                          f"`fdsched host setup` installs them, or: pip install -r {REQUIREMENTS}")
+                          "`fdsched host setup` installs them")
     return source
 
 

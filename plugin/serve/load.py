@@ -177,18 +177,20 @@ def server_info(target: Target, timeout: float = 10.0) -> dict:
 
 def check_servable(trace: Trace, max_model_len: Optional[int], where: str) -> None:
     """Every request must fit the server's context; else one error naming the first request that does not."""
+    from fdsched.replay.tracehelp import fitting_max_model_len, shown_source
+
     if not max_model_len:
         return
     for r in trace.in_feed_order():
         if r.prompt_len >= max_model_len:
             raise LoadError(
-                f"trace {trace.source} line {r.line} (request {r.id}): prompt_len={r.prompt_len} does not fit "
-                f"{where}'s max_model_len={max_model_len}; allowed: < {max_model_len}. Serve with a larger "
-                "--max-model-len or drop such requests from the trace"
+                f"trace {shown_source(trace.source)} line {r.line} (request {r.id}): prompt_len={r.prompt_len} does "
+                f"not fit {where}'s max_model_len={max_model_len}; raise --max-model-len to "
+                f"{fitting_max_model_len(trace.requests)} (every request fits), or drop such requests from the trace"
             )
         if r.max_tokens is not None and r.max_tokens >= max_model_len:
             raise LoadError(
-                f"trace {trace.source} line {r.line} (request {r.id}): max_tokens={r.max_tokens} is refused by "
+                f"trace {shown_source(trace.source)} line {r.line} (request {r.id}): max_tokens={r.max_tokens} is refused by "
                 f"{where} (max_model_len={max_model_len}); allowed: 1 .. {max_model_len - 1}"
             )
 

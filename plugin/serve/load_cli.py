@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -93,7 +94,21 @@ def load_arg_problems(args) -> list:
     for url in args.url:
         if not url.startswith(("http://", "https://")):
             problems.append(f"--url {url!r}; allowed: an http(s) URL such as http://127.0.0.1:8000")
+    problems += out_dir_problems(args.out, "fdsched load")
     return problems
+
+
+def out_dir_problems(out, command: str) -> list:
+    """The --out folder's problem (one line), if ``command`` may not write into it; [] without --out."""
+    from fdsched.tools.outdir import OutputError, check_out_dir
+
+    if out is None:
+        return []
+    try:
+        check_out_dir(out, command)
+    except OutputError as exc:
+        return [str(exc)]
+    return []
 
 
 def cmd_load(args) -> int:
@@ -117,18 +132,39 @@ def cmd_load(args) -> int:
         if args.step_ms is not None and trace.time_based:
             raise LoadError(f"--step-ms {args.step_ms}: trace {trace.name} has arrival times in seconds; allowed: only "
                             "with a step-based trace")
-        load = run_trace_load(trace, targets, args.time_scale, args.step_ms or DEFAULT_STEP_MS, args.seed, args.model,
-                              args.request_timeout, progress=not args.no_progress)
     except (LoadError, TraceError) as exc:
         print(f"fdsched load: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
-    report = build_served_report(trace, load, targets)
-    print(format_served_table(report))
-    if args.out:
-        for path in write_outputs(report, load["results"], args.out):
-            print(f"wrote {path}")
+    with owned_out_dir(args.out, "fdsched load") as out:
+        try:
+            load = run_trace_load(trace, targets, args.time_scale, args.step_ms or DEFAULT_STEP_MS, args.seed,
+                                  args.model, args.request_timeout, progress=not args.no_progress)
+        except (LoadError, TraceError) as exc:
+            print(f"fdsched load: error: {exc}", file=sys.stderr)
+            return EXIT_ERROR
+        report = build_served_report(trace, load, targets)
+        print(format_served_table(report))
+        if out is not None:
+            for path in write_outputs(report, load["results"], str(out)):
+                print(f"wrote {path}")
     failed = sum(p["figures"]["errors"] for p in report["profiles"])
     return EXIT_ERROR if failed else EXIT_OK
+
+
+@contextlib.contextmanager
+def owned_out_dir(value, command: str):
+    """The --out folder claimed for ``command`` while the block runs (None without --out), then settled: what the
+    run wrote is recorded as the command's, and a folder it made and left empty goes."""
+    from fdsched.tools.outdir import claim_out_dir, settle_out_dir
+
+    if value is None:
+        yield None
+        return
+    out, created = claim_out_dir(value, command)
+    try:
+        yield out
+    finally:
+        settle_out_dir(out, command, created)
 
 
 def add_compare_command(sub) -> None:
@@ -152,21 +188,25 @@ def cmd_compare(args) -> int:
     from fdsched.serve.compare import compare, format_comparison
     from fdsched.serve.load import LoadError
 
+    problems = out_dir_problems(args.out, "fdsched load-vs-replay")
     if not (args.time_scale > 0):
-        print(f"fdsched load-vs-replay: error: --time-scale {args.time_scale}; allowed: a number > 0", file=sys.stderr)
+        problems.insert(0, f"--time-scale {args.time_scale}; allowed: a number > 0")
+    for problem in problems:
+        print(f"fdsched load-vs-replay: error: {problem}", file=sys.stderr)
+    if problems:
         return EXIT_ERROR
-    try:
-        trace = load_trace(resolve_trace(args.trace))
-        result = compare(trace, args.profile, args.time_scale, progress=not args.no_progress,
-                         log=lambda msg: print(msg, file=sys.stderr, flush=True))
-    except (LoadError, TraceError) as exc:
-        print(f"fdsched load-vs-replay: error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
-    print(format_comparison(result))
-    if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        path = os.path.join(args.out, "comparison.json")
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump(result, fh, indent=1)
-        print(f"wrote {path}")
+    with owned_out_dir(args.out, "fdsched load-vs-replay") as out:
+        try:
+            trace = load_trace(resolve_trace(args.trace))
+            result = compare(trace, args.profile, args.time_scale, progress=not args.no_progress,
+                             log=lambda msg: print(msg, file=sys.stderr, flush=True))
+        except (LoadError, TraceError) as exc:
+            print(f"fdsched load-vs-replay: error: {exc}", file=sys.stderr)
+            return EXIT_ERROR
+        print(format_comparison(result))
+        if out is not None:
+            path = os.path.join(out, "comparison.json")
+            with open(path, "w", encoding="utf-8") as fh:
+                json.dump(result, fh, indent=1)
+            print(f"wrote {path}")
     return EXIT_OK

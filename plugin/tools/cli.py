@@ -10,14 +10,13 @@ from typing import Optional
 from fdsched import __version__
 from fdsched.core.settings import CHANGE_IDS, HOST_FIXES, UPSTREAM_CHANGE_IDS, PROFILE_ENV, SettingsError, load_settings, profile_description, shipped_profiles
 
-from fdsched.core.common import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK, error_line, plural, read_utf8
+from fdsched.core.common import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK, bounded_int, error_line, plural, read_utf8
 from fdsched.core.common import text_table as _table
 
 
 def cmd_doctor(args) -> int:
     from fdsched.patches import CATALOGUE
 
-    from fdsched.install.probe import HostNotFound
     from fdsched.install.installer import InstallError, current, decide, decide_arms
     from fdsched.core.settings import load_arm_settings
 
@@ -27,26 +26,12 @@ def cmd_doctor(args) -> int:
         settings = load_settings()
         arm_settings = load_arm_settings()
     except SettingsError as exc:
+        _print_preflight(args, None)
         print(error_line("doctor", f"settings: {exc}"), file=sys.stderr)
         return EXIT_ERROR
-    print(f"profile: {settings.profile or 'none'}" + (f" ({settings.profile_path})" if settings.profile_path else ""))
+    print(f"profile: {settings.profile or 'default'}" + (f" ({settings.profile_path})" if settings.profile_path else ""))
 
-    info = None
-    from fdsched.tools.hostsetup import cache_dir
-    from fdsched.tools.quiet import host_output_to, log_note
-
-    log_path = cache_dir() / "logs" / "doctor-host.log"
-    if log_path.is_file():
-        log_path.unlink()
-    not_found = None
-    with host_output_to(log_path, verbose=args.verbose) as host_log:  # the host's import chatter: into the log
-        try:
-            from fdsched.install.probe import probe
-
-            info = probe()
-        except HostNotFound as exc:
-            not_found = exc
-    note = log_note(host_log)
+    info, not_found, note = _probe_quietly(args)
     if not_found is None:
         print(f"host: {info.label}")
         print(f"host support: {info.support}")
@@ -54,6 +39,7 @@ def cmd_doctor(args) -> int:
     else:
         print(error_line("doctor", f"host not found: {not_found}"), file=sys.stderr)
         status = EXIT_NO_HOST
+    _print_preflight(args, info.location if info is not None else None)
 
     decisions = {}
     if info is not None:
@@ -100,6 +86,34 @@ def cmd_doctor(args) -> int:
     if note:
         print("\n" + note)
     return status
+
+
+def _probe_quietly(args) -> tuple:
+    """(info or None, HostNotFound or None, the note about the host's log): the probe, its chatter in a log file."""
+    from fdsched.install.probe import HostNotFound, probe
+    from fdsched.tools.hostsetup import cache_dir
+    from fdsched.tools.quiet import host_output_to, log_note
+
+    log_path = cache_dir() / "logs" / "doctor-host.log"
+    if log_path.is_file():
+        log_path.unlink()
+    info = not_found = None
+    with host_output_to(log_path, verbose=args.verbose) as host_log:  # the host's import chatter: into the log
+        try:
+            info = probe()
+        except HostNotFound as exc:
+            not_found = exc
+    return info, not_found, log_note(host_log)
+
+
+def _print_preflight(args, location) -> None:
+    """The environment's mistakes that stop the plugin doing what the settings say, one line each with the fix."""
+    from fdsched.tools.preflight import environment_lines, host_variables, loader_when_unset
+
+    print("\npre-flight (this environment, as the engine would see it):")
+    for ok, line in environment_lines(when_unset=loader_when_unset(location), ranks=args.dp,
+                                      read_by_host=host_variables(location)):
+        print(f"  {'ok' if ok else '!!'}  {line}")
 
 
 def _adaptive_report(settings, ratio_decision) -> str:
@@ -265,6 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="host, what it already has, what the settings would apply")
     doctor.add_argument("-v", "--verbose", action="store_true",
                         help="show the host's own import messages here instead of in a log file")
+    doctor.add_argument("--dp", type=bounded_int(1, 4096), metavar="N",
+                        help="the engine's data-parallel ranks: check FDSCHED_PROFILE_BY_DP_RANK against them")
     doctor.set_defaults(func=cmd_doctor)
 
     patches = sub.add_parser("patches", help="the catalogue: what each change replaces, why, when to delete it, "

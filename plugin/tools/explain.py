@@ -128,12 +128,24 @@ def explain_class(target: str, arm_cls: type, host_cls: type, change_mixins: Seq
                                     if c in plugin_part and c.__module__ != "fdsched.patches._base" and _defines(c, name)),
                                    None)
             methods.append((name, implementer))
+        if impl == "host" and any(implementer for _, implementer in methods):
+            detail = host_impl_detail(detail, mixin)
         rows.append(ChangeRow(change_id, impl, detail, None if mixin is None else class_name(mixin), tuple(methods)))
     return TargetExplanation(target, f"{host_cls.__module__}.{host_cls.__qualname__}", chain, host_bases, overrides,
                              rows)
 
 
+def host_impl_detail(detail: str, mixin) -> str:
+    """A change whose host code runs, while a mixin of it still overrides host methods: what the plugin does there
+    (the mixin's ``fdsched_host_role``), never only "host already has it"."""
+    role = getattr(mixin, "fdsched_host_role", "runs its code around the host's in the methods below")
+    if detail == HOST_HAS_IT:
+        return f"the host's own version runs (the host has the change); the plugin only {role}"
+    return f"{detail}; the plugin only {role}"
+
+
 NOT_OVERRIDDEN = "not overridden by this change"
+HOST_HAS_IT = "host already has it"  # the installer's decision text for impl "host" on a host that has the change
 TEXT_WIDTH = 100  # the text output's lines, where a chain allows (a class name is never split)
 
 

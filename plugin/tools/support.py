@@ -54,6 +54,15 @@ def support_row(info) -> dict:
     }
 
 
+def _is_support_row(path) -> bool:
+    """Whether ``path`` holds a row this command wrote (a JSON object with a line, a commit and a tier)."""
+    try:
+        row = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(row, dict) and {"line", "commit", "tier"} <= set(row)
+
+
 def refused_row(line: str, commit: str, why: str) -> dict:
     """The row of a host ``fdsched host setup`` refuses (no V1 scheduler)."""
     return {"line": line, "commit": commit, "tier": "refused", "refused": why}
@@ -173,6 +182,14 @@ def cmd_support(args) -> int:
         if not failed:
             print(f"support tables in {', '.join(args.check)} match the {len(rows)} hosts CI ran")
         return EXIT_ERROR if failed else EXIT_OK
+    if args.json:
+        from fdsched.tools.outdir import OutputError, check_out_file
+
+        try:  # before the probe: never over a file this command did not write
+            check_out_file(args.json, "fdsched host support", _is_support_row, flag="--json")
+        except OutputError as exc:
+            print(f"fdsched host support: error: {exc}", file=sys.stderr)
+            return EXIT_ERROR
     if args.refused:
         row = refused_row(*args.refused)
     else:

@@ -403,11 +403,13 @@ def test_a_replay_that_cannot_start_leaves_no_output_behind(tmp_path, monkeypatc
     assert main(["replay", "--out", str(out), "--no-progress"]) == 2
     assert "needs the FastDeploy host" in capsys.readouterr().err
     assert not out.exists()  # made for the run, removed again: nothing half-written
-    kept = tmp_path / "kept"
-    kept.mkdir()
+    from fdsched.tools.outdir import MARKER, claim_out_dir, settle_out_dir
+
+    kept, created = claim_out_dir(str(tmp_path / "kept"), "fdsched replay")  # an earlier replay's folder
     (kept / "report.json").write_text("{}", encoding="utf-8")
+    settle_out_dir(kept, "fdsched replay", created)
     assert main(["replay", "--out", str(kept), "--no-progress"]) == 2
-    assert sorted(p.name for p in kept.iterdir()) == ["report.json"]  # an earlier report stays when this run fails
+    assert sorted(p.name for p in kept.iterdir()) == [MARKER, "report.json"]  # an earlier report stays when this fails
 
 
 def test_counts_read_as_words():

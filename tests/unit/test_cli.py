@@ -81,7 +81,7 @@ def test_doctor_without_a_host(capsys, no_host):
     captured = capsys.readouterr()
     out = captured.out
     assert f"fdsched {__version__}" in out
-    assert "profile: none" in out
+    assert "profile: default" in out
     assert "fdsched doctor: error: host not found: " in captured.err and "not found" not in out  # errors: stderr
     assert HOST_SOURCE_ENV in captured.err  # how to point at a host
     for change_id in CHANGE_IDS:

@@ -164,3 +164,28 @@ def test_a_host_the_installer_cannot_build_on_is_one_line(monkeypatch, capsys, t
         "fdsched explain: error: cannot build the classes on this host: AttributeError: type object "
         "'ResourceManagerV1' has no attribute 'preallocate_resource_in_p'"
     ]
+
+
+class Watcher:
+    fdsched_host_role = "counts what the host's own code decides"
+
+    def recycle(self):
+        return super().recycle()
+
+
+class WatchedArm(Watcher, Host):
+    pass
+
+
+def test_a_change_whose_host_code_runs_but_whose_mixin_overrides_says_what_the_plugin_does():
+    t = explain_class("Host", WatchedArm, Host,
+                      [("w", "host", "host already has it", Watcher), ("x", "host", "host already has it", None),
+                       ("y", "host", "off (host's own pre-change code)", Watcher)],
+                      {"w": ("recycle",), "x": ("schedule",), "y": ("recycle",)})
+    rows = {row.change_id: row for row in t.changes}
+    assert rows["w"].methods == (("recycle", f"{__name__}.Watcher"),)
+    assert "host already has it" not in rows["w"].detail
+    assert rows["w"].detail == ("the host's own version runs (the host has the change); the plugin only counts what "
+                                "the host's own code decides")
+    assert rows["x"].detail == "host already has it"  # nothing of the plugin's runs: true as it stands
+    assert rows["y"].detail == "off (host's own pre-change code); the plugin only counts what the host's own code decides"
