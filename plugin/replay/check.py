@@ -9,7 +9,8 @@ through FastDeploy's own classes with the plugin not installed (arm ``host``) an
 * ``blocks``: a block is free twice, both free and held, leaked, or held by two requests outside the cache;
 * ``requests``: a request is lost, finished twice, or finished with fewer tokens than it should produce;
 * ``stall``: nothing is fed, scheduled, produced, preempted or finished for ``stall_steps`` steps while requests
-  are left (the replay's progress rule), or the run reaches its step limit.
+  are left (the replay's progress rule), or the run reaches its step limit;
+* ``raises``: the scheduler or the prefix cache raises out of a step (in an engine, the scheduler thread's end).
 
 A failure is shrunk (requests dropped, lengths and arrivals cut, the pool and the seats made smaller, as long as
 the same arm still fails the same way), written as a trace file the replay reads, and printed as one line.
@@ -26,7 +27,8 @@ from typing import Callable, Optional, Sequence
 
 from fdsched.replay.trace import Trace, TraceRequest, dump_trace, min_gpu_blocks
 
-__all__ = ["HOST_ARM", "Case", "Finding", "draw_case", "failure_of", "shrink", "search"]
+__all__ = ["HOST_ARM", "SEATS_DEFECT", "TWO_OWNERS_DEFECT", "PREFILL_RESERVE_DEFECT", "Case", "Finding", "draw_case",
+           "failure_of", "run_case", "shrink", "search"]
 
 HOST_ARM = "host"
 BLOCK_SIZE = 4
@@ -54,6 +56,7 @@ class Finding:
     case: Case
     path: Optional[Path] = None
     known: str = ""  # the documented host defect it is, if it is one
+    drawn: int = 0  # which drawn case (1 = the seed's first) it was found in, before shrinking
 
     def line(self) -> str:
         where = f" -> {self.path}" if self.path else ""
@@ -61,7 +64,7 @@ class Finding:
         engine = self.case.engine
         shape = (f"{len(self.case.requests)} requests, {engine['num_gpu_blocks']} blocks, "
                  f"max_num_seqs {engine['max_num_seqs']}, role {engine['splitwise_role']}")
-        return f"{self.arm}: {self.kind}: {self.detail} ({shape}){known}{where}"
+        return f"{self.arm}: {self.kind}: {self.detail} ({shape}, drawn case {self.drawn}){known}{where}"
 
 
 def draw_case(rng: random.Random) -> Case:
@@ -80,9 +83,13 @@ def draw_case(rng: random.Random) -> Case:
     }
     requests = []
     for i in range(rng.randint(1, 10)):
-        prompt_len = rng.randint(1, 28)
         group = rng.choice((None, None, "a", "b"))
-        prefix_len = rng.choice((0, prompt_len, rng.randint(0, prompt_len))) if group else 0
+        if group and rng.random() < 0.4:  # a prompt the cache may hold whole: block-aligned, all of it the prefix
+            prompt_len = BLOCK_SIZE * rng.randint(1, 6)
+            prefix_len = prompt_len
+        else:
+            prompt_len = rng.randint(1, 28)
+            prefix_len = rng.choice((0, prompt_len, rng.randint(0, prompt_len))) if group else 0
         output_len = rng.randint(1, MAX_MODEL_LEN - prompt_len)
         max_tokens = rng.choice((None, None, rng.randint(1, MAX_MODEL_LEN - prompt_len)))
         requests.append(TraceRequest(id=f"c{i}", arrival=rng.randint(0, 6), prompt_len=prompt_len,
@@ -92,6 +99,8 @@ def draw_case(rng: random.Random) -> Case:
 
 
 SEATS_DEFECT = "preempted requests hold every seat"
+TWO_OWNERS_DEFECT = "a KV block owned by two radix-tree nodes"
+PREFILL_RESERVE_DEFECT = "a prefill node's reservation refuses chunks that need no block"
 
 
 def failure_of(run, case: Case) -> Optional[tuple]:
@@ -99,22 +108,34 @@ def failure_of(run, case: Case) -> Optional[tuple]:
     defect it is, or ""), or None when every check holds."""
     for step in run.steps:
         if step.violations:
-            return "blocks", f"step {step.step}: {step.violations[0]}", ""
+            first = step.violations[0]
+            two_owners = ("both free and in use" in first and "prefix cache" in first) or "twice in the free list" in first
+            return "blocks", f"step {step.step}: {first}", TWO_OWNERS_DEFECT if two_owners else ""
     if run.request_violations:
         return "requests", run.request_violations[0], ""
     if not run.drained:
         stall = run.stall or {}
         if not stall:
             return "stall", run.stop_reason or "the run did not drain", ""
-        seats = (stall.get("running") == 0 and stall.get("free_blocks", 0) > 0
-                 and stall.get("waiting_preempted", 0) >= case.engine["max_num_seqs"])
         return "stall", (f"running {stall.get('running')}, waiting {stall.get('waiting')} "
                          f"({stall.get('waiting_preempted')} preempted), not admitted {stall.get('not_admitted')}, "
-                         f"free blocks {stall.get('free_blocks')}"), SEATS_DEFECT if seats else ""
+                         f"free blocks {stall.get('free_blocks')}"), _known_stall(stall, case.engine)
     short = [row.id for row in run.requests if row.output_tokens < row.target_output]
     if short:
         return "requests", f"finished with fewer tokens than it produces: {', '.join(short[:8])}", ""
     return None
+
+
+def _known_stall(stall: dict, engine: dict) -> str:
+    """The documented host defect a stall looks like, or ""."""
+    if (stall.get("running") == 0 and stall.get("free_blocks", 0) > 0
+            and stall.get("waiting_preempted", 0) >= engine["max_num_seqs"]):
+        return SEATS_DEFECT
+    running = stall.get("running", 0)
+    if (engine["splitwise_role"] == "prefill" and running > 0 and stall.get("waiting") == 0
+            and stall.get("running_with_all_blocks") == running):
+        return PREFILL_RESERVE_DEFECT
+    return ""
 
 
 def run_case(case: Case, arm: str) -> Optional[tuple]:
@@ -122,9 +143,27 @@ def run_case(case: Case, arm: str) -> Optional[tuple]:
     from fdsched.replay.runner import run_profile
 
     host = arm == HOST_ARM
-    run = run_profile(case.trace(), "baseline" if host else arm, dict(case.engine), max_steps=MAX_STEPS,
-                      stall_steps=STALL_STEPS, check_every=1, host_only=host)
+    try:
+        run = run_profile(case.trace(), "baseline" if host else arm, dict(case.engine), max_steps=MAX_STEPS,
+                          stall_steps=STALL_STEPS, check_every=1, host_only=host)
+    except Exception as exc:  # noqa: BLE001 - the scheduler raising out of a step is a finding, not the search's end
+        return "raises", _raised(exc), ""
     return failure_of(run, case)
+
+
+def _raised(exc: BaseException) -> str:
+    """``Type: message at file:line`` of the innermost frame, and of the innermost frame in FastDeploy's code when
+    that is another one (the chained exception a handler was raising about comes first)."""
+    import os
+    import traceback
+
+    cause = exc.__context__ if exc.__context__ is not None else exc
+    frames = traceback.extract_tb(cause.__traceback__)
+    where = f" at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno}" if frames else ""
+    text = f"{type(cause).__name__}: {cause}{where}"
+    if cause is not exc:
+        text += f" (then {type(exc).__name__}: {exc})"
+    return text
 
 
 def _smaller(case: Case):
@@ -199,7 +238,7 @@ def search(arms: Sequence[str], seed: int, budget_s: float, out: Optional[Path] 
             kind = found[0]
             small = shrink(case, arm, kind, fails, deadline=time.monotonic() + max(5.0, budget_s / 10))
             _, detail, known = fails(small, arm) or found
-            finding = Finding(arm, kind, detail, small, known=known)
+            finding = Finding(arm, kind, detail, small, known=known, drawn=cases)
             if out is not None:
                 finding = replace(finding, path=_write(out, len(seen) + 1, finding))
             seen[(arm, kind)] = finding

@@ -1,0 +1,42 @@
+"""``fdsched check`` against the real host: the search finds FastDeploy's own defects from scratch with the host
+alone, and none under a shipped profile (every one leaves the host fixes ``auto``).
+
+Fixed seeds and case counts (a search that cannot fail is no search: the first test fails if the search stops
+finding what it found when it was written). A longer run is one command: ``fdsched check --seed 1 --budget 3600``.
+"""
+
+from __future__ import annotations
+
+from fdsched.core.settings import shipped_profiles
+from fdsched.replay.check import HOST_ARM, PREFILL_RESERVE_DEFECT, SEATS_DEFECT, TWO_OWNERS_DEFECT, search
+
+
+def _quiet_search(arms, seed, tmp_path, max_cases, budget=600):
+    from fdsched.tools.quiet import host_output_to
+
+    with host_output_to(tmp_path / "host.log"):
+        return search(arms, seed, budget, out=tmp_path, max_cases=max_cases, report=lambda line: None)
+
+
+def test_the_search_finds_the_hosts_defects_from_scratch(replay_host, tmp_path):
+    """Seed 0's first 100 cases with FastDeploy alone: where its reservation preempts (the old host), a request that
+    holds the only seat preempted forever and a block owned by two radix-tree nodes; where it has upstream's ratio
+    reservation (the new host), a stalled prefill node and the two owners freeing one block twice."""
+    result = _quiet_search([HOST_ARM], seed=0, tmp_path=tmp_path, max_cases=100)
+    known = {f.known for f in result["findings"]}
+    if replay_host.has.get("ratio_reserve"):
+        expected = {PREFILL_RESERVE_DEFECT, TWO_OWNERS_DEFECT}
+    else:
+        expected = {SEATS_DEFECT, TWO_OWNERS_DEFECT}
+    assert expected <= known, [f.line() for f in result["findings"]]
+    for finding in result["findings"]:
+        assert finding.arm == HOST_ARM and finding.path.is_file()
+        assert len(finding.case.requests) <= 5  # shrunk
+
+
+def test_no_shipped_profile_fails_a_case(replay_host, tmp_path):
+    """Every shipped profile over the same drawn cases: no stall, no block-accounting error, no exception, no lost
+    or short request (the host fixes are ``auto`` in each)."""
+    result = _quiet_search(sorted(shipped_profiles()), seed=1, tmp_path=tmp_path, max_cases=25)
+    assert result["cases"] == 25
+    assert [f.line() for f in result["findings"]] == []
