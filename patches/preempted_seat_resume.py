@@ -30,13 +30,22 @@ lock, does for that one request what the host's resume path does before it alloc
 all it holds; the prefix cache is matched and recorded) and moves it from the waiting queue to the running list with
 the host's running-prefill status. It held a seat and still holds exactly one, so no request enters running without
 a seat. The host's pass then runs once more and schedules its prefill chunks as for any running request. The others
-resume as seats free, through the host's own loop.
+resume as seats free, through the host's own loop. Each time it acts it logs one warning line and counts
+``fdsched_guard_events_total{event="seats_resumed"}``.
+
+The scheduler guard: any other pass that schedules nothing while requests wait, nothing runs and blocks are free
+is watched (:class:`fdsched.core.policies.StallWatch`); an episode that lasts 100 passes and 30 s is reported once,
+in one log line and ``fdsched_guard_events_total{event="admission_stalled"}``. The watch only reads; it never
+raises into the engine.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 
+from fdsched.core.metrics import METRICS
+from fdsched.core.policies import StallWatch
 from fdsched.patches._spec import PatchSpec, Reliance
 from fdsched.patches._base import PluginBase, code_names, node_role
 
@@ -70,13 +79,32 @@ class PreemptedSeatResumeMixin(PluginBase):
         cache_config = getattr(getattr(self, "config", None), "cache_config", None)
         self._fdsched_match_on_resume = bool(getattr(cache_config, "enable_prefix_caching", False)) and (
             node_role(self) != "decode")
+        self._fdsched_stall_watch = StallWatch()
 
     def schedule(self):
         result = super().schedule()
-        if not nothing_scheduled(result[0]) or not self._fdsched_resume_locked_head():
+        if not nothing_scheduled(result[0]):
+            self._fdsched_stall_watch.clear()
+            return result
+        if not self._fdsched_resume_locked_head():
+            self._fdsched_watch_stall()
             return result
         again = super().schedule()
         return (again[0], list(result[1]) + list(again[1])) + tuple(again[2:])
+
+    def _fdsched_watch_stall(self) -> None:
+        """The guard's other half: a stall the fix knows no way out of is reported once per episode (a log line and
+        ``fdsched_guard_events_total{event="admission_stalled"}``); nothing here raises into the engine."""
+        try:
+            free = len(self.cache_manager.gpu_free_block_list)
+            if not self._fdsched_stall_watch.observe(time.monotonic(), len(self.waiting), len(self.running), free):
+                return
+            METRICS.guard_event("admission_stalled", of=self)
+            _log.warning("fdsched: admission stalled: %d request(s) waiting, none running, %d blocks free, nothing "
+                         "admitted for %d passes; the plugin knows no way out of this state", len(self.waiting), free,
+                         self._fdsched_stall_watch.passes)
+        except Exception:  # noqa: BLE001 - a watch never takes the engine down
+            _log.debug("fdsched: the stall watch could not read the scheduler", exc_info=True)
 
     def _fdsched_resume_locked_head(self) -> bool:
         """Under the scheduler's lock: move the preempted head of the waiting queue to running when the seats are
@@ -95,6 +123,7 @@ class PreemptedSeatResumeMixin(PluginBase):
             waiting.popleft()
             request.status = self._fdsched_prefill_status
             self.running.append(request)
+        METRICS.guard_event("seats_resumed", of=self)
         _log.warning("fdsched: every seat was held by a preempted request and nothing ran; request %s resumes on the "
                      "seat it holds (host fix preempted_seat_resume)", request.request_id)
         return True

@@ -44,6 +44,11 @@ fastdeploy:fdsched_ttft_seconds                              histogram  time to 
                                                                         (engine_recv_first_token_time -
                                                                         arrival_time, the request's own stamps)
 fastdeploy:fdsched_tpot_seconds                              histogram  time per output token after the first
+fastdeploy:fdsched_guard_events_total{event}                 counter    the scheduler guard: seats_resumed (every
+                                                                        seat held by a preempted request; the
+                                                                        first resumed on its own), or
+                                                                        admission_stalled (requests wait, blocks
+                                                                        are free, nothing runs or is admitted)
 fastdeploy:fdsched_adaptive_samples{kind}                    gauge      adaptive estimator: finished requests
                                                                         it learns from (kind: absolute =
                                                                         unbounded clients, relative = clients
@@ -161,6 +166,12 @@ def _prometheus():
                 "One-shot signals to the host's control flow that no check consumed by the end of the pass",
                 LABELS + ("signal",),
             ),
+            "guard": Counter(
+                "fastdeploy:fdsched_guard_events_total",
+                "Scheduler guard events: seats_resumed (the way out of every seat held by a preempted request taken), "
+                "admission_stalled (requests wait, blocks are free, nothing runs or is admitted)",
+                LABELS + ("event",),
+            ),
             "finished": Counter("fastdeploy:fdsched_requests_finished_total", "Requests the scheduler finished", LABELS),
             "output_tokens": Counter(
                 "fastdeploy:fdsched_output_tokens_total", "Output tokens of finished requests", LABELS
@@ -233,6 +244,7 @@ class PluginMetrics:
         self.gc_holds = 0  # evictions that held the collector off, and the longest hold (s)
         self.gc_hold_seconds_max = 0.0
         self.unconsumed_signals = _Tally()
+        self.guard_events = _Tally()
         self.recomputed_tokens = 0
         self.requests_finished = 0
         self.output_tokens = 0
@@ -301,6 +313,13 @@ class PluginMetrics:
         prom = _prometheus()
         if prom:
             self._series(prom, "blocked", labels_of(of)).inc(0)
+
+    def guard_event(self, event: str, of=None) -> None:
+        """The scheduler guard saw (``admission_stalled``) or took a way out of (``seats_resumed``) a stall."""
+        self.guard_events[event] += 1
+        prom = _prometheus()
+        if prom:
+            self._series(prom, "guard", labels_of(of), event=event).inc()
 
     def signal_unconsumed(self, signal: str, of=None) -> None:
         self.unconsumed_signals[signal] += 1

@@ -223,3 +223,33 @@ class FixedBlockReserve:
         self._current_float = float(self.init)
         self.relaxed = False
 
+
+
+class StallWatch:
+    """Notices an admission that has stopped: passes that schedule nothing while requests wait, no request runs and
+    blocks are free. One report per episode, once it has lasted ``min_passes`` passes and ``min_seconds`` seconds
+    (a request still being preprocessed waits a few passes legitimately); a pass that schedules something, or a state
+    that is not stuck, ends the episode. Plain values only: the scheduler's side gathers them."""
+
+    def __init__(self, min_passes: int = 100, min_seconds: float = 30.0) -> None:
+        self.min_passes = min_passes
+        self.min_seconds = min_seconds
+        self.passes = 0
+        self.since: Optional[float] = None
+        self.reported = False
+
+    def clear(self) -> None:
+        self.passes, self.since, self.reported = 0, None, False
+
+    def observe(self, now: float, waiting: int, running: int, free_blocks: int) -> bool:
+        """One pass that scheduled nothing; True exactly once per episode, when it should be reported."""
+        if waiting == 0 or running or free_blocks <= 0:
+            self.clear()
+            return False
+        if self.since is None:
+            self.since = now
+        self.passes += 1
+        if self.reported or self.passes < self.min_passes or now - self.since < self.min_seconds:
+            return False
+        self.reported = True
+        return True

@@ -40,7 +40,10 @@ def test_the_host_alone_never_resumes_a_request_holding_the_only_seat(monkeypatc
 
 @pytest.mark.parametrize("arm", ["default", "baseline", "adaptive", "recommended"])
 def test_with_the_fix_the_request_resumes_on_its_seat_and_finishes(monkeypatch, replay_host, arm):
+    from fdsched.core.metrics import METRICS
+
     run = _run(arm, monkeypatch)
+    assert METRICS.guard_events["seats_resumed"] >= 1  # the way out was taken (and logged), not luck
     assert run.drained, run.stop_reason
     assert [v for s in run.steps for v in s.violations] == [] and run.request_violations == []
     (row,) = run.requests

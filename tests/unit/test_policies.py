@@ -334,3 +334,17 @@ def test_warnings_equal_the_number_of_stuck_runs(stuck_passes):
         warning.end_pass()
     runs = sum(1 for i, s in enumerate(stuck_passes) if s and (i == 0 or not stuck_passes[i - 1]))
     assert warned == runs == warning.episodes
+
+
+def test_the_stall_watch_reports_an_episode_once_after_enough_passes_and_time():
+    from fdsched.core.policies import StallWatch
+
+    watch = StallWatch(min_passes=3, min_seconds=10.0)
+    assert [watch.observe(t, waiting=2, running=0, free_blocks=5) for t in (0.0, 1.0, 2.0)] == [False] * 3  # too soon
+    assert watch.observe(10.0, waiting=2, running=0, free_blocks=5) is True
+    assert watch.observe(20.0, waiting=2, running=0, free_blocks=5) is False  # once per episode
+    assert watch.observe(21.0, waiting=2, running=1, free_blocks=5) is False and watch.since is None  # not stuck
+    assert [watch.observe(t, waiting=1, running=0, free_blocks=3) for t in (30.0, 31.0, 42.0)] == [False, False, True]
+    watch.clear()
+    assert watch.observe(50.0, waiting=0, running=0, free_blocks=3) is False  # nothing waits: not a stall
+    assert watch.observe(51.0, waiting=1, running=0, free_blocks=0) is False and watch.passes == 0  # no free block
