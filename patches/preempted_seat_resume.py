@@ -12,7 +12,8 @@ Upstream:  none: a defect of FastDeploy's own admission loop (the 2.6 commits wi
            upstream yet. The upstream fix is one condition: a preempted request at the head of the queue already holds
            a seat, so the check should not ask it for another.
 Needs it:  the lines whose admission loop counts preempted requests in the waiting queue (2.6 with PR 7181, develop).
-           On a line without that count the state never outlives a pass, and the fix never acts.
+           A line older than that slot accounting (no ``to_be_aborted_req_id_set``: 2.2, 2.4) does not need it; on
+           any other line without the count the state never outlives a pass, and the fix never acts.
 Switch:    FDSCHED_PREEMPTED_SEAT_RESUME / changes.preempted_seat_resume = auto | on | off. ``auto`` applies it on
            every line; ``off`` keeps FastDeploy's own loop, to reproduce the stall. A profile's ``changes.others`` does
            not set it.
@@ -145,6 +146,13 @@ class PreemptedSeatResumeMixin(PluginBase):
         return False
 
 
+def _counts_no_pending_seats(info) -> bool:
+    """A line whose scheduler keeps no set of requests waiting to be aborted predates the slot accounting that counts
+    preempted requests (PR 7141): its admission loop cannot lock the seats this way (2.2, 2.4)."""
+    init = getattr(info.rm_class, "__init__", None)
+    return init is not None and "to_be_aborted_req_id_set" not in code_names(init)
+
+
 def _running_prefill_chunks(info):
     schedule = getattr(info.rm_class, "schedule", None)
     missing = {"_get_num_new_tokens", "get_new_block_nums", "get_prefix_cached_blocks", "waiting", "running"} - (
@@ -172,7 +180,7 @@ SPEC = PatchSpec(
     switch="FDSCHED_PREEMPTED_SEAT_RESUME",
     delete_when="FastDeploy lets a preempted request at the head of the queue resume on its own seat",
     mixins={"ResourceManagerV1": PreemptedSeatResumeMixin},
-    host_has=lambda info: False,
+    host_has=_counts_no_pending_seats,
     relies_on=(
         Reliance(
             "running-prefill-chunks",

@@ -85,8 +85,8 @@ def summary_table(rows: list) -> str:
     refused profiles."""
     from fdsched.core.settings import HOST_FIXES, UPSTREAM_CHANGE_IDS
 
-    lines = ["| FastDeploy line | commit | CI | upstream changes the plugin applies (all `auto`) | host fixes applied "
-             "| shipped profiles refused |",
+    lines = ["| FastDeploy line | commit | CI | upstream changes the plugin applies (all `auto`) | host fixes applied (of "
+             "those the line needs) | shipped profiles refused |",
              "|---|---|---|---|---|---|"]
     for r in _sorted(rows):
         if r["tier"] == "refused":
@@ -96,10 +96,12 @@ def summary_table(rows: list) -> str:
         present = [c for c in UPSTREAM_CHANGE_IDS if _state(r, c) == "in host"]
         what = f"{len(applied)} of {len(UPSTREAM_CHANGE_IDS)}" + (f" (+{len(present)} in the host)" if present else "")
         fixed = [c for c in HOST_FIXES if _state(r, c) == "applied"]
+        unneeded = [c for c in HOST_FIXES if _state(r, c) == "in host"]  # the line does not have the defect
+        fixes = f"{len(fixed)} of {len(HOST_FIXES) - len(unneeded)}" + (f" ({len(unneeded)} not needed)" if unneeded
+                                                                         else "")
         tier = {"full": "unit, host, engine tiers", "compat": "compatibility tier"}.get(r["tier"], r["tier"])
         refused = ", ".join(r["refused_profiles"]) or "none"
-        lines.append(f"| {r['line']} | `{r['commit'][:7]}` | {tier} | {what} | {len(fixed)} of {len(HOST_FIXES)} "
-                     f"| {refused} |")
+        lines.append(f"| {r['line']} | `{r['commit'][:7]}` | {tier} | {what} | {fixes} | {refused} |")
     return "\n".join(lines)
 
 
@@ -109,8 +111,9 @@ def _state(row: dict, change_id: str) -> str:
 
 
 def detail_table(rows: list) -> str:
-    """docs/host.md's table: change x line (applied / in host / declined), then why each decline."""
-    from fdsched.core.settings import CHANGE_IDS
+    """docs/host.md's table: change x line (applied / in host / declined; a host fix the line does not need: not
+    needed), then why each decline."""
+    from fdsched.core.settings import CHANGE_IDS, HOST_FIXES
 
     live = [r for r in _sorted(rows) if r["tier"] != "refused"]
     head = "| change | " + " | ".join(f"{r['line']} `{r['commit'][:7]}`" for r in live) + " |"
@@ -123,6 +126,8 @@ def detail_table(rows: list) -> str:
             if cell["state"] == "declined":
                 notes.append(f"- {change_id} on {r['line']} `{r['commit'][:7]}`: {cell['why']}")
                 cells.append(f"declined ({len(notes)})")
+            elif change_id in HOST_FIXES and cell["state"] == "in host":
+                cells.append("not needed")  # the line does not have the defect
             else:
                 cells.append(cell["state"])
         lines.append(f"| {change_id} | " + " | ".join(cells) + " |")
