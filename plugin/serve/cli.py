@@ -102,8 +102,6 @@ def check_serve_args(args) -> tuple:
     each, found before anything is spawned; the loaded trace (or None) and one EngineConfig per stack to run."""
     import math
 
-    from fdsched.core.settings import SettingsError, resolve_profile
-
     problems, trace = [], None
     if args.trace:
         try:
@@ -121,30 +119,9 @@ def check_serve_args(args) -> tuple:
     if args.idle_rpc is not None and (not args.idle_rpc > 0 or not args.num_cpu_blocks or args.trace):
         problems.append(f"--idle-rpc {args.idle_rpc}: allowed: seconds > 0, with --num-cpu-blocks > 0 and without "
                         "--trace")
-    if args.time_schedule and not args.trace:
-        problems.append("--time-schedule: allowed only with --trace")
-    if getattr(args, "exact_max_tokens", False) and not args.trace:
-        problems.append("--exact-max-tokens: allowed only with --trace (it changes what the trace's clients send)")
-    if args.out and not args.trace:
-        problems.append(f"--out {args.out}: allowed only with --trace (the report directory)")
+    problems += _trace_only_problems(args)
     arms = sequential_arms(args)
-    if arms:
-        if not args.trace:
-            problems.append(f"--arms {args.arms!r}: arms without ranks run in turn on a trace: add --trace, or give "
-                            "one arm per rank (RANK=PROFILE, with --dp >= 2)")
-        if args.dp != 1:
-            problems.append(f"--arms {args.arms!r} with --dp {args.dp}: arms run in turn use one rank each; allowed: "
-                            "--dp 1, or RANK=PROFILE items for one arm per rank")
-        if args.profile:
-            problems.append(f"--profile {args.profile} with --arms {args.arms!r}: allowed: one of them")
-        if "" in arms or len(set(arms)) != len(arms):
-            problems.append(f"--arms {args.arms!r}: allowed: distinct profile names or paths, comma-separated")
-        for arm in arms:
-            if arm:
-                try:
-                    resolve_profile(arm, "--arms")
-                except SettingsError as exc:
-                    problems.append(str(exc))
+    problems += _sequential_arms_problems(args, arms)
     shape = _shape_from_args(args, trace)
     if arms:
         configs = [EngineConfig(profile=arm, dp=1, port=args.port, host=args.host, num_cpu_blocks=args.num_cpu_blocks,
@@ -171,6 +148,44 @@ def check_serve_args(args) -> tuple:
             problems.append(f"--port {args.port}: port {busy} is in use (the stack needs ports {args.port}-"
                             f"{args.port + need - 1}); allowed: a first port whose {need} ports are free")
     return problems, trace, configs
+
+
+def _trace_only_problems(args) -> list:
+    """The flags that mean something only with --trace."""
+    problems = []
+    if args.time_schedule and not args.trace:
+        problems.append("--time-schedule: allowed only with --trace")
+    if getattr(args, "exact_max_tokens", False) and not args.trace:
+        problems.append("--exact-max-tokens: allowed only with --trace (it changes what the trace's clients send)")
+    if args.out and not args.trace:
+        problems.append(f"--out {args.out}: allowed only with --trace (the report directory)")
+    return problems
+
+
+def _sequential_arms_problems(args, arms) -> list:
+    """``--arms A,B`` (run in turn): a trace, one rank, no --profile beside it, distinct profiles that load."""
+    from fdsched.core.settings import SettingsError, resolve_profile
+
+    if not arms:
+        return []
+    problems = []
+    if not args.trace:
+        problems.append(f"--arms {args.arms!r}: arms without ranks run in turn on a trace: add --trace, or give "
+                        "one arm per rank (RANK=PROFILE, with --dp >= 2)")
+    if args.dp != 1:
+        problems.append(f"--arms {args.arms!r} with --dp {args.dp}: arms run in turn use one rank each; allowed: "
+                        "--dp 1, or RANK=PROFILE items for one arm per rank")
+    if args.profile:
+        problems.append(f"--profile {args.profile} with --arms {args.arms!r}: allowed: one of them")
+    if "" in arms or len(set(arms)) != len(arms):
+        problems.append(f"--arms {args.arms!r}: allowed: distinct profile names or paths, comma-separated")
+    for arm in arms:
+        if arm:
+            try:
+                resolve_profile(arm, "--arms")
+            except SettingsError as exc:
+                problems.append(str(exc))
+    return problems
 
 
 class _Signals:

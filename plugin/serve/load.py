@@ -341,27 +341,9 @@ def run_trace_load(
             name=trace.name,
         )
     trace, prompts, unmarked_bounded = _prompts(trace, length_mark)
-    servers = {}
-    for target in targets:
-        info = server_info(target)
-        check_servable(
-            Trace(tuple(r for r in trace.requests if assignment[r.id] is target), source=trace.source),
-            info["max_model_len"], f"the server at {target.url}",
-        )
-        servers[target.arm] = dict(info, url=target.url, metrics_url=target.metrics)
-    for target in targets:
-        text, error = scrape(target)
-        servers[target.arm].update(scrape_before=text, scrape_error=error)
+    servers = _check_servers(trace, targets, assignment)
     model = model or next(iter(servers.values()))["model"] or "default"
-
-    bar = None
-    if progress:
-        try:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(trace.requests), desc=f"load {trace.name}", unit="req", leave=False)
-        except ImportError:
-            bar = None
+    bar = _progress_bar(trace) if progress else None
     started = time.perf_counter()
     try:
         results = asyncio.run(_run(trace, assignment, model, times, request_timeout, bar.update if bar else None,
@@ -378,6 +360,31 @@ def run_trace_load(
     return {"results": results, "servers": servers, "wall_seconds": wall, "assignment_seed": seed,
             "time_scale": time_scale, "step_ms": None if trace.time_based else step_ms,
             "length_mark": length_mark, "unmarked_bounded": unmarked_bounded}
+
+
+def _check_servers(trace, targets, assignment) -> dict:
+    """arm -> the server's facts and its /metrics before the first request; LoadError when a request of the
+    trace cannot be served there."""
+    servers = {}
+    for target in targets:
+        info = server_info(target)
+        check_servable(
+            Trace(tuple(r for r in trace.requests if assignment[r.id] is target), source=trace.source),
+            info["max_model_len"], f"the server at {target.url}",
+        )
+        servers[target.arm] = dict(info, url=target.url, metrics_url=target.metrics)
+    for target in targets:
+        text, error = scrape(target)
+        servers[target.arm].update(scrape_before=text, scrape_error=error)
+    return servers
+
+
+def _progress_bar(trace):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=len(trace.requests), desc=f"load {trace.name}", unit="req", leave=False)
 
 
 def _prompts(trace, length_mark):

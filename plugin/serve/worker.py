@@ -185,9 +185,7 @@ def main(argv=None) -> int:
                         slot = slots.get(r.idx)
                         if slot is None or slot["rid"] != r.request_id or r.prefill_start_index == 0:
                             # where it ends, as first seen: a rescheduled (preempted) request keeps it
-                            if r.request_id not in first_max:
-                                first_max[r.request_id] = answer_length(r, log)
-                            max_tokens = first_max[r.request_id]
+                            max_tokens = first_max.get(r.request_id) or first_max.setdefault(r.request_id, answer_length(r, log))
                             slot = slots[r.idx] = {"rid": r.request_id, "generated": outputs_so_far,
                                                    "prompt": len(r.prompt_token_ids),
                                                    "max": int(max_tokens), "decoding": False}
