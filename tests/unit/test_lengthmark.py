@@ -154,3 +154,21 @@ def test_serve_sends_the_trace_as_its_clients_did_unless_asked_for_exact_max_tok
     assert [r.max_tokens for r in exact.requests] == [r.effective_output_len for r in trace.requests]
     problems, _t, _c = check_serve_args(_serve_args("--exact-max-tokens"))
     assert "--exact-max-tokens: allowed only with --trace (it changes what the trace's clients send)" in problems
+
+
+def test_the_served_report_says_how_many_requests_went_without_max_tokens():
+    from fdsched.serve.load import RequestResult, Target
+    from fdsched.serve.served_report import build_served_report, format_served_table, merge_loads
+
+    trace = _trace([{"id": "a", "arrival": 0, "prompt_len": 8, "output_len": 3},
+                    {"id": "b", "arrival": 0, "prompt_len": 8, "max_tokens": 2, "output_len": 3}])
+    targets = [Target("x", "http://127.0.0.1:1"), Target("y", "http://127.0.0.1:2")]
+
+    def load(arm):
+        return {"results": [RequestResult(r.id, arm, 8, r.max_tokens, 0.0, sent_s=0.0, token_s=[0.1, 0.2], status=200,
+                                           finish_reason="stop") for r in trace.requests],
+                "servers": {arm: {}}, "wall_seconds": 1.0, "assignment_seed": None, "time_scale": 1.0, "step_ms": None}
+
+    report = build_served_report(trace, merge_loads([load("x"), load("y")]), targets)
+    assert report["load"]["sent_without_max_tokens"] == 1  # request a, counted once over the two arms
+    assert "2 requests, time scale 1.0, 1 sent without max_tokens;" in format_served_table(report)
