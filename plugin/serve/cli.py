@@ -56,6 +56,11 @@ def add_command(sub) -> None:
                    help="with --arms A,B,...: do not run the first arm again after the others (by default it runs "
                         "twice, and a change no larger than how far its two runs differ is not read as an effect)")
     p.add_argument("--trace", help="a trace name or file: send it, report, shut down")
+    p.add_argument("--exact-max-tokens", action="store_true",
+                   help="with --trace: send every request with max_tokens = its true output length (clients that "
+                        "bound their lengths exactly); by default max_tokens is sent as the trace has it (omitted "
+                        "where it is null, so the engine's default applies) and each answer still ends at its true "
+                        "length")
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="multiply every arrival time by this (0.5: twice as fast); default 1")
     p.add_argument("--out", help="report directory (with --trace; default serve-out): report.json, report.png, requests.jsonl")
@@ -122,13 +127,10 @@ def check_serve_args(args) -> tuple:
     if args.idle_rpc is not None and (not args.idle_rpc > 0 or not args.num_cpu_blocks or args.trace):
         problems.append(f"--idle-rpc {args.idle_rpc}: allowed: seconds > 0, with --num-cpu-blocks > 0 and without "
                         "--trace")
-    if args.time_schedule and not args.trace:
-        problems.append("--time-schedule: allowed only with --trace")
-    if args.out and not args.trace:
-        problems.append(f"--out {args.out}: allowed only with --trace (the report directory)")
+    problems += _trace_only_problems(args)
     problems += out_dir_problems(report_dir(args), "fdsched serve")
     arms = sequential_arms(args)
-    problems += _arms_in_turn_problems(args, arms)
+    problems += _sequential_arms_problems(args, arms)
     shape = _shape_from_args(args, trace)
     if arms:
         configs = [EngineConfig(profile=arm, dp=1, port=args.port, host=args.host, num_cpu_blocks=args.num_cpu_blocks,
@@ -158,8 +160,20 @@ def check_serve_args(args) -> tuple:
     return problems, trace, configs
 
 
-def _arms_in_turn_problems(args, arms: list) -> list:
-    """``--arms A,B`` (no ranks): it needs --trace and --dp 1, no --profile, and distinct known profiles."""
+def _trace_only_problems(args) -> list:
+    """The flags that mean something only with --trace."""
+    problems = []
+    if args.time_schedule and not args.trace:
+        problems.append("--time-schedule: allowed only with --trace")
+    if getattr(args, "exact_max_tokens", False) and not args.trace:
+        problems.append("--exact-max-tokens: allowed only with --trace (it changes what the trace's clients send)")
+    if args.out and not args.trace:
+        problems.append(f"--out {args.out}: allowed only with --trace (the report directory)")
+    return problems
+
+
+def _sequential_arms_problems(args, arms) -> list:
+    """``--arms A,B`` (run in turn): a trace, one rank, no --profile beside it, distinct profiles that load."""
     from fdsched.core.settings import SettingsError, resolve_profile
 
     if not arms:
@@ -327,7 +341,7 @@ def _run_arms_in_turn(args, trace, configs, signals) -> int:
     from fdsched.serve.load import LoadError, Target, run_trace_load
     from fdsched.serve.served_report import build_served_report, format_served_table, merge_loads
 
-    sent = _sendable(trace)
+    sent = _sendable(trace, args)
     runs = list(configs)
     if getattr(args, "repeat_reference", True) and len(configs) > 1:
         runs.append(configs[0])  # the reference again, last: its two runs bound what this machine's noise moves
@@ -370,18 +384,27 @@ def _run_arms_in_turn(args, trace, configs, signals) -> int:
     return _write_report(report, load, args)
 
 
-def _sendable(trace):
+def _sendable(trace, args):
+    """The trace as its clients sent it (max_tokens unset where it is null: the engine's default applies, and the
+    length mark in each prompt ends the answer at its true length), or with ``--exact-max-tokens`` every
+    request's max_tokens set to its true output length."""
     from fdsched.serve.compare import exact_output_trace
 
     unset = sum(1 for r in trace.requests if r.max_tokens is None)
+    if getattr(args, "exact_max_tokens", False):
+        print(f"fdsched serve: --exact-max-tokens: every request of trace {trace.name} is sent with max_tokens = its "
+              f"true output length ({unset} of {len(trace.requests)} leave it unset in the trace)", file=sys.stderr)
+        return exact_output_trace(trace)
     if unset:
-        # The simulated worker ends a request at its max_tokens (it has no model to say EOS); a request sent
-        # without max_tokens would run to the end of the context. So every request is sent with max_tokens =
-        # the tokens it really generated: the clients of this run bound their lengths exactly.
-        print(f"fdsched serve: {unset} of {len(trace.requests)} requests of trace {trace.name} leave max_tokens "
-              "unset; the simulated worker stops a request only at max_tokens, so each is sent with max_tokens = "
-              "its true output length (clients that bound their lengths exactly; docs/load.md)", file=sys.stderr)
-    return exact_output_trace(trace)
+        from fdsched.serve.load import request_prompt
+
+        short = sum(1 for r in trace.requests if r.max_tokens is None and request_prompt(r)[1] is None)
+        print(f"fdsched serve: {unset} of {len(trace.requests)} requests of trace {trace.name} are sent without "
+              "max_tokens, as the trace has them (the engine's default, max_model_len - prompt length, applies); "
+              "each answer ends at its true length (--exact-max-tokens sends that length as max_tokens instead)"
+              + (f"; {short} prompt(s) too short to carry their length are sent with it as max_tokens" if short
+                 else ""), file=sys.stderr)
+    return trace
 
 
 def _write_report(report, load, args) -> int:
@@ -406,7 +429,7 @@ def _run_trace(engine, args, trace) -> int:
     from fdsched.serve.load import LoadError, Target, run_trace_load
     from fdsched.serve.served_report import build_served_report, format_served_table
 
-    sent = _sendable(trace)
+    sent = _sendable(trace, args)
     targets = [Target(arm, url, metrics)
                for arm, url, metrics in zip(_arm_names(engine, args), engine.urls, engine.metrics_urls)]
     try:

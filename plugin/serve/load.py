@@ -20,7 +20,10 @@ Prompts: the trace's prompt token ids mapped onto the words ``w0`` .. ``w959`` (
 spaces. The served engine's tiny model (a word-level tokenizer over exactly these words) turns that text into
 exactly ``prompt_len`` tokens, and requests of one prefix group share their first ``prefix_len`` tokens, so
 prefix caching sees the trace's sharing. Any other tokenizer gives a different count: every request records
-the server's ``usage.prompt_tokens`` and the report counts mismatches.
+the server's ``usage.prompt_tokens`` and the report counts mismatches. By default the last 2-4 words of each
+prompt are its length mark (:mod:`fdsched.serve.lengthmark`): the request's true output length, where the served
+engine's simulated worker ends the answer with EOS, so ``max_tokens`` is sent as the trace has it (omitted where
+it is null) and the engine applies its own default to the rest.
 
 Arms: one ``Target`` (arm name, URL, metrics URL) per arm. With one target every request goes to it. With
 several, each request goes to the target drawn by :func:`fdsched.replay.trace.split_across_ranks` (uniform,
@@ -54,6 +57,7 @@ __all__ = [
     "Target",
     "RequestResult",
     "prompt_text",
+    "request_prompt",
     "request_metrics",
     "assign_targets",
     "check_servable",
@@ -94,6 +98,7 @@ class RequestResult:
     end_s: Optional[float] = None  # the stream ended
     output_tokens: int = 0
     prompt_tokens: Optional[int] = None  # the server's usage.prompt_tokens
+    length_mark: Optional[int] = None  # the output length the prompt's length mark carries; None: unmarked
     status: Optional[int] = None
     error: str = ""
     finish_reason: Optional[str] = None
@@ -111,6 +116,19 @@ class RequestResult:
 def prompt_text(tokens: Sequence[int]) -> str:
     """The prompt whose word-level tokens are ``w{t % 960}`` for every trace token ``t``."""
     return " ".join(f"w{int(t) % WORDS}" for t in tokens)
+
+
+def request_prompt(request, length_mark: bool = True):
+    """``(text, mark)``: the request's prompt text and the output length its tail's length mark carries (None:
+    unmarked, because ``length_mark`` is off or the prompt is shorter than the mark). The served engine's
+    simulated worker ends the answer there (:mod:`fdsched.serve.lengthmark`)."""
+    from fdsched.serve.lengthmark import MAX_LENGTH, mark_words
+
+    words = prompt_text(request.prompt_tokens()).split()
+    if not length_mark or request.effective_output_len > MAX_LENGTH:
+        return " ".join(words), None
+    marked = mark_words(words, request.effective_output_len)
+    return (" ".join(words), None) if marked is None else (" ".join(marked), request.effective_output_len)
 
 
 def request_metrics(result: RequestResult) -> dict:
@@ -263,11 +281,12 @@ async def _send(session, target: Target, model: str, prompt: str, result: Reques
             result.error = "the stream ended without a finish_reason"
 
 
-async def _run(trace, assignment, model, times, request_timeout, progress):
+async def _run(trace, assignment, model, times, request_timeout, progress, prompts):
     import aiohttp
 
     ordered = trace.in_feed_order()
-    results = {r.id: RequestResult(r.id, assignment[r.id].arm, r.prompt_len, r.max_tokens, times[r.id]) for r in ordered}
+    results = {r.id: RequestResult(r.id, assignment[r.id].arm, r.prompt_len, r.max_tokens, times[r.id],
+                                   length_mark=prompts[r.id][1]) for r in ordered}
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30, sock_read=request_timeout)
     # A fresh connection per request: a pooled keep-alive connection that the server (uvicorn, keep-alive 5 s) has
     # closed while it sat idle in aiohttp's pool (keep-alive 15 s) fails the next request with "Can not write
@@ -282,7 +301,7 @@ async def _run(trace, assignment, model, times, request_timeout, progress):
             if delay > 0:
                 await asyncio.sleep(delay)
             task = asyncio.create_task(
-                _send(session, assignment[r.id], model, prompt_text(r.prompt_tokens()), results[r.id], start)
+                _send(session, assignment[r.id], model, prompts[r.id][0], results[r.id], start)
             )
             if progress is not None:
                 task.add_done_callback(lambda _t: progress(1))
@@ -301,14 +320,19 @@ def run_trace_load(
     request_timeout: float = 600.0,
     progress: bool = True,
     max_tokens_override: Optional[Callable] = None,
+    length_mark: bool = True,
 ) -> dict:
     """Send ``trace`` to ``targets``; return ``{"results": [RequestResult], "servers": {arm: {...}},
     "wall_seconds": float}``. ``servers[arm]`` has ``model``, ``max_model_len``, ``scrape_before``,
     ``scrape_after`` (exposition text or None) and ``scrape_error``.
 
     ``max_tokens_override(request) -> int | None`` replaces the trace's max_tokens (the offline-vs-engine
-    comparison sends each request's true output length). Raises LoadError before sending anything when a
-    server is unreachable or a request cannot be served.
+    comparison sends each request's true output length). ``length_mark``: each prompt's tail carries the
+    request's true output length (:func:`request_prompt`), where the served engine's simulated worker ends the
+    answer, so a request can be sent without ``max_tokens``; a request whose prompt is too short for the mark
+    and whose ``max_tokens`` is unset is sent with its true output length as ``max_tokens`` instead (counted in
+    ``"unmarked_bounded"``). Raises LoadError before sending anything when a server is unreachable or a
+    request cannot be served.
     """
     times = send_times(trace, time_scale, step_ms)
     assignment = assign_targets(trace, targets, seed)
@@ -318,6 +342,31 @@ def run_trace_load(
             engine=trace.engine, description=trace.description, generator=trace.generator, source=trace.source,
             name=trace.name,
         )
+    trace, prompts, unmarked_bounded = _prompts(trace, length_mark)
+    servers = _check_servers(trace, targets, assignment)
+    model = model or next(iter(servers.values()))["model"] or "default"
+    bar = _progress_bar(trace) if progress else None
+    started = time.perf_counter()
+    try:
+        results = asyncio.run(_run(trace, assignment, model, times, request_timeout, bar.update if bar else None,
+                                   prompts))
+    finally:
+        if bar is not None:
+            bar.close()
+    wall = time.perf_counter() - started
+    for target in targets:
+        text, error = scrape(target)
+        entry = servers[target.arm]
+        entry.update(scrape_after=text)
+        entry["scrape_error"] = entry["scrape_error"] or error
+    return {"results": results, "servers": servers, "wall_seconds": wall, "assignment_seed": seed,
+            "time_scale": time_scale, "step_ms": None if trace.time_based else step_ms,
+            "length_mark": length_mark, "unmarked_bounded": unmarked_bounded}
+
+
+def _check_servers(trace, targets, assignment) -> dict:
+    """arm -> the server's facts and its /metrics before the first request; LoadError when a request of the
+    trace cannot be served there."""
     servers = {}
     for target in targets:
         info = server_info(target)
@@ -329,30 +378,33 @@ def run_trace_load(
     for target in targets:
         text, error = scrape(target)
         servers[target.arm].update(scrape_before=text, scrape_error=error)
-    model = model or next(iter(servers.values()))["model"] or "default"
+    return servers
 
-    bar = None
-    if progress:
-        try:
-            from tqdm import tqdm
 
-            bar = tqdm(total=len(trace.requests), desc=f"load {trace.name}", unit="req", leave=False)
-        except ImportError:
-            bar = None
-    started = time.perf_counter()
+def _progress_bar(trace):
     try:
-        results = asyncio.run(_run(trace, assignment, model, times, request_timeout, bar.update if bar else None))
-    finally:
-        if bar is not None:
-            bar.close()
-    wall = time.perf_counter() - started
-    for target in targets:
-        text, error = scrape(target)
-        entry = servers[target.arm]
-        entry.update(scrape_after=text)
-        entry["scrape_error"] = entry["scrape_error"] or error
-    return {"results": results, "servers": servers, "wall_seconds": wall, "assignment_seed": seed,
-            "time_scale": time_scale, "step_ms": None if trace.time_based else step_ms}
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=len(trace.requests), desc=f"load {trace.name}", unit="req", leave=False)
+
+
+def _prompts(trace, length_mark):
+    """``(trace, {id: (text, mark)}, [ids])``: the prompts, and the trace with an unmarked request that leaves
+    max_tokens unset bounded to its true output length (else it would run to the end of the context)."""
+    prompts = {r.id: request_prompt(r, length_mark) for r in trace.requests}
+    if not length_mark:
+        return trace, prompts, []
+    bounded = [r.id for r in trace.requests if prompts[r.id][1] is None and r.max_tokens is None]
+    if bounded:
+        chosen = set(bounded)
+        trace = Trace(
+            requests=tuple(_with_max_tokens(r, r.effective_output_len) if r.id in chosen else r
+                           for r in trace.requests),
+            engine=trace.engine, description=trace.description, generator=trace.generator, source=trace.source,
+            name=trace.name,
+        )
+    return trace, prompts, bounded
 
 
 def _with_max_tokens(request, max_tokens):

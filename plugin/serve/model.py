@@ -2,7 +2,8 @@
 tokenizer built with the ``tokenizers`` package; no weights (the simulated worker runs no model).
 
 Words are ``w0`` .. ``w{N}`` plus a few specials; a prompt of ``n`` space-separated words is ``n`` tokens,
-so a trace's prompt lengths map onto prompts exactly (:func:`prompt_of_length`).
+so a trace's prompt lengths map onto prompts exactly (:func:`prompt_of_length`). After them come the length
+mark's marker words (``fdsched_len1`` ..; :mod:`fdsched.serve.lengthmark`), which no trace prompt produces.
 """
 
 from __future__ import annotations
@@ -13,8 +14,9 @@ import tempfile
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "\n"]
 NUM_WORDS = 900
+MARKER_WORDS = ("fdsched_len1", "fdsched_len2", "fdsched_len3")  # the length mark's, after w0 .. w899
 EOS_TOKEN_ID = 2
-VERSION = "1"
+VERSION = "2"
 
 
 def cache_dir() -> str:
@@ -58,7 +60,7 @@ def make_model(directory: str = None) -> str:
 def _write_model(directory: str) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    words = SPECIALS + [f"w{i}" for i in range(NUM_WORDS)]
+    words = SPECIALS + [f"w{i}" for i in range(NUM_WORDS)] + list(MARKER_WORDS)
     tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tok.save(os.path.join(directory, "tokenizer.json"))

@@ -329,7 +329,8 @@ def build_served_report(trace, load: dict, targets: list) -> dict:
                   "time_based": trace.time_based},
         "load": {"time_scale": load["time_scale"], "step_ms": load["step_ms"], "split_seed": load["assignment_seed"],
                  "wall_seconds": _round(load["wall_seconds"]),
-                 "traffic": load.get("traffic", "split" if len(targets) > 1 else "single")},
+                 "traffic": load.get("traffic", "split" if len(targets) > 1 else "single"),
+                 "sent_without_max_tokens": len({r.id for r in load["results"] if r.max_tokens is None})},
         "better": dict(BETTER),
         "profiles": arms,
     }
@@ -371,6 +372,8 @@ def format_served_table(report: dict) -> str:
     head = (f"trace {report['trace']['name']}: {report['trace']['requests']} requests, time scale {load['time_scale']}"
             + (f", {load['step_ms']} ms per trace step" if load.get("step_ms") else "")
             + (f", split over the arms as the Router does (seed {load['split_seed']})" if split else "")
+            + (f", {load['sent_without_max_tokens']} sent without max_tokens" if load.get("sent_without_max_tokens")
+               else "")
             + "; times are wall-clock, measured by the client")
     traffic = traffic_lines(report)
     notes += noise_lines(report)

@@ -9,8 +9,10 @@ init_health_status / event loop, ``gpu_model_runner.py`` task handling):
   ``worker_ready_signal``, ``loaded_model_signal`` (rank 0), and keeps ``worker_healthy_live_signal`` fresh;
 - takes ``(tasks, bsz)`` from the engine's real ``EngineWorkerQueue`` as a client;
 - per task: a PREFILL chunk that does not finish the prompt emits no token (a ``-1`` placeholder, as the
-  runner does), a finished prefill emits the first token, a decoding slot one token per step, the
-  ``max_tokens``-th token is EOS; a PREEMPTED or ABORT task frees the slot and emits the preempted-token id
+  runner does), a finished prefill emits the first token, a decoding slot one token per step, and the answer
+  ends with EOS at the length the prompt's length mark carries (:mod:`fdsched.serve.lengthmark`; the load
+  generator writes it, so the client need not send ``max_tokens``), or at ``max_tokens`` when that comes
+  first or the prompt has no mark; a PREEMPTED or ABORT task frees the slot and emits the preempted-token id
   (``PREEMPTED_TOKEN_ID``, -9) the engine waits for; DECODE tasks only extend block tables (no output);
 - outputs: ``list[StreamTransferData]`` pushed to ``get_save_output_rank{dp}_{port}``, the
   ``FD_USE_GET_SAVE_OUTPUT_V1=1`` ZMQ path. **Production GPUs use the compiled ``get_output`` path by
@@ -66,6 +68,26 @@ def _step_cost():
         )
 
     return cost, step_ms
+
+
+def answer_length(request, log=None) -> int:
+    """Tokens the request's answer has: the length mark in its prompt (:mod:`fdsched.serve.lengthmark`), cut
+    at the ``max_tokens`` the engine holds for it (the client's, or the engine's default when the client sent
+    none); without a mark, that ``max_tokens`` (16 when there is none)."""
+    from fdsched.serve.lengthmark import read_mark
+
+    limit = request.get("max_tokens", None)
+    ids = request.prompt_token_ids
+    ids = [] if ids is None else ids
+    marked = read_mark(ids)
+    if marked is None:
+        end = int(limit or 16)
+    else:
+        end = min(marked, int(limit)) if limit else marked
+    if log is not None:
+        log(f"request {request.request_id}: prompt {len(ids)} tokens, "
+            f"max_tokens {limit} (as the engine holds it), length mark {marked}, ends after {end} tokens")
+    return end
 
 
 def main(argv=None) -> int:
@@ -162,8 +184,8 @@ def main(argv=None) -> int:
                         outputs_so_far = len(r.output_token_ids or [])
                         slot = slots.get(r.idx)
                         if slot is None or slot["rid"] != r.request_id or r.prefill_start_index == 0:
-                            # the client's max_tokens as first seen: a rescheduled (preempted) request keeps it
-                            max_tokens = first_max.setdefault(r.request_id, r.get("max_tokens", None) or 16)
+                            # where it ends, as first seen: a rescheduled (preempted) request keeps it
+                            max_tokens = first_max.get(r.request_id) or first_max.setdefault(r.request_id, answer_length(r, log))
                             slot = slots[r.idx] = {"rid": r.request_id, "generated": outputs_so_far,
                                                    "prompt": len(r.prompt_token_ids),
                                                    "max": int(max_tokens), "decoding": False}

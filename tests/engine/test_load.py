@@ -1,9 +1,10 @@
 """`fdsched load` against the real served engine (FastDeploy's api_server on CPU, plugin loaded, simulated
-worker): a slice of a shipped real trace over HTTP. Skips, with a reason starting "needs FastDeploy engine:",
-where the served engine cannot start (no host, missing serving modules)."""
+worker): a slice of a shipped real trace over HTTP, with and without max_tokens. Skips, with a reason starting
+"needs FastDeploy engine:", where the served engine cannot start (no host, missing serving modules)."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -43,10 +44,38 @@ def engine():
     served.cleanup()  # its run directory: nothing of the stack is left behind
 
 
-def _slice(n):
+def _slice(n, exact=True):
     trace = load_trace(resolve_trace("azure-conv"))
     first = [r for r in trace.in_feed_order() if r.prompt_len + r.effective_output_len < MAX_MODEL_LEN][:n]
-    return exact_output_trace(replace(trace, requests=tuple(first)))
+    trace = replace(trace, requests=tuple(first))
+    return exact_output_trace(trace) if exact else trace
+
+
+def _worker_saw(engine):
+    """(prompt tokens, max_tokens as the engine held it, length mark) of every request the worker was handed."""
+    seen = re.findall(r"request \S+: prompt (\d+) tokens, max_tokens (\S+) \(as the engine holds it\), "
+                      r"length mark (\S+),", engine.engine_log_text())
+    return [(int(p), None if m == "None" else int(m), None if k == "None" else int(k)) for p, m, k in seen]
+
+
+def test_clients_without_max_tokens_end_at_their_true_length(engine):
+    trace = _slice(30, exact=False)
+    trace = replace(trace, requests=tuple(r for r in trace.requests if r.effective_output_len < 200)[:8])
+    assert len(trace.requests) == 8 and all(r.max_tokens is None for r in trace.requests)
+    before = len(_worker_saw(engine))
+    target = Target(PROFILE, engine.urls[0], engine.metrics_urls[0])
+    load = run_trace_load(trace, [target], time_scale=0.1, progress=False)
+    results = {r.id: r for r in load["results"]}
+    assert load["unmarked_bounded"] == []
+    for request in trace.requests:
+        r = results[request.id]
+        assert r.ok, (request.id, r.status, r.error)
+        assert r.max_tokens is None and r.length_mark == request.output_len  # sent without max_tokens
+        assert r.output_tokens == request.output_len == len(r.token_s)  # ended exactly at its true length
+        assert r.finish_reason == "stop"  # by the EOS, not by reaching a max_tokens
+    # what the engine handed the worker: its own default max_tokens (the rest of the context), the client's none
+    seen = sorted(_worker_saw(engine)[before:])
+    assert seen == sorted((r.prompt_len, MAX_MODEL_LEN - r.prompt_len, r.output_len) for r in trace.requests)
 
 
 def test_a_real_trace_slice_through_the_served_engine(engine):

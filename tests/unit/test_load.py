@@ -14,7 +14,7 @@ from fdsched.tools.cli import main
 from fdsched.replay.trace import load_trace, parse_trace, resolve_trace, split_across_ranks
 from fdsched.serve.load import (
     WORDS, LoadError, RequestResult, Target, _stamp, assign_targets, check_servable, prompt_text, request_metrics,
-    run_trace_load, send_times, server_info,
+    request_prompt, run_trace_load, send_times, server_info,
 )
 from fdsched.serve.served_report import build_served_report, client_figures, format_served_table, server_figures
 
@@ -277,7 +277,7 @@ def test_a_whole_run_against_two_arms(servers, tmp_path, capsys):
     assert all(results[rid].arm == t.arm for rid, t in assignment.items())
     assert sum(len(f.bodies) for f in fakes) == 13
     sent = {b["prompt"]: b for f in fakes for b in f.bodies}
-    assert "max_tokens" not in sent[prompt_text(trace.requests[-1].prompt_tokens())]  # None -> omitted
+    assert "max_tokens" not in sent[request_prompt(trace.requests[-1])[0]]  # None -> omitted
     assert all(r.ok and r.output_tokens == (r.max_tokens or 4) for r in results.values())
     stalled = request_metrics(results["r0"])["stall_ms"]
     assert 250 <= stalled < 2000 and request_metrics(results["r1"])["stall_ms"] < stalled
