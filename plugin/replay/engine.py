@@ -201,8 +201,16 @@ def close_manager(manager) -> None:
         # port (e.g. other test processes on this machine); one of them may unlink it between the
         # host's existence check and its unlink. Nothing is left to release then.
         pass
-    manager.finish_execution_pool.shutdown(wait=True)
-    manager.async_preprocess_pool.shutdown(wait=True)
+    for name in ("finish_execution_pool", "async_preprocess_pool"):  # a line may lack either
+        pool = getattr(manager, name, None)
+        if pool is not None:
+            pool.shutdown(wait=True)
+
+
+def _wait_preprocessing(request) -> None:
+    """Wait for the request's async preprocessing (``async_process_futures``), where the line has it."""
+    for future in list(getattr(request, "async_process_futures", None) or ()):
+        future.result()
 
 
 def make_request(request_id: str, prompt_token_ids: list, max_tokens: Optional[int]):
@@ -322,8 +330,7 @@ class Driver:
     def add(self, request, true_output_len: Optional[int] = None) -> None:
         self._remember(request, true_output_len)
         self.rm.add_request(request)
-        for future in list(request.async_process_futures):
-            future.result()
+        _wait_preprocessing(request)
         if self.clock is not None:  # after the host's own stamps (it sets arrival_time from the wall clock)
             request.metrics.arrival_time = self.clock()
 
@@ -339,13 +346,16 @@ class Driver:
         rid = request.request_id
         self._remember(request, true_output_len)
         if rid not in self._preprocessed:
-            self.rm.apply_async_preprocess(request)
+            start = getattr(self.rm, "apply_async_preprocess", None)  # a line without async preprocessing: nothing
+            if start is not None:
+                start(request)
             self._preprocessed.add(rid)
-        for future in list(request.async_process_futures):
-            future.result()
+        _wait_preprocessing(request)
         if not self.rm.preallocate_resource_in_p(request):
             return False
-        self.rm.waiting_async_process(request)
+        finish = getattr(self.rm, "waiting_async_process", None)
+        if finish is not None:
+            finish(request)
         self.rm.add_request_in_p([request])
         self._preprocessed.discard(rid)
         return True
