@@ -64,6 +64,38 @@ def _out_dir(value: str) -> Path:
     return out
 
 
+def _replay_problem() -> str:
+    """Why the replay cannot drive this host's scheduler at all (one request on the smallest engine, FastDeploy
+    alone), or ""."""
+    from fdsched.replay.check import HOST_ARM, Case, run_case
+    from fdsched.replay.trace import TraceRequest
+
+    engine = {"block_size": 4, "max_model_len": 64, "num_gpu_blocks": 18, "max_num_seqs": 2,
+              "max_num_batched_tokens": 16, "enable_prefix_caching": True, "splitwise_role": "mixed",
+              "enc_dec_block_num": 2}
+    found = run_case(Case(engine, (TraceRequest(id="probe", arrival=0, prompt_len=4, output_len=2, line=1),)), HOST_ARM)
+    return found[1] if found and found[0] == "raises" else ""
+
+
+def _refused_profiles(arms) -> dict:
+    """profile -> why this host refuses it (the plugin would not load it in an engine either)."""
+    from fdsched.core.settings import SettingsError, load_settings
+    from fdsched.install.installer import InstallError, install, uninstall
+    from fdsched.replay.check import HOST_ARM
+
+    refused = {}
+    for arm in arms:
+        if arm == HOST_ARM:
+            continue
+        try:
+            install(load_settings(environ={}, profile=arm))
+        except (InstallError, SettingsError) as exc:
+            refused[arm] = str(exc).splitlines()[0]
+        finally:
+            uninstall()
+    return refused
+
+
 def cmd_check(args) -> int:
     """Exit code: EXIT_OK when no shipped profile fails a case (FastDeploy alone may: its findings are what the host
     fixes are for); EXIT_ERROR otherwise (the lines say which)."""
@@ -86,8 +118,18 @@ def cmd_check(args) -> int:
     (out / MARKER).write_text("written by fdsched check\n", encoding="utf-8")
     with host_output_to(out / "host.log", verbose=args.verbose):
         find_host()  # the host's import chatter goes to the log too
-        result = search(arms, args.seed, args.budget, out=out, max_cases=args.cases,
-                        report=lambda line: None)
+        cannot = _replay_problem()
+        refused = {} if cannot else _refused_profiles(arms)
+        if not cannot:
+            arms = [a for a in arms if a not in refused]
+            result = search(arms, args.seed, args.budget, out=out, max_cases=args.cases, report=lambda line: None)
+    if cannot:
+        from fdsched.core.settings import SettingsError
+
+        raise SettingsError(f"this FastDeploy: the replay cannot drive its scheduler ({cannot}); allowed: a FastDeploy "
+                            "whose scheduler the replay builds (fdsched replay shows the same)")
+    for profile, why in refused.items():
+        print(f"fdsched check: profile {profile} is refused on this host, not searched: {why}")
     findings = result["findings"]
     for finding in findings:
         print(finding.line())
