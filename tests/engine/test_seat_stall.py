@@ -1,7 +1,8 @@
 """The seat lock in FastDeploy's real serving stack: one seat, the smallest pool, one request that preempts itself
 near the end of its output (the engine's decode allocates blocks ahead). With the host fix off the engine keeps
-answering /health and never returns another token for that request; with the fix (every shipped profile, and no
-profile) it resumes on its own seat and finishes (the replay's smallest case, every shipped profile: tests/host/test_preempted_seat_resume.py).
+answering /health and never returns another token for that request; with the fix (no profile, ``recommended``) it
+resumes on its own seat and finishes. The replay's smallest case, under every shipped profile:
+tests/host/test_preempted_seat_resume.py.
 """
 
 from __future__ import annotations
