@@ -46,6 +46,8 @@ def _has_no_ratio_reservation(info) -> bool:
 
 
 def _reserve_per_running_request(info):
+    if _has_no_ratio_reservation(info):
+        return None  # nothing to rely on: the line cannot have the defect, and the fix is not applied there
     threshold = getattr(info.rm_class, "_get_can_schedule_prefill_threshold_block", None)
     if threshold is None:
         return "ResourceManagerV1._get_can_schedule_prefill_threshold_block is missing"
