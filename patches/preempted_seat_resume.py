@@ -84,8 +84,8 @@ class PreemptedSeatResumeMixin(PluginBase):
 
     def schedule(self):
         result = super().schedule()
-        if not nothing_scheduled(result[0]):
-            self._fdsched_stall_watch.clear()
+        if not (isinstance(result, tuple) and len(result) >= 2 and nothing_scheduled(result[0])):
+            self._fdsched_stall_watch.clear()  # a pass that scheduled something (or a shape this fix does not know)
             return result
         if not self._fdsched_resume_locked_head():
             self._fdsched_watch_stall()

@@ -1,0 +1,28 @@
+"""The seat fix's decisions with plain values (the host-tier tests drive the real scheduler)."""
+
+from __future__ import annotations
+
+from fdsched.patches.preempted_seat_resume import nothing_scheduled, seats_locked
+
+
+class _Batch:
+    def __init__(self, n):
+        self.n = n
+
+    def __len__(self):
+        return self.n
+
+
+def test_seats_are_locked_only_when_nothing_runs_or_is_in_flight_and_preempted_requests_hold_every_seat():
+    assert seats_locked(running=0, in_flight=0, head_preempted=True, preempted_waiting=3, seats=3)
+    assert seats_locked(running=0, in_flight=0, head_preempted=True, preempted_waiting=1, seats=1)
+    assert not seats_locked(running=1, in_flight=0, head_preempted=True, preempted_waiting=3, seats=3)
+    assert not seats_locked(running=0, in_flight=1, head_preempted=True, preempted_waiting=3, seats=3)
+    assert not seats_locked(running=0, in_flight=0, head_preempted=False, preempted_waiting=3, seats=3)
+    assert not seats_locked(running=0, in_flight=0, head_preempted=True, preempted_waiting=2, seats=3)
+
+
+def test_nothing_scheduled_reads_a_list_or_a_batch_and_says_no_when_it_cannot_tell():
+    assert nothing_scheduled([]) and not nothing_scheduled([object()])
+    assert nothing_scheduled(_Batch(0)) and not nothing_scheduled(_Batch(2))
+    assert not nothing_scheduled(object())  # unknown: the fix does nothing
