@@ -79,7 +79,8 @@ def _cached_count_record(info):
         return "PrefixCacheManager.update_cache_blocks is missing"
     names = code_names(func)
     if not ({"req_to_radix_tree_info", "cache_info"} & names):
-        return "PrefixCacheManager.update_cache_blocks keeps no per-request record (req_to_radix_tree_info / cache_info)"
+        return ("PrefixCacheManager.update_cache_blocks keeps no per-request record "
+                "(req_to_radix_tree_info / cache_info)")
     if not ({"mm_build_path", "build_path"} & names):
         return "PrefixCacheManager.update_cache_blocks builds no path (mm_build_path / build_path)"
     return None

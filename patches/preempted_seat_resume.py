@@ -42,15 +42,14 @@ raises into the engine.
 
 from __future__ import annotations
 
-import logging
 import time
 
 from fdsched.core.metrics import METRICS
 from fdsched.core.policies import StallWatch
 from fdsched.patches._spec import PatchSpec, Reliance
-from fdsched.patches._base import PluginBase, code_names, node_role
+from fdsched.patches._base import PluginBase, code_names, host_global, node_role
 
-_log = logging.getLogger("fdsched")
+RM = "fastdeploy.engine.sched.resource_manager_v1"
 
 
 def nothing_scheduled(tasks) -> bool:
@@ -73,6 +72,7 @@ class PreemptedSeatResumeMixin(PluginBase):
                           "max_num_seqs", "cache_manager", "config")
     fdsched_calls = {"ResourceManagerV1.get_prefix_cached_blocks": ("request",),
                      "ResourceManagerV1._free_blocks": ("request",)}
+    fdsched_globals = {RM: ("llm_logger",)}  # the lines go beside the scheduler's own
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -101,11 +101,12 @@ class PreemptedSeatResumeMixin(PluginBase):
             if not self._fdsched_stall_watch.observe(time.monotonic(), len(self.waiting), len(self.running), free):
                 return
             METRICS.guard_event("admission_stalled", of=self)
-            _log.warning("fdsched: admission stalled: %d request(s) waiting, none running, %d blocks free, nothing "
-                         "admitted for %d passes; the plugin knows no way out of this state", len(self.waiting), free,
-                         self._fdsched_stall_watch.passes)
+            log = host_global(RM, "llm_logger")
+            log.warning("fdsched: admission stalled: %d request(s) waiting, none running, %d blocks free, nothing "
+                        "admitted for %d passes; the plugin knows no way out of this state", len(self.waiting), free,
+                        self._fdsched_stall_watch.passes)
         except Exception:  # noqa: BLE001 - a watch never takes the engine down
-            _log.debug("fdsched: the stall watch could not read the scheduler", exc_info=True)
+            pass  # the next pass reads again
 
     def _fdsched_resume_locked_head(self) -> bool:
         """Under the scheduler's lock: move the preempted head of the waiting queue to running when the seats are
@@ -125,8 +126,9 @@ class PreemptedSeatResumeMixin(PluginBase):
             request.status = self._fdsched_prefill_status
             self.running.append(request)
         METRICS.guard_event("seats_resumed", of=self)
-        _log.warning("fdsched: every seat was held by a preempted request and nothing ran; request %s resumes on the "
-                     "seat it holds (host fix preempted_seat_resume)", request.request_id)
+        log = host_global(RM, "llm_logger")
+        log.warning("fdsched: every seat was held by a preempted request and nothing ran; request %s resumes on the "
+                    "seat it holds (host fix preempted_seat_resume)", request.request_id)
         return True
 
     def _fdsched_match_prefix(self, request) -> bool:

@@ -52,7 +52,8 @@ def _reserve_per_running_request(info):
     if threshold is None:
         return "ResourceManagerV1._get_can_schedule_prefill_threshold_block is missing"
     if "_get_running_request_reserve_blocks" not in code_names(threshold):
-        return "ResourceManagerV1._get_can_schedule_prefill_threshold_block no longer uses _get_running_request_reserve_blocks"
+        return ("ResourceManagerV1._get_can_schedule_prefill_threshold_block no longer uses "
+                "_get_running_request_reserve_blocks")
     return None
 
 

@@ -109,7 +109,8 @@ def failure_of(run, case: Case) -> Optional[tuple]:
     for step in run.steps:
         if step.violations:
             first = step.violations[0]
-            two_owners = ("both free and in use" in first and "prefix cache" in first) or "twice in the free list" in first
+            two_owners = (("both free and in use" in first and "prefix cache" in first)
+                          or "twice in the free list" in first)
             return "blocks", f"step {step.step}: {first}", TWO_OWNERS_DEFECT if two_owners else ""
     if run.request_violations:
         return "requests", run.request_violations[0], ""
