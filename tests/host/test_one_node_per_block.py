@@ -14,24 +14,16 @@ from collections import Counter
 
 import pytest
 
+from .workloads import tree_nodes
+
 BS = 4
 SHAPE = dict(block_size=BS, num_gpu_blocks=12, max_num_seqs=2, max_num_batched_tokens=4, max_model_len=16)
 PROMPT = [101, 102, 103, 104, 105, 106, 107, 108]  # two whole blocks
 OTHER = [201, 202, 203]  # a request that decodes meanwhile, so the repeat's recomputed block comes in two chunks
 
 
-def _nodes(cm):
-    nodes, stack = [], [cm.radix_tree_root]
-    while stack:
-        node = stack.pop()
-        for child in node.children.values():
-            nodes.append(child)
-            stack.append(child)
-    return nodes
-
-
 def _blocks_of_two_nodes(cm) -> list:
-    counts = Counter(node.block_id for node in _nodes(cm))
+    counts = Counter(node.block_id for node in tree_nodes(cm))
     return sorted(block for block, count in counts.items() if count > 1)
 
 

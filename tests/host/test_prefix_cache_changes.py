@@ -12,19 +12,10 @@ from hypothesis import strategies as st
 
 from fdsched.core.metrics import METRICS
 
+from .workloads import tree_nodes
+
 BS = 4
 SHAPE = dict(block_size=BS, num_gpu_blocks=64, max_num_seqs=8, max_num_batched_tokens=256, max_model_len=64)
-
-
-def _tree_nodes(cm):
-    """Every node below the root, by walking children maps."""
-    nodes, stack = [], [cm.radix_tree_root]
-    while stack:
-        node = stack.pop()
-        for child in node.children.values():
-            nodes.append(child)
-            stack.append(child)
-    return nodes
 
 
 def _fill_tree(rm, prompts):
@@ -61,7 +52,7 @@ def _check_accounting(rm):
     free = list(cm.gpu_free_block_list)
     assert len(free) == len(set(free)), "a block id is in the free list twice"
     held = set()
-    for node in _tree_nodes(cm):
+    for node in tree_nodes(cm):
         if node.has_in_gpu:
             held.add(node.block_id)
             held.update(node.reverved_dec_block_ids)
@@ -87,7 +78,7 @@ def filled(install_profile, make_manager, clock):
 def test_batched_recycle_frees_exactly_the_evicted_blocks_once(filled):
     rm = filled()
     cm = rm.cache_manager
-    nodes_before = {id(n): n for n in _tree_nodes(cm)}
+    nodes_before = {id(n): n for n in tree_nodes(cm)}
     dec_ids = cm.allocate_gpu_blocks(2, "dec")
     free_before = set(cm.gpu_free_block_list)
     leaf = cm.gpu_lru_leaf_heap[0]
@@ -96,7 +87,7 @@ def test_batched_recycle_frees_exactly_the_evicted_blocks_once(filled):
 
     cm.free_block_ids_async(5)
 
-    gone = [n for key, n in nodes_before.items() if key not in {id(m) for m in _tree_nodes(cm)}]
+    gone = [n for key, n in nodes_before.items() if key not in {id(m) for m in tree_nodes(cm)}]
     assert len(gone) == 5
     expected = {n.block_id for n in gone} | set(dec_ids)
     assert set(cm.gpu_free_block_list) - free_before == expected
@@ -118,19 +109,19 @@ def test_every_evicted_id_goes_through_the_recycle_seam_once_per_batch(filled):
     leaf = cm.gpu_lru_leaf_heap[0]
     dec_ids = list(cm.allocate_gpu_blocks(2, "dec"))
     leaf.reverved_dec_block_ids = list(dec_ids)
-    nodes_before = {id(n): n for n in _tree_nodes(cm)}
+    nodes_before = {id(n): n for n in tree_nodes(cm)}
     calls = []
     cm.recycle_gpu_blocks = lambda ids: calls.append(list(ids))
 
     cm.free_block_ids_async(5)
 
-    gone = [n for key, n in nodes_before.items() if key not in {id(m) for m in _tree_nodes(cm)}]
+    gone = [n for key, n in nodes_before.items() if key not in {id(m) for m in tree_nodes(cm)}]
     assert len(gone) == 5 and len(calls) == 1, calls
     assert sorted(calls[0]) == sorted([n.block_id for n in gone] + dec_ids)
 
     # free_nodes_directly: the same seam, one call for the whole chain it frees
     calls.clear()
-    target = next(n for n in _tree_nodes(cm) if n.shared_count == 0 and not n.children and n in cm.gpu_lru_leaf_set)
+    target = next(n for n in tree_nodes(cm) if n.shared_count == 0 and not n.children and n in cm.gpu_lru_leaf_set)
     target.reverved_dec_block_ids = list(cm.allocate_gpu_blocks(1, "dec2"))
     dec = list(target.reverved_dec_block_ids)
     cm.free_nodes_directly(target)
@@ -200,7 +191,7 @@ def test_eviction_matches_the_host_loop(install_profile, make_manager, clock, ne
         _fill_tree(rm, _prompts(seed=4))
         cm = rm.cache_manager
         if ties:
-            for node in _tree_nodes(cm):
+            for node in tree_nodes(cm):
                 node.last_used_time = 1.0  # every comparison between equal depths is a tie
         leaves = len(cm.gpu_lru_leaf_heap)
         order = []
@@ -215,7 +206,7 @@ def test_eviction_matches_the_host_loop(install_profile, make_manager, clock, ne
         outcomes[profile] = (
             order,
             sorted(cm.gpu_free_block_list),
-            sorted(n.block_id for n in _tree_nodes(cm)),
+            sorted(n.block_id for n in tree_nodes(cm)),
             [n.block_id for n in cm.gpu_lru_leaf_heap],  # the heap's layout, not just its contents
         )
     assert outcomes["baseline"][0], "the host freed nothing: the scenario does not evict"
@@ -269,7 +260,7 @@ def test_large_eviction_holds_collections_off_and_restores_the_collector(filled,
 def test_no_node_enters_the_lru_heap_twice(filled):
     rm = filled()
     cm = rm.cache_manager
-    cm.free_block_ids_async(len(_tree_nodes(cm)) // 2)
+    cm.free_block_ids_async(len(tree_nodes(cm)) // 2)
     heap_ids = [id(n) for n in cm.gpu_lru_leaf_heap]
     assert len(heap_ids) == len(set(heap_ids)) == len(cm.gpu_lru_leaf_set)
     assert _is_heap(cm.gpu_lru_leaf_heap)

@@ -5,6 +5,17 @@ from __future__ import annotations
 import random
 
 
+def tree_nodes(cm):
+    """Every radix-tree node below a prefix cache's root, by walking the children maps."""
+    nodes, stack = [], [cm.radix_tree_root]
+    while stack:
+        node = stack.pop()
+        for child in node.children.values():
+            nodes.append(child)
+            stack.append(child)
+    return nodes
+
+
 def kv_pressure_requests(seed=3, count=14, arrival_span=10, prompt=(8, 40), output=(20, 56), max_tokens=56):
     """(arrival step, id, prompt tokens, true output length, max_tokens) for a pool that runs short."""
     rnd = random.Random(seed)
