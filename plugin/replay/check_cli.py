@@ -7,9 +7,9 @@ from pathlib import Path
 
 from fdsched.core.common import EXIT_ERROR, EXIT_OK
 
-__all__ = ["add_check_command", "cmd_check", "MARKER"]
+__all__ = ["add_check_command", "cmd_check", "COMMAND"]
 
-MARKER = ".fdsched-check"  # written into --out: a folder holding it (and only what check writes) may be reused
+COMMAND = "fdsched check"
 
 
 def add_check_command(sub) -> None:
@@ -51,17 +51,14 @@ def _arms(value) -> list:
 
 
 def _out_dir(value: str) -> Path:
-    """The output folder: new, empty, or one an earlier ``fdsched check`` wrote (it holds the marker)."""
+    """The output folder (:func:`fdsched.tools.outdir.check_out_dir`): new, empty, or one an earlier check wrote."""
     from fdsched.core.settings import SettingsError
+    from fdsched.tools.outdir import OutputError, check_out_dir
 
-    out = Path(value)
-    if out.exists() and not out.is_dir():
-        raise SettingsError(f"--out: bad value {value!r} (a file); allowed: a new or empty folder, or one an earlier "
-                            "fdsched check wrote")
-    if out.is_dir() and any(out.iterdir()) and not (out / MARKER).is_file():
-        raise SettingsError(f"--out: bad value {value!r} (a folder holding files fdsched check did not write); "
-                            "allowed: a new or empty folder, or one an earlier fdsched check wrote")
-    return out
+    try:
+        return check_out_dir(value, COMMAND)
+    except OutputError as exc:
+        raise SettingsError(str(exc)) from None
 
 
 def _replay_problem() -> str:
@@ -99,23 +96,40 @@ def _refused_profiles(arms) -> dict:
 def cmd_check(args) -> int:
     """Exit code: EXIT_OK when no shipped profile fails a case (FastDeploy alone may: its findings are what the host
     fixes are for); EXIT_ERROR otherwise (the lines say which)."""
-    from fdsched.replay.check import HOST_ARM, search
+    from fdsched.core.settings import SettingsError
     from fdsched.replay.engine import prepare_host_environment
-    from fdsched.install.probe import find_host
-    from fdsched.tools.quiet import host_output_to
+    from fdsched.tools.outdir import OutputError, claim_out_dir, settle_out_dir
 
     if args.budget <= 0 or args.cases < 0:
-        from fdsched.core.settings import SettingsError
-
         raise SettingsError(f"--budget/--cases: bad value {args.budget!r}/{args.cases!r}; allowed: a budget > 0 "
                             "seconds and cases >= 0")
     arms = _arms(args.arms)
-    out = _out_dir(args.out)
+    _out_dir(args.out)
     prepare_host_environment()
-    for stale in out.glob("finding-*.jsonl") if out.is_dir() else ():
-        stale.unlink()  # an earlier check's findings (the marker says this folder is check's)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / MARKER).write_text("written by fdsched check\n", encoding="utf-8")
+    try:
+        out, created = claim_out_dir(args.out, COMMAND)
+    except OutputError as exc:
+        raise SettingsError(str(exc)) from None
+    for stale in out.glob("finding-*.jsonl"):
+        stale.unlink()  # an earlier check's findings (the marker says this folder and they are check's)
+    try:
+        cannot, refused, result = _run(args, arms, out)
+    finally:
+        settle_out_dir(out, COMMAND, created)
+    if cannot:
+        raise SettingsError(f"this FastDeploy: the replay cannot drive its scheduler ({cannot}); allowed: a FastDeploy "
+                            "whose scheduler the replay builds (fdsched replay shows the same)")
+    return _report(args, arms, refused, result, out)
+
+
+def _run(args, arms, out):
+    """(why the replay cannot drive this host or "", refused profiles, the search's result) with the host's output
+    in ``out/host.log``."""
+    from fdsched.install.probe import find_host
+    from fdsched.replay.check import search
+    from fdsched.tools.quiet import host_output_to
+
+    result = None
     with host_output_to(out / "host.log", verbose=args.verbose):
         find_host()  # the host's import chatter goes to the log too
         cannot = _replay_problem()
@@ -123,11 +137,13 @@ def cmd_check(args) -> int:
         if not cannot:
             arms = [a for a in arms if a not in refused]
             result = search(arms, args.seed, args.budget, out=out, max_cases=args.cases, report=lambda line: None)
-    if cannot:
-        from fdsched.core.settings import SettingsError
+    return cannot, refused, result
 
-        raise SettingsError(f"this FastDeploy: the replay cannot drive its scheduler ({cannot}); allowed: a FastDeploy "
-                            "whose scheduler the replay builds (fdsched replay shows the same)")
+
+def _report(args, arms, refused, result, out) -> int:
+    from fdsched.replay.check import HOST_ARM
+
+    arms = [a for a in arms if a not in refused]
     for profile, why in refused.items():
         print(f"fdsched check: profile {profile} is refused on this host, not searched: {why}")
     findings = result["findings"]

@@ -11,7 +11,8 @@ import pytest
 from fdsched.core.settings import SettingsError
 from fdsched.replay.check import (HOST_ARM, PREFILL_RESERVE_DEFECT, SEATS_DEFECT, TWO_OWNERS_DEFECT, Case, draw_case,
                                   failure_of, search, shrink)
-from fdsched.replay.check_cli import MARKER, _arms, _out_dir
+from fdsched.replay.check_cli import COMMAND, _arms, _out_dir
+from fdsched.tools.outdir import claim_out_dir
 from fdsched.replay.trace import TraceRequest, check_engine, load_trace
 
 
@@ -130,9 +131,7 @@ def test_arms_and_out_are_checked_before_anything_runs(tmp_path):
     (tmp_path / "theirs" / "notes.txt").write_text("mine")
     with pytest.raises(SettingsError, match="did not write"):
         _out_dir(str(tmp_path / "theirs"))
-    (tmp_path / "ours").mkdir()
-    (tmp_path / "ours" / MARKER).write_text("x")
-    (tmp_path / "ours" / "finding-01-host-stall.jsonl").write_text("{}")
+    claim_out_dir(str(tmp_path / "ours"), COMMAND)  # an earlier check's folder
     assert _out_dir(str(tmp_path / "ours")) == Path(tmp_path / "ours")
-    with pytest.raises(SettingsError, match=r"\(a file\)"):
+    with pytest.raises(SettingsError, match="an existing file"):
         _out_dir(str(tmp_path / "theirs" / "notes.txt"))
