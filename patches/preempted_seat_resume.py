@@ -11,12 +11,11 @@ Why:       FastDeploy's admission loop counts the preempted requests waiting to 
 Upstream:  none: a defect of FastDeploy's own admission loop (the 2.6 commits with PR 7181, develop), not proposed
            upstream yet. The upstream fix is one condition: a preempted request at the head of the queue already holds
            a seat, so the check should not ask it for another.
-Needs it:  the lines whose admission loop counts preempted requests in the waiting queue (2.6 with PR 7181, develop).
-           A line older than that slot accounting (no ``to_be_aborted_req_id_set``: 2.2, 2.4) does not need it; on
-           any other line without the count the state never outlives a pass, and the fix never acts.
-Switch:    FDSCHED_PREEMPTED_SEAT_RESUME / changes.preempted_seat_resume = auto | on | off. ``auto`` applies it on
-           every line; ``off`` keeps FastDeploy's own loop, to reproduce the stall. A profile's ``changes.others`` does
-           not set it.
+Needs it:  the lines whose admission loop counts preempted requests in the waiting queue (2.6 with PR 7181, develop),
+           read from ``schedule``'s code. A line without that count (2.2, 2.4, 2.5) does not need it.
+Switch:    FDSCHED_PREEMPTED_SEAT_RESUME / changes.preempted_seat_resume = auto | on | off. ``auto`` applies it
+           where the loop counts them; ``off`` keeps FastDeploy's own loop, to reproduce the stall. A profile's
+           ``changes.others`` does not set it.
 Delete:    when FastDeploy's admission loop lets a preempted request at the head of the queue resume on its own seat,
            on every supported line.
 Relies on: (probed at install: ``on`` fails naming it; ``auto`` skips)
@@ -34,31 +33,21 @@ a seat. The host's pass then runs once more and schedules its prefill chunks as 
 resume as seats free, through the host's own loop. Each time it acts it logs one warning line and counts
 ``fdsched_guard_events_total{event="seats_resumed"}``.
 
-The scheduler guard: any other pass that schedules nothing while requests wait, nothing runs and blocks are free
-is watched (:class:`fdsched.core.policies.StallWatch`); an episode that lasts 100 passes and 30 s is reported once,
-in one log line and ``fdsched_guard_events_total{event="admission_stalled"}``. The watch only reads; it never
-raises into the engine.
+What else stalls, and KV blocks with two owners, the scheduler guard watches (:mod:`fdsched.patches._guard`, in
+every arm class while the plugin is loaded).
 """
 
 from __future__ import annotations
 
-import time
+import inspect
+import sys
 
 from fdsched.core.metrics import METRICS
-from fdsched.core.policies import StallWatch
+from fdsched.patches._guard import nothing_scheduled
 from fdsched.patches._spec import PatchSpec, Reliance
 from fdsched.patches._base import PluginBase, code_names, host_global, node_role
 
 RM = "fastdeploy.engine.sched.resource_manager_v1"
-
-
-def nothing_scheduled(tasks) -> bool:
-    """Whether a pass's task collection is empty (a list, or develop's ``BatchRequest`` with ``__len__``); False
-    when it cannot tell (the fix then does nothing)."""
-    try:
-        return len(tasks) == 0
-    except TypeError:
-        return False
 
 
 def seats_locked(running: int, in_flight: int, head_preempted: bool, preempted_waiting: int, seats: int) -> bool:
@@ -80,33 +69,13 @@ class PreemptedSeatResumeMixin(PluginBase):
         cache_config = getattr(getattr(self, "config", None), "cache_config", None)
         self._fdsched_match_on_resume = bool(getattr(cache_config, "enable_prefix_caching", False)) and (
             node_role(self) != "decode")
-        self._fdsched_stall_watch = StallWatch()
 
     def schedule(self):
         result = super().schedule()
-        if not (isinstance(result, tuple) and len(result) >= 2 and nothing_scheduled(result[0])):
-            self._fdsched_stall_watch.clear()  # a pass that scheduled something (or a shape this fix does not know)
-            return result
-        if not self._fdsched_resume_locked_head():
-            self._fdsched_watch_stall()
-            return result
-        again = super().schedule()
-        return (again[0], list(result[1]) + list(again[1])) + tuple(again[2:])
-
-    def _fdsched_watch_stall(self) -> None:
-        """The guard's other half: a stall the fix knows no way out of is reported once per episode (a log line and
-        ``fdsched_guard_events_total{event="admission_stalled"}``); nothing here raises into the engine."""
-        try:
-            free = len(self.cache_manager.gpu_free_block_list)
-            if not self._fdsched_stall_watch.observe(time.monotonic(), len(self.waiting), len(self.running), free):
-                return
-            METRICS.guard_event("admission_stalled", of=self)
-            log = host_global(RM, "llm_logger")
-            log.warning("fdsched: admission stalled: %d request(s) waiting, none running, %d blocks free, nothing "
-                        "admitted for %d passes; the plugin knows no way out of this state", len(self.waiting), free,
-                        self._fdsched_stall_watch.passes)
-        except Exception:  # noqa: BLE001 - a watch never takes the engine down
-            pass  # the next pass reads again
+        if nothing_scheduled(result) and self._fdsched_resume_locked_head():
+            again = super().schedule()
+            result = (again[0], list(result[1]) + list(again[1])) + tuple(again[2:])
+        return result
 
     def _fdsched_resume_locked_head(self) -> bool:
         """Under the scheduler's lock: move the preempted head of the waiting queue to running when the seats are
@@ -148,11 +117,25 @@ class PreemptedSeatResumeMixin(PluginBase):
         return False
 
 
-def _counts_no_pending_seats(info) -> bool:
-    """A line whose scheduler keeps no set of requests waiting to be aborted predates the slot accounting that counts
-    preempted requests (PR 7141): its admission loop cannot lock the seats this way (2.2, 2.4)."""
-    init = getattr(info.rm_class, "__init__", None)
-    return init is not None and "to_be_aborted_req_id_set" not in code_names(init)
+def _no_preempted_seat_count(info) -> bool:
+    """Whether the host's admission loop leaves preempted requests out of its seat count (the lines before PR 7141's
+    slot accounting: 2.2, 2.4, 2.5): then the seats cannot lock this way and the fix is not needed. Read from
+    ``schedule``'s code: the count is a comprehension over the waiting queue that reads each request's ``status``
+    against ``PREEMPTED`` (a nested code object; Python 3.12 inlines comprehensions, so there ``schedule`` itself
+    naming ``sum``, ``PREEMPTED`` and ``max_num_seqs`` counts). Anything unclear reads as counted: the fix applies,
+    and where the state never arises it never acts."""
+    schedule = getattr(info.rm_class, "schedule", None)
+    code = getattr(schedule, "__code__", None)
+    if code is None:
+        return False
+    nested, stack = [], [c for c in code.co_consts if inspect.iscode(c)]
+    while stack:
+        inner = stack.pop()
+        nested.append(inner)
+        stack.extend(c for c in inner.co_consts if inspect.iscode(c))
+    if any({"status", "PREEMPTED"} <= set(inner.co_names) for inner in nested):
+        return False
+    return not (sys.version_info >= (3, 12) and {"sum", "PREEMPTED", "max_num_seqs"} <= set(code.co_names))
 
 
 def _running_prefill_chunks(info):
@@ -182,7 +165,7 @@ SPEC = PatchSpec(
     switch="FDSCHED_PREEMPTED_SEAT_RESUME",
     delete_when="FastDeploy lets a preempted request at the head of the queue resume on its own seat",
     mixins={"ResourceManagerV1": PreemptedSeatResumeMixin},
-    host_has=_counts_no_pending_seats,
+    host_has=_no_preempted_seat_count,
     relies_on=(
         Reliance(
             "running-prefill-chunks",

@@ -48,7 +48,9 @@ fastdeploy:fdsched_guard_events_total{event}                 counter    the sche
                                                                         seat held by a preempted request; the
                                                                         first resumed on its own), or
                                                                         admission_stalled (requests wait, blocks
-                                                                        are free, nothing runs or is admitted)
+                                                                        are free, nothing runs or is admitted),
+                                                                        or block_owner_conflict (an audit found
+                                                                        a KV block with two owners or free twice)
 fastdeploy:fdsched_adaptive_samples{kind}                    gauge      adaptive estimator: finished requests
                                                                         it learns from (kind: absolute =
                                                                         unbounded clients, relative = clients
@@ -169,7 +171,8 @@ def _prometheus():
             "guard": Counter(
                 "fastdeploy:fdsched_guard_events_total",
                 "Scheduler guard events: seats_resumed (the way out of every seat held by a preempted request taken), "
-                "admission_stalled (requests wait, blocks are free, nothing runs or is admitted)",
+                "admission_stalled (requests wait, blocks are free, nothing runs or is admitted), block_owner_conflict "
+                "(an audit found one KV block with two owners, or free twice)",
                 LABELS + ("event",),
             ),
             "finished": Counter("fastdeploy:fdsched_requests_finished_total", "Requests the scheduler finished", LABELS),
@@ -315,7 +318,8 @@ class PluginMetrics:
             self._series(prom, "blocked", labels_of(of)).inc(0)
 
     def guard_event(self, event: str, of=None) -> None:
-        """The scheduler guard saw (``admission_stalled``) or took a way out of (``seats_resumed``) a stall."""
+        """The scheduler guard saw a stall (``admission_stalled``), took a way out of one (``seats_resumed``), or found a
+        block with two owners (``block_owner_conflict``)."""
         self.guard_events[event] += 1
         prom = _prometheus()
         if prom:

@@ -33,6 +33,7 @@ from typing import Callable, Mapping, Optional, Sequence
 from fdsched.core.common import plural
 from fdsched.core.costmodel import cost_from_settings, prefill_context_tokens, row_step_ms
 from fdsched.replay.figures import ProfileRun, RequestRow, StepRow
+from fdsched.patches._blocks import cache_held_blocks, request_held_blocks
 from fdsched.replay.invariants import check_blocks, check_requests
 from fdsched.replay.peak_arm import PEAK_PLUGIN_NAME, replay_admission_hook
 from fdsched.replay.oracle import ORACLE_PLUGIN_NAME, RETRACT_PLUGIN_NAME, Holding, PeakOracle, RetractOrder
@@ -122,59 +123,6 @@ def _watch_candidate(manager, manager_ref: dict) -> None:
         return counted(request, num_new_tokens)
 
     manager.get_new_block_nums = get_new_block_nums
-
-
-def cache_held_blocks(cache_manager) -> list:
-    """GPU block ids the prefix cache holds (see :mod:`fdsched.replay.invariants`).
-
-    Everything below the root, plus every node reachable upwards from a leaf the cache still tracks.
-    Written for speed (the replay may call it every step): the GPU status member is looked up once
-    and compared by identity.
-    """
-    root = cache_manager.radix_tree_root
-    gpu = _gpu_status(root)
-    blocks = list(getattr(root, "reverved_dec_block_ids", None) or [])
-    append, extend = blocks.append, blocks.extend
-    # Nodes hash by identity (the host defines no __eq__), so a set of nodes is a set of identities.
-    seen = {root}
-    stack = list(root.children.values())
-    while stack:  # the tree below the root
-        node = stack.pop()
-        seen.add(node)
-        if node.cache_status is gpu:
-            append(node.block_id)
-            if node.reverved_dec_block_ids:
-                extend(node.reverved_dec_block_ids)
-        children = node.children
-        if children:
-            stack.extend(children.values())
-    leaves = list(getattr(cache_manager, "gpu_lru_leaf_set", ())) + list(getattr(cache_manager, "req_leaf_map", {}).values())
-    for node in leaves:  # nodes the cache tracks that are no longer attached below the root
-        while node is not None and node not in seen:
-            seen.add(node)
-            if node.cache_status is gpu:
-                append(node.block_id)
-                if node.reverved_dec_block_ids:
-                    extend(node.reverved_dec_block_ids)
-            node = node.parent
-    for ids in getattr(cache_manager, "unfilled_req_block_map", {}).values():
-        extend(ids)
-    return blocks
-
-
-def _gpu_status(node):
-    """The host's ``CacheStatus.GPU`` member (found from the class of a node's status)."""
-    return type(node.cache_status).GPU
-
-
-def request_held_blocks(requests) -> dict:
-    held = {}
-    for request in requests:
-        ids = list(request.block_tables or [])
-        ids.extend(getattr(request, "extend_block_tables", None) or [])
-        if ids:
-            held[request.request_id] = ids
-    return held
 
 
 def _host_hit(request) -> int:

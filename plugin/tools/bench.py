@@ -564,6 +564,11 @@ def _run_schedule(args) -> int:
         h, p = result[("host", mode)], result[("plugin", mode)]
         print(f"per-step minima, gc {mode}: host {statistics.fmean(h['minima']) * 1e6:.1f} us, "
               f"plugin {statistics.fmean(p['minima']) * 1e6:.1f} us a step")
+    from fdsched.tools.guardbench import bench_guard, print_guard
+
+    guard = bench_guard(lambda: scheduler_for(args.profile, args.running, args.waiting, args.block_size, args.workload),
+                        lambda blocks: _build_tree(blocks, 50, args.block_size))
+    print_guard(guard, result[("plugin", modes[0])]["median"], args.profile)
     return 0
 
 

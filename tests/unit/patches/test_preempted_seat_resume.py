@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from fdsched.patches.preempted_seat_resume import nothing_scheduled, seats_locked
+from fdsched.patches._guard import nothing_scheduled
+from fdsched.patches.preempted_seat_resume import seats_locked
 
 
 class _Batch:
@@ -23,6 +24,7 @@ def test_seats_are_locked_only_when_nothing_runs_or_is_in_flight_and_preempted_r
 
 
 def test_nothing_scheduled_reads_a_list_or_a_batch_and_says_no_when_it_cannot_tell():
-    assert nothing_scheduled([]) and not nothing_scheduled([object()])
-    assert nothing_scheduled(_Batch(0)) and not nothing_scheduled(_Batch(2))
-    assert not nothing_scheduled(object())  # unknown: the fix does nothing
+    assert nothing_scheduled(([], [])) and not nothing_scheduled(([object()], []))
+    assert nothing_scheduled((_Batch(0), [])) and not nothing_scheduled((_Batch(2), []))
+    assert not nothing_scheduled((object(), []))  # unknown: the fix does nothing
+    assert not nothing_scheduled([]) and not nothing_scheduled(None)  # not a pass's (tasks, ...) result
