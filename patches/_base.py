@@ -71,6 +71,46 @@ def code_names(func) -> frozenset:
     return frozenset(names)
 
 
+def compares_locals(func, first: str, second: str) -> bool:
+    """Whether ``func``'s code compares its locals ``first`` and ``second`` with each other (a ``COMPARE_OP`` whose
+    two operands are loads of those names), read from its bytecode."""
+    import dis
+
+    code = getattr(func, "__code__", None)
+    if code is None:
+        return False
+    loads: list = []
+    for ins in dis.get_instructions(code):
+        if ins.opname.startswith("LOAD_FAST"):
+            loads.extend(ins.argval if isinstance(ins.argval, tuple) else (ins.argval,))  # 3.13 loads two at once
+        elif ins.opname == "COMPARE_OP":
+            if set(loads[-2:]) == {first, second}:
+                return True
+            loads.clear()
+        elif ins.opname not in ("CACHE", "EXTENDED_ARG"):
+            loads.clear()
+    return False
+
+
+def stores_constant(func, name: str, value) -> bool:
+    """Whether ``func``'s code assigns the constant ``value`` to its local ``name`` (a ``LOAD_CONST`` straight into a
+    ``STORE_FAST``), read from its bytecode."""
+    import dis
+
+    code = getattr(func, "__code__", None)
+    if code is None:
+        return False
+    last = None
+    for ins in dis.get_instructions(code):
+        if ins.opname in ("CACHE", "EXTENDED_ARG"):
+            continue
+        if (ins.opname == "STORE_FAST" and ins.argval == name and last is not None and last.opname in (
+                "LOAD_CONST", "LOAD_SMALL_INT") and last.argval == value and type(last.argval) is type(value)):
+            return True
+        last = ins
+    return False
+
+
 def node_role(scheduler):
     """The PD role a scheduler works in, read once when it is built: ``config.scheduler_config.splitwise_role``, as the
     host's own code reads it; None where its config has no scheduler config (a host test's stub config: any path of

@@ -7,12 +7,14 @@ Why:       when a prompt's every block is already in the prefix cache, the sched
            record builds a second node, below that leaf, for a block the leaf's path already holds. Two nodes own
            one block: evicting one returns the block to the free list while the other still serves it from the
            radix tree, and the next allocation hands it to a new request (one request's KV overwrites another's
-           cached prefix: wrong answers, no error). Found by the replay's block invariants on every 2.x line.
-Upstream:  none: a defect of FastDeploy's own prefix cache (2.2 to develop), not proposed upstream yet.
-Needs it:  every line in the support table (the lines name the record ``cache_info`` or
-           ``req_to_radix_tree_info``; both are handled).
-Switch:    FDSCHED_ONE_NODE_PER_BLOCK / changes.one_node_per_block = auto | on | off. ``auto`` applies it on every
-           line (none is known to carry a fix); ``off`` keeps FastDeploy's own recording, to reproduce the defect.
+           cached prefix: wrong answers, no error). Found by the replay's block invariants.
+Upstream:  none proposed by this project; FastDeploy's 2.6 head and develop return from ``update_cache_blocks`` when
+           the computed count is not above the cached count, which removes the defect there.
+Needs it:  the lines whose ``update_cache_blocks`` lacks that check (2.2, 2.4, 2.5, the 2.6 commits before the head;
+           the lines name the record ``cache_info`` or ``req_to_radix_tree_info``; both are handled).
+Switch:    FDSCHED_ONE_NODE_PER_BLOCK / changes.one_node_per_block = auto | on | off. ``auto`` applies it where the
+           host lacks the check (read from the bytecode of ``update_cache_blocks``); ``off`` keeps FastDeploy's own
+           recording, to reproduce the defect.
            A profile's ``changes.others`` does not set it: ``baseline`` means the pre-change policy, not the host's
            defects.
 Delete:    when FastDeploy's ``update_cache_blocks`` leaves a request's record alone for a computed count below
@@ -31,7 +33,7 @@ them). A count at or above the cached count is passed on unchanged: every other 
 from __future__ import annotations
 
 from fdsched.patches._spec import PatchSpec, Reliance, Shapes
-from fdsched.patches._base import PluginBase, code_names
+from fdsched.patches._base import PluginBase, code_names, compares_locals
 
 
 def raised_record(num_computed_tokens: int, cached_tokens: int, block_size: int) -> int:
@@ -86,6 +88,16 @@ def _cached_count_record(info):
     return None
 
 
+def _skips_records_below_cached(info) -> bool:
+    """The host's ``update_cache_blocks`` compares the computed count (rounded to whole blocks) with the recorded
+    cached count before it builds (FastDeploy's 2.6 head and develop return there when it is not above): the defect
+    is fixed in the host. Read from the function's bytecode: a comparison whose operands load both locals. A host
+    that renames them reads as without the check, and the fix applies (it changes nothing where the host returns)."""
+    cls = info.host_classes.get("PrefixCacheManager")
+    func = getattr(cls, "update_cache_blocks", None)
+    return func is not None and compares_locals(func, "can_cache_computed_tokens", "num_cached_tokens")
+
+
 SPEC = PatchSpec(
     change_id="one_node_per_block",
     title="One radix-tree node per KV block (fully cached prompts)",
@@ -98,12 +110,12 @@ SPEC = PatchSpec(
     ),
     how="Raise a computed count whose whole blocks fall below the request's cached count to that count before the "
         "host records it; every other record passes unchanged.",
-    hosts_needing="every 2.x line in the support table (2.2 to develop)",
+    hosts_needing="lines whose update_cache_blocks records a count below the cached one (2.2 to 2.6 before the head)",
     switch="FDSCHED_ONE_NODE_PER_BLOCK",
     delete_when="FastDeploy leaves a request's record alone for a computed count below its cached count",
     mixins={"PrefixCacheManager": OneNodePerBlockMixin},
     variants={"plugin": {"PrefixCacheManager": Shapes(RadixTreeInfoRecordMixin, CacheInfoRecordMixin)}},
-    host_has=lambda info: False,
+    host_has=_skips_records_below_cached,
     relies_on=(
         Reliance(
             "cached-count-record",

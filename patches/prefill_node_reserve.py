@@ -7,9 +7,10 @@ Why:       upstream's new_token_ratio reservation (PR 7444/7783, as merged) rese
            prefill node ``preallocate_resource_in_p`` fills the pool without that check, a running prefill that needs
            0 new blocks is then refused because the free blocks do not cover the reservation, nothing is scheduled
            so the ratio never decays, and nothing finishes so nothing is freed: the node stalls for good.
-Upstream:  none: a defect of FastDeploy's own reservation on a prefill node, not proposed upstream yet.
-Needs it:  the lines with upstream's ratio reservation (2.6 with 7783, develop); a line whose own code skips the
-           reservation for a prefill node's running chunks drains the same with it.
+Upstream:  none proposed by this project; FastDeploy's 2.6 head sets a prefill node's running-chunk threshold to 0
+           in ``schedule()`` itself, which removes the defect there.
+Needs it:  the lines with upstream's ratio reservation whose ``schedule()`` does not set that threshold to 0 (2.6
+           with 7783 before the head, develop), read from ``schedule``'s bytecode.
 Switch:    FDSCHED_PREFILL_NODE_RESERVE / changes.prefill_node_reserve = auto | on | off. It acts where FastDeploy's
            own reservation runs (``changes.ratio_reserve`` ``auto`` on a line that has it; the plugin's own
            reservation already reserves nothing for running requests on a prefill node), and on a prefill node only.
@@ -26,7 +27,7 @@ request's reserve is 0, so a running chunk needs only its own new blocks; every 
 from __future__ import annotations
 
 from fdsched.patches._spec import PatchSpec, Reliance, Variant
-from fdsched.patches._base import PluginBase, code_names, node_role
+from fdsched.patches._base import PluginBase, code_names, node_role, stores_constant
 
 
 class PrefillNodeReserveMixin(PluginBase):
@@ -43,6 +44,15 @@ class PrefillNodeReserveMixin(PluginBase):
 def _has_no_ratio_reservation(info) -> bool:
     """The line has no per-request ratio reservation, so it cannot have this defect."""
     return not callable(getattr(info.rm_class, "_get_running_request_reserve_blocks", None))
+
+
+def _host_skips_it(info) -> bool:
+    """The line cannot have the defect: no ratio reservation, or its ``schedule`` sets the threshold of a running
+    request's chunk to 0 itself (FastDeploy's 2.6 head does so on a prefill node; read from its bytecode)."""
+    if _has_no_ratio_reservation(info):
+        return True
+    schedule = getattr(info.rm_class, "schedule", None)
+    return schedule is not None and stores_constant(schedule, "can_schedule_block_num_threshold", 0)
 
 
 def _reserve_per_running_request(info):
@@ -81,7 +91,7 @@ SPEC = PatchSpec(
     delete_when="FastDeploy reserves nothing for running requests on a prefill node on every supported line",
     mixins={"ResourceManagerV1": PrefillNodeReserveMixin},
     variants={"plugin": {"ResourceManagerV1": Variant(_where_the_host_reserves, (PrefillNodeReserveMixin,))}},
-    host_has=_has_no_ratio_reservation,
+    host_has=_host_skips_it,
     relies_on=(
         Reliance(
             "reserve-per-running-request",

@@ -221,20 +221,22 @@ def _write(out: Path, index: int, finding: Finding) -> Path:
 
 
 def search(arms: Sequence[str], seed: int, budget_s: float, out: Optional[Path] = None, max_cases: int = 0,
-           report: Callable = print, fails: Callable = run_case) -> dict:
-    """Draw cases from ``seed`` until ``budget_s`` seconds are spent (or ``max_cases`` are tried); replay each under
-    every arm; shrink, write and report the first failure of each (arm, kind). Returns a summary dict."""
+           report: Callable = print, fails: Callable = run_case, until: frozenset = frozenset()) -> dict:
+    """Draw cases from ``seed`` until ``budget_s`` seconds are spent (or ``max_cases`` are tried, or every known
+    defect named in ``until`` is found); replay each under every arm; shrink, write and report the first failure of
+    each (arm, kind, known defect). Returns a summary dict."""
     rng = random.Random(seed)
     started = time.monotonic()
     deadline = started + budget_s
     seen: dict = {}
     cases = 0
-    while time.monotonic() < deadline and (not max_cases or cases < max_cases):
+    while time.monotonic() < deadline and (not max_cases or cases < max_cases) and not (
+            until and until <= {f.known for f in seen.values()}):
         case = draw_case(rng)
         cases += 1
         for arm in arms:
             found = fails(case, arm)
-            if found is None or (arm, found[0]) in seen:
+            if found is None or (arm, found[0], found[2]) in seen:
                 continue
             kind = found[0]
             small = shrink(case, arm, kind, fails, deadline=time.monotonic() + max(5.0, budget_s / 10))
@@ -242,7 +244,7 @@ def search(arms: Sequence[str], seed: int, budget_s: float, out: Optional[Path] 
             finding = Finding(arm, kind, detail, small, known=known, drawn=cases)
             if out is not None:
                 finding = replace(finding, path=_write(out, len(seen) + 1, finding))
-            seen[(arm, kind)] = finding
+            seen[(arm, kind, found[2])] = finding
             report(finding.line())
     return {"cases": cases, "seconds": round(time.monotonic() - started, 1), "findings": list(seen.values())}
 

@@ -5,7 +5,9 @@ radix tree), then the same prompt again. Every block of the second matches, so t
 block (``num_computed_tokens = matched - block_size``) and records that; FastDeploy's prefix cache then writes the
 request's cached count down below its leaf, and the next record builds a second node for a block the leaf's path
 already holds. With the host alone that second node exists; with the fix (``auto``, every shipped profile) it does
-not, and the block accounting holds when the cache is evicted afterwards.
+not, and the block accounting holds when the cache is evicted afterwards. A line whose ``update_cache_blocks`` skips a
+record at or below the cached count (FastDeploy's 2.6 head, develop) builds no second node by itself: there the fix
+is "not needed" and ``off`` shows no defect.
 """
 
 from __future__ import annotations
@@ -61,13 +63,20 @@ def _evict_all_and_check(rm):
     return sorted(b for b, c in Counter(free).items() if c > 1), len(set(free))
 
 
+def _host_has_it() -> bool:
+    """The line records no count below the cached one by itself (the probe reads ``update_cache_blocks``)."""
+    from fdsched.install.probe import probe
+
+    return bool(probe().has.get("one_node_per_block"))
+
+
 @pytest.mark.parametrize("mode", ["off", "auto"])
 def test_a_fully_cached_prompt_gets_one_node_per_block(install_profile, make_manager, mode):
     install_profile("baseline", FDSCHED_ONE_NODE_PER_BLOCK=mode)
     rm = make_manager(**SHAPE)
     twice = _run_prompt_twice(rm)
     doubled, free = _evict_all_and_check(rm)
-    if mode == "off":  # FastDeploy's own recording: the defect, as it is on every line
+    if mode == "off" and not _host_has_it():  # FastDeploy's own recording: the defect, as it is on every line
         assert twice, "the host no longer builds a second node for a cached block: the fix may be deleted"
         assert doubled, "evicting both nodes no longer frees their block twice"
     else:
@@ -79,4 +88,32 @@ def test_a_fully_cached_prompt_gets_one_node_per_block(install_profile, make_man
 def test_every_shipped_profile_applies_the_fix(install_profile, profile):
     report = install_profile(profile)
     decision = report.decisions["one_node_per_block"]
-    assert (decision.mode, decision.impl) == ("auto", "plugin"), decision.detail
+    expected = ("auto", "host") if _host_has_it() else ("auto", "plugin")  # not needed: the host's own code
+    assert (decision.mode, decision.impl) == expected, decision.detail
+
+
+@pytest.mark.parametrize("mode", ["off", "auto"])
+def test_the_guard_reports_a_block_two_nodes_hold(install_profile, make_manager, monkeypatch, caplog, mode):
+    """The engine guard's audit (here every pass) finds the second node as soon as the host builds it, and the block
+    freed twice after the eviction; one error line and one ``block_owner_conflict`` event per episode. With the fix
+    there is nothing to find, and it reports nothing."""
+    from fdsched.core.metrics import METRICS
+    from fdsched.patches import _guard
+
+    monkeypatch.setattr(_guard, "AUDIT_INTERVAL_S", 0.0)
+    defect = mode == "off" and not _host_has_it()
+    install_profile("baseline", FDSCHED_ONE_NODE_PER_BLOCK=mode)
+    rm = make_manager(**SHAPE)
+    with caplog.at_level("ERROR"):
+        twice = _run_prompt_twice(rm)
+        after_run = METRICS.guard_events["block_owner_conflict"]
+        _evict_all_and_check(rm)
+        rm.schedule(), rm.schedule()  # two passes: an audit and its confirmation
+    lines = [r.getMessage() for r in caplog.records if "KV block accounting" in r.getMessage()]
+    if defect:
+        assert twice and after_run == 1, (twice, after_run)
+        assert any("held by two prefix-cache nodes" in line for line in lines), lines
+        assert METRICS.guard_events["block_owner_conflict"] == 2  # then the block free twice
+        assert any("twice in the free list" in line for line in lines), lines
+    else:
+        assert METRICS.guard_events["block_owner_conflict"] == 0 and lines == []

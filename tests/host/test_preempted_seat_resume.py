@@ -5,6 +5,9 @@ one request of 1 prompt token that decodes 56: near the end of its output the ho
 ahead, finds none, and preempts the request itself. The request then waits, preempted, holding the only seat; the
 host's admission loop counts it against ``max_num_seqs`` before it admits anything, so it never resumes, with every
 block free. ``fdsched check`` found this case from scratch (seed 0) and shrank it to this.
+
+A line whose admission loop does not count preempted requests (2.2, 2.4, 2.5: the fix is "not needed" there) resumes
+the request itself: there the host alone drains it, and the fix is not applied.
 """
 
 from __future__ import annotations
@@ -33,6 +36,9 @@ def _run(arm, monkeypatch):
 @pytest.mark.parametrize("arm", ["host", "fix-off"])
 def test_the_host_alone_never_resumes_a_request_holding_the_only_seat(monkeypatch, replay_host, arm):
     run = _run(arm, monkeypatch)
+    if replay_host.has.get("preempted_seat_resume"):  # the line's loop leaves preempted requests out of its count
+        assert run.drained and sum(len(s.preempted) for s in run.steps) >= 1, run.stop_reason
+        return
     assert not run.drained and run.stall, run.stop_reason
     assert run.stall["running"] == 0 and run.stall["waiting_preempted"] == 1 and run.stall["free_blocks"] == 18
     assert sum(len(s.preempted) for s in run.steps) == 1
@@ -43,7 +49,10 @@ def test_with_the_fix_the_request_resumes_on_its_seat_and_finishes(monkeypatch, 
     from fdsched.core.metrics import METRICS
 
     run = _run(arm, monkeypatch)
-    assert METRICS.guard_events["seats_resumed"] >= 1  # the way out was taken (and logged), not luck
+    if replay_host.has.get("preempted_seat_resume"):
+        assert METRICS.guard_events["seats_resumed"] == 0  # not applied: the host's loop resumes it itself
+    else:
+        assert METRICS.guard_events["seats_resumed"] >= 1  # the way out was taken (and logged), not luck
     assert run.drained, run.stop_reason
     assert [v for s in run.steps for v in s.violations] == [] and run.request_violations == []
     (row,) = run.requests
