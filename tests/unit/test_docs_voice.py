@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 REFERENCE = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 RESULTS = sorted((ROOT / "docs" / "results").glob("*.md"))
 PAGES = REFERENCE + RESULTS
-# docs/reach.md is a measured report of its own (its first line says when and on which hosts)
+# docs/reach.md opens with the date and hosts its summary was measured on (its tables: docs/results/reach.md)
 REPORTS = {"reach.md"}
 # commits a reference page may name that are not FastDeploy's supported hosts: sources cited (Vidur's profiles)
 CITED_COMMITS = {"7d47513363ec", "7ac2fe9fb6ce"}
