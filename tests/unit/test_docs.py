@@ -172,3 +172,23 @@ def test_setup_cfg_classifiers_match_the_readme_python_versions():
     wanted = {f"3.{m}" for m in range(int(low.split(".")[1]), int(high.split(".")[1]) + 1)}
     assert listed == wanted
     assert cfg["options"]["python_requires"].strip() == f">={low}"
+
+
+def test_the_readme_gives_the_offline_form_of_the_host_step_beside_the_quick_start():
+    """Offline, the quick start's first line works once the archive sits in the checkout, and the README says so
+    (and shows --archive) before anything else, so nobody retypes the chain after a failed download."""
+    text = README.read_text(encoding="utf-8") if README.is_file() else pytest.skip("no README.md here")
+    first = text[:text.index("## What it does")]
+    assert first.count("```bash") == 1  # the two commands, then prose
+    assert "fdsched host setup --archive" in first and "FastDeploy-<commit>.tar.gz" in first
+    assert re.search(r"Offline, the same first line works", first)
+
+
+def test_doctor_help_documents_its_exit_status(capsys):
+    from fdsched.tools.cli import build_parser
+
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["doctor", "--help"])
+    help_text = re.sub(r"\s+", " ", capsys.readouterr().out)
+    assert "Exit status: 0 all fine; 1 a settings or install error, or a pre-flight finding to fix" in help_text
+    assert "2 no FastDeploy host found" in help_text
