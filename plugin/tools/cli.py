@@ -329,7 +329,7 @@ def _add_optional_commands(sub) -> None:
     hostsetup.add_commands(sub)
     abreport.add_command(sub)
     explain.add_command(sub)
-    from fdsched.serve import cli as serve_cli  # fdsched serve (issue 15)
+    from fdsched.serve import cli as serve_cli  # fdsched serve
 
     serve_cli.add_command(sub)
     from fdsched.serve import load_cli  # fdsched load: a trace against running servers
