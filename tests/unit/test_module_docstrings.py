@@ -60,3 +60,10 @@ def test_a_section_a_docstring_points_to_is_a_heading_of_that_page(path):
     for page, section in re.findall(r"\b((?:docs|examples)/[\w./-]+\.md), \"([^\"]+)\"", doc):
         headings = re.findall(r"^#+ (.+)$", (ROOT / page).read_text(encoding="utf-8"), re.M)
         assert any(section in heading for heading in headings), f"{_rel(path)}: {page} has no section {section!r}"
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=_rel)
+def test_the_source_names_no_tracker_number(path):
+    """Docstrings and comments say what the code does, not which ticket asked for it (that is the commit's job)."""
+    found = re.findall(r"\bissues? #?\d+", path.read_text(encoding="utf-8"), flags=re.IGNORECASE)
+    assert found == [], f"{_rel(path)}: {found}"
