@@ -161,3 +161,23 @@ def test_foreign_commits_are_found_and_the_hosts_are_not():
     assert foreign_commits("old e7c8dc2, new d38eeb8334331b903fb34c9cd270ff0c58a48adf, Vidur 7d47513363ec") == []
     assert foreign_commits("fixed in 175f92e; see a1b2c3d4") == ["175f92e", "a1b2c3d4"]
     assert foreign_commits("1234567 requests, a cafebabe, fdsched/core/abc1234.py") == []
+
+
+def test_every_plugin_commit_a_results_page_names_is_in_the_history():
+    """A results page's 'measured on plugin commit X' must name a commit of this repository (checked where the
+    checkout has its git history)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("git") is None or subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--git-dir"],
+                                                     capture_output=True).returncode != 0:
+        pytest.skip("no git history here (an sdist or an exported tree)")
+    shallow = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--is-shallow-repository"], capture_output=True,
+                             text=True).stdout.strip()
+    if shallow == "true":
+        pytest.skip("a shallow clone: older commits are not here")
+    named = {word for page in RESULTS for word in foreign_commits(page.read_text(encoding="utf-8"))}
+    assert named, "the results pages name no plugin commit"
+    unknown = sorted(word for word in named if subprocess.run(
+        ["git", "-C", str(ROOT), "cat-file", "-e", f"{word}^{{commit}}"], capture_output=True).returncode != 0)
+    assert unknown == [], f"results pages name commits this history does not have: {unknown}"
