@@ -17,7 +17,7 @@ export FDSCHED_PROFILE=recommended              # every change on (PD prefill ca
 # export FD_INIT_NEW_TOKEN_RATIO=0.5            # the host's own tunables keep their names
 
 fdsched profiles "$FDSCHED_PROFILE"             # the profile, checked as the engine will load it
-fdsched doctor                                  # what the host has, what will be applied; non-zero exit on error
+fdsched doctor                                  # what the host has, what will be applied; exit 1: something to fix
 
 python -m fastdeploy.entrypoints.openai.api_server \
   --model "${MODEL:?set MODEL to a model directory}" \

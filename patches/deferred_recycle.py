@@ -15,46 +15,16 @@ Switch:    FDSCHED_DEFERRED_RECYCLE / changes.deferred_recycle = auto | on | off
            FDSCHED_RECYCLE_HEAPIFY_MIN_BATCH (64).
 Delete:    when upstream merges 7885/7886 into every supported host.
 
-How: the loop pops LRU leaves exactly as the host does and hands each evicted node to the host's
-per-node seam, ``_handle_free_gpu_node_without_cpu``; while the plugin's eviction is open on that
-thread, the plugin's override of the seam detaches the node as the host does and collects its block
-id and its reserved decode ids (clearing the node's ``reverved_dec_block_ids``, host spelling, so no
-stale id survives node reuse) instead of recycling them; after the loop all ids go back through the host's
-own seam, ``self.recycle_gpu_blocks(ids)``, in ONE call, as upstream's 7885/7886 does. Whatever
-observes or extends that method (a test or metrics hook that replaces it on the instance, a
-platform subclass) sees every freed id.
+How: the loop pops LRU leaves exactly as the host does and hands each evicted node to the host's per-node seam;
+while the plugin's eviction is open on that thread, the seam collects the node's ids instead of recycling them, and
+after the loop all ids go back through the host's own ``recycle_gpu_blocks`` in one call, as upstream's 7885/7886
+does. That ``recycle_gpu_blocks`` keeps the host's contract and makes a batch cheap for every caller: one merge
+into the free heap, one summary log line, one update of each gauge.
 
-The plugin's ``recycle_gpu_blocks`` keeps the host's contract (an id or a list, optional
-``req_id``; skipped while the prefix tree is being cleared; a batch that would overflow the pool is
-not recycled) and makes a batch cheap for every caller: one merge into the free heap (pushes for a
-small batch, one ``heapify`` when that is cheaper), one summary log line at INFO (the ids at DEBUG),
-one update of each gauge.
-
-Decisions, deliberately different from upstream's patch or the host:
-
-* ``cache_status`` of an evicted node stays ``CacheStatus.CPU`` as in the host, although no CPU
-  tier holds it. Upstream's patch dropped the assignment. The node is detached and its id pooled,
-  but a stale reference (the heap, a parent's children map) would otherwise still see a GPU leaf
-  with ``shared_count == 0`` and could free the same block a second time; a non-GPU status makes
-  ``is_gpu_leaf_node`` false, which closes that door.
-* A node is removed from its parent only if the parent's child under that hash *is* the node.
-  The host deletes by hash, so evicting an orphaned duplicate (two requests that missed on the
-  same prompt at once) removed the live twin from the tree.
-* The overflow guard holds for the batch as a whole: if the free list plus the batch would exceed
-  the pool, the duplicates (ids already free, or twice in the batch) are named in an error and
-  dropped, and the rest is recycled only if it then fits; otherwise the whole batch is dropped, as
-  the host drops a call's ids. While the prefix tree is being cleared nothing is recycled (the host
-  does the same per call; clearing rebuilds the free list).
-* ``free_nodes_directly`` (unused by the host's engine, kept for API parity) never frees the root
-  or a persistent node, and never pushes a parent it is about to free anyway.
-
-* A large eviction's keyed mirror (one tuple per heap entry) is built, used and freed while the
-  garbage collector is held off (``collections_held``): in an engine-sized heap the tuples would
-  otherwise trigger collections, and now and then a full one, that the host's loop does not pay.
-
-The path with a CPU tier (swap to CPU) and the attention-store flush-only mode are left to the host;
-``FDSCHED_TRANSFER_FORCE_DIRECT_RECYCLE=1`` sends eviction through this batched direct path even where the
-host would swap to the CPU tier.
+Where it differs from upstream's patch or the host on purpose (an evicted node's status stays ``CPU``, a node is
+removed from its parent only if it is the parent's child, the overflow guard holds for the whole batch, the
+collector is held off for a large eviction), and why: docs/internals.md, "deferred_recycle". The path with a CPU
+tier is left to the host unless ``FDSCHED_TRANSFER_FORCE_DIRECT_RECYCLE=1``.
 """
 
 from __future__ import annotations
@@ -203,7 +173,7 @@ class DeferredRecycleMixin(PluginBase):
         freed = self._fdsched_evicting.get(threading.get_ident())
         if freed is None:
             return super()._handle_free_gpu_node_without_cpu(node)
-        node.cache_status = host_global(PCM, "CacheStatus").CPU  # see the module docstring
+        node.cache_status = host_global(PCM, "CacheStatus").CPU  # see docs/internals.md, "deferred_recycle"
         self.node_id_pool.append(node.node_id)
         self.node_map.pop(node.node_id, None)
         if node.reverved_dec_block_ids:

@@ -8,14 +8,9 @@ Why:       the host's ``recv_data_transfer_result`` thread (engine process) call
            ``get_transfer_done_signal()`` every 1 ms, idle or not: 3 RPCs to the queue's manager process
            per call, about 2,200 RPCs/s and ~10% of a core on each side; a result waits up to a poll
            interval before it is handled, while ``issue_swap_task`` holds the KV-cache lock.
-Upstream:  PR 7520 (closed). Its idea — block on a server-side queue — is kept; its faults are not:
-           no ``or True`` (the GPU->CPU swap branch is the host's and stays reachable; only
-           FDSCHED_TRANSFER_FORCE_DIRECT_RECYCLE=1 evicts directly, through change 1's batched path),
-           no process started from a thread (nothing is started at all), no second queue (a result stays
-           in the host's own server-side list until the receiver takes it, so
-           ``reset(wait_for_tasks_done=True)`` still sees it), no swallowed errors (an empty wait is the only
-           "nothing yet"; any other error is logged and raised into the host's loop, which handles it as
-           before), no event that nothing waits on.
+Upstream:  PR 7520 (closed). Its idea — block on a server-side queue — is kept; its faults are not (no
+           ``or True``, no process started from a thread, no second queue, no swallowed errors, no event
+           that nothing waits on: docs/internals.md, "nonpolling_transfer").
 Needs it:  every 2.6 host.
 Switch:    FDSCHED_NONPOLLING_TRANSFER / changes.nonpolling_transfer = auto | on | off;
            FDSCHED_TRANSFER_WAIT_SECONDS (0.5): the longest single wait.
@@ -25,26 +20,11 @@ Relies on: (probed at install: ``on`` fails naming it; ``auto`` skips)
     ``self.tansfer_done_queue_init`` (a data descriptor of the plugin wraps them as they are assigned), and
     ``get_transfer_done_signal`` reads ``self.tansfer_done_queue``.
 
-Where each end runs (checked in both hosts' sources):
-
-* the server: ``EngineCacheQueue(is_server=True)`` is built in the engine process (``common_engine``);
-  its ``BaseManager.start()`` forks the manager process that owns the done lists. The plugin is installed
-  in the engine process before that (the entry point runs when the engine config is built), so the
-  lists the host creates in ``__init__`` are already the plugin's :class:`WaitableDoneList` when the
-  manager process is forked; nothing is pickled.
-* the producers: the cache transfer manager processes (started with ``subprocess``, no plugin) call
-  the host's ``put_transfer_done_signal`` — an ``append`` on the list proxy — which now also wakes a
-  waiting receiver. They need no change.
-* ``reset(wait_for_tasks_done=True)`` runs while the prefix tree is CLEARING; in that state the host's
-  receiver loop logs and survives handling errors, so a result taken is always acknowledged by the
-  next call. (In NORMAL state a handling error ends the host's receiver thread, as it always did.)
-* the receiver: ``PrefixCacheManager.recv_data_transfer_result`` in the engine process, unchanged; its
-  client queue (built in ``launch_cache_manager``) is the plugin's subclass, whose
-  ``get_transfer_done_signal`` blocks in the manager process for up to the wait instead of returning
-  at once. Whether the server's lists can wait is asked once, when the client is built (one RPC: the list's
-  ``count`` of a marker no item equals answers :data:`WAITABLE_ANSWER` only on the plugin's list, 0 on the
-  host's); a client of a host server (the plugin was not active where it was started) polls as the host does,
-  with a warning then.
+How: the server's done lists (in the manager process the engine forks, after the plugin is installed) are the
+plugin's :class:`WaitableDoneList`; the producers' ``append`` wakes a waiting receiver; the receiver's client
+blocks in the manager process for up to the wait. A client of a host server polls as the host does, with a
+warning. Where each end runs, and why a result taken is always acknowledged: docs/internals.md,
+"nonpolling_transfer".
 """
 
 from __future__ import annotations
@@ -99,7 +79,7 @@ class WaitableDoneList(list):
 
     def count(self, value):
         if isinstance(value, str) and value == WAITABLE_QUERY:
-            return WAITABLE_ANSWER  # the client's question when it is built (see the module docstring)
+            return WAITABLE_ANSWER  # the client's question when it is built (docs/internals.md, "nonpolling_transfer")
         return super().count(value)
 
     def pop(self, index=-1, wait=None, ack=False):

@@ -20,37 +20,13 @@ Relies on: (probed at install: ``on``, or ``off`` on the new host, fails naming 
     ``schedule()`` (per chunk) and ``preallocate_resource_in_p`` (for the request it preallocates), and releases
     a finished request's blocks through ``_free_blocks`` (called from ``finish_requests``).
 
-How, for the prefill role only (other roles are untouched). Three moments can record blocks:
-
-============  =======================  ========================  =================================
-behaviour     at preallocation         per scheduled chunk       when the prefill is done (finish)
-============  =======================  ========================  =================================
-off           the cache hit only       up to num_computed_tokens nothing more
-upstream      the whole prompt         nothing                   nothing more
-safe          the cache hit only       nothing                   the whole prompt
-============  =======================  ========================  =================================
-
-The prefix cache's gate (``update_cache_blocks``, on a prefill node only) tells the host's two moments apart by
-the request, not by who is calling: a record for a request whose preallocation is under way (the resource
-manager marks its id for the duration of the host's ``preallocate_resource_in_p``) is a preallocation record;
-any other record the host makes is a chunk record (it records nowhere else: see "Relies on"). The gate lets a
-record through only when the selected behaviour records at that moment. The plugin's own records (the third
-moment) do not pass the gate: they call the host's recording directly
-(``cache_manager.fdsched_record_blocks``). Preallocation and scheduling run on different threads; nothing here
-depends on which thread calls. On every other role the gate lets everything through and the scheduler's side
-does nothing of its own.
-
-The arm's class holds one mixin pair per behaviour and host (``SPEC.variants``), chosen once when the class is
-built from the arm's ``pd_prefill_cache.mode``; no method asks which behaviour or host it runs:
-
-=====================  ================================  =======================================================
-behaviour (host)       gate (``PrefixCacheManager``)     scheduler (``ResourceManagerV1``)
-=====================  ================================  =======================================================
-safe (either)          ``PdPrefillCacheManagerMixin``    ``PdSafeMixin``: records the prompt at finish
-upstream (without it)  ``PdUpstreamCacheManagerMixin``   ``PdUpstreamOldHostMixin``: records it at preallocation
-upstream (with it)     ``PdUpstreamCacheManagerMixin``   ``PdPrefillCacheMixin``: marks only (the host records)
-off (with it)          ``PdPreChangeCacheManagerMixin``  ``PdPreChangeMixin``: records each scheduled chunk
-=====================  ================================  =======================================================
+How, for the prefill role only (other roles are untouched): three moments can record blocks (at preallocation,
+per scheduled chunk, when the prefill is done); ``off`` records the cache hit and each chunk, ``upstream`` the
+whole prompt at preallocation, ``safe`` the cache hit and then the whole prompt at finish. The prefix cache's gate
+tells the host's two moments apart by the request (one whose preallocation is under way), not by the caller, and
+lets a record through only when the selected behaviour records then; the plugin's own record at finish calls the
+host's recording directly. The arm's class holds one mixin pair per behaviour and host (``SPEC.variants``), chosen
+once. The table of moments and of mixins: docs/internals.md, "pd_prefill_cache".
 """
 
 from __future__ import annotations

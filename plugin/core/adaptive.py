@@ -7,44 +7,19 @@ x ratio`` tokens free per running request. Where clients leave ``max_tokens`` un
 the rest of the context, and most of that reservation is never used; admission waits for blocks no
 request will fill. The legacy policy reserves a fixed amount and preempts instead.
 
-What: every finished request is one sample of the output length ``L``. Where the client set
-``max_tokens`` the sample is relative (``L / max_tokens``), else absolute (tokens): two
-distributions, because a request's budget says a lot about its length when the client chose it and
-nothing when the engine filled it in. A running request that has generated ``g`` tokens is
-expected to generate ``E[L - g | L > g]`` more, with variance ``Var[L - g | L > g]``. The running set
-reserves the sum of those means plus ``k x sqrt(sum of the variances)``: one margin for the whole set
-(the remainders of many requests add up far more tightly than their per-request worst cases do). The
-default ``k`` is negative (-2): the set never needs all of its remainder at once, because a request that
-finishes gives its blocks back while the others still grow. The set never keeps more free than its
-budgets allow, nor more than upstream's ratio formula would for the same requests, and its answer depends on
-the set, not on the order of its requests (:meth:`AdaptiveReserve.set_reservation`).
+What: every finished request is one sample of the output length ``L``: relative (``L / max_tokens``) where the
+client set ``max_tokens``, absolute (tokens) where not. A running request that has generated ``g`` tokens is
+expected to generate ``E[L - g | L > g]`` more, with variance ``Var[L - g | L > g]``. The running set reserves the
+sum of those means plus ``k x sqrt(sum of the variances)``: one margin for the whole set. The default ``k`` is
+negative (-2): the set never needs all of its remainder at once, because a request that finishes gives its blocks
+back while the others still grow. The set never keeps more free than its budgets allow, nor more than upstream's
+ratio formula would for the same requests, and its answer depends on the set, not on the order of its requests
+(:meth:`AdaptiveReserve.set_reservation`).
 
-* **Warm-up**: until a distribution holds ``min_samples`` samples, requests of that kind fall back
-  (:func:`warmup_reserve_blocks`): a request whose client bounded its length to upstream's ratio formula
-  (:func:`fdsched.core.policies.reserve_blocks_for_request`), an unbounded one to the legacy fixed-block
-  policy's current amount (never more than the ratio formula). So does a request that has generated more
-  than any sample (the learned tail says nothing about it).
-* **Drift**: a sliding window of the last ``window`` finished requests (both kinds together, so old
-  samples of a kind that stopped arriving age out too).
-* **Censoring**: only finished requests are samples. A preempted or still-running request is not:
-  its length is unknown (it is at least what it generated). Early on, short requests finish first,
-  so the first samples under-estimate; the warm-up fallback and the preemption feedback cover that.
-* **Feedback**: a preemption means the reservation was too small; it raises the margin factor by
-  ``k_step`` (up to ``k_max``), and every finished sample lets the extra decay by ``k_decay``
-  (defaults :data:`K_STEP`, :data:`K_BOUND`, :data:`K_DECAY`; settings ``tunables.adaptive_k_step`` and
-  ``tunables.adaptive_k_decay``).
-* **Determinism**: the state is a function of the sequence of events (finished samples,
-  preemptions), nothing else; no clock, no randomness.
-* **Cost**: lengths go into log-spaced buckets (``buckets_per_octave`` per doubling) whose count,
-  sum and sum of squares are kept in Fenwick trees: a sample or a query is O(log buckets). A running set's
-  reservation is asked at every admission of a ``schedule()`` pass. The pass's first ask computes every running
-  request's terms (its remainder, or its fallback, and its cap): a decoding request's terms change with every
-  token. Many at once are computed over arrays with numpy (:mod:`fdsched.core.terms`, the same answers bit for
-  bit); a few (the requests a pass admits) one by one, kept until a sample arrives or the ratio, clip, block size
-  or fallback amount changes (:meth:`AdaptiveReserve.set_reservation`).
-
-The query within the bucket that holds ``g`` assumes the samples are spread evenly across it; with 8
-buckets per doubling that bucket is about 9 % wide.
+Warm-up (:func:`warmup_reserve_blocks`), drift (a sliding window), censoring (only finished requests are samples),
+the preemption feedback on ``k`` (:data:`K_STEP`, :data:`K_BOUND`, :data:`K_DECAY`), determinism (a function of
+the events, no clock) and the cost (log-spaced buckets in Fenwick trees; many requests' terms at once through
+:mod:`fdsched.core.terms`): docs/adaptive.md, "How the estimator works".
 """
 
 from __future__ import annotations
@@ -82,7 +57,7 @@ __all__ = [
 RELATIVE_SCALE = 4096.0
 
 # The margin factor k, in standard deviations of the running set's total remainder: every constant of it is
-# here (the settings' defaults and ranges read these). K_DEFAULT: see the module docstring; K_BOUND: |k| and
+# here (the settings' defaults and ranges read these). K_DEFAULT: see the module docstring and docs/adaptive.md; K_BOUND: |k| and
 # k after any number of preemptions stay within it; K_STEP: added per preemption; K_DECAY: what each finished
 # request leaves of that extra.
 K_DEFAULT = -2.0

@@ -7,40 +7,12 @@ The replay runs the real scheduler but no model, so time is modelled. One engine
             + per_prefill_context_token_ms * prefill_context_tokens
             + per_decode_context_token_ms * decode_context_tokens
 
-with the facts of the step:
+with ``P`` the prefill tokens and ``D`` the decoding requests of the step, and the two context sums from
+:func:`decode_context_tokens` and :func:`prefill_context_tokens`. A step in which nothing runs costs ``fixed_ms``.
+Models (``--cost-model NAME|FILE``, profile key ``replay.cost_model``): ``linear`` (the default, the profile's
+three coefficients, every other 0), a shipped preset (:func:`preset_names`) or a preset file (:func:`load_preset`).
 
-* ``P`` (``prefill_tokens``): prefill tokens scheduled in the step (every chunk's length, summed);
-* ``D`` (``decode_requests``): decoding requests that produced a token in the step;
-* ``decode_context_tokens``: the sum, over those decoding requests, of the tokens each holds when it
-  decodes (prompt + tokens generated so far: the keys and values its new token attends to, read
-  from the KV cache); see :func:`decode_context_tokens`;
-* ``prefill_context_tokens``: the sum, over the prefill tokens scheduled, of the tokens each one
-  attends to (causal attention: the token at position ``i`` of its request attends to ``i + 1``
-  tokens, the cached or earlier-computed prefix included). A chunk ``[start, end)`` of ``n = end -
-  start`` tokens contributes ``n * start + n * (n + 1) / 2``; see :func:`prefill_context_tokens`.
-
-``token_floor_ms``: the token-proportional part never costs less than this in a step that runs
-anything (at small batches the matrix multiplies are bound by reading the weights, not by the
-tokens). A step in which nothing runs (waiting for arrivals) costs ``fixed_ms``.
-
-Models (``--cost-model NAME|FILE``, profile key ``replay.cost_model``):
-
-* ``linear`` (the default): ``fixed_ms``, ``per_prefill_token_ms`` and ``per_decode_request_ms`` from
-  the profile (``replay.step_fixed_ms``, ``replay.per_prefill_token_ms``,
-  ``replay.per_decode_request_ms``), every other coefficient 0: a coarse stand-in for a GPU whose
-  step cost does not see context; its numbers are exactly those of the replay before the context
-  terms existed.
-* a shipped preset (``fdsched/core/costmodels/<name>.yaml``, listed by :func:`preset_names`),
-  calibrated from public profiling data; the file says where each number comes from.
-* a preset file of the same form (:func:`load_preset`).
-
-The command line's ``--cost-fixed-ms`` / ``--cost-prefill-token-ms`` / ``--cost-decode-request-ms``
-replace the chosen model's coefficient. Use the model to compare profiles on the same trace, not as
-a latency prediction. Modelled time starts at 0 at the beginning of step 0; a request arriving at
-step ``s`` arrives at the modelled time at which step ``s`` begins, and a token produced in step
-``s`` exists when step ``s`` ends. In a time-based trace (arrivals in seconds) a step may be preceded
-by a gap: idle time skipped until the next arrival while nothing runs; a request arrives at its own
-time.
+Each fact of a step, the models, the command-line overrides and what modelled time means: docs/costmodel.md.
 """
 
 from __future__ import annotations

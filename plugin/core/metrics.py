@@ -12,11 +12,10 @@ runs (its rank's arm under ``FDSCHED_PROFILE_BY_DP_RANK``, else ``FDSCHED_PROFIL
 profile), ``dp_rank`` its data-parallel rank. The host's ``/metrics`` sums the samples of forked ranks that
 share a label set, so without these labels the arms of an online A/B would be added together. One helper,
 :func:`labels_of`, gives an instance's label values; every update takes the recording instance as ``of=``
-(a new metric: declare it with ``LABELS + (its own labels)`` and update it through
-``PluginMetrics._series(family, name, labels_of(of), ...)``, which keeps each labelled child).
-Updates without ``of`` are labelled ``arm="default", dp_rank=""``.
+(a new metric: declare it in :func:`_prometheus` with ``LABELS + (its own labels)``, update it through
+``PluginMetrics._series(family, name, labels_of(of), ...)``, which keeps each labelled child, and add its row to
+docs/metrics.md). Updates without ``of`` are labelled ``arm="default", dp_rank=""``.
 
-===========================================================  =========  =====================================
 name (all with labels arm, dp_rank)                          type       meaning
 ===========================================================  =========  =====================================
 fastdeploy:fdsched_preemptions_total{victim_phase}           counter    preemptions, by the victim's phase
@@ -68,6 +67,9 @@ fastdeploy:fdsched_adaptive_margin_k                         gauge      the marg
 fastdeploy:fdsched_adaptive_fallback_requests                gauge      running requests answered by the
                                                                         warm-up fallback at that decision
 ===========================================================  =========  =====================================
+=======
+Every metric, its type and what it counts: docs/metrics.md (tests/unit/test_docs.py checks that the page names
+every metric declared here).
 """
 
 from __future__ import annotations

@@ -1,49 +1,29 @@
-"""Peak-demand admission with learned remainders (issue 18). Pure policy code: plain values in, plain
+"""Peak-demand admission with learned remainders (replay only). Pure policy code: plain values in, plain
 values out; imports nothing from FastDeploy.
 
 Why: a reservation per running request (upstream's ``min(left, clip) x ratio``, or the adaptive
 estimator's expected remainder plus one margin k over the set) keeps blocks free for tokens that a
 request which finishes early never writes, and it gives no credit for the blocks a finishing request
-hands back to the others. The negative margin k = -2 of :mod:`fdsched.core.adaptive` was a hand-tuned
-stand-in for that credit. The admission question is really: *with the candidate added, does the
+hands back to the others. The admission question is really: *with the candidate added, does the
 running set's KV demand at its future peak fit the pool?* The replay's clairvoyant bound
 (:class:`fdsched.replay.oracle.PeakOracle`) answers it with true output lengths. This module answers it
 with *predicted* ones, learned from the requests that finished.
 
 What:
 
-* :class:`QuantileLengths` learns the output-length distribution from finished requests only (a
-  sliding window, kept sorted). For a running request that has generated ``g`` tokens it predicts the
-  remainder as the ``q``-quantile of ``L - g`` given ``L > g`` (relative to ``max_tokens`` where the
-  client bounded it, absolute tokens where it did not; the same split as the adaptive estimator),
-  never more than its budget leaves. Warm-up (fewer than ``min_samples`` samples of that kind) and a
-  request beyond every sample fall back to ``min(left, fallback_tokens)`` and ``min(left, max(g,
-  fallback_tokens))`` respectively.
-* :func:`peak_blocks` is the running set's demand at its future peak: each request holds
-  ``ceil(tokens / block_size) + ahead`` blocks as it decodes and frees them all after its last token;
-  demand only grows between finishes, so the peak is at ``t = 0`` or just before a finish. It is a
-  function of the *set* (a sum and a max over times), so the order the requests come in never matters,
-  and it is never negative.
-* :class:`PeakAdmission` is the admission: ``reserve_blocks(running, candidate, block_size)`` returns the
-  blocks the scheduler must keep free beyond the candidate's chunk, ``max(0, peak - held)``, i.e. the
-  candidate is admitted iff the predicted peak fits the pool.
-* **The preemption-rate target replaces k.** The quantile ``q`` is the only knob and a controller sets
-  it: every preemption raises ``q`` by ``step``, every finished request lowers it by ``step x target /
-  1000``. In steady state the two balance exactly when preemptions per 1000 finished requests equal
-  ``target`` (an integral controller on the preemption rate; ``q`` stays in ``[q_min, q_max]``). The
-  default target is 5 per 1000 finished requests, the lowest rate of the legacy baseline on the traces
-  evaluated (burstgpt 2 in 383; shipped azure-conv 4 in 191 = 21 per 1000; held-out conv 13 in 688 =
-  19, code 80 in 577 = 139). ``q`` starts at the median (0.5, also its floor: below it most
-  running requests would outlive their prediction) and moves 0.1 per preemption; these
-  were chosen on the tuning trace azure-conv only (start/step 0.5/0.1, 0.7/0.1 and 0.9/0.05 tried:
-  throughput 1024 / 1025 / 1022, TTFT p50 345 / 448 / 447 ms, stall p99 87 / 59 / 47 ms, preemptions
-  4 / 2 / 1). A preemption is the only signal the engine gets that a prediction was too short; a lower
-  ``q`` admits sooner.
-* **Cost**: a prediction is two bisections in a sorted window (O(log window)); the peak is exact in
-  O(k^2) for k <= 64 running requests and an upper bound (never below it) in O(k log k)
-  beyond, evaluated once per admission decision.
+* :class:`QuantileLengths` learns the output-length distribution from finished requests only (a sliding window,
+  kept sorted) and predicts a running request's remainder as the ``q``-quantile of ``L - g`` given ``L > g``.
+* :func:`peak_blocks` is the running set's demand at its future peak (a function of the set: order-independent,
+  never negative).
+* :class:`PeakAdmission` is the admission: ``reserve_blocks(running, candidate, block_size)`` returns
+  ``max(0, peak - held)``, the blocks to keep free beyond the candidate's chunk.
+* The preemption-rate target replaces k: an integral controller moves ``q`` (up per preemption, down per
+  finished request) so that preemptions per 1000 finished requests settle at the target.
+* :class:`LearnedClip`: upstream's formula with the clip learned online.
 
-Determinism: the state is a function of the sequence of events (finished requests, preemptions).
+The warm-up fallbacks, the peak's shape, the controller's defaults and how they were chosen, and the cost:
+docs/peak-admission.md. Determinism: the state is a function of the sequence of events (finished requests,
+preemptions).
 """
 
 from __future__ import annotations

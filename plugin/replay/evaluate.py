@@ -307,7 +307,7 @@ def run_plan(plan: EvalPlan, csv_dir: Path, out_dir: Path, arms: Sequence[str], 
     return results
 
 
-# ---- which arm to ship: every shippable arm against the best one, per trace and figure (issue 18) ---------------
+# ---- which arm to ship: every shippable arm against the best one, per trace and figure ----------------------------
 
 SHIPPABLE_ARMS = ("baseline", "recommended", "adaptive", "optimism", "upstream-clip", "sglang-retract",
                   "peak-adaptive", "clip-learned")  # the last two: replay-only candidates (examples/profiles)

@@ -1,6 +1,6 @@
 """The golden decision log: what the scheduler decided, step by step, for every shipped trace x profile.
 
-A redesign that must not change behaviour (issue 17) is checked against it: the host-tier test
+A redesign that must not change behaviour is checked against it: the host-tier test
 ``tests/host/test_decision_golden.py`` replays the traces and profiles recorded in the golden file for
 the running host and compares every step. Regenerate the file ONLY when a change is meant to alter
 decisions (and say so in the commit)::
@@ -60,7 +60,7 @@ CI_SUBSET = {
 # there was (pd-prefill under pd_prefill_cache) depended on PYTHONHASHSEED, because the replay finished a
 # step's requests with one finish_requests(list) call, which the host turns into a set of ids (string-hash
 # order), and on a prefill node the safe recording enters blocks into the radix tree in finishing order. The
-# replay now finishes one id per call in the step's order, as the engine's token processor does (issue 17).
+# replay now finishes one id per call in the step's order, as the engine's token processor does.
 NOT_REPRODUCIBLE: set = set()
 FLOAT_REL = 1e-9  # report figures: relative tolerance (float arithmetic may be reordered by a refactor)
 

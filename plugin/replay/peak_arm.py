@@ -1,4 +1,4 @@
-"""Replay arms of issue 18: ``peak-adaptive`` (admission by the running set's predicted peak demand,
+"""Replay-only candidate arms: ``peak-adaptive`` (admission by the running set's predicted peak demand,
 :class:`fdsched.core.peak_admission.PeakAdmission`) and ``clip-learned`` (upstream's ratio formula with the
 clip learned online, :class:`fdsched.core.peak_admission.LearnedClip`), through the reservation hook the
 clairvoyant ``oracle`` uses.

@@ -259,7 +259,7 @@ def run_profile(
         reservation = _peak_oracle(manager_ref, outputs, shape.block_size)
         report.policies.register(reservation, name=ORACLE_PLUGIN_NAME)
     else:
-        reservation = replay_admission_hook(settings, trace, shape, manager_ref)  # issue 18's candidates
+        reservation = replay_admission_hook(settings, trace, shape, manager_ref)  # the replay-only candidates (docs/peak-admission.md)
         if reservation is not None:
             report.policies.register(reservation, name=PEAK_PLUGIN_NAME)
     if settings["replay.retract_order"] == "sglang":

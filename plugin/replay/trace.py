@@ -2,53 +2,19 @@
 
 Imports nothing from FastDeploy.
 
-Format
-======
-
-A trace is a UTF-8 text file with one JSON object per line. Blank lines are ignored.
-
-The first line may be a header::
-
-    {"header": {"description": "...", "engine": {"block_size": 16, "num_gpu_blocks": 120, ...},
-                "generator": {"kind": "pressure", "requests": 48, "seed": 0}}}
-
-``engine`` is the engine the trace was made for; every key is optional and the command line can
-override each one. Allowed keys (defaults in brackets): ``block_size`` [16], ``num_gpu_blocks``
-[512], ``max_num_seqs`` [32], ``max_num_batched_tokens`` [2048], ``max_model_len`` [4096],
-``enable_prefix_caching`` [true], ``splitwise_role`` ["mixed"; or "prefill": requests enter
-through the prefill-node path], ``enc_dec_block_num`` [2]. ``generator`` (free-form, informative)
-records how a generated trace was made; ``description`` is free text.
-
-Every other line is one request::
+A trace is a UTF-8 text file with one JSON object per line (blank lines ignored): an optional header first
+(``{"header": {"description": ..., "engine": {...}, "generator": {...}}}``: the engine the trace was made for,
+every key optional and overridable on the command line), then one request per line::
 
     {"id": "r0", "arrival": 3, "prompt_len": 300, "prefix_group": "sys-a", "prefix_len": 256,
      "max_tokens": 512, "output_len": 400}
 
-``id``
-    unique non-empty string.
-``arrival``
-    integer >= 0: the engine step at whose start the request reaches the scheduler; or instead
-``arrival_s``
-    number >= 0: the modelled time, in seconds, at which the request reaches the scheduler (a
-    time-based trace, e.g. an imported production log). The replay feeds it at the start of the
-    first step that begins at or after that time, skips idle time when nothing runs, and counts
-    TTFT from this time. One trace uses one of the two, never both.
-``prompt``
-    the prompt as a list of token ids (integers >= 0), or instead
-``prompt_len``
-    integer >= 1: the prompt is generated. With ``prefix_group`` (string) and ``prefix_len``
-    (0..prompt_len) the first ``prefix_len`` tokens are the group's tokens, the same for every
-    request of the group (derived from the group name alone, so a group shares its prefix across
-    traces too); the rest is derived from the request id. Both or neither must be given.
-``max_tokens``
-    integer >= 1, or null (the engine's default: the rest of the context).
-``output_len``
-    integer >= 1: how many tokens the request really generates before its end-of-sequence. It
-    stops at ``min(output_len, max_tokens)``. On a prefill node (``splitwise_role`` "prefill")
-    every request leaves after its first token, as the node hands it to a decode node.
-
-Requests may appear in any order; the replay feeds them by ``(arrival or arrival_s, line)``.
-Errors name the file, the line and the field (:class:`TraceError`).
+``arrival`` (an engine step) or ``arrival_s`` (seconds; a time-based trace), ``prompt`` (token ids) or
+``prompt_len`` (a generated prompt; a ``prefix_group`` shares its first ``prefix_len`` tokens across requests and
+traces), ``max_tokens`` (or null: the rest of the context), ``output_len`` (the true length). Requests may appear in
+any order; the replay feeds them by ``(arrival or arrival_s, line)``. Errors name the file, the line and the field
+(:class:`TraceError`). Every field and engine key, with its default and the allowed values: examples/replay.md,
+"Trace format (JSONL)".
 """
 
 from __future__ import annotations

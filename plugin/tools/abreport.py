@@ -7,36 +7,12 @@ api_server has its own ``/metrics`` — optionally minus earlier scrapes (``--si
 two), and prints one row per figure and one column per arm, with the ratio of each arm to the reference
 arm and the counts behind each figure, so a reader can judge noise.
 
-Figures (per arm; the metric each comes from):
-
-* requests finished, output tokens        ``fastdeploy:fdsched_requests_finished_total``, ``..._output_tokens_total``
-* TTFT mean / p50 / p90 / p99             ``fastdeploy:fdsched_ttft_seconds`` (histogram; quantiles interpolated
-                                          within buckets, as Prometheus' ``histogram_quantile``)
-* TPOT mean / p50 / p90 / p99             ``fastdeploy:fdsched_tpot_seconds``
-* preemptions per 1k requests (all, prefill victims)   ``fastdeploy:fdsched_preemptions_total{victim_phase}``
-* recomputed tokens per request           ``fastdeploy:fdsched_recomputed_tokens_total``
-* admissions blocked per request          ``fastdeploy:fdsched_admissions_blocked_total`` (``-`` for an arm where the
-                                          host's own reservation code decides: the plugin does not see its refusals)
-
-From FastDeploy's own histograms (no ``arm`` label; see "What the metrics cannot show" below):
-
-* E2E p50 / p90 / p99                     ``fastdeploy:e2e_request_latency_seconds`` (the api_server observes it
-                                          for chat completions only, arrival to final response)
-* token gap p50 / p99, gaps over 0.5 s    ``fastdeploy:time_per_output_token_seconds`` (the engine observes every
-  per 1k gaps                             gap between two consecutive tokens of a request: one observation per
-                                          token, pooled over requests; its last finite bucket is 1 s)
-
-These carry no ``arm`` (nor ``dp_rank``) label, so a scrape's host histograms belong to one arm only when that
-scrape holds the plugin series of exactly one arm (multi_api_server: one ``/metrics`` per rank's api_server,
-each scraped on its own). A scrape that holds several arms (one api_server for all ranks) pools them: the
-report prints them pooled under the table and leaves the arms' cells ``-``.
-
-What the metrics cannot show, per arm or at all: a request's **stall** (its longest gap between two tokens:
-the token-gap histogram pools gaps over requests and tokens, so its tail says how often a token came late, not
-how many requests paused nor for how long at most; gaps over 1 s fall in the +Inf bucket), **TPOT p99 of
-requests** other than the plugin's per-request TPOT above, **E2E of non-chat requests**, and any quantile finer
-than the buckets (interpolated within a bucket). ``fdsched serve``'s report has all of these per request, from
-the client's token times.
+Figures per arm come from the plugin's series (requests, output tokens, TTFT, TPOT, preemptions, recomputed
+tokens, admissions blocked); E2E and token gaps come from FastDeploy's own histograms, which carry no ``arm``
+label: a scrape's host histograms belong to one arm only when that scrape holds the plugin series of exactly one
+arm, and a scrape that holds several arms is printed pooled under the table. Which metric each figure comes from,
+and what the metrics cannot show (a request's stall, E2E of non-chat requests, anything finer than a bucket):
+examples/ab_run.md and docs/online-ab.md.
 
 The exposition is parsed with ``prometheus_client``'s own parser (a FastDeploy dependency; the ``report``
 extra installs it).
@@ -58,7 +34,7 @@ __all__ = [
 ]
 
 PREFIX = "fastdeploy:fdsched_"
-# FastDeploy's own histograms the report reads (no arm label: attributed per scrape, see the module docstring)
+# FastDeploy's own histograms the report reads (no arm label: attributed per scrape, see the module docstring and examples/ab_run.md)
 HOST_E2E = "fastdeploy:e2e_request_latency_seconds"
 HOST_GAP = "fastdeploy:time_per_output_token_seconds"
 HOST_HISTOGRAMS = (HOST_E2E, HOST_GAP)

@@ -39,7 +39,7 @@ def cmd_doctor(args) -> int:
     else:
         print(error_line("doctor", f"host not found: {not_found}"), file=sys.stderr)
         status = EXIT_NO_HOST
-    _print_preflight(args, info.location if info is not None else None)
+    findings = _print_preflight(args, info.location if info is not None else None)
 
     decisions = {}
     if info is not None:
@@ -85,7 +85,19 @@ def cmd_doctor(args) -> int:
     print(_table([(k, env, _show(v), src) for k, env, v, src in settings.describe()], ("key", "variable", "value", "source")))
     if note:
         print("\n" + note)
-    return status
+    if findings and status == EXIT_OK:  # an error above already said why doctor fails: one error line
+        print(error_line("doctor", f"{plural(findings, 'pre-flight finding')} to fix (the lines marked !! above)"),
+              file=sys.stderr)
+    return doctor_status(status, findings)
+
+
+def doctor_status(status: int, findings: int) -> int:
+    """doctor's exit code: 2 (``EXIT_NO_HOST``) when no host was found; else 1 (``EXIT_ERROR``) on a settings or
+    install error or on any pre-flight finding (a line marked ``!!``: the engine would not do what the settings
+    say until the operator fixes it); else 0. doctor has no warnings: every finding counts."""
+    if status == EXIT_NO_HOST:
+        return EXIT_NO_HOST
+    return EXIT_ERROR if status != EXIT_OK or findings else EXIT_OK
 
 
 def _probe_quietly(args) -> tuple:
@@ -106,14 +118,18 @@ def _probe_quietly(args) -> tuple:
     return info, not_found, log_note(host_log)
 
 
-def _print_preflight(args, location) -> None:
-    """The environment's mistakes that stop the plugin doing what the settings say, one line each with the fix."""
+def _print_preflight(args, location) -> int:
+    """The environment's mistakes that stop the plugin doing what the settings say, one line each with the fix;
+    returns how many it printed (the lines marked ``!!``)."""
     from fdsched.tools.preflight import environment_lines, host_variables, loader_when_unset
 
     print("\npre-flight (this environment, as the engine would see it):")
+    findings = 0
     for ok, line in environment_lines(when_unset=loader_when_unset(location), ranks=args.dp,
                                       read_by_host=host_variables(location)):
         print(f"  {'ok' if ok else '!!'}  {line}")
+        findings += not ok
+    return findings
 
 
 def _adaptive_report(settings, ratio_decision) -> str:
@@ -276,7 +292,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"fdsched {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    doctor = sub.add_parser("doctor", help="host, what it already has, what the settings would apply")
+    doctor = sub.add_parser("doctor", help="host, what it already has, what the settings would apply",
+                            description="The host, what it already has, what the settings would apply, and the "
+                            "pre-flight: the environment as the engine would see it. Exit status: 0 all fine; 1 a "
+                            "settings or install error, or a pre-flight finding to fix (a line marked !!, e.g. "
+                            "FD_PLUGINS unset or not naming fdsched); 2 no FastDeploy host found.")
     doctor.add_argument("-v", "--verbose", action="store_true",
                         help="show the host's own import messages here instead of in a log file")
     doctor.add_argument("--dp", type=bounded_int(1, 4096), metavar="N",
@@ -309,7 +329,7 @@ def _add_optional_commands(sub) -> None:
     hostsetup.add_commands(sub)
     abreport.add_command(sub)
     explain.add_command(sub)
-    from fdsched.serve import cli as serve_cli  # fdsched serve (issue 15)
+    from fdsched.serve import cli as serve_cli  # fdsched serve
 
     serve_cli.add_command(sub)
     from fdsched.serve import load_cli  # fdsched load: a trace against running servers

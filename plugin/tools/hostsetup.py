@@ -4,8 +4,8 @@ FastDeploy (``fastdeploy-gpu``) is not installable from the package registries, 
 prefix-cache classes are plain Python and run on a CPU with the CPU ``paddlepaddle`` wheel. Setting up
 a host means:
 
-1. take a FastDeploy source archive (``--archive PATH_OR_URL``; by default the public archive of the
-   pinned commit, downloaded over HTTPS), check it (a readable tar.gz, one top folder holding
+1. take a FastDeploy source archive (``--archive PATH_OR_URL``; by default ``FastDeploy-<commit>.tar.gz`` in
+   the current folder, else the public archive of the pinned commit, downloaded over HTTPS), check it (a readable tar.gz, one top folder holding
    ``fastdeploy/`` with the two scheduler modules, the checksum in a ``SHA256SUMS`` file beside a local
    archive when there is one);
 2. unpack it into the per-user cache (``$FDSCHED_HOME``, else ``$XDG_CACHE_HOME/fdsched``, else
@@ -55,6 +55,8 @@ __all__ = [
     "HostSetupError",
     "cache_dir",
     "setup_host",
+    "archive_name",
+    "local_archive",
     "recorded_hosts",
     "recorded_host_path",
     "use_host",
@@ -108,8 +110,26 @@ def _say(message: str) -> None:
     print(f"fdsched host setup: {message}", flush=True)
 
 
-def _fetch(archive: str, workdir: Path) -> Path:
-    """A local path for ``archive`` (a path, or an http(s) URL downloaded into ``workdir``)."""
+def archive_name(commit: str) -> str:
+    """The file name GitHub gives a commit's source archive (and CI's archives have): ``FastDeploy-<commit>.tar.gz``."""
+    return f"FastDeploy-{commit}.tar.gz"
+
+
+def local_archive(commit: str, folder: Optional[Path] = None) -> Optional[str]:
+    """The archive of ``commit`` (a full hash or a prefix) in ``folder`` (default: the current one), when exactly one
+    file there is named ``FastDeploy-<commit...>.tar.gz``: what ``fdsched host setup`` without ``--archive`` takes
+    before it downloads anything, so the quick start's command works offline unchanged."""
+    folder = Path.cwd() if folder is None else folder
+    if not re.fullmatch(r"[0-9a-fA-F]{7,40}", commit or ""):
+        return None
+    found = sorted(p for p in folder.glob(f"FastDeploy-{commit.lower()}*.tar.gz")
+                   if re.fullmatch(r"FastDeploy-[0-9a-f]{40}\.tar\.gz", p.name) and p.is_file())
+    return str(found[0]) if len(found) == 1 else None
+
+
+def _fetch(archive: str, workdir: Path, offline_hint: Optional[str] = None) -> Path:
+    """A local path for ``archive`` (a path, or an http(s) URL downloaded into ``workdir``); ``offline_hint``: what
+    to do without network, when the default archive was being downloaded."""
     if re.match(r"^https?://", archive):
         target = workdir / "archive.tar.gz"
         _say(f"downloading {archive}")
@@ -119,8 +139,9 @@ def _fetch(archive: str, workdir: Path) -> Path:
         except (urllib.error.URLError, OSError, ValueError) as exc:
             reason = getattr(exc, "reason", exc)
             raise HostSetupError(
-                f"cannot download {archive}: {reason}; without network, pass an offline copy: "
-                "fdsched host setup --archive /path/to/FastDeploy-<commit>.tar.gz"
+                f"cannot download {archive}: {reason}; "
+                + (offline_hint or "without network, pass an offline copy: fdsched host setup --archive "
+                                   "/path/to/FastDeploy-<commit>.tar.gz")
             ) from exc
         return target
     path = Path(archive).expanduser()
@@ -309,14 +330,21 @@ def setup_host(
     root = cache_dir(environ)
     hosts_dir = root / "hosts"
     hosts_dir.mkdir(parents=True, exist_ok=True)
+    offline_hint = None
     if archive is None:
         commit = commit or DEFAULT_COMMIT
-        archive = PUBLIC_ARCHIVE.format(commit=commit)
+        archive = local_archive(commit)
+        if archive is not None:
+            _say(f"using {archive}, found in this folder (no download)")
+        else:
+            archive = PUBLIC_ARCHIVE.format(commit=commit)
+            offline_hint = (f"without network, copy {archive} here as {archive_name(commit)} and run the same "
+                            "command again, or pass it with --archive /path/to/FastDeploy-<commit>.tar.gz")
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix=".setup-", dir=hosts_dir))
     placed: Optional[Path] = None
     try:
-        local = _fetch(archive, work)
+        local = _fetch(archive, work, offline_hint)
         digest = _check_checksum(local, archive)
         tree, named = _unpack(local, archive, work / "tree")
         if commit and named and not named.startswith(commit.lower()):
@@ -372,7 +400,8 @@ def add_commands(sub) -> None:
     setup = host_sub.add_parser("setup", help="unpack a FastDeploy source archive, install its CPU dependencies, record it")
     setup.add_argument(
         "--archive",
-        help=f"a FastDeploy source .tar.gz (path or http(s) URL); default: the public archive of --commit",
+        help="a FastDeploy source .tar.gz (path or http(s) URL); default: FastDeploy-<commit>.tar.gz in the current "
+             "folder if it is there, else the public archive of --commit, downloaded",
     )
     setup.add_argument(
         "--commit",

@@ -186,8 +186,11 @@ def test_doctor_reports_what_the_host_has(host_info, capsys, monkeypatch):
     from fdsched.tools.cli import main
 
     monkeypatch.delenv("FDSCHED_PROFILE", raising=False)
+    monkeypatch.setenv("FD_PLUGINS", "fdsched")
     assert main(["doctor"]) == 0
-    out = capsys.readouterr().out
+    captured = capsys.readouterr()
+    out = captured.out
+    assert "  !!  " not in out and captured.err == ""
     rows = {line.split()[0]: line for line in out.splitlines() if line.split() and line.split()[0] in host_info.has}
     assert set(rows) == set(host_info.has)
     expected = {
@@ -203,6 +206,25 @@ def test_doctor_reports_what_the_host_has(host_info, capsys, monkeypatch):
     assert host_info.has["decode_only_preempt"] == host_info.has["ratio_reserve"] == host_info.split_status
     for cid, line in rows.items():
         assert (" yes " in line) == (cid in has), line
+
+
+def test_doctor_exits_1_when_fd_plugins_does_not_name_the_plugin(host_info, capsys, monkeypatch):
+    """The same host and settings: FD_PLUGINS unset or misspelt is a finding the operator must fix (the engine would
+    never load the plugin), so doctor fails, saying so on stderr; named exactly, it passes."""
+    from fdsched.tools.cli import main
+
+    monkeypatch.delenv("FDSCHED_PROFILE", raising=False)
+    for value in (None, "fdsched ", "fd_sched"):
+        if value is None:
+            monkeypatch.delenv("FD_PLUGINS", raising=False)
+        else:
+            monkeypatch.setenv("FD_PLUGINS", value)
+        assert main(["doctor"]) == 1, value
+        captured = capsys.readouterr()
+        assert "  !!  FD_PLUGINS" in captured.out
+        assert captured.err.strip().splitlines()[-1].startswith("fdsched doctor: error: 1 pre-flight finding to fix")
+    monkeypatch.setenv("FD_PLUGINS", "fdsched")
+    assert main(["doctor"]) == 0
 
 
 def test_a_non_fork_start_method_is_warned_about(fresh_loader, monkeypatch):

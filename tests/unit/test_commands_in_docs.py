@@ -1,6 +1,6 @@
 """Every `fdsched ...` command the docs show names real subcommands and flags, and the CLI's own help is tidy.
 
-The commands are read from README.md, docs/*.md and examples/*.md|*.sh (code blocks, inline code, shell lines;
+The commands are read from README.md, docs/*.md, docs/results/*.md and examples/*.md|*.sh (code blocks, inline code, shell lines;
 comments dropped) and checked against the argparse tree of ``fdsched.tools.cli.build_parser``: a subcommand that does
 not exist or a flag its subcommand does not take fails, naming the file and line.
 """
@@ -17,7 +17,8 @@ import pytest
 from fdsched.tools.cli import build_parser
 
 ROOT = Path(__file__).resolve().parents[2]
-DOC_FILES = sorted([ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("examples/*.md"), *ROOT.glob("examples/*.sh")])
+DOC_FILES = sorted([ROOT / "README.md", *ROOT.glob("docs/*.md"), *ROOT.glob("docs/results/*.md"), *ROOT.glob("examples/*.md"),
+                    *ROOT.glob("examples/*.sh")])
 
 
 def _subparsers(parser: argparse.ArgumentParser) -> dict:

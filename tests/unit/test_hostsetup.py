@@ -243,3 +243,50 @@ def test_use_of_a_host_not_set_up_names_the_archive_that_sets_it_up(tmp_path):
     with pytest.raises(HostSetupError) as info:
         use_host("0123abc", environ={"FDSCHED_HOME": str(tmp_path)})
     assert "--archive FastDeploy-<commit>.tar.gz" in str(info.value)
+
+
+def _no_download(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("set-up tried to download")
+
+    monkeypatch.setattr(hostsetup.urllib.request, "urlopen", refuse)
+
+
+def test_setup_without_archive_takes_the_pinned_archive_from_the_current_folder(tmp_path, home, monkeypatch, capsys):
+    """The quick start's `fdsched host setup` works offline unchanged once the archive sits in the folder."""
+    _no_download(monkeypatch)
+    folder = tmp_path / "checkout"
+    folder.mkdir()
+    make_archive(folder / f"FastDeploy-{hostsetup.DEFAULT_COMMIT}.tar.gz")
+    monkeypatch.chdir(folder)
+    assert hostsetup.DEFAULT_COMMIT == COMMIT
+    record = setup_host(install_deps=False)
+    assert record["commit"] == COMMIT and record["archive"] == str(folder / f"FastDeploy-{COMMIT}.tar.gz")
+    assert "found in this folder (no download)" in capsys.readouterr().out
+    assert main(["host", "setup", "--no-deps", "--commit", COMMIT[:9]]) == 0  # a prefix finds it too
+
+
+def test_local_archive_needs_exactly_one_full_name(tmp_path):
+    assert hostsetup.local_archive(COMMIT, tmp_path) is None
+    make_archive(tmp_path / f"FastDeploy-{COMMIT}.tar.gz", sums=False)
+    assert hostsetup.local_archive(COMMIT, tmp_path) == str(tmp_path / f"FastDeploy-{COMMIT}.tar.gz")
+    assert hostsetup.local_archive(COMMIT[:7], tmp_path) == str(tmp_path / f"FastDeploy-{COMMIT}.tar.gz")
+    assert hostsetup.local_archive("new", tmp_path) is None  # not a commit
+    other = COMMIT[:7] + "0" * 33
+    make_archive(tmp_path / f"FastDeploy-{other}.tar.gz", top=f"FastDeploy-{other}", sums=False)
+    assert hostsetup.local_archive(COMMIT[:7], tmp_path) is None  # two match the prefix: neither is guessed
+    assert hostsetup.local_archive(COMMIT, tmp_path) == str(tmp_path / f"FastDeploy-{COMMIT}.tar.gz")
+
+
+def test_a_failed_download_of_the_pinned_archive_names_the_file_to_put_here(tmp_path, home, monkeypatch):
+    def offline(*args, **kwargs):
+        raise hostsetup.urllib.error.URLError("no network")
+
+    monkeypatch.setattr(hostsetup.urllib.request, "urlopen", offline)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(HostSetupError) as err:
+        setup_host(install_deps=False)
+    text = str(err.value)
+    assert text.startswith(f"cannot download {hostsetup.PUBLIC_ARCHIVE.format(commit=COMMIT)}: no network")
+    assert f"as FastDeploy-{COMMIT}.tar.gz and run the same command again" in text and "--archive" in text
+    _nothing_left(home)

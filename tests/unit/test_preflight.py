@@ -104,7 +104,7 @@ def test_doctor_prints_the_preflight_even_without_a_host(tmp_path, monkeypatch, 
 
     if importlib.util.find_spec("fastdeploy") is not None:
         pytest.skip("FastDeploy is importable in this run")
-    main(["doctor"])
+    assert main(["doctor"]) == 2  # no host: 2 outranks the findings
     out = capsys.readouterr().out
     assert "profile: baseline" in out
     assert "  !!  FD_PLUGINS is unset: " in out
@@ -128,3 +128,64 @@ def test_an_fd_variable_neither_the_host_nor_the_plugin_reads_is_flagged(tmp_pat
         "FD_ENABLE_MAX_PREFIL is set, but neither this FastDeploy nor fdsched reads it (did you mean "
         "FD_ENABLE_MAX_PREFILL?); fix: rename or unset it"]
     assert len(environment_lines(environ, "none")) == 1  # no host tree read: nothing said about FD_* names
+
+
+@pytest.fixture
+def fake_host(monkeypatch):
+    """doctor over a stand-in host: the probe and the installer's decision replaced, so only the pre-flight counts."""
+    from types import SimpleNamespace
+
+    import fdsched.install.installer
+    from fdsched.tools import cli
+
+    info = SimpleNamespace(label="FastDeploy (stand-in)", support="a stand-in", split_status=False, location=None,
+                           has={})
+    monkeypatch.setattr(cli, "_probe_quietly", lambda args: (info, None, ""))
+    monkeypatch.setattr(fdsched.install.installer, "decide", lambda settings, host: {})
+    for name in ("FD_PLUGINS", "FDSCHED_PROFILE", "FDSCHED_PROFILE_BY_DP_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    return info
+
+
+@pytest.mark.parametrize("env, code, findings", [
+    ({"FD_PLUGINS": "fdsched"}, 0, 0),
+    ({"FD_PLUGINS": "fdsched", "FDSCHED_PROFILE": "adaptive"}, 0, 0),
+    ({}, 1, 1),                                                    # FD_PLUGINS unset: the engine never loads it
+    ({"FD_PLUGINS": "FDSCHED"}, 1, 1),                             # not the name FastDeploy compares
+    ({"FDSCHED_PROFILE": "adaptive"}, 1, 2),                       # ... and a setting the engine would ignore
+    ({"FD_PLUGINS": "fdsched", "FDSCHED_PROFILE_BY_DP_RANK": "0=baseline,2=adaptive"}, 1, 1),  # rank 1 skipped
+])
+def test_doctor_exits_1_on_a_preflight_finding_and_0_when_there_is_none(fake_host, monkeypatch, capsys, env, code,
+                                                                        findings):
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert main(["doctor"]) == code
+    captured = capsys.readouterr()
+    assert captured.out.count("\n  !!  ") == findings
+    err = captured.err.strip().splitlines()
+    if findings:
+        assert err == [f"fdsched doctor: error: {findings} pre-flight finding{'s' if findings > 1 else ''} to fix "
+                       "(the lines marked !! above)"]
+    else:
+        assert err == []
+
+
+def test_doctor_without_a_host_exits_2_with_one_error_line_even_with_findings(tmp_path, monkeypatch, capsys):
+    import importlib.util
+
+    if importlib.util.find_spec("fastdeploy") is not None:
+        pytest.skip("FastDeploy is importable in this run")
+    monkeypatch.delenv("FD_PLUGINS", raising=False)
+    monkeypatch.setenv("FDSCHED_HOST_SOURCE", str(tmp_path / "nowhere"))
+    assert main(["doctor"]) == 2
+    captured = capsys.readouterr()
+    assert "  !!  FD_PLUGINS is unset: " in captured.out
+    err = captured.err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("fdsched doctor: error: host not found: ")
+
+
+@pytest.mark.parametrize("status, findings, code", [(0, 0, 0), (0, 3, 1), (1, 0, 1), (1, 2, 1), (2, 0, 2), (2, 1, 2)])
+def test_doctor_status_no_host_first_then_any_error_or_finding(status, findings, code):
+    from fdsched.tools.cli import doctor_status
+
+    assert doctor_status(status, findings) == code
