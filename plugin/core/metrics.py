@@ -16,58 +16,6 @@ share a label set, so without these labels the arms of an online A/B would be ad
 ``PluginMetrics._series(family, name, labels_of(of), ...)``, which keeps each labelled child, and add its row to
 docs/metrics.md). Updates without ``of`` are labelled ``arm="default", dp_rank=""``.
 
-name (all with labels arm, dp_rank)                          type       meaning
-===========================================================  =========  =====================================
-fastdeploy:fdsched_preemptions_total{victim_phase}           counter    preemptions, by the victim's phase
-                                                                        (decode / prefill)
-fastdeploy:fdsched_recomputed_tokens_total                   counter    computed tokens thrown away by
-                                                                        preemptions (computed again later)
-fastdeploy:fdsched_new_token_ratio                           gauge      current new_token_ratio
-fastdeploy:fdsched_reserved_blocks                           gauge      blocks reserved for running requests
-                                                                        at the last admission decision that
-                                                                        counted them (one the free blocks
-                                                                        cover at every request's most is
-                                                                        decided without a count)
-fastdeploy:fdsched_admissions_blocked_total                  counter    prefills (new or next chunk) refused
-                                                                        by the reservation threshold
-fastdeploy:fdsched_evicted_blocks_total                      counter    GPU blocks freed by LRU eviction
-fastdeploy:fdsched_recycle_batches_total                     counter    batched recycle calls
-fastdeploy:fdsched_recycle_batch_size                        histogram  blocks per batched recycle call
-fastdeploy:fdsched_eviction_seconds_total                    counter    time spent in the eviction loops
-fastdeploy:fdsched_unconsumed_signals_total{signal}          counter    one-shot signals to the host's control
-                                                                        flow that no check consumed by the end
-                                                                        of the pass (should stay 0; see the log)
-fastdeploy:fdsched_requests_finished_total                   counter    requests the scheduler finished
-fastdeploy:fdsched_output_tokens_total                       counter    output tokens of finished requests
-fastdeploy:fdsched_ttft_seconds                              histogram  time to first token of finished requests
-                                                                        (engine_recv_first_token_time -
-                                                                        arrival_time, the request's own stamps)
-fastdeploy:fdsched_tpot_seconds                              histogram  time per output token after the first
-fastdeploy:fdsched_guard_events_total{event}                 counter    the scheduler guard: seats_resumed (every
-                                                                        seat held by a preempted request; the
-                                                                        first resumed on its own), or
-                                                                        admission_stalled (requests wait, blocks
-                                                                        are free, nothing runs or is admitted),
-                                                                        or block_owner_conflict (an audit found
-                                                                        a KV block with two owners or free twice)
-fastdeploy:fdsched_adaptive_samples{kind}                    gauge      adaptive estimator: finished requests
-                                                                        it learns from (kind: absolute =
-                                                                        unbounded clients, relative = clients
-                                                                        that set max_tokens)
-fastdeploy:fdsched_adaptive_learned{kind}                    gauge      1 once a kind has enough samples, 0
-                                                                        while it is in warm-up (fallback)
-fastdeploy:fdsched_adaptive_mean_output{kind}                gauge      learned mean output (tokens; relative:
-                                                                        fraction of max_tokens)
-fastdeploy:fdsched_adaptive_expected_tokens                  gauge      expected remaining output of the
-                                                                        running set at the last decision
-fastdeploy:fdsched_adaptive_margin_tokens                    gauge      the set's margin at that decision
-                                                                        (k x sqrt of the summed variances)
-fastdeploy:fdsched_adaptive_margin_k                         gauge      the margin factor k (raised by
-                                                                        preemptions)
-fastdeploy:fdsched_adaptive_fallback_requests                gauge      running requests answered by the
-                                                                        warm-up fallback at that decision
-===========================================================  =========  =====================================
-=======
 Every metric, its type and what it counts: docs/metrics.md (tests/unit/test_docs.py checks that the page names
 every metric declared here).
 """
