@@ -35,8 +35,9 @@ def cache_blocks_by_node(cache_manager) -> tuple:
         seen.add(node)
         if node.cache_status is gpu:
             append(node.block_id)
-            if node.reverved_dec_block_ids:
-                extend(node.reverved_dec_block_ids)
+            reserved = getattr(node, "reverved_dec_block_ids", None)  # 2.2's nodes have none
+            if reserved:
+                extend(reserved)
         children = node.children
         if children:
             stack.extend(children.values())
@@ -46,8 +47,9 @@ def cache_blocks_by_node(cache_manager) -> tuple:
             seen.add(node)
             if node.cache_status is gpu:
                 append(node.block_id)
-                if node.reverved_dec_block_ids:
-                    extend(node.reverved_dec_block_ids)
+                reserved = getattr(node, "reverved_dec_block_ids", None)
+                if reserved:
+                    extend(reserved)
             node = node.parent
     for ids in getattr(cache_manager, "unfilled_req_block_map", {}).values():
         extend(ids)

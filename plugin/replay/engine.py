@@ -194,8 +194,10 @@ def _private_signal_suffix(dp_rank: int = 0) -> int:
 
 def close_manager(manager) -> None:
     """Release what a manager holds outside Python objects (shared memory, thread pools)."""
+    signal = getattr(manager, "need_block_num_signal", None)  # 2.2 has none
     try:
-        manager.need_block_num_signal.clear()
+        if signal is not None:
+            signal.clear()
     except FileNotFoundError:
         # The signal's shared-memory name is the same for every manager built with the same engine
         # port (e.g. other test processes on this machine); one of them may unlink it between the

@@ -81,7 +81,7 @@ def _role(cls: type, arm_cls: type, host_cls: type) -> str:
         return "front class (the host module's name is rebound to it)"
     if cls.__module__.startswith("fdsched.patches."):
         change = cls.__module__[len("fdsched.patches."):].split(".", 1)[0]  # a change's module or package
-        return "plugin base" if change in ("_base",) else f"mixin of {change}"
+        return {"_base": "plugin base", "_guard": "the scheduler guard (every arm)"}.get(change, f"mixin of {change}")
     return ""
 
 

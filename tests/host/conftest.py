@@ -96,20 +96,57 @@ def replay_host():
     except HostNotFound as exc:
         why = exc if HOW_TO_POINT in str(exc) else HOW_TO_POINT
         pytest.skip(f"needs FastDeploy host: {why}")
+    skip_where_the_replay_declines()
     yield probe()
     from fdsched.install import installer
 
     installer.uninstall()
 
 
+_REPLAY_DECLINES: dict = {}
+
+
+def skip_where_the_replay_declines() -> None:
+    """Skip, naming why, on a line whose scheduler the replay cannot build (2.2: its configs are not the ones the
+    replay builds; ``fdsched check`` and ``fdsched replay`` decline it in one line too)."""
+    if "why" not in _REPLAY_DECLINES:
+        from fdsched.replay.engine import EngineShape, HostConfigError, build_manager, close_manager
+
+        try:
+            close_manager(build_manager(EngineShape(block_size=4, num_gpu_blocks=40, max_num_seqs=2,
+                                                    max_num_batched_tokens=16, max_model_len=64)))
+            _REPLAY_DECLINES["why"] = ""
+        except HostConfigError as exc:
+            _REPLAY_DECLINES["why"] = f"its configs refuse the shape the replay builds (as 2.4 and later take it): {exc}"[:160]
+    if _REPLAY_DECLINES["why"]:
+        pytest.skip(f"the replay cannot build this line's scheduler: {_REPLAY_DECLINES['why']}")
+
+
+def skip_if_refused(profile) -> None:
+    """Skip, naming why, where this line refuses ``profile`` at load (the support table's "shipped profiles refused
+    at load": a change the profile turns on that the line cannot take). None and "host" always load."""
+    if profile in (None, "host"):
+        return
+    from fdsched.core.settings import load_settings
+    from fdsched.install.installer import InstallError, decide
+    from fdsched.install.probe import probe
+
+    try:
+        decide(load_settings(environ={}, profile=profile), probe())
+    except InstallError as exc:
+        pytest.skip(f"profile {profile} is refused on this line ({str(exc).split(' cannot be applied')[0]})")
+
+
 @pytest.fixture
 def install_profile():
-    """Install the plugin with a shipped profile (or a dict of env overrides); uninstall afterwards."""
+    """Install the plugin with a shipped profile (or a dict of env overrides); uninstall afterwards. A profile this
+    line refuses skips the test, naming why."""
     from fdsched.install import installer
     from fdsched.core.metrics import METRICS
     from fdsched.core.settings import load_settings
 
     def _install(profile=None, **env):
+        skip_if_refused(profile)
         settings = load_settings(environ={k: str(v) for k, v in env.items()}, profile=profile)
         METRICS.reset()
         return installer.install(settings)
@@ -124,6 +161,8 @@ def make_manager():
     from fdsched.replay.engine import EngineShape, build_manager, close_manager
 
     built = []
+
+    skip_where_the_replay_declines()
 
     def _make(**shape):
         manager = build_manager(EngineShape(**shape))

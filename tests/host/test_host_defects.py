@@ -57,7 +57,10 @@ def replay(replay_host, monkeypatch):
     switch is ``fix`` off."""
     from fdsched.replay.runner import run_profile
 
+    from .conftest import skip_if_refused
+
     def run(rows, arm, fix=None):
+        skip_if_refused(None if arm in ("host", "fix-off") else arm)
         with monkeypatch.context() as m:
             inherit = arm == "fix-off"
             if inherit:
@@ -140,6 +143,9 @@ def _pd_prefill(arm, monkeypatch):
     from fdsched.replay.runner import run_profile
     from fdsched.replay.trace import load_trace, resolve_trace
 
+    from .conftest import skip_if_refused
+
+    skip_if_refused(None if arm in ("host", "fix-off") else arm)
     trace = load_trace(resolve_trace("pd-prefill"))
     with monkeypatch.context() as m:
         for var in ("FDSCHED_PROFILE", "FDSCHED_PREFILL_NODE_RESERVE"):

@@ -23,6 +23,9 @@ def _run(arm, monkeypatch):
     from fdsched.replay.runner import run_profile
     from fdsched.replay.trace import Trace, TraceRequest
 
+    from .conftest import skip_if_refused
+
+    skip_if_refused(arm if arm not in ("host", "fix-off", "default") else None)
     trace = Trace((TraceRequest(line=1, **REQUEST),), dict(ENGINE), source="test", name="one-seat")
     with monkeypatch.context() as m:
         m.delenv("FDSCHED_PROFILE", raising=False)
