@@ -28,9 +28,15 @@ def _one_request(eng):
 
 
 def test_with_the_fix_off_the_engine_stops_returning_tokens(served):
+    """The guard sees the stall (100 passes and 30 s with a request waiting, none running, blocks free) and says
+    so; its block audits (every 10 s) find no KV block with two owners."""
     eng = served(profile="recommended", env={"FDSCHED_PREEMPTED_SEAT_RESUME": "off"}, **ONE_SEAT)
     result = _one_request(eng)
     assert result["finish_reason"] is None and "no token for" in (result["error"] or ""), result
+    text = eng.metrics_text(0)
+    guard = "fastdeploy:fdsched_guard_events_total"
+    assert metric(text, guard, arm="recommended", dp_rank="0", event="admission_stalled") == 1
+    assert metric(text, guard, event="block_owner_conflict") == 0 and metric(text, guard, event="seats_resumed") == 0
 
 
 @pytest.mark.parametrize("profile", [None, "recommended"])
@@ -41,5 +47,6 @@ def test_with_the_fix_the_request_resumes_on_its_seat_and_finishes(served, profi
     arm = profile or "default"
     text = eng.metrics_text(0)
     assert metric(text, "fastdeploy:fdsched_guard_events_total", arm=arm, dp_rank="0", event="seats_resumed") >= 1
+    assert metric(text, "fastdeploy:fdsched_guard_events_total", event="block_owner_conflict") == 0
     assert metric(text, "fastdeploy:fdsched_requests_finished_total", arm=arm, dp_rank="0") == 1
     assert_blocks_whole(settle(eng), eng.rank_log_dir(0))
