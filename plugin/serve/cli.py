@@ -64,6 +64,9 @@ def add_command(sub) -> None:
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="multiply every arrival time by this (0.5: twice as fast); default 1")
     p.add_argument("--out", help="report directory (with --trace; default serve-out): report.json, report.png, requests.jsonl")
+    from fdsched.serve.pd_cli import add_pd_arguments
+
+    add_pd_arguments(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -229,6 +232,10 @@ def cmd_serve(args) -> int:
 
 
 def _serve(args, signals, owned) -> int:
+    from fdsched.serve.pd_cli import is_pd, serve_pd
+
+    if is_pd(args):  # PD disaggregation: prefill and decode instances behind the Router
+        return serve_pd(args, signals, sys.modules[__name__])
     engine = None
     try:
         problems, trace, configs = check_serve_args(args)

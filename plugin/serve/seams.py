@@ -310,14 +310,17 @@ class _TransferManagerLauncher:
     host's cache_transfer_manager.py runs the simulated one with the same arguments; all else is subprocess."""
 
     HOST_SCRIPT = os.sep + os.path.join("cache_manager", "cache_transfer_manager.py")
+    HOST_MESSAGER = os.sep + os.path.join("cache_manager", "cache_messager.py")  # S12
 
     def __init__(self, real, script):
         self._real, self._script = real, script
+        self._messager = os.path.join(os.path.dirname(script), "pdxfer.py")
 
     def Popen(self, cmd, *args, **kwargs):  # noqa: N802 (the subprocess name)
-        if isinstance(cmd, str) and self.HOST_SCRIPT in cmd:
+        if isinstance(cmd, str) and (self.HOST_SCRIPT in cmd or self.HOST_MESSAGER in cmd):
             words = cmd.split(" ")
-            words = [self._script if w.endswith(self.HOST_SCRIPT) else w for w in words]
+            words = [self._script if w.endswith(self.HOST_SCRIPT) else self._messager if w.endswith(self.HOST_MESSAGER)
+                     else w for w in words]
             cmd = " ".join(words)
         return self._real.Popen(cmd, *args, **kwargs)
 
@@ -430,6 +433,32 @@ def _s8(module):
     module.TokenProcessor._process_batch_output_use_zmq = _process_batch_output_use_zmq
 
 
+def _s13(module):
+    """S13: on a prefill instance, the ZMQ output path hands a finished prefill's result to the engine's scheduler,
+    as the get_output path does. The host's ZMQ path keeps it back unless the scheduler is the old splitwise one, so
+    the prefill api_server never answers and the Router, which waits for both answers, hangs."""
+    tp = module.TokenProcessor
+    per_token, batch = tp._process_per_token, tp._process_batch_output_use_zmq
+
+    def _process_per_token(self, task, batch_id, token_ids, result, is_prefill):
+        out = per_token(self, task, batch_id, token_ids, result, is_prefill)
+        if is_prefill and out is not None and getattr(out, "finished", False) \
+                and self.cfg.scheduler_config.name != "splitwise":
+            self.__dict__.setdefault("_fdsched_prefill_results", []).append(out)
+        return out
+
+    def _process_batch_output_use_zmq(self, receive_datas):
+        held = self.__dict__.setdefault("_fdsched_prefill_results", [])
+        results = batch(self, receive_datas)
+        if held:
+            results = list(results or []) + [r for r in held if all(r is not x for x in (results or []))]
+            held.clear()
+        return results
+
+    tp._process_per_token = _process_per_token
+    tp._process_batch_output_use_zmq = _process_batch_output_use_zmq
+
+
 # S2 + H1 ----------------------------------------------------------------------------------------
 
 def _start_simulated_worker(self):
@@ -459,6 +488,7 @@ def _start_simulated_worker(self):
             "--profile-blocks", str(cfg.cache_config.num_gpu_blocks_override or 0),
             "--multi-api-server", str(int(os.getenv("FD_ENABLE_MULTI_API_SERVER", "0") == "1")),
             "--pod-ip", str(cfg.master_ip),
+            "--splitwise-role", str(getattr(cfg.scheduler_config, "splitwise_role", "mixed")),
         ]
         workers.append({"rank": rank, "cmd": cmd, "log": os.path.join(log_dir, f"simworker_rank{rank}.log")})
     # One launcher process for every rank's worker, as paddle.distributed.launch on a GPU machine: the engine
@@ -1078,7 +1108,7 @@ _AFTER_LOAD = {
     "fastapi.applications": [_h6_drain_gate],
     "zmq": [_h4_record_zmq],
     "fastdeploy.platforms": [_s7],
-    "fastdeploy.output.token_processor": [_s8],
+    "fastdeploy.output.token_processor": [_s8, _s13],
 }
 _ON_IMPORT_ERROR = {"paddleformers.trl.llm_utils": _s5_fallback, "paddleformers.cli.utils.llm_utils": _s5_fallback}
 
