@@ -131,6 +131,9 @@ def check_serve_args(args) -> tuple:
         problems.append(f"--idle-rpc {args.idle_rpc}: allowed: seconds > 0, with --num-cpu-blocks > 0 and without "
                         "--trace")
     problems += _trace_only_problems(args)
+    if getattr(args, "role_profiles", None):  # PD only: a mixed stack has no roles
+        problems.append(f"--role-profiles {args.role_profiles}: allowed only with --prefill/--decode (PD "
+                        "disaggregation); for one profile per data-parallel rank use --dp 2 --arms 0=A,1=B")
     problems += out_dir_problems(report_dir(args), "fdsched serve")
     arms = sequential_arms(args)
     problems += _sequential_arms_problems(args, arms)
