@@ -83,7 +83,7 @@ SEAMS = (
         "S2 worker launch",
         "fastdeploy.engine.engine",
         "LLMEngine._start_worker_service: starts fdsched/serve/worklaunch.py (one process that starts "
-        "fdsched/serve/worker.py per rank) instead of paddle.distributed.launch",
+        "fdsched/serve/worker.py per rank, told the instance's splitwise_role) instead of paddle.distributed.launch",
         {NEW: "engine/engine.py 525-694 (_start_worker_service); 864-930 check_worker_initialize_status reads "
               "its stdout", OLD: "engine/engine.py 514-~680; 846-~910"},
         "the real worker runs the model on a GPU",
@@ -176,6 +176,38 @@ SEAMS = (
         "the real transfer manager allocates pinned host memory and copies KV blocks with GPU ops (cuda_host_alloc, "
         "swap_cache_all_layers); with a CPU tier configured the engine waits for it forever without one",
         "yes",
+    ),
+    Seam(
+        "S12 cache messager (PD)",
+        "fastdeploy.cache_manager.prefix_cache_manager",
+        "the script on the command line launch_cache_messager starts on a prefill or decode instance: "
+        "fdsched/serve/pdxfer.py instead of cache_manager/cache_messager.py (same arguments, log file "
+        "launch_cache_messager_0.log, process group); the simulated worker of a prefill instance reports each slot's "
+        "prefill progress per step to it, where the GPU attention kernels report it per layer",
+        {NEW: "cache_manager/prefix_cache_manager.py 237 (splitwise only), 378-454 (launch_cache_messager: 393 path, "
+              "443 Popen, 446 waits on cache_ready_signal); the process: cache_messager.py 462-933 (CacheMessagerV1: "
+              "641 cache infos, 676-851 send and put_finished_req at 841, 853 consume_signals), 935-1084 (main, "
+              "1065 cache_ready_signal); the engine waits at output/token_processor.py 639 (get_finished_req)",
+         OLD: "prefix_cache_manager.py 231, 362-438 (377 path, 427 Popen, 430 wait); cache_messager.py 462-919 "
+              "(637 cache infos, 671 put_finished_add_cache_task_req, 678-851, 841 put_finished_req, 853), 921-1070 "
+              "(1051 cache_ready_signal); token_processor.py 524 (get_finished_req)"},
+        "the real messager allocates the instance's KV cache on the GPU, reads the compiled get_output_kv_signal op and "
+        "writes blocks over RDMA or CUDA IPC; on a PD instance the engine waits for it at start-up and the prefill "
+        "engine waits for its transfer result before it hands a request to the decode instance",
+        "yes",
+    ),
+    Seam(
+        "S13 prefill answer on the ZMQ path (PD)",
+        "fastdeploy.output.token_processor",
+        "TokenProcessor._process_per_token / _process_batch_output_use_zmq on a prefill instance: a finished "
+        "prefill's result is handed on to the engine's scheduler, as the get_output path does",
+        {NEW: "output/token_processor.py 440-443 (ZMQ path: kept back unless the scheduler is 'splitwise') vs "
+              "1099 (get_output path: always handed on); 283 _process_per_token",
+         OLD: "output/token_processor.py 368-371 vs 964; 215 _process_per_token"},
+        "without it the prefill api_server never answers a request on the ZMQ path, and the Router, which awaits both "
+        "instances' answers for a non-streamed request, hangs; a divergence between the host's two output paths "
+        "that this harness found",
+        "yes (the output path)",
     ),
     Seam(
         "H2 RPC counter (harness only)",
