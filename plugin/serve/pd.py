@@ -42,6 +42,7 @@ class PdConfig(EngineConfig):
     prefill: int = 1
     decode: int = 1
     role_profiles: Optional[str] = None  # "prefill=pd_prefill_cache,decode=baseline"
+    decode_num_gpu_blocks: Optional[int] = None  # the decode instances' KV pool, when not num_gpu_blocks
 
 
 def parse_role_profiles(text: Optional[str], origin: str = "--role-profiles") -> dict:
@@ -88,6 +89,9 @@ def pd_config_problems(c: PdConfig) -> list:
     if c.arms:
         problems.append(f"--arms {c.arms!r} with --prefill/--decode: allowed: --role-profiles ROLE=PROFILE (one "
                         "profile per role) or --profile")
+    if c.decode_num_gpu_blocks is not None and (not isinstance(c.decode_num_gpu_blocks, int)
+                                                or c.decode_num_gpu_blocks < 1):
+        problems.append(f"--decode-num-gpu-blocks {c.decode_num_gpu_blocks}: allowed: an integer >= 1")
     if c.num_cpu_blocks:
         problems.append(f"--num-cpu-blocks {c.num_cpu_blocks} with --prefill/--decode: allowed: 0 (the CPU swap "
                         "tier is served on the mixed stack only)")
@@ -265,6 +269,8 @@ class PdServedEngine(ServedEngine):
             self._rank_ports = [inst["ports"]]
             args = self._server_args(model) + ["--splitwise-role", inst["role"], "--router", self.router_url,
                                                "--cache-transfer-protocol", TRANSFER_PROTOCOL]
+            if inst["role"] == "decode" and c.decode_num_gpu_blocks:
+                args[args.index("--num-gpu-blocks-override") + 1] = str(c.decode_num_gpu_blocks)
             p = inst["ports"]
             self.progress(f"starting {inst['name']} api_server on {c.host}:{p[0]} (metrics {p[1]}, profile "
                           f"{inst['profile'] or 'default'}) ...")
