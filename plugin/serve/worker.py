@@ -194,7 +194,10 @@ def main(argv=None) -> int:
                         slot["chunk"] = (r.prefill_start_index, r.prefill_end_index,
                                          len(r.prompt_token_ids) + outputs_so_far)
                     elif kind in (RequestType.PREEMPTED.value, RequestType.ABORT.value):
-                        slots.pop(r.idx, None)
+                        # a decode instance frees a preempted request's slot at once (it does not wait for this
+                        # ack), so the slot may already hold the next request: free it only for this request
+                        if slots.get(r.idx, {}).get("rid") == r.request_id:
+                            del slots[r.idx]
                         acks.append(token(r.idx, PREEMPTED_TOKEN_ID))
                     # DECODE / EXTEND: block-table extension only, no output
         if not slots and not acks:
