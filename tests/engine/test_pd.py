@@ -136,3 +136,23 @@ def test_a_decode_that_stops_receiving_fails_the_request_and_prefill_frees_its_b
         except ServeError as exc:
             message = str(exc)
     assert message.startswith("decode 0 cache messager (pid "), message
+
+
+def test_an_instance_that_never_comes_up_is_named_and_nothing_is_left():
+    """With a health timeout (20 s) longer than the Router's start-up and shorter than an api_server's, the start
+    fails in one line naming the instances still starting and their stage, and stopping leaves no process, port or
+    /dev/shm entry."""
+    from fdsched.serve.launcher import ServeError
+    from fdsched.serve.pd import PdConfig, PdServedEngine
+
+    eng = PdServedEngine(PdConfig(prefill=1, decode=1, health_timeout=20, **SHAPE))
+    t0 = time.monotonic()
+    with pytest.raises(ServeError) as failed:
+        eng.__enter__()
+    message = str(failed.value)
+    assert time.monotonic() - t0 < 90, message
+    assert message.startswith("stage prefill 0 ") and "; decode 0 " in message, message
+    assert "not healthy within 20s; allowed: a longer --health-timeout" in message, message
+    left = leftovers(eng)
+    eng.cleanup()
+    assert not left, f"left behind after a failed start: {left}"
