@@ -57,7 +57,8 @@ def serve_pd(args, signals, cli) -> int:
     _check_host_quietly, _check_shapes_quietly = cli._check_host_quietly, cli._check_shapes_quietly  # noqa: N806
     _finish, _say, _serve_until_stopped = cli._finish, cli._say, cli._serve_until_stopped  # noqa: N806
     from fdsched.serve.launcher import HostMissing, LOOPBACK, ServeError
-    from fdsched.serve.pd import PdServedEngine, host_pd_problems
+    from fdsched.serve.pd import PdServedEngine
+    from fdsched.serve.pd_checks import host_pd_problems
 
     engine = None
     try:

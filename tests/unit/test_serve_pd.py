@@ -9,7 +9,8 @@ import types
 import pytest
 
 from fdsched.serve import pdxfer
-from fdsched.serve.pd import PdConfig, instance_profiles, parse_role_profiles, pd_config_problems, pd_seam_problems
+from fdsched.serve.pd import PdConfig, instance_profiles, parse_role_profiles, pd_config_problems
+from fdsched.serve.pd_checks import pd_seam_problems
 
 
 def test_role_profiles_parse_and_name_what_is_wrong():
