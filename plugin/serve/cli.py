@@ -134,6 +134,8 @@ def check_serve_args(args) -> tuple:
     if getattr(args, "role_profiles", None):  # PD only: a mixed stack has no roles
         problems.append(f"--role-profiles {args.role_profiles}: allowed only with --prefill/--decode (PD "
                         "disaggregation); for one profile per data-parallel rank use --dp 2 --arms 0=A,1=B")
+    if getattr(args, "decode_num_gpu_blocks", None) is not None:
+        problems.append(f"--decode-num-gpu-blocks {args.decode_num_gpu_blocks}: allowed only with --prefill/--decode")
     problems += out_dir_problems(report_dir(args), "fdsched serve")
     arms = sequential_arms(args)
     problems += _sequential_arms_problems(args, arms)

@@ -16,6 +16,8 @@ def add_pd_arguments(p) -> None:
                                                "--decode is given)")
     p.add_argument("--decode", type=int, help="PD disaggregation: this many decode instances (default 1 when only "
                                               "--prefill is given)")
+    p.add_argument("--decode-num-gpu-blocks", type=int, help="with --prefill/--decode: the decode instances' KV blocks "
+                                                              "(default: --num-gpu-blocks)")
     p.add_argument("--role-profiles", help="with --prefill/--decode: the profile per role, ROLE=PROFILE items "
                                            "(prefill=pd_prefill_cache,decode=baseline); a role not named runs "
                                            "--profile")
@@ -46,6 +48,7 @@ def check_pd_args(args, cli) -> tuple:
                       num_cpu_blocks=args.num_cpu_blocks, health_timeout=args.health_timeout,
                       prefill=1 if args.prefill is None else args.prefill,
                       decode=1 if args.decode is None else args.decode, role_profiles=args.role_profiles,
+                      decode_num_gpu_blocks=args.decode_num_gpu_blocks,
                       **_shape_from_args(args))
     problems += [p for p in pd_config_problems(config) if p not in problems]
     return problems, config
