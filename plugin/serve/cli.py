@@ -64,6 +64,9 @@ def add_command(sub) -> None:
     p.add_argument("--time-scale", type=float, default=1.0,
                    help="multiply every arrival time by this (0.5: twice as fast); default 1")
     p.add_argument("--out", help="report directory (with --trace; default serve-out): report.json, report.png, requests.jsonl")
+    from fdsched.serve.pd_cli import add_pd_arguments
+
+    add_pd_arguments(p)
     p.set_defaults(func=cmd_serve)
 
 
@@ -128,6 +131,11 @@ def check_serve_args(args) -> tuple:
         problems.append(f"--idle-rpc {args.idle_rpc}: allowed: seconds > 0, with --num-cpu-blocks > 0 and without "
                         "--trace")
     problems += _trace_only_problems(args)
+    if getattr(args, "role_profiles", None):  # PD only: a mixed stack has no roles
+        problems.append(f"--role-profiles {args.role_profiles}: allowed only with --prefill/--decode (PD "
+                        "disaggregation); for one profile per data-parallel rank use --dp 2 --arms 0=A,1=B")
+    if getattr(args, "decode_num_gpu_blocks", None) is not None:
+        problems.append(f"--decode-num-gpu-blocks {args.decode_num_gpu_blocks}: allowed only with --prefill/--decode")
     problems += out_dir_problems(report_dir(args), "fdsched serve")
     arms = sequential_arms(args)
     problems += _sequential_arms_problems(args, arms)
@@ -229,6 +237,10 @@ def cmd_serve(args) -> int:
 
 
 def _serve(args, signals, owned) -> int:
+    from fdsched.serve.pd_cli import is_pd, serve_pd
+
+    if is_pd(args):  # PD disaggregation: prefill and decode instances behind the Router
+        return serve_pd(args, signals, sys.modules[__name__])
     engine = None
     try:
         problems, trace, configs = check_serve_args(args)

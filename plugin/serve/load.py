@@ -80,6 +80,7 @@ class Target:
     arm: str
     url: str  # the api_server, e.g. http://127.0.0.1:8000
     metrics_url: Optional[str] = None  # default: url + /metrics
+    send_url: Optional[str] = None  # where the completions go, when not ``url`` (the Router in front of a PD pair)
 
     @property
     def metrics(self) -> str:
@@ -251,7 +252,7 @@ async def _send(session, target: Target, model: str, prompt: str, result: Reques
     loop = asyncio.get_running_loop()
     result.sent_s = loop.time() - start
     try:
-        async with session.post(target.url.rstrip("/") + "/v1/completions", json=body) as response:
+        async with session.post((target.send_url or target.url).rstrip("/") + "/v1/completions", json=body) as response:
             result.status = response.status
             if response.status != 200:
                 result.error = f"HTTP {response.status}: {(await response.text())[:500]}"

@@ -83,7 +83,7 @@ SEAMS = (
         "S2 worker launch",
         "fastdeploy.engine.engine",
         "LLMEngine._start_worker_service: starts fdsched/serve/worklaunch.py (one process that starts "
-        "fdsched/serve/worker.py per rank) instead of paddle.distributed.launch",
+        "fdsched/serve/worker.py per rank, told the instance's splitwise_role) instead of paddle.distributed.launch",
         {NEW: "engine/engine.py 525-694 (_start_worker_service); 864-930 check_worker_initialize_status reads "
               "its stdout", OLD: "engine/engine.py 514-~680; 846-~910"},
         "the real worker runs the model on a GPU",
@@ -176,6 +176,38 @@ SEAMS = (
         "the real transfer manager allocates pinned host memory and copies KV blocks with GPU ops (cuda_host_alloc, "
         "swap_cache_all_layers); with a CPU tier configured the engine waits for it forever without one",
         "yes",
+    ),
+    Seam(
+        "S12 cache messager (PD)",
+        "fastdeploy.cache_manager.prefix_cache_manager",
+        "the script on the command line launch_cache_messager starts on a prefill or decode instance: "
+        "fdsched/serve/pdxfer.py instead of cache_manager/cache_messager.py (same arguments, log file "
+        "launch_cache_messager_0.log, process group); the simulated worker of a prefill instance reports each slot's "
+        "prefill progress per step to it, where the GPU attention kernels report it per layer",
+        {NEW: "cache_manager/prefix_cache_manager.py 237 (splitwise only), 378-454 (launch_cache_messager: 393 path, "
+              "443 Popen, 446 waits on cache_ready_signal); the process: cache_messager.py 462-933 (CacheMessagerV1: "
+              "641 cache infos, 676-851 send and put_finished_req at 841, 853 consume_signals), 935-1084 (main, "
+              "1065 cache_ready_signal); the engine waits at output/token_processor.py 639 (get_finished_req)",
+         OLD: "prefix_cache_manager.py 231, 362-438 (377 path, 427 Popen, 430 wait); cache_messager.py 462-919 "
+              "(637 cache infos, 671 put_finished_add_cache_task_req, 678-851, 841 put_finished_req, 853), 921-1070 "
+              "(1051 cache_ready_signal); token_processor.py 524 (get_finished_req)"},
+        "the real messager allocates the instance's KV cache on the GPU, reads the compiled get_output_kv_signal op and "
+        "writes blocks over RDMA or CUDA IPC; on a PD instance the engine waits for it at start-up and the prefill "
+        "engine waits for its transfer result before it hands a request to the decode instance",
+        "yes",
+    ),
+    Seam(
+        "S13 prefill answer on the ZMQ path (PD)",
+        "fastdeploy.output.token_processor",
+        "TokenProcessor._process_per_token / _process_batch_output_use_zmq on a prefill instance: a finished "
+        "prefill's result is handed on to the engine's scheduler, as the get_output path does",
+        {NEW: "output/token_processor.py 440-443 (ZMQ path: kept back unless the scheduler is 'splitwise') vs "
+              "1099 (get_output path: always handed on); 283 _process_per_token",
+         OLD: "output/token_processor.py 368-371 vs 964; 215 _process_per_token"},
+        "without it the prefill api_server never answers a request on the ZMQ path, and the Router, which awaits both "
+        "instances' answers for a non-streamed request, hangs; a divergence between the host's two output paths "
+        "that this harness found",
+        "yes (the output path)",
     ),
     Seam(
         "H2 RPC counter (harness only)",
@@ -310,14 +342,17 @@ class _TransferManagerLauncher:
     host's cache_transfer_manager.py runs the simulated one with the same arguments; all else is subprocess."""
 
     HOST_SCRIPT = os.sep + os.path.join("cache_manager", "cache_transfer_manager.py")
+    HOST_MESSAGER = os.sep + os.path.join("cache_manager", "cache_messager.py")  # S12
 
     def __init__(self, real, script):
         self._real, self._script = real, script
+        self._messager = os.path.join(os.path.dirname(script), "pdxfer.py")
 
     def Popen(self, cmd, *args, **kwargs):  # noqa: N802 (the subprocess name)
-        if isinstance(cmd, str) and self.HOST_SCRIPT in cmd:
+        if isinstance(cmd, str) and (self.HOST_SCRIPT in cmd or self.HOST_MESSAGER in cmd):
             words = cmd.split(" ")
-            words = [self._script if w.endswith(self.HOST_SCRIPT) else w for w in words]
+            words = [self._script if w.endswith(self.HOST_SCRIPT) else self._messager if w.endswith(self.HOST_MESSAGER)
+                     else w for w in words]
             cmd = " ".join(words)
         return self._real.Popen(cmd, *args, **kwargs)
 
@@ -430,6 +465,32 @@ def _s8(module):
     module.TokenProcessor._process_batch_output_use_zmq = _process_batch_output_use_zmq
 
 
+def _s13(module):
+    """S13: on a prefill instance, the ZMQ output path hands a finished prefill's result to the engine's scheduler,
+    as the get_output path does. The host's ZMQ path keeps it back unless the scheduler is the old splitwise one, so
+    the prefill api_server never answers and the Router, which waits for both answers, hangs."""
+    tp = module.TokenProcessor
+    per_token, batch = tp._process_per_token, tp._process_batch_output_use_zmq
+
+    def _process_per_token(self, task, batch_id, token_ids, result, is_prefill):
+        out = per_token(self, task, batch_id, token_ids, result, is_prefill)
+        if is_prefill and out is not None and getattr(out, "finished", False) \
+                and self.cfg.scheduler_config.name != "splitwise":
+            self.__dict__.setdefault("_fdsched_prefill_results", []).append(out)
+        return out
+
+    def _process_batch_output_use_zmq(self, receive_datas):
+        held = self.__dict__.setdefault("_fdsched_prefill_results", [])
+        results = batch(self, receive_datas)
+        if held:
+            results = list(results or []) + [r for r in held if all(r is not x for x in (results or []))]
+            held.clear()
+        return results
+
+    tp._process_per_token = _process_per_token
+    tp._process_batch_output_use_zmq = _process_batch_output_use_zmq
+
+
 # S2 + H1 ----------------------------------------------------------------------------------------
 
 def _start_simulated_worker(self):
@@ -459,6 +520,7 @@ def _start_simulated_worker(self):
             "--profile-blocks", str(cfg.cache_config.num_gpu_blocks_override or 0),
             "--multi-api-server", str(int(os.getenv("FD_ENABLE_MULTI_API_SERVER", "0") == "1")),
             "--pod-ip", str(cfg.master_ip),
+            "--splitwise-role", str(getattr(cfg.scheduler_config, "splitwise_role", "mixed")),
         ]
         workers.append({"rank": rank, "cmd": cmd, "log": os.path.join(log_dir, f"simworker_rank{rank}.log")})
     # One launcher process for every rank's worker, as paddle.distributed.launch on a GPU machine: the engine
@@ -1078,7 +1140,7 @@ _AFTER_LOAD = {
     "fastapi.applications": [_h6_drain_gate],
     "zmq": [_h4_record_zmq],
     "fastdeploy.platforms": [_s7],
-    "fastdeploy.output.token_processor": [_s8],
+    "fastdeploy.output.token_processor": [_s8, _s13],
 }
 _ON_IMPORT_ERROR = {"paddleformers.trl.llm_utils": _s5_fallback, "paddleformers.cli.utils.llm_utils": _s5_fallback}
 

@@ -48,6 +48,7 @@ def _parse(argv):
     ap.add_argument("--multi-api-server", type=int, default=0)
     ap.add_argument("--vocab", type=int, default=900)
     ap.add_argument("--pod-ip", default="0.0.0.0")
+    ap.add_argument("--splitwise-role", default="mixed")
     return ap.parse_args(argv)
 
 
@@ -153,6 +154,7 @@ def main(argv=None) -> int:
 
     out = ZmqIpcClient(name=f"get_save_output_rank{a.dp_rank}_{a.queue_port}", mode=zmq.PUSH)
     out.connect()
+    progress = _prefill_progress(a, zmq) if a.splitwise_role == "prefill" else None
     log(f"ready: queue port {a.queue_port}, cost model {cost}")
 
     def token(batch_id, value):
@@ -192,13 +194,16 @@ def main(argv=None) -> int:
                         slot["chunk"] = (r.prefill_start_index, r.prefill_end_index,
                                          len(r.prompt_token_ids) + outputs_so_far)
                     elif kind in (RequestType.PREEMPTED.value, RequestType.ABORT.value):
-                        slots.pop(r.idx, None)
+                        # a decode instance frees a preempted request's slot at once (it does not wait for this
+                        # ack), so the slot may already hold the next request: free it only for this request
+                        if slots.get(r.idx, {}).get("rid") == r.request_id:
+                            del slots[r.idx]
                         acks.append(token(r.idx, PREEMPTED_TOKEN_ID))
                     # DECODE / EXTEND: block-table extension only, no output
         if not slots and not acks:
             time.sleep(0.001)
             continue
-        outs, prefill_chunks, decode_held = list(acks), [], []
+        outs, prefill_chunks, decode_held, prefilled = list(acks), [], [], []
         for idx in sorted(slots):
             slot = slots[idx]
             produce = False
@@ -206,6 +211,7 @@ def main(argv=None) -> int:
             if chunk is not None:
                 start, end, need = chunk
                 prefill_chunks.append((start, end))
+                prefilled.append((idx, end))
                 if end >= need:
                     slot["decoding"] = produce = True
                 else:
@@ -218,13 +224,15 @@ def main(argv=None) -> int:
                 value = eos[0] if slot["generated"] >= slot["max"] else rng.randrange(8, a.vocab)
                 outs.append(token(idx, value))
                 tokens_out += 1
-                if value in eos:
+                if value in eos or progress is not None:  # a prefill instance ends each request at its first token
                     first_max.pop(slot["rid"], None)
                     del slots[idx]
         ms = step_ms(prefill_chunks, decode_held) if (prefill_chunks or decode_held) else 0.0
         t0 = time.monotonic()
         if ms:
             time.sleep(ms / 1000.0)
+        if progress is not None and prefilled:  # what the attention kernels report per layer on a GPU
+            progress.send_pyobj(prefilled)
         if outs:
             out.socket.send_pyobj(outs)
         slept_s += ms / 1000.0
@@ -236,6 +244,22 @@ def main(argv=None) -> int:
             log(f"steps/s={window_steps / (now - window_start):.1f} steps={steps} tokens_out={tokens_out} "
                 f"active={len(slots)} modelled_ms_per_step={1000 * slept_s / max(1, window_steps):.2f}")
             window_start, window_steps, slept_s = now, 0, 0.0
+
+
+def _prefill_progress(a, zmq):
+    """On a prefill instance: the socket the worker reports each slot's prefill progress on, ``[(slot, tokens
+    prefilled so far), ...]`` once per step, to the simulated cache messager (:mod:`fdsched.serve.pdxfer`). On a GPU
+    the attention kernels report it per layer (``get_output_kv_signal``) and the messager moves those layers' KV."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("_fdsched_serve_pdxfer",
+                                                  os.path.join(os.path.dirname(os.path.abspath(__file__)), "pdxfer.py"))
+    pdxfer = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(pdxfer)
+    sock = zmq.Context.instance().socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(pdxfer.signal_address(a.engine_pid))
+    return sock
 
 
 if __name__ == "__main__":

@@ -50,7 +50,10 @@ def test_s10_replaces_only_the_transfer_manager_script():
     cmd = f"FLAGS_a=1 CUDA_VISIBLE_DEVICES=0 /usr/bin/python {host} --rank 0 --num_cpu_blocks 8 >/l/x.log 2>&1"
     assert launcher.Popen(cmd, shell=True) == "proc"
     assert fake.seen[-1] == cmd.replace(host, "/x/cachexfer.py")
-    other = "/usr/bin/python /h/fastdeploy/cache_manager/cache_messager.py --rank 0"
+    messager = "/usr/bin/python /h/fastdeploy/cache_manager/cache_messager.py --rank 0 >/l/m.log 2>&1"
+    launcher.Popen(messager, shell=True)  # S12: the PD cache messager is the simulated one beside it
+    assert fake.seen[-1] == "/usr/bin/python /x/pdxfer.py --rank 0 >/l/m.log 2>&1"
+    other = "/usr/bin/python /h/fastdeploy/cache_manager/cache_tasks.py --rank 0"
     launcher.Popen(other, shell=True)
     assert fake.seen[-1] == other  # any other command is the host's, unchanged
     assert launcher.PIPE == -1  # the rest of the module is the real one

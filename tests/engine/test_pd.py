@@ -1,0 +1,158 @@
+"""PD disaggregation served on CPU: FastDeploy's Router in splitwise mode, one prefill and one decode api_server
+(each with its engine, SplitwiseConnector and cache manager), the plugin in both engines, the simulated worker and
+cache messager (seams S2, S12, S13).
+
+One stack serves every check (a PD start costs two api_servers' start-up, ~35 s on a loaded 2-core machine); the
+failure path runs last, on the same stack, because it takes the decode instance's KV receiver away."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+
+import pytest
+
+from fdsched.serve.model import prompt_of_length
+
+from .helpers import _conn, assert_blocks_whole, complete, leftovers, metric, run_concurrently, settle
+
+SHAPE = dict(num_gpu_blocks=48, block_size=16, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=256)
+ROLE_PROFILES = "prefill=pd_prefill_cache,decode=baseline"
+
+
+def _post(url: str, prompt: str, max_tokens: int, timeout: float = 120) -> tuple:
+    """A non-stream completion: (HTTP status, the answer's JSON)."""
+    conn = _conn(url, timeout)
+    body = json.dumps({"model": "default", "prompt": prompt, "max_tokens": max_tokens, "stream": False})
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    resp = conn.getresponse()
+    data = resp.read().decode(errors="replace")
+    conn.close()
+    try:
+        return resp.status, json.loads(data)
+    except ValueError:
+        return resp.status, {"raw": data}
+
+
+def _prefix_hits(text: str) -> float:
+    """The engine's own count of prompt tokens found in its prefix cache (a counter: with or without _total)."""
+    return metric(text, "fastdeploy:prefix_cache_token_num_total") or metric(text, "fastdeploy:prefix_cache_token_num")
+
+
+@pytest.fixture(scope="module")
+def pd():
+    from fdsched.serve.pd import PdConfig, PdServedEngine
+
+    eng = PdServedEngine(PdConfig(prefill=1, decode=1, role_profiles=ROLE_PROFILES, **SHAPE))
+    eng.__enter__()
+    try:
+        yield eng
+    finally:
+        eng.stop()
+        left = leftovers(eng)
+        eng.cleanup()
+        assert not left, f"left behind after stop: {left}"
+
+
+def test_both_roles_run_their_own_profile_in_every_engine(pd):
+    logs = {inst["role"]: open(os.path.join(inst["log_dir"], "fastdeploy.log"), errors="replace").read()
+            for inst in pd.instances}
+    assert "[fdsched] fdsched installed (profile pd_prefill_cache)" in logs["prefill"]
+    assert "[fdsched] fdsched installed (profile baseline)" in logs["decode"]
+    assert "profile baseline" not in logs["prefill"] and "profile pd_prefill_cache" not in logs["decode"]
+
+
+def test_requests_through_the_router_prefill_transfer_decode(pd):
+    status, doc = _post(pd.router_url, prompt_of_length(40, seed=1), 12)
+    assert status == 200, doc
+    assert doc["choices"][0]["finish_reason"] == "length"
+    assert doc["usage"]["completion_tokens"] == 12 and doc["usage"]["prompt_tokens"] == 40
+    streamed = complete(pd.router_url, prompt_of_length(40, seed=2), 9, stream=True, timeout=120)
+    assert streamed["error"] is None and streamed["finish_reason"] == "length", streamed
+    # the prefill instance's messager moved both requests' blocks and reported each transfer finished
+    log = pd.messager_log(0)
+    assert log.count(": finished (") >= 2, log[-2000:]
+
+
+def test_shared_prefix_hits_on_the_prefill_node_and_pools_are_whole(pd):
+    hits_before = _prefix_hits(pd.metrics_text(0))
+    prefix = prompt_of_length(64, seed=11)
+    prompts = [prompt_of_length(96, seed=100 + i, prefix=prefix) for i in range(8)]
+    first = _post(pd.router_url, prompts[0], 4)
+    assert first[0] == 200, first
+    results = run_concurrently(lambda p: _post(pd.router_url, p, 8), [(p,) for p in prompts[1:]], spacing_s=0.05)
+    assert all(status == 200 for status, _doc in results), results
+    # the 64-token prefix is 4 whole blocks of 16: each later request finds them in the prefill node's tree (the
+    # prefill engine's own count, 7 x 64 tokens); the decode node matches nothing, it is handed the KV
+    assert _prefix_hits(pd.metrics_text(0)) - hits_before == 7 * 64
+    assert metric(pd.metrics_text(0), "fastdeploy:hit_token_rate") > 0.3
+    assert metric(pd.metrics_text(1), "fastdeploy:hit_token_rate") == 0.0
+    for rank in range(2):
+        state = settle(pd, rank)
+        assert_blocks_whole(state, pd.instances[rank]["log_dir"])
+    assert settle(pd, 0)["tree_blocks"], "the prefill node's tree is empty after shared-prefix traffic"
+
+
+def test_a_decode_that_stops_receiving_fails_the_request_and_prefill_frees_its_blocks(pd):
+    """The decode instance's KV receiver (its cache messager) is killed: the prefill messager's write finds nobody
+    (``connection error``), the prefill engine ends the request with the host's ``PD Error`` (501) and frees its
+    blocks, the decode engine recycles what it preallocated, and the client gets an error, not a hang."""
+    import psutil
+
+    decode = pd.instances[1]
+    receiver = [p for p in psutil.Process(pd.procs[decode["name"]].pid).children(recursive=True)
+                if "pdxfer.py" in " ".join(p.cmdline()) and p.name() != "sh"]
+    assert len(receiver) == 1, receiver
+    os.kill(receiver[0].pid, signal.SIGKILL)
+    t0 = time.monotonic()
+    status, doc = _post(pd.router_url, prompt_of_length(40, seed=3), 6, timeout=90)
+    took = time.monotonic() - t0
+    from fastdeploy.router.router import RouterArgs
+
+    failed = pd.messager_log(0).count(": connection error (")
+    if "preempt_retry_count" in RouterArgs.__dataclass_fields__:
+        # the Router reads the host's "PD Error" as a decode to avoid and tries again, preempt_retry_count (3) times,
+        # then answers with what the last attempt got: finish_reason pd_reschedule
+        assert status == 200 and doc["choices"][0]["finish_reason"] == "pd_reschedule", doc
+        assert doc["id"].endswith(f"-retry{RouterArgs.preempt_retry_count}"), doc["id"]
+        assert failed == RouterArgs.preempt_retry_count + 1, pd.messager_log(0)[-3000:]
+    else:  # no retry in this host's Router: one attempt, its answer is not a completion
+        assert failed == 1, pd.messager_log(0)[-3000:]
+        assert status != 200 or doc.get("error") or doc["choices"][0]["finish_reason"] not in ("length", "stop"), doc
+    assert took < 80, took
+    for rank in range(2):
+        state = settle(pd, rank)
+        assert_blocks_whole(state, pd.instances[rank]["log_dir"])
+    # the stack notices the dead receiver and names it (its exit status is its shell's: named as gone)
+    from fdsched.serve.launcher import ServeError
+
+    deadline, message = time.monotonic() + 10, ""
+    while not message and time.monotonic() < deadline:
+        try:
+            pd.check_alive()
+            time.sleep(0.3)
+        except ServeError as exc:
+            message = str(exc)
+    assert message.startswith("decode 0 cache messager (pid "), message
+
+
+def test_an_instance_that_never_comes_up_is_named_and_nothing_is_left():
+    """With a health timeout (20 s) longer than the Router's start-up and shorter than an api_server's, the start
+    fails in one line naming the instances still starting and their stage, and stopping leaves no process, port or
+    /dev/shm entry."""
+    from fdsched.serve.launcher import ServeError
+    from fdsched.serve.pd import PdConfig, PdServedEngine
+
+    eng = PdServedEngine(PdConfig(prefill=1, decode=1, health_timeout=20, **SHAPE))
+    t0 = time.monotonic()
+    with pytest.raises(ServeError) as failed:
+        eng.__enter__()
+    message = str(failed.value)
+    assert time.monotonic() - t0 < 90, message
+    assert message.startswith("stage prefill 0 ") and "; decode 0 " in message, message
+    assert "not healthy within 20s; allowed: a longer --health-timeout" in message, message
+    left = leftovers(eng)
+    eng.cleanup()
+    assert not left, f"left behind after a failed start: {left}"

@@ -1,0 +1,180 @@
+"""The PD stack's pieces that need no host: --role-profiles, the checks before start, the seam-S12 shape check, and
+the simulated cache messager's task bookkeeping and transfer against a real ZeroMQ receiver."""
+
+from __future__ import annotations
+
+import threading
+import types
+
+import pytest
+
+from fdsched.serve import pdxfer
+from fdsched.serve.pd import PdConfig, instance_profiles, parse_role_profiles, pd_config_problems
+from fdsched.serve.pd_checks import pd_seam_problems
+
+
+def test_role_profiles_parse_and_name_what_is_wrong():
+    assert parse_role_profiles("prefill=pd_prefill_cache, decode=baseline") == {
+        "prefill": "pd_prefill_cache", "decode": "baseline"}
+    with pytest.raises(ValueError, match=r"unknown role 'prefil' \(did you mean 'prefill'\?\); allowed: prefill, "
+                                         r"decode"):
+        parse_role_profiles("prefil=baseline")
+    with pytest.raises(ValueError, match="role 'decode' named twice"):
+        parse_role_profiles("decode=a,decode=b")
+    with pytest.raises(ValueError, match="bad item 'decode'"):
+        parse_role_profiles("decode")
+
+
+def test_each_instance_gets_its_roles_profile_else_the_common_one():
+    c = PdConfig(prefill=2, decode=1, profile="recommended", role_profiles="prefill=pd_prefill_cache")
+    assert instance_profiles(c) == [("prefill 0", "prefill", "pd_prefill_cache"),
+                                    ("prefill 1", "prefill", "pd_prefill_cache"), ("decode 0", "decode", "recommended")]
+
+
+def test_pd_config_problems_are_one_line_each():
+    problems = pd_config_problems(PdConfig(prefill=0, decode=1, dp=2, arms="0=a,1=b", num_cpu_blocks=8,
+                                           role_profiles="decode=recomended"))
+    text = "\n".join(problems)
+    assert "--prefill 0: allowed: 1-4 instances" in text
+    assert "--dp 2 with --prefill/--decode: allowed: --dp 1" in text
+    assert "--arms '0=a,1=b' with --prefill/--decode" in text
+    assert "--num-cpu-blocks 8 with --prefill/--decode: allowed: 0" in text
+    assert "--role-profiles decode: profile: bad value 'recomended'" in text and "did you mean recommended" in text
+    assert pd_config_problems(PdConfig(prefill=1, decode=1, role_profiles="prefill=baseline")) == []
+
+
+class _Cache:
+    def launch_cache_messager(self, cache_config, tensor_parallel_size, device_ids, key_cache_shape,
+                              value_cache_shape, pod_ip, engine_worker_queue_port, ipc_suffix):
+        pass
+
+
+class _Queue:
+    def get_cache_info(self):
+        pass
+
+    def put_finished_req(self, send_cache_result):
+        pass
+
+    def get_finished_req(self):
+        pass
+
+
+class _Connector:
+    def send_cache_info_to_messager(self, tasks, current_id):
+        pass
+
+    def send_cache_info_to_prefill(self, tasks):
+        pass
+
+
+_Router = types.SimpleNamespace(__dataclass_fields__={"splitwise": None})
+
+
+def test_seam_s12_checks_the_host_calls_it_stands_in_for():
+    assert pd_seam_problems(_Cache, _Queue, _Router, _Connector) == []
+
+    class OtherQueue(_Queue):
+        def put_finished_req(self, request_id, status):  # another arity
+            pass
+
+    class NoCacheInfo:
+        put_finished_req = _Queue.put_finished_req
+        get_finished_req = _Queue.get_finished_req
+
+    problems = pd_seam_problems(_Cache, OtherQueue, types.SimpleNamespace(__dataclass_fields__={}), _Connector)
+    assert "the host's EngineWorkerQueue.put_finished_req takes (request_id, status), the simulation expects " \
+           "(send_cache_result) (seam S12)" in problems
+    assert "the host's Router has no splitwise mode (RouterArgs.splitwise)" in problems
+    assert any("has no EngineWorkerQueue.get_cache_info" in p for p in pd_seam_problems(_Cache, NoCacheInfo, _Router,
+                                                                                         _Connector))
+
+
+class _FakeEngineQueue:
+    """The engine's side of EngineWorkerQueue as the messager sees it: cache infos in, finished results out."""
+
+    def __init__(self, batches):
+        self.batches = list(batches)
+        self.finished = []
+        self.acked = []
+
+    def get_cache_info(self):
+        return self.batches.pop(0) if self.batches else []
+
+    def put_finished_req(self, result):
+        self.finished.extend(result)
+
+    def put_finished_add_cache_task_req(self, ids):  # the old host waits for this
+        self.acked.extend(ids)
+
+
+def _receiver(zmq, ctx, answers):
+    """A decode messager's receiver on a thread that owns its socket; set the returned event to stop it."""
+    sock = ctx.socket(zmq.REP)
+    port = sock.bind_to_random_port("tcp://127.0.0.1")
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            if sock.poll(50):
+                answers.append(sock.recv_pyobj())
+                sock.send_pyobj("ok")
+        sock.close(linger=0)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    return (stop, thread), port
+
+
+def _messager(queue):
+    a = types.SimpleNamespace(rank=0, pod_ip="127.0.0.1")
+    lines = []
+    return pdxfer.Messager(a, queue, block_size=16, num_blocks=64, log=lines.append), lines
+
+
+def test_messager_merges_both_halves_then_sends_what_each_step_completed():
+    zmq = pytest.importorskip("zmq")
+    ctx = zmq.Context()
+    writes = []
+    sock, port = _receiver(zmq, ctx, writes)
+    decode_half = [{"request_id": "r1", "dest_block_ids": [7, 8, 9, 10]}]
+    prefill_half = [{"request_id": "r1", "src_block_ids": [1, 2, 3, 4], "current_id": 3, "need_prefill_tokens": 50,
+                     "decode_ip": "127.0.0.1", "decode_rdma_ports": [str(port)]}]
+    queue = _FakeEngineQueue([decode_half, prefill_half])
+    m, _lines = _messager(queue)
+    m.ms_per_block = 0.0
+    assert m.take_cache_infos() and queue.acked == []  # one half: not a task yet
+    assert m.take_cache_infos() and queue.acked == ["r1"]
+    sockets = {}
+    m.on_progress(3, 32, zmq, ctx, sockets)  # a chunk of 32 tokens: two whole blocks
+    assert [w["dest_block_ids"] for w in writes] == [[7, 8]] and queue.finished == []
+    m.on_progress(3, 50, zmq, ctx, sockets)  # the whole prompt: the rest, then the host's finished result
+    assert [w["dest_block_ids"] for w in writes] == [[7, 8], [9, 10]]
+    assert queue.finished == [["r1", "finished"]] and m.sent_blocks == 4
+    stop, thread = sock
+    stop.set()
+    thread.join()
+    for s in sockets.values():
+        s.close(linger=0)
+    ctx.term()
+
+
+def test_messager_reports_connection_error_when_the_decode_does_not_answer(monkeypatch):
+    zmq = pytest.importorskip("zmq")
+    monkeypatch.setattr(pdxfer, "SEND_TIMEOUT_MS", 200)
+    ctx = zmq.Context()
+    free = ctx.socket(zmq.REP)
+    port = free.bind_to_random_port("tcp://127.0.0.1")
+    free.close()  # nobody listens there now
+    queue = _FakeEngineQueue([[{"request_id": "r2", "dest_block_ids": [5], "src_block_ids": [1], "current_id": 0,
+                                "need_prefill_tokens": 10, "decode_ip": "127.0.0.1",
+                                "decode_rdma_ports": [str(port)]}]])
+    m, lines = _messager(queue)
+    m.take_cache_infos()
+    sockets = {}
+    m.on_progress(0, 10, zmq, ctx, sockets)
+    assert queue.finished == [["r2", "connection error"]]
+    assert m.failures == 1 and any("write to tcp://127.0.0.1:" in line for line in lines)
+    for s in sockets.values():
+        s.close(linger=0)
+    ctx.term()
