@@ -367,7 +367,7 @@ def bench_schedule_isolated(processes: int, running: int, waiting: int, steps: i
     fresh interpreters per arm, taking turns (:func:`arm_order`), one at a time, each running ``repeat``
     repetitions of its arm (``heap_objects``: each grows its heap to that first; default
     :data:`ENGINE_HEAP_OBJECTS`). In one process the arms disturb each other: there, which arm went first in each
-    repetition moved the ratio by up to 5 points (``recommended``, 448 running, old host: 1.05-1.07 host first,
+    repetition moved the ratio by up to 5 points (``recommended``, 448 running, e7c8dc2: 1.05-1.07 host first,
     1.09-1.13 taking turns)."""
     import multiprocessing
 
@@ -418,7 +418,7 @@ def minima_ratios(host: dict, plugin: dict) -> dict:
 
 # ---- the process's heap ---------------------------------------------------------------------------------
 # GC-tracked objects (len(gc.get_objects())) of a served engine's main process, rounded up: FastDeploy's
-# LLMEngine (old host e7c8dc2, plugin profile recommended, the CPU engine prototype's simulated worker and
+# LLMEngine (e7c8dc2, plugin profile recommended, the CPU engine prototype's simulated worker and
 # tiny WordLevel tokenizer) held 280,734 after serving 64 requests. A bench process that imports the host's
 # scheduler modules holds about 270k already (paddle is among them); a real model's tokenizer adds more.
 ENGINE_HEAP_OBJECTS = 300_000

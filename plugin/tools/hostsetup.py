@@ -405,7 +405,7 @@ def add_commands(sub) -> None:
     )
     setup.add_argument(
         "--commit",
-        help="which commit (default: the new host d38eeb8 when --archive is not given; else read from the archive)",
+        help="which commit (default: d38eeb8 when --archive is not given; else read from the archive)",
     )
     setup.add_argument("--no-deps", action="store_true", help="do not pip-install the host's dependencies (they are there)")
     setup.set_defaults(func=cmd_setup)
