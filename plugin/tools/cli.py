@@ -104,7 +104,7 @@ def _probe_quietly(args) -> tuple:
     """(info or None, HostNotFound or None, the note about the host's log): the probe, its chatter in a log file."""
     from fdsched.install.probe import HostNotFound, probe
     from fdsched.tools.hostsetup import cache_dir
-    from fdsched.tools.quiet import host_output_to, log_note
+    from fdsched.cmdline.quiet import host_output_to, log_note
 
     log_path = cache_dir() / "logs" / "doctor-host.log"
     if log_path.is_file():

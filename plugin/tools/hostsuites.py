@@ -493,7 +493,7 @@ def cmd_test(args) -> int:
     table = load_table()
     from fdsched.install.hosts import cache_dir, host_key
     from fdsched.install.probe import probe
-    from fdsched.tools.quiet import host_output_to
+    from fdsched.cmdline.quiet import host_output_to
 
     with host_output_to(cache_dir() / "logs" / "host-test-host.log", verbose=False):  # the host's import chatter
         info = probe()
