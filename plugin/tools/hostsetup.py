@@ -165,6 +165,29 @@ def _check_imports(tree: Path) -> None:
         )
 
 
+def _default_archive(commit: Optional[str]) -> tuple:
+    """No ``--archive``: (the archive of ``commit`` (default: the pinned one) found in this folder, else its public
+    URL; the commit; what to do without network when it is the URL, else None)."""
+    commit = commit or DEFAULT_COMMIT
+    archive = local_archive(commit)
+    if archive is not None:
+        say(f"using {archive}, found in this folder (no download)")
+        return archive, commit, None
+    archive = PUBLIC_ARCHIVE.format(commit=commit)
+    return archive, commit, (f"without network, copy {archive} here as {archive_name(commit)} and run the same "
+                             "command again, or pass it with --archive /path/to/FastDeploy-<commit>.tar.gz")
+
+
+def _install_dependencies(tree: Path) -> None:
+    """The host's CPU dependencies into this environment: the pinned file, the no-deps packages, and what the host's
+    own requirements.txt adds."""
+    _pip(["-r", str(REQUIREMENTS)], f"the host's CPU dependencies ({REQUIREMENTS.name}, about 1 GB: a minute or two)")
+    _pip(["--no-deps", *NO_DEPS_REQUIREMENTS], "packages taken without their dependencies")
+    extra = optional_requirements(tree)
+    if extra:
+        _pip(extra, "what this host's own requirements.txt adds (host-requirements-optional.txt)")
+
+
 def setup_host(
     archive: Optional[str] = None,
     commit: Optional[str] = None,
@@ -177,14 +200,7 @@ def setup_host(
     hosts_dir.mkdir(parents=True, exist_ok=True)
     offline_hint = None
     if archive is None:
-        commit = commit or DEFAULT_COMMIT
-        archive = local_archive(commit)
-        if archive is not None:
-            say(f"using {archive}, found in this folder (no download)")
-        else:
-            archive = PUBLIC_ARCHIVE.format(commit=commit)
-            offline_hint = (f"without network, copy {archive} here as {archive_name(commit)} and run the same "
-                            "command again, or pass it with --archive /path/to/FastDeploy-<commit>.tar.gz")
+        archive, commit, offline_hint = _default_archive(commit)
     started = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix=".setup-", dir=hosts_dir))
     placed: Optional[Path] = None
@@ -205,11 +221,7 @@ def setup_host(
             say(f"warning: commit {full} is not a supported host ({', '.join(c[:9] for c in KNOWN_HOSTS)}); setting it up anyway")
         (tree / MARKER).write_text(full + "\n", encoding="utf-8")
         if install_deps:
-            _pip(["-r", str(REQUIREMENTS)], f"the host's CPU dependencies ({REQUIREMENTS.name}, about 1 GB: a minute or two)")
-            _pip(["--no-deps", *NO_DEPS_REQUIREMENTS], "packages taken without their dependencies")
-            extra = optional_requirements(tree)
-            if extra:
-                _pip(extra, "what this host's own requirements.txt adds (host-requirements-optional.txt)")
+            _install_dependencies(tree)
         _check_imports(tree)
         final = hosts_dir / full
         if final.exists():

@@ -38,7 +38,6 @@ LONG_FUNCTIONS = {
     "plugin/replay/runner.py:run_profile": 113,  # the whole run of one profile
     "plugin/replay/trace.py:_parse_request": 69,  # every field of a trace line, checked in order
     "plugin/tools/cli.py:cmd_doctor": 75,  # the doctor's sections
-    "plugin/tools/hostsetup.py:setup_host": 71,  # the setup steps in order
     "plugin/tools/hostsuites.py:cmd_test": 65,  # the host suites' run
 }
 
