@@ -37,7 +37,6 @@ LONG_FUNCTIONS = {
     "plugin/replay/engine.py:step": 72,  # one engine step, in the host's order
     "plugin/replay/runner.py:run_profile": 113,  # the whole run of one profile
     "plugin/replay/trace.py:_parse_request": 69,  # every field of a trace line, checked in order
-    "plugin/tools/cli.py:cmd_doctor": 75,  # the doctor's sections
     "plugin/tools/hostsuites.py:cmd_test": 65,  # the host suites' run
 }
 
