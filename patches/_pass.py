@@ -139,7 +139,7 @@ class PassDesk:
             self.waiting.discard(thread)
 
     def ask_outside_a_pass(self, schedule_pass: SchedulePass) -> None:
-        """A threshold asked on a thread with no pass open (the old host's PD preallocation): its one question for
+        """A threshold asked on a thread with no pass open (PD preallocation, no reserve seams): its one question for
         the check that follows is kept for that thread until it asks the next one (it is never a scheduler's
         pass: :meth:`current` does not see it)."""
         self._asked[threading.get_ident()] = schedule_pass

@@ -274,7 +274,7 @@ class PatchSpec:
     host_has: Callable  # HostInfo -> bool: the host already carries the change
     relies_on: tuple = ()  # Reliance, one per "Relies on:" item of the module docstring
     # (settings, host_has) -> bool: whether the host has the change *as the settings select it*
-    # (the PD change: the new host has upstream's behaviour, never the safe one).
+    # (the PD change: a host with 7387 has upstream's behaviour, never the safe one).
     host_has_as_selected: Optional[Callable] = None
     # Which mixins an arm's class gets, by the change's impl there (see :meth:`mixin_of`): ``applies`` lists
     # the impls that get ``mixins`` (every other impl: none, the host's code runs untouched); ``variants``

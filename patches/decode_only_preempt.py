@@ -1,29 +1,29 @@
 """Change 2 — decode-only preemption.
 
-Replaces:  ResourceManagerV1._select_preempt_candidate (the new host's seam: which request its preemption
-           loop takes next), ResourceManagerV1._trigger_preempt (the old host, which has no such seam:
-           the loop, paraphrased; on the new host the host's own loop runs), ResourceManagerV1.schedule
+Replaces:  ResourceManagerV1._select_preempt_candidate (the seam of a host with 7783: which request its
+           preemption loop takes next), ResourceManagerV1._trigger_preempt (a host without that seam:
+           the loop, paraphrased; with the seam the host's own loop runs), ResourceManagerV1.schedule
            (wrapper: ends the no-victim warning episode after each pass), ResourceManagerV1.__init__ (its state)
 Why:       the host preempts the last running request whatever its phase, so a long prompt that is
            half prefilled can be thrown away and recomputed while decoders hold their blocks.
-Upstream:  PR 7444, 2.6 cherry-pick 7783 (merged; in the "new host" d38eeb8).
-Needs it:  FastDeploy 2.6 before 7783 (the "old host" e7c8dc2, single RUNNING status).
+Upstream:  PR 7444, 2.6 cherry-pick 7783 (merged; in d38eeb8).
+Needs it:  FastDeploy 2.6 before 7783 (e7c8dc2: a single RUNNING status).
 Switch:    FDSCHED_DECODE_ONLY_PREEMPT / changes.decode_only_preempt = auto | on | off.
            ``off`` on a host that has the change restores the pre-change choice: the last running
            request that does not use extend tables, whatever its phase.
 Delete:    when every supported host carries 7783 and nobody A/Bs against the old choice.
-Relies on: (probed at install: ``on``, or ``off`` on the new host, fails naming it; ``auto`` skips)
-  * preempt-loop-seams: (new host) ``_trigger_preempt`` preempts exactly the request that
+Relies on: (probed at install: ``on``, or ``off`` on a host with the change, fails naming it; ``auto`` skips)
+  * preempt-loop-seams: (seam host) ``_trigger_preempt`` preempts exactly the request that
     ``_select_preempt_candidate()`` returns, ``(None, -1)`` meaning none, and calls
     ``_reset_reserve_on_preemption()`` after each preemption.
 
 How: the victim is chosen by the ``fdsched_select_preemption_victim`` hook (default: the last
 decoding request without extend tables, see :func:`fdsched.core.policies.select_preemption_victim`),
-with decode detection by the one ``fdsched_is_decoding`` hook, so on the old host, whose token
-processor never marks decoding, the plugin still knows from token counts. On the new host the plugin
+with decode detection by the one ``fdsched_is_decoding`` hook, so on a host with one RUNNING status, whose token
+processor never marks decoding, the plugin still knows from token counts. On a host with the seam the plugin
 answers the host's own ``_select_preempt_candidate``; the host's loop preempts, requeues, warns when
 there is no victim and resets the reservation through its ``_reset_reserve_on_preemption`` seam (which
-change 3 owns). On the old host the plugin runs the loop itself; with no victim it gives up (the host's
+change 3 owns). Without the seam the plugin runs the loop itself; with no victim it gives up (the host's
 caller then stops the running pass) and warns once per episode. Reservation state, the host's or the
 plugin's, is change 3's business on both hosts: this module never touches it.
 
@@ -33,9 +33,9 @@ method asks which host it runs on:
 =============  ==============================================  ===========================================
 impl           host with the seam (has the change)             host without it
 =============  ==============================================  ===========================================
-host           ``HostPreemptMixin`` (counts the seam's picks)  ``HostPreemptOldHostMixin`` (counts the
+host           ``HostPreemptMixin`` (counts the seam's picks)  ``HostPreemptLoopMixin`` (counts the
                                                                host loop's victims)
-plugin         ``PolicyPreemptMixin`` (answers the seam)       ``PolicyPreemptOldHostMixin`` (the loop)
+plugin         ``PolicyPreemptMixin`` (answers the seam)       ``PolicyPreemptLoopMixin`` (the loop)
 off            ``PreChangePreemptMixin`` (any phase)           (the host's own code: impl ``host``)
 =============  ==============================================  ===========================================
 """
@@ -84,14 +84,14 @@ class HostPreemptMixin(DecodeOnlyPreemptMixin):
     fdsched_host_role = "counts the host's preemption victims by phase for its metrics; the host's own code picks them"
 
     def _select_preempt_candidate(self):
-        """The new host's seam: ``(victim, its index in running)``, or ``(None, -1)`` when none qualifies."""
+        """The host's victim seam: ``(victim, its index in running)``, or ``(None, -1)`` when none qualifies."""
         victim, index = super()._select_preempt_candidate()
         if victim is not None:
             self._fdsched_count_victim(victim, self._fdsched_is_decoding(victim))
         return victim, index
 
 
-class HostPreemptOldHostMixin(DecodeOnlyPreemptMixin):
+class HostPreemptLoopMixin(DecodeOnlyPreemptMixin):
     """impl ``host`` on a host without the seam: the host's own preemption, its victims counted by phase."""
 
     fdsched_host_role = HostPreemptMixin.fdsched_host_role
@@ -118,7 +118,7 @@ class PolicyPreemptMixin(DecodeOnlyPreemptMixin):
     _fdsched_decode_only = True
 
     def _select_preempt_candidate(self):
-        """The new host's seam: ``(victim, its index in running)``, or ``(None, -1)`` when none qualifies."""
+        """The host's victim seam: ``(victim, its index in running)``, or ``(None, -1)`` when none qualifies."""
         candidates = self._fdsched_candidates()
         chosen = self._fdsched_policies.select_victim(candidates, self._fdsched_decode_only)
         if chosen is None:
@@ -128,7 +128,7 @@ class PolicyPreemptMixin(DecodeOnlyPreemptMixin):
         return victim, chosen
 
 
-class PolicyPreemptOldHostMixin(DecodeOnlyPreemptMixin):
+class PolicyPreemptLoopMixin(DecodeOnlyPreemptMixin):
     """impl ``plugin`` on a host without the seam: the host's loop, paraphrased, with the decoding victim from the
     policy (hook ``fdsched_select_preemption_victim``)."""
 
@@ -173,7 +173,7 @@ class PolicyPreemptOldHostMixin(DecodeOnlyPreemptMixin):
         self._fdsched_release_victim = self._fdsched_drop_victim if decode_node else self._fdsched_requeue_victim
 
     def _fdsched_preempt_request(self, victim, preempted_reqs, scheduled_reqs):
-        """Reset a victim and requeue it (or drop it on a decode node), as the old host's loop does."""
+        """Reset a victim and requeue it (or drop it on a decode node), as a seamless host's own loop does."""
         logger = host_global(RM, "llm_logger")
         victim.status = self._fdsched_statuses.PREEMPTED
         victim.num_computed_tokens = 0
@@ -214,8 +214,8 @@ class PolicyPreemptOldHostMixin(DecodeOnlyPreemptMixin):
         self.cache_manager.write_cache_to_storage_decode(victim)
 
 
-class PolicyPreemptNoDecodeSaveMixin(PolicyPreemptOldHostMixin):
-    """:class:`PolicyPreemptOldHostMixin` on a host whose loop drops a decode node's victim without saving its output
+class PolicyPreemptNoDecodeSaveMixin(PolicyPreemptLoopMixin):
+    """:class:`PolicyPreemptLoopMixin` on a host whose loop drops a decode node's victim without saving its output
     cache to storage (FastDeploy 2.5: no ``write_cache_to_storage_decode``)."""
 
     fdsched_calls = {"PrefixCacheManager.write_cache_to_storage_decode": None}
@@ -224,7 +224,7 @@ class PolicyPreemptNoDecodeSaveMixin(PolicyPreemptOldHostMixin):
         """Nothing: this host's own loop saves nothing for a decode node's victim."""
 
 
-OLD_HOST_LOOP = Shapes(PolicyPreemptOldHostMixin, PolicyPreemptNoDecodeSaveMixin)
+PREEMPT_LOOP_SHAPES = Shapes(PolicyPreemptLoopMixin, PolicyPreemptNoDecodeSaveMixin)
 
 
 class PreChangePreemptMixin(PolicyPreemptMixin):
@@ -245,7 +245,7 @@ def _has_decode_only(info) -> bool:
 
 def _preempt_loop_seams(info):
     if not hasattr(info.rm_class, "_select_preempt_candidate"):
-        return None  # the old host: the plugin runs its own loop
+        return None  # no victim seam: the plugin runs its own loop
     from fdsched.patches._base import code_names
 
     missing = {"_select_preempt_candidate", "_reset_reserve_on_preemption"} - code_names(info.rm_class._trigger_preempt)
@@ -268,15 +268,15 @@ SPEC = PatchSpec(
     why="The host preempts the last running request whatever its phase, throwing away prefill work.",
     how="Victim = last decoding request without extend tables (hook fdsched_select_preemption_victim); "
     "no victim: give up for this step and warn once per episode.",
-    hosts_needing="2.6 before PR 7783 (old host e7c8dc2)",
+    hosts_needing="2.6 before PR 7783 (e7c8dc2)",
     switch="FDSCHED_DECODE_ONLY_PREEMPT",
     delete_when="every supported host carries 7783 and the pre-change choice is no longer A/B tested",
     mixins={"ResourceManagerV1": DecodeOnlyPreemptMixin},
     # The host's preemption seam and its split running status came together (7783): a host that has the change
     # has the seam; one that lacks it gets the loop paraphrased, which needs no seam (chosen once, by the class).
     variants={
-        "host": {"ResourceManagerV1": Variant.by_host(HostPreemptMixin, HostPreemptOldHostMixin)},
-        "plugin": {"ResourceManagerV1": Variant.by_host(PolicyPreemptMixin, OLD_HOST_LOOP)},
+        "host": {"ResourceManagerV1": Variant.by_host(HostPreemptMixin, HostPreemptLoopMixin)},
+        "plugin": {"ResourceManagerV1": Variant.by_host(PolicyPreemptMixin, PREEMPT_LOOP_SHAPES)},
         # only on a host that has the change (elsewhere off is the host's own code: impl "host")
         "off": {"ResourceManagerV1": PreChangePreemptMixin},
     },
@@ -291,7 +291,7 @@ SPEC = PatchSpec(
         ),
     ),
     relies_on=(
-        Reliance("preempt-loop-seams", "the new host's _trigger_preempt preempts what _select_preempt_candidate "
+        Reliance("preempt-loop-seams", "with the victim seam, _trigger_preempt preempts what _select_preempt_candidate "
                  "returns and calls _reset_reserve_on_preemption after each preemption", _preempt_loop_seams),
     ),
 )

@@ -5,17 +5,17 @@ Replaces:  ResourceManagerV1.preallocate_resource_in_p, ResourceManagerV1.schedu
            ResourceManagerV1.__init__ and PrefixCacheManager.__init__ (bind what the node's role does, once)
 Why:       with splitwise_role == "prefill" the prefix hit rate was low: blocks a prefill node
            computed did not reliably end up in its radix tree.
-Upstream:  PR 7364, 2.6 cherry-pick 7387 (merged; in the "new host" d38eeb8). Upstream records the
+Upstream:  PR 7364, 2.6 cherry-pick 7387 (merged; in d38eeb8). Upstream records the
            whole prompt right after preallocation and skips the running-prefill update for the
            prefill role. Review concern: at preallocation the blocks past the cache hit are not
            computed, so another request can match KV that is not written yet.
-Needs it:  2.6 before 7387 (old host e7c8dc2) for ``upstream``; every host for ``safe``.
+Needs it:  2.6 before 7387 (e7c8dc2) for ``upstream``; every host for ``safe``.
 Switch:    FDSCHED_PD_PREFILL_CACHE / changes.pd_prefill_cache = auto | on | off, and
            FDSCHED_PD_PREFILL_CACHE_MODE / pd_prefill_cache.mode = safe (default) | upstream.
            ``auto`` with ``safe`` applies the plugin on both hosts (neither host has the safe
-           behaviour); ``auto`` with ``upstream`` leaves the new host's own code alone.
+           behaviour); ``auto`` with ``upstream`` leaves a host with 7387 alone.
 Delete:    when every supported host records only computed blocks on prefill nodes.
-Relies on: (probed at install: ``on``, or ``off`` on the new host, fails naming it; ``auto`` skips)
+Relies on: (probed at install: ``on``, or ``off`` on a host with the change, fails naming it; ``auto`` skips)
   * record-moments: the host records blocks by calling ``cache_manager.update_cache_blocks`` only from inside
     ``schedule()`` (per chunk) and ``preallocate_resource_in_p`` (for the request it preallocates), and releases
     a finished request's blocks through ``_free_blocks`` (called from ``finish_requests``).
@@ -131,7 +131,7 @@ class PdPrefillCacheMixin(PluginBase):
                 self.cache_manager.fdsched_record_blocks(request, block_size, num_tokens)
 
 
-class PdUpstreamOldHostMixin(PdPrefillCacheMixin):
+class PdUpstreamRecordMixin(PdPrefillCacheMixin):
     """``upstream`` on a host without the change: the whole prompt recorded right after preallocation."""
 
     def _fdsched_preallocated(self, request) -> None:
@@ -160,7 +160,7 @@ class PdSafeMixin(PdPrefillCacheMixin):
 
 class PdPreChangeMixin(PdPrefillCacheMixin):
     """``off`` on a host that has the change: the pre-change recording, which also recorded every running
-    chunk of a prefill node (the new host records only a new request's first chunk there)."""
+    chunk of a prefill node (a host with the change records only a new request's first chunk there)."""
 
     def _fdsched_bind_role(self, prefill_node: bool) -> None:
         super()._fdsched_bind_role(prefill_node)
@@ -190,7 +190,7 @@ def _mode(settings) -> str:
 def _plugin_recording(host_has: bool, settings):
     if _mode(settings) == "safe":
         return PdSafeMixin
-    return PdPrefillCacheMixin if host_has else PdUpstreamOldHostMixin
+    return PdPrefillCacheMixin if host_has else PdUpstreamRecordMixin
 
 
 def _plugin_gate(host_has: bool, settings):
@@ -216,7 +216,7 @@ def _record_moments(info):
 
 
 def _as_selected(settings, host_has_upstream: bool) -> bool:
-    # Neither host has the safe behaviour; the new host has upstream's.
+    # No host has the safe behaviour; a host with 7387 has upstream's.
     return host_has_upstream and settings["pd_prefill_cache.mode"] == "upstream"
 
 
@@ -236,7 +236,7 @@ SPEC = PatchSpec(
     why="Prefill nodes had a low prefix hit rate; upstream's fix records KV that is not computed yet.",
     how="upstream: record the whole prompt at preallocation; safe: the cache hit at preallocation, the rest "
     "once the prefill has run (at finish, before the blocks are released).",
-    hosts_needing="2.6 before PR 7387 (old host e7c8dc2) for upstream; every host for safe",
+    hosts_needing="2.6 before PR 7387 (e7c8dc2) for upstream; every host for safe",
     switch="FDSCHED_PD_PREFILL_CACHE",
     delete_when="every supported host records only computed blocks on prefill nodes",
     mixins={"ResourceManagerV1": PdPrefillCacheMixin, "PrefixCacheManager": PdPrefillCacheManagerMixin},
@@ -244,7 +244,7 @@ SPEC = PatchSpec(
     host_has_as_selected=_as_selected,
     variants={
         "plugin": {
-            "ResourceManagerV1": Variant(_plugin_recording, (PdPrefillCacheMixin, PdUpstreamOldHostMixin, PdSafeMixin)),
+            "ResourceManagerV1": Variant(_plugin_recording, (PdPrefillCacheMixin, PdUpstreamRecordMixin, PdSafeMixin)),
             "PrefixCacheManager": Variant(_plugin_gate, (PdPrefillCacheManagerMixin, PdUpstreamCacheManagerMixin)),
         },
         # only on a host that has the change (elsewhere off is the host's own code: impl "host")

@@ -8,24 +8,24 @@ Replaces:  ResourceManagerV1.__init__, ResourceManagerV1.schedule (wrapper: the 
 Why:       the host reserves a fixed 16 blocks per running request after a preemption, decaying to
            nothing, whatever each request still has to generate; admission is either too greedy
            (preemption storms) or too timid.
-Upstream:  PR 7444, 2.6 cherry-pick 7783 (merged; in the "new host" d38eeb8).
-Needs it:  FastDeploy 2.6 before 7783 (the "old host" e7c8dc2).
+Upstream:  PR 7444, 2.6 cherry-pick 7783 (merged; in d38eeb8).
+Needs it:  FastDeploy 2.6 before 7783 (e7c8dc2).
 Switch:    FDSCHED_RATIO_RESERVE / changes.ratio_reserve = auto | on | off, with the host's own
            FD_USE_NEW_TOKEN_RATIO_RESERVE and ratio tunables; FDSCHED_RESERVE_ESTIMATOR = ratio (upstream's
-           formula) | adaptive (beyond upstream; ``auto`` then applies the plugin on the new host too). ``off``
+           formula) | adaptive (beyond upstream; ``auto`` then applies the plugin with the change too). ``off``
            on a host that has the change restores the fixed-block policy (docs/configuration.md).
 Delete:    when every supported host carries 7783 and exposes the re-estimate term and cap.
-Relies on: (each probed at install: ``on``, or ``off`` on the new host, fails naming it; ``auto`` skips)
+Relies on: (each probed at install: ``on``, or ``off`` on a host with the change, fails naming it; ``auto`` skips)
   * running-chunk-check: a running chunk's blocks are checked with ``can_allocate_gpu_blocks`` right after
-    ``get_new_block_nums``; on the old host a failed check calls ``_trigger_preempt``.
-  * pass-end: (new host, ``off``) ``schedule()`` holds ``self.lock`` for the whole pass.
+    ``get_new_block_nums``; without the reserve seams a failed check calls ``_trigger_preempt``.
+  * pass-end: (reserve seams, ``off``) ``schedule()`` holds ``self.lock`` for the whole pass.
   * threshold-check: every threshold is checked with ``can_allocate_gpu_blocks`` next.
   * finish-seam: (adaptive) every finished request goes through ``finish_requests``, still running.
 
 How: one admission budget per ``schedule()`` pass (:class:`fdsched.core.admission.AdmissionBudget`), asked at the
 host's threshold seam; the arm's class holds one mixin per impl, host shape and estimator (``SPEC.variants``),
 chosen once when the class is built. Modules: ``host``, ``ratio``, ``adaptive``, ``off`` (one per impl) and
-``budget``, ``reader``, ``cache`` (shared). The rest (the old host's guard, ``off``'s running pass, the pass
+``budget``, ``reader``, ``cache`` (shared). The rest (the running-chunk guard, ``off``'s running pass, the pass
 object, the adaptive estimator, what an admission costs, prefill nodes): docs/internals.md, "ratio_reserve".
 """
 
@@ -33,19 +33,19 @@ from __future__ import annotations
 
 from fdsched.patches._spec import PatchSpec, Reliance, Variant
 from fdsched.patches.ratio_reserve.adaptive import (  # noqa: F401  (the change's classes, by their catalogue path)
-    ADAPTIVE_OLD_HOST, AdaptiveReserveMixin, AdaptiveReserveOldHostMixin, AdaptiveReserveRequestArgMixin,
+    ADAPTIVE_GUARD_SHAPES, AdaptiveReserveMixin, AdaptiveReserveGuardMixin, AdaptiveReserveRequestArgMixin,
 )
 from fdsched.patches.ratio_reserve.budget import (  # noqa: F401
     COUNT_REFUSAL, DECLINE_PREEMPTION, REFUSE_RUNNING_CHUNK, RM, THRESHOLD_FOR_RUNNING_CHUNK, ReservationMixin,
     _BudgetedReserve,
 )
 from fdsched.patches.ratio_reserve.cache import CACHE_SHAPES, RatioReserveCacheMixin, RatioReserveCacheOneArgMixin  # noqa: F401
-from fdsched.patches.ratio_reserve.host import HOST_RESERVE_OLD_HOST, HostReserveMixin, HostReserveOldHostMixin  # noqa: F401
+from fdsched.patches.ratio_reserve.host import HOST_RESERVE_RESET_SHAPES, HostReserveMixin, HostReserveResetMixin  # noqa: F401
 from fdsched.patches.ratio_reserve.off import (  # noqa: F401
     PRE_CHANGE_SHAPES, PreChangeReserveBatchMixin, PreChangeReserveMixin, admission_closed,
 )
 from fdsched.patches.ratio_reserve.ratio import (  # noqa: F401
-    RATIO_OLD_HOST, RatioReserveMixin, RatioReserveOldHostMixin, RatioReserveRequestArgMixin,
+    RATIO_GUARD_SHAPES, RatioReserveMixin, RatioReserveGuardMixin, RatioReserveRequestArgMixin,
 )
 
 
@@ -53,7 +53,7 @@ def _plugin_variant(host_has: bool, settings):
     adaptive = settings is not None and settings["tunables.reserve_estimator"] == "adaptive"
     if host_has:
         return AdaptiveReserveMixin if adaptive else RatioReserveMixin
-    return ADAPTIVE_OLD_HOST if adaptive else RATIO_OLD_HOST
+    return ADAPTIVE_GUARD_SHAPES if adaptive else RATIO_GUARD_SHAPES
 
 
 
@@ -74,14 +74,14 @@ def _running_chunk_check(info):
     names = {"get_new_block_nums", "can_allocate_gpu_blocks"}
     if _has_ratio_reserve(info):
         names.add("_get_can_schedule_prefill_threshold_block")
-    else:  # the old host's guard declines the chunk's preemption call and relies on the pass's two lists
+    else:  # no reserve seams: the guard declines the chunk's preemption call and relies on the pass's two lists
         names |= {"_trigger_preempt", "preempted_reqs", "scheduled_reqs"}
     return _uses(info.rm_class.schedule, names)
 
 
 def _pass_end(info):
     if not _has_ratio_reserve(info):
-        return None  # only off on the new host uses it
+        return None  # only off on a host with the reserve seams uses it
     return _uses(info.rm_class.schedule, {"waiting", "lock"})
 
 
@@ -99,7 +99,7 @@ def _finish_seam(info):
 
 
 def _as_selected(settings, host_has_ratio: bool) -> bool:
-    # The new host has upstream's ratio formula, never the adaptive estimator.
+    # A host with the reserve seams has upstream's ratio formula, never the adaptive estimator.
     return host_has_ratio and settings["tunables.reserve_estimator"] == "ratio"
 
 
@@ -122,14 +122,14 @@ SPEC = PatchSpec(
     why="Fixed 16 blocks per running request ignore how much each request still has to generate.",
     how="Admit a prefill only if free >= chunk + sum(ceil(min(max_tokens - generated, clip) * ratio / block)); "
     "ratio decays per pass, re-estimated on preemption; a refused running chunk blocks admission for the step.",
-    hosts_needing="2.6 before PR 7783 (old host e7c8dc2)",
+    hosts_needing="2.6 before PR 7783 (e7c8dc2)",
     switch="FDSCHED_RATIO_RESERVE",
     delete_when="every supported host carries 7783 and exposes the re-estimate term and cap as settings",
     mixins={"ResourceManagerV1": ReservationMixin, "PrefixCacheManager": RatioReserveCacheMixin},
     host_has=_has_ratio_reserve,
     relies_on=(
         Reliance("running-chunk-check", "the running pass checks a running chunk's blocks right after "
-                 "get_new_block_nums (old host: a failed check calls _trigger_preempt with the pass's lists)",
+                 "get_new_block_nums (no reserve seams: a failed check calls _trigger_preempt with the pass's lists)",
                  _running_chunk_check),
         Reliance("pass-end", "schedule() holds self.lock for the whole pass, whose waiting pass starts with a "
                  "truth test of self.waiting (nothing before it reads the queue), and returns the pass's task list",
@@ -142,10 +142,10 @@ SPEC = PatchSpec(
     ),
     host_has_as_selected=_as_selected,
     variants={
-        "host": {"ResourceManagerV1": Variant.by_host(HostReserveMixin, HOST_RESERVE_OLD_HOST)},
+        "host": {"ResourceManagerV1": Variant.by_host(HostReserveMixin, HOST_RESERVE_RESET_SHAPES)},
         "plugin": {
             "ResourceManagerV1": Variant(_plugin_variant, (
-                RatioReserveMixin, AdaptiveReserveMixin, RATIO_OLD_HOST, ADAPTIVE_OLD_HOST,
+                RatioReserveMixin, AdaptiveReserveMixin, RATIO_GUARD_SHAPES, ADAPTIVE_GUARD_SHAPES,
             )),
             "PrefixCacheManager": CACHE_SHAPES,
         },

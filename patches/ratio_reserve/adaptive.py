@@ -10,7 +10,7 @@ from fdsched.core.metrics import METRICS
 
 from fdsched.patches._spec import Shapes
 from fdsched.patches._base import finished_ids
-from fdsched.patches.ratio_reserve.budget import _NewHostSeams, _OldHostGuard, _ThresholdTakesRequest
+from fdsched.patches.ratio_reserve.budget import _ReserveSeams, _RunningChunkGuard, _ThresholdTakesRequest
 from fdsched.patches.ratio_reserve.ratio import _RatioCore
 
 
@@ -83,19 +83,19 @@ class _AdaptiveCore(_RatioCore):
             METRICS.adaptive_samples(adaptive.state(), of=self)
 
 
-class AdaptiveReserveMixin(_NewHostSeams, _AdaptiveCore):
+class AdaptiveReserveMixin(_ReserveSeams, _AdaptiveCore):
     """The adaptive estimator on a host with 7783 (through its seams)."""
 
 
-class AdaptiveReserveOldHostMixin(_OldHostGuard, _AdaptiveCore):
-    """The adaptive estimator on the old host (with the guard)."""
+class AdaptiveReserveGuardMixin(_RunningChunkGuard, _AdaptiveCore):
+    """The adaptive estimator on a host without the reserve seams (with the guard)."""
 
 
-class AdaptiveReserveRequestArgMixin(_ThresholdTakesRequest, AdaptiveReserveOldHostMixin):
-    """:class:`AdaptiveReserveOldHostMixin` on a host whose threshold seam takes the request."""
+class AdaptiveReserveRequestArgMixin(_ThresholdTakesRequest, AdaptiveReserveGuardMixin):
+    """:class:`AdaptiveReserveGuardMixin` on a host whose threshold seam takes the request."""
 
 
-ADAPTIVE_OLD_HOST = Shapes(AdaptiveReserveOldHostMixin, AdaptiveReserveRequestArgMixin)
+ADAPTIVE_GUARD_SHAPES = Shapes(AdaptiveReserveGuardMixin, AdaptiveReserveRequestArgMixin)
 
 
 def _no_samples(ids) -> None:

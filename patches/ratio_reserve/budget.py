@@ -1,5 +1,5 @@
 """Change 3, what the plugin's reservation shares (impls ``plugin`` and ``off``): the pass's admission budget and
-the host-shape adapters of the plugin's version (the new host's seams, the old host's guard, a threshold seam that
+the host-shape adapters of the plugin's version (the reserve seams, the running-chunk guard, a threshold seam that
 takes the request); what it reads of the running requests is :mod:`fdsched.patches.ratio_reserve.reader`. The
 catalogue entry, with what the change replaces and relies on, is :mod:`fdsched.patches.ratio_reserve`.
 """
@@ -23,8 +23,8 @@ RM = "fastdeploy.engine.sched.resource_manager_v1"
 # What a pass expects of a block check (also the `signal` label of the unconsumed-signals metric).
 REFUSE_RUNNING_CHUNK = "refuse-running-chunk"  # the host's check of a running chunk's blocks answers False
 COUNT_REFUSAL = "count-refusal"  # a refused threshold check counts as a blocked admission
-DECLINE_PREEMPTION = "decline-guarded-preemption"  # old host: _trigger_preempt declines for the guarded chunk
-THRESHOLD_FOR_RUNNING_CHUNK = "threshold-for-running-chunk"  # off, new host: the next threshold is a running chunk's
+DECLINE_PREEMPTION = "decline-guarded-preemption"  # no reserve seams: _trigger_preempt declines for the guarded chunk
+THRESHOLD_FOR_RUNNING_CHUNK = "threshold-for-running-chunk"  # off, seams: the next threshold is a running chunk's
 
 _FIXED = (
     "host_tunables.FD_RESERVE_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL",
@@ -41,8 +41,8 @@ class ReservationMixin(PluginBase):
 class _BudgetedReserve(ReservationMixin):
     """One :class:`fdsched.core.admission.AdmissionBudget` per ``schedule()`` pass, with this arm's strategy
     behind it: made by the pass the ``schedule`` wrapper opens, at its first need, asked at the host's threshold
-    seam (and by the old host's guard), closed when the pass ends. The budget belongs to the thread that opened
-    it: a threshold asked on another thread while the pass is open (the old host's PD preallocation) gets a budget
+    seam (and by the running-chunk guard), closed when the pass ends. The budget belongs to the thread that opened
+    it: a threshold asked on another thread while the pass is open (PD preallocation, no reserve seams) gets a budget
     of its own."""
 
     fdsched_globals = {RM: ("llm_logger",)}
@@ -160,7 +160,7 @@ class _BudgetedReserve(ReservationMixin):
             threshold = budget.threshold(num_chunk_new_block, self.running)
             if budget.settled:  # the free blocks cover it: the check that follows answers True, nothing to count
                 return threshold
-        else:  # asked outside a pass (the old host's PD preallocation): a budget and a question of its own
+        else:  # asked outside a pass (PD preallocation, no reserve seams): a budget and a question of its own
             budget = self._fdsched_new_budget()
             threshold = budget.threshold(num_chunk_new_block, self.running)
             self._fdsched_report(budget)
@@ -244,7 +244,7 @@ def _no_bound(strategy, reader):
 
 
 # ---- the host's shapes of the plugin's version ------------------------------------------------------------
-class _NewHostSeams(ReservationMixin):
+class _ReserveSeams(ReservationMixin):
     """The seams a host with 7783 calls: one running request's reserve, and the re-estimate after a preemption."""
 
     def _get_running_request_reserve_blocks(self, request) -> int:
@@ -255,8 +255,8 @@ class _NewHostSeams(ReservationMixin):
         self._fdsched_reestimate()
 
 
-class _OldHostGuard(_BudgetedReserve):
-    """The old host checks a running chunk against its own blocks only, and has no per-preemption seam: the
+class _RunningChunkGuard(_BudgetedReserve):
+    """A host without reserve seams checks a running chunk against its own blocks only, and has no per-preemption seam: the
     budget is asked for the chunk in ``get_new_block_nums``; a refused chunk's check is refused and its preemption
     call declined (both read the pass's one decision); the ratio is re-estimated after a ``_trigger_preempt`` call that
     preempted."""

@@ -38,10 +38,10 @@ class HostReserveMixin(ReservationMixin):
             self.current_reserve_output_block_num_float = float(self.init_reserve_output_block_num)
 
 
-class HostReserveOldHostMixin(HostReserveMixin):
-    """The old host's own fixed-block code: its preemption loop resets the reservation at the end of every
+class HostReserveResetMixin(HostReserveMixin):
+    """A fixed-block host whose preemption loop resets the reservation at the end of every
     ``_trigger_preempt`` call; done here too, so it still happens when change 2 replaced that loop. Only on a host
-    that keeps that reservation (:data:`HOST_RESERVE_OLD_HOST`; elsewhere :class:`HostReserveMixin`)."""
+    that keeps that reservation (:data:`HOST_RESERVE_RESET_SHAPES`; elsewhere :class:`HostReserveMixin`)."""
 
     fdsched_attributes = ("init_reserve_output_block_num",)
     fdsched_host_role = (HostReserveMixin.fdsched_host_role + ", and its reservation is reset after each "
@@ -55,4 +55,4 @@ class HostReserveOldHostMixin(HostReserveMixin):
         return result
 
 
-HOST_RESERVE_OLD_HOST = Shapes(HostReserveOldHostMixin, HostReserveMixin)
+HOST_RESERVE_RESET_SHAPES = Shapes(HostReserveResetMixin, HostReserveMixin)

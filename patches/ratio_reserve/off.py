@@ -96,7 +96,7 @@ class PreChangeReserveMixin(_BudgetedReserve):
 
     def _trigger_preempt(self, request, num_new_blocks, preempted_reqs, scheduled_reqs):
         result = super()._trigger_preempt(request, num_new_blocks, preempted_reqs, scheduled_reqs)
-        self._fdsched_strategy.on_preemption()  # pre-change: at the end of every call, as the old host did
+        self._fdsched_strategy.on_preemption()  # pre-change: at the end of every call, as a host with no reserve seams does
         return result
 
     def _reset_reserve_on_preemption(self):
@@ -144,7 +144,7 @@ class PreChangeReserveBatchMixin(PreChangeReserveMixin):
 
     def _trigger_preempt(self, request, num_new_blocks, preempted_reqs, batch_request):
         result = super(PreChangeReserveMixin, self)._trigger_preempt(request, num_new_blocks, preempted_reqs, batch_request)
-        self._fdsched_strategy.on_preemption()  # pre-change: at the end of every call, as the old host did
+        self._fdsched_strategy.on_preemption()  # pre-change: at the end of every call, as a host with no reserve seams does
         return result
 
     def _fdsched_task_list(self):

@@ -9,7 +9,7 @@ from fdsched.core.metrics import METRICS
 
 from fdsched.patches._spec import Shapes
 from fdsched.patches._base import node_role
-from fdsched.patches.ratio_reserve.budget import _BudgetedReserve, _NewHostSeams, _OldHostGuard, _ThresholdTakesRequest
+from fdsched.patches.ratio_reserve.budget import _BudgetedReserve, _ReserveSeams, _RunningChunkGuard, _ThresholdTakesRequest
 
 
 # ---- impl "plugin": upstream's ratio formula -------------------------------------------------------------------
@@ -48,16 +48,16 @@ class _RatioCore(_BudgetedReserve):
         return None
 
 
-class RatioReserveMixin(_NewHostSeams, _RatioCore):
+class RatioReserveMixin(_ReserveSeams, _RatioCore):
     """Upstream's ratio formula on a host with 7783 (through its seams)."""
 
 
-class RatioReserveOldHostMixin(_OldHostGuard, _RatioCore):
-    """Upstream's ratio formula on the old host (with the guard)."""
+class RatioReserveGuardMixin(_RunningChunkGuard, _RatioCore):
+    """Upstream's ratio formula on a host without the reserve seams (with the guard)."""
 
 
-class RatioReserveRequestArgMixin(_ThresholdTakesRequest, RatioReserveOldHostMixin):
-    """:class:`RatioReserveOldHostMixin` on a host whose threshold seam takes the request."""
+class RatioReserveRequestArgMixin(_ThresholdTakesRequest, RatioReserveGuardMixin):
+    """:class:`RatioReserveGuardMixin` on a host whose threshold seam takes the request."""
 
 
-RATIO_OLD_HOST = Shapes(RatioReserveOldHostMixin, RatioReserveRequestArgMixin)
+RATIO_GUARD_SHAPES = Shapes(RatioReserveGuardMixin, RatioReserveRequestArgMixin)

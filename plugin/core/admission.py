@@ -539,7 +539,7 @@ class AdmissionBudget:
 
     ``tally`` counts the running set's blocks at each ask (the strategy's :meth:`RatioStrategy.tally`, chosen
     when the budget is made). ``slack`` is what a speculative-decoding engine adds to a threshold that reserves
-    something (one block, within the per-sequence maximum). ``declined`` (the old host's guard) holds the running
+    something (one block, within the per-sequence maximum). ``declined`` (the running-chunk guard) holds the running
     chunks the budget refused in this pass: the scheduler declines their preemption call instead of preempting.
 
     ``most`` and ``free`` (both or neither): a bound on the running set's blocks (:meth:`RatioStrategy.most_tally`)

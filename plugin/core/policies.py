@@ -39,7 +39,7 @@ def is_decoding(status_is_decode: Optional[bool], num_total_tokens: int, need_pr
     authoritative. A host with a single ``RUNNING`` status passes ``None``; the answer is then
     derived from token counts: a request decodes once it has produced a token after its last
     prefill finished, i.e. ``num_total_tokens > need_prefill_tokens``. That is exactly the moment
-    the new host's token processor flips PREFILL to DECODE, because a rescheduled request's
+    a host with split running statuses has its token processor flip PREFILL to DECODE, because a rescheduled request's
     ``need_prefill_tokens`` is set to its total tokens at re-admission.
     """
     if status_is_decode is not None:

@@ -231,7 +231,7 @@ SCHEMA: tuple[Setting, ...] = (
         _bool01,
         True,
         "0 | 1",
-        "Host switch for the ratio reservation (new host). Setting it explicitly must agree with "
+        "Host switch for the ratio reservation (a host with 7783). Setting it explicitly must agree with "
         "changes.ratio_reserve.",
     ),
     Setting(
@@ -442,8 +442,8 @@ SCHEMA: tuple[Setting, ...] = (
         "all",
         "all | engine",
         "Replay only: how arrived requests reach the scheduler's waiting queue. all: each as it arrives (the "
-        "replay's model so far); engine: as the host's own engine hands them over on a mixed node (new host: one "
-        "request, and only when the waiting queue is empty; old host: every arrived request while a batch slot is "
+        "replay's model so far); engine: as the host's own engine hands them over on a mixed node (with the prepare mixin: one "
+        "request, and only when the waiting queue is empty; without it: every arrived request while a batch slot is "
         "free), the rest queued first come first served in front of it (docs/evaluation.md).",
     ),
     Setting(

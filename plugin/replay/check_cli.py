@@ -51,9 +51,9 @@ def _arms(value) -> list:
 
 
 def _out_dir(value: str) -> Path:
-    """The output folder (:func:`fdsched.tools.outdir.check_out_dir`): new, empty, or one an earlier check wrote."""
+    """The output folder (:func:`fdsched.cmdline.outdir.check_out_dir`): new, empty, or one an earlier check wrote."""
     from fdsched.core.settings import SettingsError
-    from fdsched.tools.outdir import OutputError, check_out_dir
+    from fdsched.cmdline.outdir import OutputError, check_out_dir
 
     try:
         return check_out_dir(value, COMMAND)
@@ -98,7 +98,7 @@ def cmd_check(args) -> int:
     fixes are for); EXIT_ERROR otherwise (the lines say which)."""
     from fdsched.core.settings import SettingsError
     from fdsched.replay.engine import prepare_host_environment
-    from fdsched.tools.outdir import OutputError, claim_out_dir, settle_out_dir
+    from fdsched.cmdline.outdir import OutputError, claim_out_dir, settle_out_dir
 
     if args.budget <= 0 or args.cases < 0:
         raise SettingsError(f"--budget/--cases: bad value {args.budget!r}/{args.cases!r}; allowed: a budget > 0 "
@@ -127,7 +127,7 @@ def _run(args, arms, out):
     in ``out/host.log``."""
     from fdsched.install.probe import find_host
     from fdsched.replay.check import search
-    from fdsched.tools.quiet import host_output_to
+    from fdsched.cmdline.quiet import host_output_to
 
     result = None
     with host_output_to(out / "host.log", verbose=args.verbose):

@@ -17,7 +17,7 @@ from typing import Optional
 from fdsched.replay.trace import ENGINE_KEYS, ENGINE_MAX, MAX_ARRIVAL_S, MAX_ARRIVAL_STEP, TraceError, check_engine, load_trace, resolve_trace, shipped_traces
 
 from fdsched.core.common import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK, bounded_float, bounded_int, error_line, plural
-from fdsched.tools.outdir import settle_out_dir
+from fdsched.cmdline.outdir import settle_out_dir
 
 DEFAULT_TRACE = "pressure"
 DEFAULT_PROFILES = ("baseline", "recommended")
@@ -323,7 +323,7 @@ def _run_eval(args, plan, arms, fmt) -> int:
             from tqdm import tqdm
         except ImportError:
             pass
-    from fdsched.tools.quiet import host_output_to, log_note
+    from fdsched.cmdline.quiet import host_output_to, log_note
 
     error = None
     # as fdsched replay: the host's import-time and run-time messages go to OUT/host.log (-v: here)
@@ -405,7 +405,7 @@ def _import_host() -> None:
 def _check_out_file(value: str, command: str) -> None:
     """An output trace's path: a new file, or a trace the same command wrote (never a file it did not write)."""
     from fdsched.replay.generate import KINDS
-    from fdsched.tools.outdir import OutputError, check_out_file, trace_written_by
+    from fdsched.cmdline.outdir import OutputError, check_out_file, trace_written_by
 
     kinds = ("import",) if command.endswith("import") else tuple(KINDS)
     try:
@@ -417,7 +417,7 @@ def _check_out_file(value: str, command: str) -> None:
 def _check_out_dir(value: str, command: str) -> tuple:
     """(folder, created): the output folder, made and marked now (a bad --out fails before the arms run, not
     minutes later); only a new or empty folder or one the same command wrote is taken. Raises TraceError."""
-    from fdsched.tools.outdir import OutputError, claim_out_dir
+    from fdsched.cmdline.outdir import OutputError, claim_out_dir
 
     try:
         return claim_out_dir(value, command)
@@ -585,7 +585,7 @@ def _run_arms_logged(args, plan: _ReplayPlan, tqdm):
     from fdsched.install.probe import HostNotFound
     from fdsched.install.installer import InstallError
     from fdsched.core.settings import SettingsError
-    from fdsched.tools.quiet import host_output_to, log_note
+    from fdsched.cmdline.quiet import host_output_to, log_note
 
     log_path = plan.out / "host.log"
     if log_path.is_file():

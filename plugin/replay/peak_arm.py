@@ -1,6 +1,6 @@
 """Replay-only candidate arms: ``peak-adaptive`` (admission by the running set's predicted peak demand,
-:class:`fdsched.core.peak_admission.PeakAdmission`) and ``clip-learned`` (upstream's ratio formula with the
-clip learned online, :class:`fdsched.core.peak_admission.LearnedClip`), through the reservation hook the
+:class:`fdsched.replay.peak_admission.PeakAdmission`) and ``clip-learned`` (upstream's ratio formula with the
+clip learned online, :class:`fdsched.replay.peak_admission.LearnedClip`), through the reservation hook the
 clairvoyant ``oracle`` uses.
 
 Both learn only what an engine sees: every finished request (its client's ``max_tokens`` and its output
@@ -17,7 +17,7 @@ from typing import Callable, Optional
 
 from fdsched.core.adaptive import client_bound
 from fdsched.hookspecs import hookimpl
-from fdsched.core.peak_admission import LearnedClip, PeakAdmission, QuantileController, QuantileLengths, RunningView
+from fdsched.replay.peak_admission import LearnedClip, PeakAdmission, QuantileController, QuantileLengths, RunningView
 
 __all__ = ["PEAK_PLUGIN_NAME", "PeakAdmissionHook", "LearnedClipHook", "replay_admission_hook"]
 

@@ -32,7 +32,7 @@ from typing import Iterator, Optional, Sequence
 __all__ = ["ARMS", "PD_ARMS", "FIXES_OFF", "Grid", "FULL", "QUICK", "window", "working_set", "shape_engine",
            "replay_arm", "cell_of", "run_grid", "markdown", "summary", "main", "COMMAND"]
 
-COMMAND = "python -m fdsched.replay.reach"  # the owner recorded in --out's marker (fdsched.tools.outdir)
+COMMAND = "python -m fdsched.replay.reach"  # the owner recorded in --out's marker (fdsched.cmdline.outdir)
 REAL_TRACES = ("azure-conv", "burstgpt", "eval-code-true", "eval-code-unset", "eval-conv-true", "eval-conv-unset")
 PD_TRACE = "pd-prefill"
 SEATS = (4, 16, 64, 256)
@@ -186,8 +186,8 @@ def run_grid(grid: Grid, out: Path, report=None) -> dict:
     is called after every row (the stream is the terminal's, while the host's output goes to the log)."""
     from fdsched.replay.engine import prepare_host_environment
     from fdsched.install.probe import find_host
-    from fdsched.tools.outdir import settle_out_dir
-    from fdsched.tools.quiet import host_output_to
+    from fdsched.cmdline.outdir import settle_out_dir
+    from fdsched.cmdline.quiet import host_output_to
 
     prepare_host_environment()
     with host_output_to(out / "host.log"):
@@ -299,7 +299,7 @@ def _grid(args) -> Grid:
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     """Exit code 0 when the grid ran (whatever it found), 1 on a refused option or folder (one line)."""
-    from fdsched.tools.outdir import OutputError, claim_out_dir, settle_out_dir
+    from fdsched.cmdline.outdir import OutputError, claim_out_dir, settle_out_dir
 
     args = _parser().parse_args(argv)
     if args.table:

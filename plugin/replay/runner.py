@@ -485,11 +485,11 @@ def _feed_arrivals(inputs: _DriveInputs, state: _DriveState, step: int) -> int:
 def engine_fetch_rule(fetch: str, role: str) -> str:
     """``replay.fetch`` as this host's engine hands requests to a mixed node's scheduler.
 
-    * New host (d38eeb8: ``fastdeploy/engine/common_engine_prepare_mixin.py``, ``_fetch_request_mixed``): a fetch
+    * With the prepare mixin (d38eeb8: ``fastdeploy/engine/common_engine_prepare_mixin.py``, ``_fetch_request_mixed``): a fetch
       thread asks the request scheduler only while ``resource_manager.waiting`` is empty, for ``min(free batch
       slots, MAX_PREFILL_NUM)`` requests, and the request scheduler (``LocalScheduler.get_requests``, chunked
       prefill with ``max_num_partial_prefills`` 1) returns one: one request per step, when the queue is empty.
-    * Old host (e7c8dc2: ``common_engine.py``, ``_fetch_request`` in ``_schedule_request_to_worker_v1``): a fetch
+    * Without it (e7c8dc2: ``common_engine.py``, ``_fetch_request`` in ``_schedule_request_to_worker_v1``): a fetch
       runs whenever the previous one ended, whatever the waiting queue holds; between two engine steps it hands
       over every arrived request while a batch slot is free (``resource_manager.available_batch()`` > 0).
     """
@@ -497,8 +497,8 @@ def engine_fetch_rule(fetch: str, role: str) -> str:
         return FETCH_ALL
     import importlib.util
 
-    new_host = importlib.util.find_spec("fastdeploy.engine.common_engine_prepare_mixin") is not None
-    return FETCH_ONE_WHEN_EMPTY if new_host else FETCH_WHILE_SLOTS
+    has_prepare_mixin = importlib.util.find_spec("fastdeploy.engine.common_engine_prepare_mixin") is not None
+    return FETCH_ONE_WHEN_EMPTY if has_prepare_mixin else FETCH_WHILE_SLOTS
 
 
 def _engine_fetch(inputs: _DriveInputs, state: _DriveState) -> int:

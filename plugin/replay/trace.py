@@ -488,7 +488,7 @@ def split_across_ranks(trace: Trace, ranks: Sequence[int], seed: int = 0) -> dic
 
     The draw is uniform and independent per request (``random.Random(seed)``, in trace order), which is what
     FastDeploy's Router does for mixed instances (``Router.select_mixed``: ``random.randint`` over the registered
-    servers; fastdeploy/router/router.py line 171 on the old host, 198 on the new);
+    servers; fastdeploy/router/router.py line 171 on e7c8dc2, 198 on d38eeb8);
     one api_server with the default local scheduler sends everything to rank 0 instead (see
     examples/ab_run.md). Every request keeps its own arrival; a rank's sub-trace is named ``<trace>@dp<rank>``.
     """

@@ -100,7 +100,7 @@ def load_arg_problems(args) -> list:
 
 def out_dir_problems(out, command: str) -> list:
     """The --out folder's problem (one line), if ``command`` may not write into it; [] without --out."""
-    from fdsched.tools.outdir import OutputError, check_out_dir
+    from fdsched.cmdline.outdir import OutputError, check_out_dir
 
     if out is None:
         return []
@@ -155,7 +155,7 @@ def cmd_load(args) -> int:
 def owned_out_dir(value, command: str):
     """The --out folder claimed for ``command`` while the block runs (None without --out), then settled: what the
     run wrote is recorded as the command's, and a folder it made and left empty goes."""
-    from fdsched.tools.outdir import claim_out_dir, settle_out_dir
+    from fdsched.cmdline.outdir import claim_out_dir, settle_out_dir
 
     if value is None:
         yield None

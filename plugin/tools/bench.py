@@ -27,204 +27,13 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import heapq
 import statistics
-import time
 from typing import Optional
 
-from fdsched.core.common import bounded_float, bounded_int, percentile
-
-
-def _install(profile):
-    from fdsched.install import installer
-    from fdsched.core.settings import load_settings
-
-    if profile is None:
-        installer.uninstall()
-        return "host"
-    installer.install(load_settings(profile=profile))
-    return profile
-
-
-# ---- eviction ------------------------------------------------------------------------------------
-def _build_tree(num_blocks: int, chain: int, block_size: int):
-    """A manager whose radix tree holds ``num_blocks`` released nodes in chains of ``chain`` blocks."""
-    from fdsched.replay.engine import EngineShape, build_manager, make_request
-
-    shape = EngineShape(
-        block_size=block_size,
-        num_gpu_blocks=num_blocks + chain + 4,
-        max_num_seqs=8,
-        max_num_batched_tokens=chain * block_size,
-        max_model_len=chain * block_size,
-    )
-    rm = build_manager(shape)
-    cm = rm.cache_manager
-    for i in range(num_blocks // chain):
-        prompt = [i * 7919 + t + 1 for t in range(chain * block_size)]
-        request = make_request(f"tree{i}", prompt, 1)
-        matched, _, _ = cm.request_match_blocks(request, block_size)
-        request.block_tables = list(matched) + cm.allocate_gpu_blocks(chain - len(matched), request.request_id)
-        cm.update_cache_blocks(request, block_size, len(prompt))
-        cm.release_block_ids(request)
-    return rm
-
-
-def _floor_evict(cm, need: int) -> int:
-    """Pop the same nodes from the same heap and detach them; nothing else."""
-    heap, in_heap, root = cm.gpu_lru_leaf_heap, cm.gpu_lru_leaf_set, cm.radix_tree_root
-    evicted = 0
-    while heap and evicted < need:
-        node = heapq.heappop(heap)
-        in_heap.remove(node)
-        parent = node.parent
-        del parent.children[node.hash_value]
-        evicted += 1
-        if not parent.children and parent is not root and parent not in in_heap:
-            heapq.heappush(heap, parent)
-            in_heap.add(parent)
-    return evicted
-
-
-def _timed(run, gc_on):
-    """Run ``run()`` with the collector on (True), on with a full collection due ("due") or off (False);
-    return (seconds, result, collections per generation while it ran)."""
-    counts = [0, 0, 0]
-
-    def count(phase, info):
-        if phase == "start":
-            counts[info["generation"]] += 1
-
-    was_enabled = gc.isenabled()
-    if gc_on == "due":
-        _make_full_collection_due()
-    gc.callbacks.append(count)
-    if gc_on:
-        gc.enable()
-    else:
-        gc.disable()
-    try:
-        started = time.perf_counter()
-        result = run()
-        seconds = time.perf_counter() - started
-    finally:
-        gc.callbacks.remove(count)
-        _DUE.clear()
-        if was_enabled:
-            gc.enable()
-        else:
-            gc.disable()
-    return seconds, result, counts
-
-
-# GC modes of the benches: "on" (the collector's counters stand where building the workload left them),
-# "due" (on, and a full collection is due: the next objects that survive into the oldest generation start
-# one), "off" (collections held off while timed).
-GC_MODES = ("on", "due", "off")
-
-
-def _make_full_collection_due(margin: int = 500) -> None:
-    """Put the collector where a long-running engine regularly is: just short of a full collection.
-
-    CPython runs a full collection when the oldest generation's counter is over its threshold AND the
-    objects that reached that generation since the last full collection exceed a quarter of the ones
-    that were there (the "long-lived pending" rule). An engine's requests keep promoting objects, so it
-    crosses that line now and then; whatever loop promotes the last few thousand objects pays for a
-    traversal of the whole heap. Here: collect, then promote ``total / 4 - margin`` fresh objects with
-    young-generation collections, which also bring the oldest generation's counter over its threshold, and
-    bring the middle generation's counter to its threshold: the timed code's first collection is a
-    middle-generation one (its survivors count as pending), and the one after it is a full collection if
-    the timed code keeps more than ``margin`` new objects alive meanwhile.
-    """
-    gc.collect()
-    total = len(gc.get_objects())
-    _DUE.clear()
-    _DUE.extend([i] for i in range(max(0, total // 4 - margin)))
-    for _ in range(gc.get_threshold()[2] + 1):
-        gc.collect(1)  # survivors move to the oldest generation (pending grows), its counter goes up by one
-    for _ in range(gc.get_threshold()[1]):
-        gc.collect(0)  # the middle generation's counter goes up by one
-
-
-_DUE: list = []
-
-
-def bench_evict(sizes, chain: int, block_size: int, repeat: int, gc_modes=GC_MODES) -> list:
-    """Per size: {(variant, gc mode): (median seconds, collections per generation of the median run)} and
-    {("held", gc mode): the longest collector hold of the plugin's median run, seconds}."""
-    from fdsched.core.metrics import METRICS
-    from fdsched.replay.engine import close_manager, logical_clock
-
-    rows = []
-    for n in sizes:
-        timings = {}
-        for variant, profile in (("host", "baseline"), ("plugin", "deferred_recycle"), ("floor", "baseline")):
-            for mode in gc_modes:
-                runs = []
-                for _ in range(repeat):
-                    _install(profile)
-                    with logical_clock():
-                        rm = _build_tree(n, chain, block_size)
-                    cm = rm.cache_manager
-                    free_before = len(cm.gpu_free_block_list)
-                    # no gc.collect() here: the collector's counters stand where serving the tree left them
-
-                    if variant == "floor":
-                        def run(cm=cm):
-                            return _floor_evict(cm, n)
-                    else:
-                        def run(cm=cm):
-                            cm.free_block_ids_async(n)
-                            return len(cm.gpu_free_block_list) - free_before
-
-                    METRICS.gc_hold_seconds_max = 0.0
-                    seconds, freed, counts = _timed(run, {"on": True, "due": "due", "off": False}[mode])
-                    close_manager(rm)
-                    if freed != n:
-                        raise RuntimeError(f"{variant}: freed {freed} of {n} blocks")
-                    runs.append((seconds, counts, METRICS.gc_hold_seconds_max))
-                runs.sort(key=lambda r: r[0])
-                seconds, counts, held = runs[len(runs) // 2]
-                timings[(variant, mode)] = (seconds, counts)
-                if variant == "plugin":
-                    timings[("held", mode)] = held
-        rows.append((n, timings))
-    _install(None)
-    return rows
-
-
-def print_evict(rows, gc_modes=GC_MODES) -> None:
-    print("time per evicted block, us (median); collections during the eviction: gen0/gen1/gen2")
-    header = f"{'blocks':>7}  {'variant':<7}"
-    for mode in gc_modes:
-        header += f"  {'gc ' + mode + ' us/blk':>13}  {'collections':>11}"
-    print(header)
-    for n, t in rows:
-        for variant in ("host", "plugin", "floor"):
-            line = f"{n:>7}  {variant:<7}"
-            for mode in gc_modes:
-                seconds, counts = t[(variant, mode)]
-                line += f"  {seconds / n * 1e6:>13.2f}  {'/'.join(map(str, counts)):>11}"
-            print(line)
-        ratios = "  ".join(
-            f"gc {mode}: host/plugin {t[('host', mode)][0] / t[('plugin', mode)][0]:.1f}x, "
-            f"plugin/floor {t[('plugin', mode)][0] / t[('floor', mode)][0]:.2f}x"
-            for mode in gc_modes
-        )
-        print(f"{'':>7}  {ratios}")
-        held = "  ".join(f"gc {mode}: {t[('held', mode)] * 1e3:.1f} ms" for mode in gc_modes)
-        print(f"{'':>7}  plugin held the collector off (longest hold, median run): {held}")
-
-
-def full_collection_ms(repeat: int = 3) -> float:
-    """The median time of one full collection of this process as it stands: what a due collection costs the
-    code that happens to trigger it (the trade against the eviction's hold, docs/gc.md)."""
-    times = []
-    for _ in range(repeat):
-        started = time.perf_counter()
-        gc.collect()
-        times.append(time.perf_counter() - started)
-    return sorted(times)[len(times) // 2] * 1e3
+from fdsched.core.common import bounded_float, bounded_int
+from fdsched.tools.benchcommon import GC_MODES, full_collection_ms, host_label, install_arm, timed
+from fdsched.tools.evictbench import bench_evict, build_tree, print_evict
+from fdsched.tools.transferbench import run_transfer
 
 
 # ---- schedule() overhead -------------------------------------------------------------------------------
@@ -291,7 +100,7 @@ def scheduler_for(variant: str, running: int, waiting: int, block_size: int, wor
     under the logical clock: ``(rm, driver)``, the manager closed on the way out."""
     from fdsched.replay.engine import close_manager, logical_clock
 
-    _install(None if variant == "host" else variant)
+    install_arm(None if variant == "host" else variant)
     with logical_clock():
         rm, driver = _schedule_setup(running, waiting, block_size, workload)
         try:
@@ -324,7 +133,7 @@ def _schedule_runs(variant: str, mode: str, running: int, waiting: int, steps: i
             return [(record.schedule_cpu_seconds, bool(record.prefill_chunks))
                     for record in (driver.step() for _ in range(steps))]
 
-        _, per_step, _ = _timed(run, {"on": True, "due": "due", "off": False}[mode])
+        _, per_step, _ = timed(run, {"on": True, "due": "due", "off": False}[mode])
     return per_step
 
 
@@ -334,7 +143,7 @@ def _arm_in_a_process(variant: str, repeat: int, gc_modes: tuple, shape: tuple, 
     import_host()
     grow_heap(heap_objects)
     runs = {mode: [_schedule_runs(variant, mode, *shape) for _ in range(repeat)] for mode in gc_modes}
-    _install(None)
+    install_arm(None)
     return runs
 
 
@@ -356,7 +165,7 @@ def bench_schedule(running: int, waiting: int, steps: int, repeat: int, block_si
             for variant in arm_order(repetition):
                 arm = "host" if variant == "host" else profile
                 runs[(variant, mode)].append(_schedule_runs(arm, mode, running, waiting, steps, block_size, workload))
-    _install(None)
+    install_arm(None)
     return summarise_runs(runs)
 
 
@@ -367,7 +176,7 @@ def bench_schedule_isolated(processes: int, running: int, waiting: int, steps: i
     fresh interpreters per arm, taking turns (:func:`arm_order`), one at a time, each running ``repeat``
     repetitions of its arm (``heap_objects``: each grows its heap to that first; default
     :data:`ENGINE_HEAP_OBJECTS`). In one process the arms disturb each other: there, which arm went first in each
-    repetition moved the ratio by up to 5 points (``recommended``, 448 running, old host: 1.05-1.07 host first,
+    repetition moved the ratio by up to 5 points (``recommended``, 448 running, e7c8dc2: 1.05-1.07 host first,
     1.09-1.13 taking turns)."""
     import multiprocessing
 
@@ -418,7 +227,7 @@ def minima_ratios(host: dict, plugin: dict) -> dict:
 
 # ---- the process's heap ---------------------------------------------------------------------------------
 # GC-tracked objects (len(gc.get_objects())) of a served engine's main process, rounded up: FastDeploy's
-# LLMEngine (old host e7c8dc2, plugin profile recommended, the CPU engine prototype's simulated worker and
+# LLMEngine (e7c8dc2, plugin profile recommended, the CPU engine prototype's simulated worker and
 # tiny WordLevel tokenizer) held 280,734 after serving 64 requests. A bench process that imports the host's
 # scheduler modules holds about 270k already (paddle is among them); a real model's tokenizer adds more.
 ENGINE_HEAP_OBJECTS = 300_000
@@ -499,20 +308,14 @@ def add_commands(sub):
     transfer.add_argument("--idle-seconds", type=float, default=5.0, help="how long to count the idle receiver's RPCs (default 5)")
     transfer.add_argument("--count", type=bounded_int(1, 1_000_000), default=200, help="transfer-done signals to time (default 200)")
     transfer.add_argument("--interval", type=bounded_float(0.0, 60.0), default=0.02, help="seconds between signals")
-    transfer.set_defaults(func=_run_transfer)
+    transfer.set_defaults(func=run_transfer)
     return which
-
-
-def _host_label() -> str:
-    from fdsched.install.probe import probe
-
-    return probe().label
 
 
 def _prepare(args) -> None:
     from fdsched.replay.engine import prepare_host_environment
 
-    print(f"host: {_host_label()}")
+    print(f"host: {host_label()}")
     prepare_host_environment()
     import fastdeploy.engine.sched.resource_manager_v1  # noqa: F401  (the host's modules are in the count)
 
@@ -567,175 +370,6 @@ def _run_schedule(args) -> int:
     from fdsched.tools.guardbench import bench_guard, print_guard
 
     guard = bench_guard(lambda: scheduler_for(args.profile, args.running, args.waiting, args.block_size, args.workload),
-                        lambda blocks: _build_tree(blocks, 50, args.block_size))
+                        lambda blocks: build_tree(blocks, 50, args.block_size))
     print_guard(guard, result[("plugin", modes[0])]["median"], args.profile)
-    return 0
-
-
-# ---- CPU-cache transfer-done path (change 5) -----------------------------------------------------------
-AUTHKEY = b"fdsched-bench"
-
-
-def transfer_producer(port: int, count: int, interval: float, host_source: str) -> None:
-    """A producer like a cache transfer manager: a fresh interpreter, the host's own client, no plugin.
-
-    Puts ``count`` storage-write results ``interval`` seconds apart; each task id carries its put time.
-    """
-    import os
-
-    if host_source:
-        os.environ.setdefault("FDSCHED_HOST_SOURCE", host_source)
-    from fdsched.install.probe import find_host
-    from fdsched.replay.engine import prepare_host_environment
-
-    prepare_host_environment()
-    find_host()
-    from fastdeploy.cache_manager.cache_data import CacheStatus
-    from fastdeploy.inter_communicator.engine_cache_queue import EngineCacheQueue
-
-    queue = EngineCacheQueue(address=("127.0.0.1", port), authkey=AUTHKEY, is_server=False, num_client=1, client_id=0)
-    for i in range(count):
-        time.sleep(interval)
-        queue.put_transfer_done_signal((CacheStatus.GPU2STORAGE, f"task-{i}@{time.time():.6f}", [], [i]))
-
-
-class StampingEvents(dict):
-    """Stands in for the host's ``task_write_back_event`` map: every task id has an event, and setting it
-    records (put time, handled time). The host's receiver sets the event when it handles the signal."""
-
-    def __init__(self):
-        super().__init__()
-        self.handled = []  # (task id, put time, handled time) in handling order
-
-    def __contains__(self, task_id):
-        return True
-
-    def __missing__(self, task_id):
-        handled = self.handled
-
-        class _Stamp:
-            @staticmethod
-            def set():
-                handled.append((task_id, float(task_id.rsplit("@", 1)[1]), time.time()))
-
-        return _Stamp()
-
-
-def start_transfer_receiver(port: int):
-    """The host's own receiver loop (PrefixCacheManager.recv_data_transfer_result) on a real manager."""
-    import sys
-    import threading
-    from types import SimpleNamespace
-
-    import numpy as np
-
-    from fdsched.replay.engine import EngineShape, build_manager
-
-    rm = build_manager(EngineShape(block_size=4, num_gpu_blocks=32, max_num_seqs=2, max_num_batched_tokens=64,
-                                   max_model_len=64))
-    cm = rm.cache_manager
-    queue_cls = sys.modules["fastdeploy.inter_communicator.engine_cache_queue"].EngineCacheQueue
-    cm.cache_task_queue = queue_cls(address=("127.0.0.1", port), authkey=AUTHKEY, is_server=False, num_client=1,
-                                    client_id=0)
-    cm.prefix_tree_status_signal = SimpleNamespace(value=np.zeros(1, dtype=np.int32))  # normally launch_cache_manager's
-    cm.task_write_back_event = StampingEvents()
-    thread = threading.Thread(target=cm.recv_data_transfer_result, name="fdsched-transfer-receiver", daemon=True)
-    thread.start()
-    return rm, cm, thread
-
-
-def start_transfer_server():
-    import sys
-
-    queue_cls = sys.modules["fastdeploy.inter_communicator.engine_cache_queue"].EngineCacheQueue
-    server = queue_cls(address=("127.0.0.1", 0), authkey=AUTHKEY, is_server=True, num_client=1,
-                       local_data_parallel_size=1)
-    return server, server.get_server_port()
-
-
-def run_producer(port: int, count: int, interval: float) -> None:
-    import multiprocessing
-    import os
-
-    producer = multiprocessing.get_context("spawn").Process(
-        target=transfer_producer, args=(port, count, interval, os.environ.get("FDSCHED_HOST_SOURCE", ""))
-    )
-    producer.start()
-    producer.join(timeout=300)
-    if producer.exitcode != 0:
-        raise RuntimeError(f"the producer process failed (exit code {producer.exitcode})")
-
-
-def bench_transfer(idle_seconds: float, count: int, interval: float) -> dict:
-    import threading
-    from multiprocessing.managers import BaseProxy
-
-    results = {}
-    original_call = BaseProxy._callmethod
-    for variant, profile in (("host", None), ("plugin", "nonpolling_transfer")):
-        _install(profile)
-        server, port = start_transfer_server()
-        rm, cm, receiver = start_transfer_receiver(port)
-        calls = [0]
-
-        def counting(self, *args, **kwargs):
-            if threading.current_thread() is receiver:
-                calls[0] += 1
-            return original_call(self, *args, **kwargs)
-
-        BaseProxy._callmethod = counting
-        try:
-            time.sleep(0.5)  # the receiver's connection is open
-            calls[0] = 0
-            started = time.perf_counter()
-            time.sleep(idle_seconds)
-            idle_rate = calls[0] / (time.perf_counter() - started)
-        finally:
-            BaseProxy._callmethod = original_call
-        run_producer(port, count, interval)
-        deadline = time.time() + 10
-        while len(cm.task_write_back_event.handled) < count and time.time() < deadline:
-            time.sleep(0.01)
-        handled = cm.task_write_back_event.handled
-        latencies = sorted((done - put) * 1e3 for _, put, done in handled)
-        results[variant] = {
-            "idle_rpc_per_s": idle_rate,
-            "handled": len(handled),
-            "in_order": [t for t, _, _ in handled] == sorted((t for t, _, _ in handled), key=lambda t: int(t[5:].split("@")[0])),
-            "p50_ms": percentile(latencies, 50),
-            "p99_ms": percentile(latencies, 99),
-            "max_ms": latencies[-1] if latencies else float("nan"),
-        }
-        stop_transfer(server, rm)
-    _install(None)
-    return results
-
-
-def stop_transfer(server, rm) -> None:
-    """Shut the queue server down; the host's receiver thread then ends on the closed connection (expected)."""
-    import threading
-
-    from fdsched.replay.engine import close_manager
-
-    previous = threading.excepthook
-
-    def quiet(hook_args):
-        if hook_args.thread is None or hook_args.thread.name != "fdsched-transfer-receiver":
-            previous(hook_args)
-
-    threading.excepthook = quiet
-    server.manager.shutdown()
-    time.sleep(0.2)
-    close_manager(rm)
-
-
-def _run_transfer(args) -> int:
-    print(f"host: {_host_label()}")
-    results = bench_transfer(args.idle_seconds, args.count, args.interval)
-    print(f"transfer-done receiver: idle {args.idle_seconds:.0f} s, then {args.count} signals {args.interval * 1e3:.0f} ms "
-          f"apart from another process")
-    print(f"{'variant':<8} {'idle RPC/s':>10} {'handled':>8} {'in order':>9} {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8}")
-    for variant, r in results.items():
-        print(f"{variant:<8} {r['idle_rpc_per_s']:>10.1f} {r['handled']:>8} {str(r['in_order']):>9} {r['p50_ms']:>8.2f} "
-              f"{r['p99_ms']:>8.2f} {r['max_ms']:>8.2f}")
     return 0

@@ -14,10 +14,43 @@ from fdsched.core.common import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK, bounded_int, 
 from fdsched.core.common import text_table as _table
 
 
+def _print_arms(arm_settings, info) -> bool:
+    """doctor's online A/B arms, one line per dp rank; False when deciding them failed (the error is printed)."""
+    from fdsched.install.installer import InstallError, decide_arms
+
+    print("\nonline A/B arms (FDSCHED_PROFILE_BY_DP_RANK; other ranks: the profile above):")
+    ok = True
+    try:
+        arms = decide_arms(arm_settings, info) if info is not None else {}
+    except InstallError as exc:
+        print(error_line("doctor", exc), file=sys.stderr)
+        ok, arms = False, {}
+    for rank, arm_s in sorted(arm_settings.items()):
+        line = arms[rank].line() if rank in arms else "-"
+        print(f"  dp rank {rank}: {arm_s.profile} ({arm_s.profile_path}): {line}")
+    return ok
+
+
+def _print_hook_plugins() -> bool:
+    """doctor's third-party hook plugins line; False when one is broken (the error is printed)."""
+    try:
+        from fdsched.core.hooks import DISABLE_ENV, external_plugin_states
+
+        rows, blocked_all = external_plugin_states()
+        shown = ", ".join(f"{name} ({state})" for name, state in rows) or "none installed"
+        if blocked_all and not rows:
+            shown += f"; any would be blocked by {DISABLE_ENV}"
+        print(f"\nthird-party hook plugins (entry-point group fdsched.hooks): {shown}")
+    except Exception as exc:  # a broken third-party plugin is an error worth showing, not a crash
+        print(error_line("doctor", f"third-party hook plugins: {type(exc).__name__}: {exc}"), file=sys.stderr)
+        return False
+    return True
+
+
 def cmd_doctor(args) -> int:
     from fdsched.patches import CATALOGUE
 
-    from fdsched.install.installer import InstallError, current, decide, decide_arms
+    from fdsched.install.installer import InstallError, current, decide
     from fdsched.core.settings import load_arm_settings
 
     print(f"fdsched {__version__}")
@@ -56,30 +89,13 @@ def cmd_doctor(args) -> int:
                      would))
     print()
     print(_table(rows, ("change", "upstream PR", "host has it", "switch", "would be")))
-    if arm_settings:
-        print("\nonline A/B arms (FDSCHED_PROFILE_BY_DP_RANK; other ranks: the profile above):")
-        try:
-            arms = decide_arms(arm_settings, info) if info is not None else {}
-        except InstallError as exc:
-            print(error_line("doctor", exc), file=sys.stderr)
-            status, arms = EXIT_ERROR, {}
-        for rank, arm_s in sorted(arm_settings.items()):
-            line = arms[rank].line() if rank in arms else "-"
-            print(f"  dp rank {rank}: {arm_s.profile} ({arm_s.profile_path}): {line}")
+    if arm_settings and not _print_arms(arm_settings, info):
+        status = EXIT_ERROR
     installed = current()
     if installed is not None:
         print("\ninstalled in this process: " + installed.summary())
     print("\n" + _adaptive_report(settings, decisions.get("ratio_reserve")))
-    try:
-        from fdsched.core.hooks import DISABLE_ENV, external_plugin_states
-
-        rows, blocked_all = external_plugin_states()
-        shown = ", ".join(f"{name} ({state})" for name, state in rows) or "none installed"
-        if blocked_all and not rows:
-            shown += f"; any would be blocked by {DISABLE_ENV}"
-        print(f"\nthird-party hook plugins (entry-point group fdsched.hooks): {shown}")
-    except Exception as exc:  # a broken third-party plugin is an error worth showing, not a crash
-        print(error_line("doctor", f"third-party hook plugins: {type(exc).__name__}: {exc}"), file=sys.stderr)
+    if not _print_hook_plugins():
         status = EXIT_ERROR
     print("\neffective settings:")
     print(_table([(k, env, _show(v), src) for k, env, v, src in settings.describe()], ("key", "variable", "value", "source")))
@@ -104,7 +120,7 @@ def _probe_quietly(args) -> tuple:
     """(info or None, HostNotFound or None, the note about the host's log): the probe, its chatter in a log file."""
     from fdsched.install.probe import HostNotFound, probe
     from fdsched.tools.hostsetup import cache_dir
-    from fdsched.tools.quiet import host_output_to, log_note
+    from fdsched.cmdline.quiet import host_output_to, log_note
 
     log_path = cache_dir() / "logs" / "doctor-host.log"
     if log_path.is_file():

@@ -318,7 +318,7 @@ def cmd_explain(args) -> int:
     from fdsched.install.installer import InstallError
     from fdsched.install.probe import HostNotFound
     from fdsched.tools.hostsetup import cache_dir
-    from fdsched.tools.quiet import host_output_to, log_note
+    from fdsched.cmdline.quiet import host_output_to, log_note
 
     if args.profile is not None and args.dp_rank is not None:
         print(error_line("explain", f"--dp-rank {args.dp_rank}: bad value with --profile (one profile runs on every "
@@ -382,7 +382,7 @@ def main(argv: Optional[list] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m fdsched.tools.explain")
     parser.add_argument("--write-docs", required=True, metavar="PAGE")
     args = parser.parse_args(argv)
-    from fdsched.tools.quiet import host_output_to
+    from fdsched.cmdline.quiet import host_output_to
     from fdsched.tools.hostsetup import cache_dir
 
     with host_output_to(cache_dir() / "logs" / "explain-host.log", verbose=False):  # the host's import chatter

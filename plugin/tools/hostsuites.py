@@ -202,7 +202,7 @@ def _run_env(run: str, results: str, scratch: str) -> dict:
     os.makedirs(env["PROMETHEUS_MULTIPROC_DIR"])
     # The host's engine tests build their configs on FD_ENGINE_QUEUE_PORT / FD_CACHE_QUEUE_PORT (default 6778 /
     # 6779), and FastDeploy's EngineArgs asserts each is free: any other process holding one of them fails whichever
-    # test builds a config then (seen: test_control_abort_requests_not_v1_raises, old host, under load). Free ports
+    # test builds a config then (seen: test_control_abort_requests_not_v1_raises, e7c8dc2, under load). Free ports
     # of the OS's own picking instead, per process.
     env["FD_ENGINE_QUEUE_PORT"], env["FD_CACHE_QUEUE_PORT"] = (str(p) for p in _os_free_ports(2))
     if run != NO_PLUGIN:
@@ -316,7 +316,7 @@ def _run_process(tree: str, host: str, run: str, files: list, last: tuple, timeo
         try:
             # A session of its own: the host's tests/engine/test_common_engine.py patches os.killpg, and threads its
             # tests leave running can call the real one after the patch is gone; in our process group that would
-            # kill this pytest and whatever started it (it ended a CI run here mid-way on the new host). Inside the
+            # kill this pytest and whatever started it (it ended a CI run here mid-way on d38eeb8). Inside the
             # session, hostsuite_pytest.signal_guard refuses signals to the suite's own group and to other sessions
             # (the made-up pids of those tests can be real processes on a fresh machine).
             proc = subprocess.run(command, cwd=tree, env=env, capture_output=True, text=True, timeout=timeout,
@@ -493,7 +493,7 @@ def cmd_test(args) -> int:
     table = load_table()
     from fdsched.install.hosts import cache_dir, host_key
     from fdsched.install.probe import probe
-    from fdsched.tools.quiet import host_output_to
+    from fdsched.cmdline.quiet import host_output_to
 
     with host_output_to(cache_dir() / "logs" / "host-test-host.log", verbose=False):  # the host's import chatter
         info = probe()

@@ -84,7 +84,8 @@ def run_arm(arm: str, running: int, waiting: int, steps: int, block_size: int, w
         if arm == CHECK_ARM:
             in_marker(lambda: sum(range(CHECK_LOOP)))
         return {"arm": arm, "steps": steps}
-    from fdsched.tools.bench import _install, import_host, scheduler_for
+    from fdsched.tools.bench import import_host, scheduler_for
+    from fdsched.tools.benchcommon import install_arm
 
     import_host()
     with scheduler_for(arm, running, waiting, block_size, workload) as (rm, driver):
@@ -93,7 +94,7 @@ def run_arm(arm: str, running: int, waiting: int, steps: int, block_size: int, w
         schedule = rm.schedule
         rm.schedule = lambda: in_marker(schedule)  # the driver calls rm.schedule(); only this call is counted
         admitting = sum(bool(driver.step().prefill_chunks) for _ in range(steps))
-    _install(None)
+    install_arm(None)
     return {"arm": arm, "steps": steps, "admitting_steps": admitting}
 
 

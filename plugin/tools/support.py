@@ -188,7 +188,7 @@ def cmd_support(args) -> int:
             print(f"support tables in {', '.join(args.check)} match the {len(rows)} hosts CI ran")
         return EXIT_ERROR if failed else EXIT_OK
     if args.json:
-        from fdsched.tools.outdir import OutputError, check_out_file
+        from fdsched.cmdline.outdir import OutputError, check_out_file
 
         try:  # before the probe: never over a file this command did not write
             check_out_file(args.json, "fdsched host support", _is_support_row, flag="--json")
@@ -199,7 +199,7 @@ def cmd_support(args) -> int:
         row = refused_row(*args.refused)
     else:
         from fdsched.install.probe import probe
-        from fdsched.tools.quiet import host_output_to
+        from fdsched.cmdline.quiet import host_output_to
         from fdsched.install.hosts import cache_dir
 
         with host_output_to(cache_dir() / "logs" / "support-host.log", verbose=False):

@@ -37,7 +37,8 @@ def test_isolated_schedule_bench_runs_each_arm_in_processes_of_its_own():
 
 
 def test_the_spread_workload_has_its_own_budgets_and_a_learned_estimator_and_nothing_ends_while_timed():
-    from fdsched.tools.bench import _install, scheduler_for
+    from fdsched.tools.bench import scheduler_for
+    from fdsched.tools.benchcommon import install_arm as _install
 
     try:
         for workload in ("spread", "uniform"):

@@ -12,7 +12,7 @@ from fdsched.replay.check import HOST_ARM, PREFILL_RESERVE_DEFECT, SEATS_DEFECT,
 
 
 def _quiet_search(arms, seed, tmp_path, max_cases, budget=600, until=frozenset()):
-    from fdsched.tools.quiet import host_output_to
+    from fdsched.cmdline.quiet import host_output_to
 
     with host_output_to(tmp_path / "host.log"):
         return search(arms, seed, budget, out=tmp_path, max_cases=max_cases, report=lambda line: None, until=until)

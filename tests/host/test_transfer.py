@@ -14,7 +14,7 @@ ECQ = "fastdeploy.inter_communicator.engine_cache_queue"
 @pytest.fixture
 def transfer(install_profile):
     """(server, port) with the plugin's change 5 on; the receiver is started by the test."""
-    from fdsched.tools.bench import start_transfer_server
+    from fdsched.tools.transferbench import start_transfer_server
 
     install_profile("nonpolling_transfer", FDSCHED_TRANSFER_WAIT_SECONDS=0.3)
     started = []
@@ -32,7 +32,7 @@ def transfer(install_profile):
 def _client(port):
     import sys
 
-    from fdsched.tools.bench import AUTHKEY
+    from fdsched.tools.transferbench import AUTHKEY
 
     cls = sys.modules[ECQ].EngineCacheQueue
     return cls(address=("127.0.0.1", port), authkey=AUTHKEY, is_server=False, num_client=1, client_id=0)
@@ -41,7 +41,7 @@ def _client(port):
 def _host_client(port):
     import sys
 
-    from fdsched.tools.bench import AUTHKEY
+    from fdsched.tools.transferbench import AUTHKEY
     from fdsched.install.probe import _original
 
     cls = _original(sys.modules[ECQ].EngineCacheQueue)
@@ -55,7 +55,7 @@ def _signal(i):
 
 
 def test_signals_from_another_process_arrive_in_order(transfer):
-    from fdsched.tools.bench import run_producer, start_transfer_receiver, stop_transfer
+    from fdsched.tools.transferbench import run_producer, start_transfer_receiver, stop_transfer
 
     server, port = transfer()
     rm, cm, receiver = start_transfer_receiver(port)
@@ -122,7 +122,7 @@ def test_a_result_being_handled_still_counts_as_pending(transfer):
 
 
 def test_reset_waits_for_every_result(transfer):
-    from fdsched.tools.bench import run_producer, start_transfer_receiver, stop_transfer
+    from fdsched.tools.transferbench import run_producer, start_transfer_receiver, stop_transfer
 
     server, port = transfer()
     rm, cm, receiver = start_transfer_receiver(port)
@@ -165,7 +165,7 @@ def test_swap_branch_stays_reachable_and_direct_recycle_is_explicit(install_prof
 
 def test_client_falls_back_to_polling_against_a_host_server(install_profile):
     from fdsched.install import installer
-    from fdsched.tools.bench import start_transfer_server
+    from fdsched.tools.transferbench import start_transfer_server
 
     installer.uninstall()
     server, port = start_transfer_server()  # the host's own server: plain lists

@@ -403,7 +403,7 @@ def test_a_replay_that_cannot_start_leaves_no_output_behind(tmp_path, monkeypatc
     assert main(["replay", "--out", str(out), "--no-progress"]) == 2
     assert "needs the FastDeploy host" in capsys.readouterr().err
     assert not out.exists()  # made for the run, removed again: nothing half-written
-    from fdsched.tools.outdir import MARKER, claim_out_dir, settle_out_dir
+    from fdsched.cmdline.outdir import MARKER, claim_out_dir, settle_out_dir
 
     kept, created = claim_out_dir(str(tmp_path / "kept"), "fdsched replay")  # an earlier replay's folder
     (kept / "report.json").write_text("{}", encoding="utf-8")

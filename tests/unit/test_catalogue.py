@@ -104,7 +104,7 @@ def test_preemption_mixins_are_chosen_by_the_host_not_asked_per_call():
             assert "_trigger_preempt" in defined(shape) and "_select_preempt_candidate" not in defined(shape)
     # a host without the seam: the loop, with or without the decode node's output-cache save (2.5 has none)
     assert spec.mixin_of("ResourceManagerV1", "plugin", host_has=False) == (
-        dop.PolicyPreemptOldHostMixin, dop.PolicyPreemptNoDecodeSaveMixin)
+        dop.PolicyPreemptLoopMixin, dop.PolicyPreemptNoDecodeSaveMixin)
     assert "host_defines" not in vars(dop)  # no method asks which host it runs on
 
 
@@ -351,7 +351,7 @@ def test_pd_recording_is_chosen_by_mode_and_host_not_read_per_call(mode):
         else:
             assert gate._fdsched_allowed == {pd.PREALLOCATION}
             # the host that has the change records at preallocation itself; the plugin records only where it lacks it
-            assert scheduler is (pd.PdPrefillCacheMixin if host_has else pd.PdUpstreamOldHostMixin)
+            assert scheduler is (pd.PdPrefillCacheMixin if host_has else pd.PdUpstreamRecordMixin)
     assert spec.mixin_of("PrefixCacheManager", "off", True, settings)._fdsched_allowed == {pd.CHUNK}
     assert spec.mixin_of("ResourceManagerV1", "off", True, settings) is pd.PdPreChangeMixin
     source = inspect.getsource(pd)

@@ -16,7 +16,7 @@ import tarfile
 
 import pytest
 
-from fdsched.tools import hostsetup
+from fdsched.tools import hostarchive, hostsetup
 from fdsched.tools.cli import main
 from fdsched.tools.hostsetup import HostSetupError, recorded_host_path, recorded_hosts, setup_host, use_host
 
@@ -249,7 +249,7 @@ def _no_download(monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("set-up tried to download")
 
-    monkeypatch.setattr(hostsetup.urllib.request, "urlopen", refuse)
+    monkeypatch.setattr(hostarchive.urllib.request, "urlopen", refuse)
 
 
 def test_setup_without_archive_takes_the_pinned_archive_from_the_current_folder(tmp_path, home, monkeypatch, capsys):
@@ -280,9 +280,9 @@ def test_local_archive_needs_exactly_one_full_name(tmp_path):
 
 def test_a_failed_download_of_the_pinned_archive_names_the_file_to_put_here(tmp_path, home, monkeypatch):
     def offline(*args, **kwargs):
-        raise hostsetup.urllib.error.URLError("no network")
+        raise hostarchive.urllib.error.URLError("no network")
 
-    monkeypatch.setattr(hostsetup.urllib.request, "urlopen", offline)
+    monkeypatch.setattr(hostarchive.urllib.request, "urlopen", offline)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(HostSetupError) as err:
         setup_host(install_deps=False)

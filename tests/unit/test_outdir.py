@@ -9,7 +9,7 @@ import json
 import pytest
 
 from fdsched.tools.cli import main
-from fdsched.tools.outdir import MARKER, OutputError, check_out_dir, check_out_file, claim_out_dir, settle_out_dir, \
+from fdsched.cmdline.outdir import MARKER, OutputError, check_out_dir, check_out_file, claim_out_dir, settle_out_dir, \
     trace_written_by
 
 TRACE = ('{"header": {"engine": {"block_size": 16, "num_gpu_blocks": 708, "max_num_seqs": 16, '

@@ -1,4 +1,4 @@
-"""fdsched.tools.quiet: the host's chatter (print, stderr, C-level writes, logging, warnings) goes to a log file; the
+"""fdsched.cmdline.quiet: the host's chatter (print, stderr, C-level writes, logging, warnings) goes to a log file; the
 progress bar's stream still reaches the terminal; -v (verbose) redirects nothing."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import textwrap
 SCRIPT = textwrap.dedent(
     """
     import logging, os, sys, warnings
-    from fdsched.tools.quiet import host_output_to, log_note
+    from fdsched.cmdline.quiet import host_output_to, log_note
 
     handler = logging.StreamHandler(sys.stderr)          # built before, as the host builds its loggers
     logger = logging.getLogger("host"); logger.addHandler(handler); logger.setLevel(logging.INFO)

@@ -12,7 +12,7 @@ from fdsched.core.settings import SettingsError
 from fdsched.replay.check import (HOST_ARM, PREFILL_RESERVE_DEFECT, SEATS_DEFECT, TWO_OWNERS_DEFECT, Case, draw_case,
                                   failure_of, search, shrink)
 from fdsched.replay.check_cli import COMMAND, _arms, _out_dir
-from fdsched.tools.outdir import claim_out_dir
+from fdsched.cmdline.outdir import claim_out_dir
 from fdsched.replay.trace import TraceRequest, check_engine, load_trace
 
 

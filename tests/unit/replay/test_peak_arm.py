@@ -7,7 +7,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fdsched.core.peak_admission import PeakAdmission, QuantileController, QuantileLengths
+from fdsched.replay.peak_admission import PeakAdmission, QuantileController, QuantileLengths
 from fdsched.core.settings import SettingsError, load_settings, shipped_profiles
 from fdsched.replay.peak_arm import LearnedClipHook, PeakAdmissionHook, replay_admission_hook
 

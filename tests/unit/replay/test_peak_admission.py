@@ -1,4 +1,4 @@
-"""Peak-demand admission with learned remainders (fdsched.core.peak_admission): plain values, no host."""
+"""Peak-demand admission with learned remainders (fdsched.replay.peak_admission): plain values, no host."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 import pytest
 
 from fdsched.core.common import ceil_div
-from fdsched.core.peak_admission import (
+from fdsched.replay.peak_admission import (
     LearnedClip, PeakAdmission, QuantileController, QuantileLengths, RunningView, peak_blocks,
 )
 from fdsched.core.policies import reserve_blocks_for_request

@@ -1,0 +1,3 @@
+"""What every ``fdsched`` command shares, below the replay, serve and tools layers: the output folders a command
+owns (:mod:`fdsched.cmdline.outdir`) and keeping the host's chatter off the terminal (:mod:`fdsched.cmdline.quiet`).
+Imports nothing from FastDeploy and nothing of the plugin but ``fdsched.core``."""
