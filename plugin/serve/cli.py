@@ -285,19 +285,8 @@ def _serve(args, signals, owned) -> int:
                 code = _serve_until_stopped(engine, args, signals)
         _finish(engine, args, failed=bool(code))
         return code
-    except KeyboardInterrupt:
-        print("fdsched serve: stopped" + (" during start-up" if engine is None or not engine.urls else ""),
-              file=sys.stderr)
-        if engine is not None:
-            engine.stop()
-            _finish(engine, args, failed=False)
-        return 0
-    except ServeError as exc:
-        print(f"fdsched serve: {exc}", file=sys.stderr)
-        if engine is not None:
-            engine.stop()
-            _finish(engine, args, failed=True)
-        return EXIT_NO_HOST if isinstance(exc, HostMissing) else EXIT_ERROR
+    except (KeyboardInterrupt, ServeError) as exc:
+        return _ended(engine, args, exc)
 
 
 def _check_host_quietly() -> None:
@@ -319,6 +308,23 @@ def _check_shapes_quietly(configs) -> list:
         for config in configs[:1]:  # the stacks differ only in their profile: one shape
             problems += host_shape_problems(config)
     return problems
+
+
+def _ended(engine, args, exc: BaseException) -> int:
+    """A stack stopped by Ctrl-C (0) or failed with a :class:`ServeError` (its exit code): one line, everything
+    started stopped, and what ran reported."""
+    stopped = isinstance(exc, KeyboardInterrupt)
+    if stopped:
+        print("fdsched serve: stopped" + (" during start-up" if engine is None or not engine.urls else ""),
+              file=sys.stderr)
+    else:
+        print(f"fdsched serve: {exc}", file=sys.stderr)
+    if engine is not None:
+        engine.stop()
+        _finish(engine, args, failed=not stopped)
+    if stopped:
+        return 0
+    return EXIT_NO_HOST if isinstance(exc, HostMissing) else EXIT_ERROR
 
 
 def _finish(engine, args, failed: bool) -> None:

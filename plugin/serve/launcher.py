@@ -43,6 +43,29 @@ REQUIRED_MODULES = ("fastdeploy", "fastapi", "uvicorn", "gunicorn", "aiozmq", "j
                     "partial_json_parser", "zmq", "tokenizers", "prometheus_client")
 
 
+
+_EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception|Exit)): (.+)$")
+
+
+def last_exception(files) -> str:
+    """The last exception line (``SomeError: ...``) written to any of ``files``, from the most recently written
+    one; "" when none has one (a missing file is skipped)."""
+    best = (0.0, "")
+    for path in files:
+        try:
+            with open(path, errors="replace") as fh:
+                lines = fh.read().splitlines()
+            mtime = os.path.getmtime(path)
+        except OSError:
+            continue
+        for line in reversed(lines):
+            m = _EXCEPTION_LINE.match(line.strip())
+            if m and "KeyboardInterrupt" not in line:
+                if mtime >= best[0]:
+                    best = (mtime, f"{m.group(1)}: {m.group(2)}"[:400])
+                break
+    return best[1]
+
 class ServeError(RuntimeError):
     """One clear error (the CLI prints it without a traceback)."""
 
@@ -539,22 +562,7 @@ class ServedEngine:
             d = self.rank_log_dir(rank)
             if os.path.isdir(d):
                 files += [os.path.join(d, f) for f in sorted(os.listdir(d)) if f.endswith(".log")]
-        best = (0.0, "")
-        pattern = re.compile(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception|Exit)): (.+)$")
-        for path in files:
-            try:
-                with open(path, errors="replace") as fh:
-                    lines = fh.read().splitlines()
-                mtime = os.path.getmtime(path)
-            except OSError:
-                continue
-            for line in reversed(lines):
-                m = pattern.match(line.strip())
-                if m and "KeyboardInterrupt" not in line:
-                    if mtime >= best[0]:
-                        best = (mtime, f"{m.group(1)}: {m.group(2)}"[:400])
-                    break
-        return best[1]
+        return last_exception(files)
 
     def _watch_engine_processes(self):
         """Record, once the stack is up, each rank's api_server and its descendants (the engine's queue managers

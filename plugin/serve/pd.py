@@ -19,7 +19,6 @@ from __future__ import annotations
 import difflib
 import json
 import os
-import re
 import sys
 import time
 import urllib.request
@@ -27,7 +26,8 @@ from dataclasses import dataclass
 from typing import Optional
 
 from fdsched.serve.launcher import (
-    LOOPBACK, PORTS_PER_RANK, Death, EngineConfig, ServedEngine, ServeError, check_config, free_ports, port_in_use,
+    LOOPBACK, PORTS_PER_RANK, Death, EngineConfig, ServedEngine, ServeError, check_config, free_ports, last_exception,
+    port_in_use,
 )
 
 __all__ = ["ROLES", "PdConfig", "PdServedEngine", "parse_role_profiles", "pd_config_problems", "instance_profiles"]
@@ -264,28 +264,9 @@ class PdServedEngine(ServedEngine):
     def host_error(self, rank) -> str:
         best = ""
         for inst in self.instances:
-            best = self._last_exception([os.path.join(self.log_dir, f"{inst['name']}.out")] +
+            best = last_exception([os.path.join(self.log_dir, f"{inst['name']}.out")] +
                                         [os.path.join(inst["log_dir"], f) for f in _files(inst["log_dir"])]) or best
         return best
-
-    @staticmethod
-    def _last_exception(files) -> str:
-        pattern = re.compile(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception|Exit)): (.+)$")
-        best = (0.0, "")
-        for path in files:
-            try:
-                with open(path, errors="replace") as fh:
-                    lines = fh.read().splitlines()
-                mtime = os.path.getmtime(path)
-            except OSError:
-                continue
-            for line in reversed(lines):
-                m = pattern.match(line.strip())
-                if m and "KeyboardInterrupt" not in line:
-                    if mtime >= best[0]:
-                        best = (mtime, f"{m.group(1)}: {m.group(2)}"[:400])
-                    break
-        return best[1]
 
     def _watch_engine_processes(self):
         try:

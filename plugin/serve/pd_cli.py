@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-from fdsched.core.common import EXIT_ERROR, EXIT_NO_HOST
+from fdsched.core.common import EXIT_ERROR
 
 __all__ = ["add_pd_arguments", "is_pd", "check_pd_args", "serve_pd"]
 
@@ -59,7 +59,7 @@ def serve_pd(args, signals, cli) -> int:
     :mod:`fdsched.serve.cli`, whose helpers this shares."""
     _check_host_quietly, _check_shapes_quietly = cli._check_host_quietly, cli._check_shapes_quietly  # noqa: N806
     _finish, _say, _serve_until_stopped = cli._finish, cli._say, cli._serve_until_stopped  # noqa: N806
-    from fdsched.serve.launcher import HostMissing, LOOPBACK, ServeError
+    from fdsched.serve.launcher import LOOPBACK, ServeError
     from fdsched.serve.pd import PdServedEngine
     from fdsched.serve.pd_checks import host_pd_problems
 
@@ -86,19 +86,8 @@ def serve_pd(args, signals, cli) -> int:
             code = _serve_until_stopped(engine, args, signals)
         _finish(engine, args, failed=bool(code))
         return code
-    except KeyboardInterrupt:
-        print("fdsched serve: stopped" + (" during start-up" if engine is None or not engine.urls else ""),
-              file=sys.stderr)
-        if engine is not None:
-            engine.stop()
-            _finish(engine, args, failed=False)
-        return 0
-    except ServeError as exc:
-        print(f"fdsched serve: {exc}", file=sys.stderr)
-        if engine is not None:
-            engine.stop()
-            _finish(engine, args, failed=True)
-        return EXIT_NO_HOST if isinstance(exc, HostMissing) else EXIT_ERROR
+    except (KeyboardInterrupt, ServeError) as exc:
+        return cli._ended(engine, args, exc)
 
 
 def _host_pd_quietly(config, check) -> list:
