@@ -57,17 +57,26 @@ __all__ = [
 HOST_INIT_RUNNING = "_fdsched_in_host_init"
 
 
-def code_names(func) -> frozenset:
-    """Global/attribute names and local variable names a function's code uses (nested code too)."""
-    names: set = set()
+def code_objects(func) -> list:
+    """``func``'s code object and every code object nested in it (comprehensions, inner functions); [] without
+    code."""
+    found: list = []
     stack = [getattr(func, "__code__", None)]
     while stack:
         code = stack.pop()
         if code is None:
             continue
+        found.append(code)
+        stack.extend(c for c in code.co_consts if inspect.iscode(c))
+    return found
+
+
+def code_names(func) -> frozenset:
+    """Global/attribute names and local variable names a function's code uses (nested code too)."""
+    names: set = set()
+    for code in code_objects(func):
         names.update(code.co_names)
         names.update(code.co_varnames)
-        stack.extend(c for c in code.co_consts if inspect.iscode(c))
     return frozenset(names)
 
 

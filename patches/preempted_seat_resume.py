@@ -39,13 +39,12 @@ every arm class while the plugin is loaded).
 
 from __future__ import annotations
 
-import inspect
 import sys
 
 from fdsched.core.metrics import METRICS
 from fdsched.patches._guard import nothing_scheduled
 from fdsched.patches._spec import PatchSpec, Reliance
-from fdsched.patches._base import PluginBase, code_names, host_global, node_role
+from fdsched.patches._base import PluginBase, code_names, code_objects, host_global, node_role
 
 RM = "fastdeploy.engine.sched.resource_manager_v1"
 
@@ -124,15 +123,10 @@ def _no_preempted_seat_count(info) -> bool:
     against ``PREEMPTED`` (a nested code object; Python 3.12 inlines comprehensions, so there ``schedule`` itself
     naming ``sum``, ``PREEMPTED`` and ``max_num_seqs`` counts). Anything unclear reads as counted: the fix applies,
     and where the state never arises it never acts."""
-    schedule = getattr(info.rm_class, "schedule", None)
-    code = getattr(schedule, "__code__", None)
-    if code is None:
+    codes = code_objects(getattr(info.rm_class, "schedule", None))
+    if not codes:
         return False
-    nested, stack = [], [c for c in code.co_consts if inspect.iscode(c)]
-    while stack:
-        inner = stack.pop()
-        nested.append(inner)
-        stack.extend(c for c in inner.co_consts if inspect.iscode(c))
+    code, nested = codes[0], codes[1:]
     if any({"status", "PREEMPTED"} <= set(inner.co_names) for inner in nested):
         return False
     return not (sys.version_info >= (3, 12) and {"sum", "PREEMPTED", "max_num_seqs"} <= set(code.co_names))

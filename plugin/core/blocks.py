@@ -173,10 +173,10 @@ class BlockAudit:
         """One audit's findings (:func:`check_blocks`), ``spent`` seconds in the making; returns those to report
         now."""
         self.audits += 1
-        owner = {kind_of(f): f for f in findings if kind_of(f) in OWNER_KINDS}
+        owner = {kind: f for kind, f in ((kind_of(f), f) for f in findings) if kind in OWNER_KINDS}
         self.standing &= set(owner)  # an episode ends when its kind is gone
-        confirm = [owner[k] for k in owner if k in self.suspect and k not in self.standing]
-        self.standing.update(kind_of(f) for f in confirm)
+        confirmed = [k for k in owner if k in self.suspect and k not in self.standing]
+        self.standing.update(confirmed)
         self.suspect = frozenset(k for k in owner if k not in self.standing)
         self.next_at = now if self.suspect else now + self.gap(spent)  # a suspicion is checked at the next pass
-        return confirm
+        return [owner[k] for k in confirmed]
