@@ -70,10 +70,7 @@ def served():
         return eng
 
     yield _start
-    for eng in started:
-        eng.stop()
-        from .helpers import leftovers
+    from .helpers import assert_left_nothing
 
-        left = leftovers(eng)
-        eng.cleanup()
-        assert not left, f"left behind after stop: {left}"
+    for eng in started:
+        assert_left_nothing(eng)

@@ -175,6 +175,16 @@ def assert_blocks_whole(state: dict, log_dir: str = "") -> None:
     assert state["pending_signals"] == [], f"what an open schedule() pass still expects of a block check: {state['pending_signals']}"
 
 
+def assert_left_nothing(eng, when: str = "after stop", stop: bool = True) -> None:
+    """Stop ``eng`` (``stop``; a stack whose start failed has stopped itself), read what is left of it
+    (:func:`leftovers`), remove its run folder, and fail naming what was left ``when``."""
+    if stop:
+        eng.stop()
+    left = leftovers(eng)
+    eng.cleanup()
+    assert not left, f"left behind {when}: {left}"
+
+
 def leftovers(eng) -> list:
     """Processes, ports and /dev/shm entries of a stopped stack that are still there: what its processes recorded
     creating, and (to catch what the ledger missed) entries whose names carry one of its ports. Read only."""

@@ -16,7 +16,7 @@ import pytest
 
 from fdsched.serve.model import prompt_of_length
 
-from .helpers import _conn, assert_blocks_whole, complete, leftovers, metric, run_concurrently, settle
+from .helpers import _conn, assert_blocks_whole, assert_left_nothing, complete, metric, run_concurrently, settle
 
 SHAPE = dict(num_gpu_blocks=48, block_size=16, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=256)
 ROLE_PROFILES = "prefill=pd_prefill_cache,decode=baseline"
@@ -50,10 +50,7 @@ def pd():
     try:
         yield eng
     finally:
-        eng.stop()
-        left = leftovers(eng)
-        eng.cleanup()
-        assert not left, f"left behind after stop: {left}"
+        assert_left_nothing(eng)
 
 
 def test_both_roles_run_their_own_profile_in_every_engine(pd):
@@ -153,6 +150,4 @@ def test_an_instance_that_never_comes_up_is_named_and_nothing_is_left():
     assert time.monotonic() - t0 < 90, message
     assert message.startswith("stage prefill 0 ") and "; decode 0 " in message, message
     assert "not healthy within 20s; allowed: a longer --health-timeout" in message, message
-    left = leftovers(eng)
-    eng.cleanup()
-    assert not left, f"left behind after a failed start: {left}"
+    assert_left_nothing(eng, "after a failed start", stop=False)

@@ -139,17 +139,14 @@ def ab_stack():
     """One two-rank stack (Router + multi_api_server) for the A/B test and, after it, the dead-worker test."""
     from fdsched.serve.launcher import EngineConfig, ServedEngine
 
-    from .helpers import leftovers
+    from .helpers import assert_left_nothing
 
     eng = ServedEngine(EngineConfig(dp=2, arms="0=baseline,1=recommended", **dict(PRESSURE, num_gpu_blocks=40)))
     try:
         eng.__enter__()
         yield eng
     finally:
-        eng.stop()
-        left = leftovers(eng)
-        eng.cleanup()
-        assert not left, f"left behind after stop: {left}"
+        assert_left_nothing(eng)
 
 
 def test_online_ab_two_ranks_through_the_router(ab_stack, host_commit):
@@ -222,7 +219,7 @@ def test_a_refused_engine_shape_is_reported_at_once_with_the_hosts_message():
 
     from fdsched.serve.launcher import EngineConfig, ServedEngine, ServeError
 
-    from .helpers import leftovers
+    from .helpers import assert_left_nothing
 
     eng = ServedEngine(EngineConfig(dp=2, num_gpu_blocks=64, block_size=64, max_model_len=4096, health_timeout=240))
     t0 = time.monotonic()
@@ -235,9 +232,7 @@ def test_a_refused_engine_shape_is_reported_at_once_with_the_hosts_message():
     assert took < 150, f"the refusal took {took:.0f} s"
     assert message.startswith("during start-up: rank ") and "api_server" in message, message
     assert "the host said: " in message and "64" in message.split("the host said: ", 1)[1], message
-    left = leftovers(eng)
-    eng.cleanup()
-    assert left == [], left
+    assert_left_nothing(eng, "after a refused start", stop=False)
 
 
 # ---------------------------------------------------------------------------------------- bad input
