@@ -45,38 +45,48 @@ def _hit_rate(text) -> float:
 
 
 def run_arm(trace, prefill_profile: str, decode_profile: str, shape: dict, decode_blocks, time_scale: float) -> dict:
-    """One stack, the whole trace through its Router; the arm's figures."""
-    from fdsched.serve.load import Target, run_trace_load
+    """One stack, the whole trace through its Router; the arm's figures. The stack's run folder goes afterwards."""
     from fdsched.serve.pd import PdConfig, PdServedEngine
-    from fdsched.serve.served_report import client_figures
 
     config = PdConfig(prefill=1, decode=1, role_profiles=f"prefill={prefill_profile},decode={decode_profile}",
                       decode_num_gpu_blocks=decode_blocks, health_timeout=300, **shape)
-    with PdServedEngine(config, progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True)) as eng:
-        prefill, decode = eng.instances
-        target = Target(prefill_profile, prefill["url"], prefill["metrics"], send_url=eng.router_url)
-        samples, stop = {}, threading.Event()
-        sampler = threading.Thread(target=_sample_blocks, args=(eng, stop, samples), daemon=True)
-        sampler.start()
-        load = run_trace_load(trace, [target], time_scale=time_scale, progress=False)
-        stop.set()
-        sampler.join()
-        eng.check_alive()
-        figures = client_figures(load["results"])
-        log = eng.messager_log(0)
-        finished = len(re.findall(r": finished \(", log))
-        failed = len(re.findall(r": (?:connection error|write cache error) \(", log))
-        return {
-            "prefill_profile": prefill_profile, "decode_profile": decode_profile,
-            "requests": figures["requests"], "finished": figures["requests_finished"], "errors": figures["errors"],
-            "prefill_hit_rate": _hit_rate(eng.metrics_text(0)), "decode_hit_rate": _hit_rate(eng.metrics_text(1)),
-            **{k: figures.get(k) for k in ("ttft_ms_p50", "ttft_ms_p99", "e2e_ms_p50", "e2e_ms_p90", "e2e_ms_p99")},
-            "prefill_blocks_peak": max(samples.get("prefill", [0])),
-            "prefill_blocks_mean": round(sum(samples.get("prefill", [0])) / max(1, len(samples.get("prefill", []))), 1),
-            "decode_blocks_peak": max(samples.get("decode", [0])),
-            "transfers_finished": finished, "transfers_failed": failed,
-            "wall_seconds": round(load["wall_seconds"], 1),
-        }
+    eng = PdServedEngine(config, progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
+    try:
+        with eng:
+            return _measure(eng, trace, prefill_profile, decode_profile, time_scale)
+    finally:
+        eng.cleanup()  # the stack's run folder (logs, state): everything reported has been read from it
+
+
+def _measure(eng, trace, prefill_profile: str, decode_profile: str, time_scale: float) -> dict:
+    """The arm's figures from a running stack."""
+    from fdsched.serve.load import Target, run_trace_load
+    from fdsched.serve.served_report import client_figures
+
+    prefill, decode = eng.instances
+    target = Target(prefill_profile, prefill["url"], prefill["metrics"], send_url=eng.router_url)
+    samples, stop = {}, threading.Event()
+    sampler = threading.Thread(target=_sample_blocks, args=(eng, stop, samples), daemon=True)
+    sampler.start()
+    load = run_trace_load(trace, [target], time_scale=time_scale, progress=False)
+    stop.set()
+    sampler.join()
+    eng.check_alive()
+    figures = client_figures(load["results"])
+    log = eng.messager_log(0)
+    finished = len(re.findall(r": finished \(", log))
+    failed = len(re.findall(r": (?:connection error|write cache error) \(", log))
+    return {
+        "prefill_profile": prefill_profile, "decode_profile": decode_profile,
+        "requests": figures["requests"], "finished": figures["requests_finished"], "errors": figures["errors"],
+        "prefill_hit_rate": _hit_rate(eng.metrics_text(0)), "decode_hit_rate": _hit_rate(eng.metrics_text(1)),
+        **{k: figures.get(k) for k in ("ttft_ms_p50", "ttft_ms_p99", "e2e_ms_p50", "e2e_ms_p90", "e2e_ms_p99")},
+        "prefill_blocks_peak": max(samples.get("prefill", [0])),
+        "prefill_blocks_mean": round(sum(samples.get("prefill", [0])) / max(1, len(samples.get("prefill", []))), 1),
+        "decode_blocks_peak": max(samples.get("decode", [0])),
+        "transfers_finished": finished, "transfers_failed": failed,
+        "wall_seconds": round(load["wall_seconds"], 1),
+    }
 
 
 COLUMNS = (("prefill_hit_rate", "P hit rate", "{:.3f}"), ("decode_hit_rate", "D hit rate", "{:.3f}"),
