@@ -1,5 +1,6 @@
-"""The scheduler guard: a watch after every ``schedule()`` pass, in every arm class of ``ResourceManagerV1`` while the
-plugin is loaded (every profile, every line with a ``schedule()`` to wrap; it changes no decision).
+"""The scheduler guard: a watch after every ``schedule()`` call, in every arm class of ``ResourceManagerV1`` while the
+plugin is loaded (every profile, every line; it changes no decision). The step mixin
+(:mod:`fdsched.patches._step`) calls it.
 
 * **Stalled admission.** A pass that schedules nothing while requests wait, nothing runs and blocks are free is
   watched (:class:`fdsched.core.policies.StallWatch`); an episode that lasts 100 passes and 30 s is reported once.
@@ -25,7 +26,7 @@ from fdsched.core.policies import StallWatch
 from fdsched.patches._base import host_global
 from fdsched.patches._blocks import cache_blocks_by_node, request_held_blocks
 
-__all__ = ["SchedulerGuardMixin", "AUDIT_INTERVAL_S", "nothing_scheduled"]
+__all__ = ["SchedulerGuard", "AUDIT_INTERVAL_S", "nothing_scheduled"]
 
 RM = "fastdeploy.engine.sched.resource_manager_v1"
 AUDIT_INTERVAL_S = 10.0  # seconds between the guard's audits of the block accounting
@@ -42,18 +43,14 @@ def nothing_scheduled(result) -> bool:
         return False
 
 
-class SchedulerGuardMixin:
-    """Outermost on every arm class of the scheduler (see the module docstring)."""
+class SchedulerGuard:
+    """The guard's part of the step mixin (:class:`fdsched.patches._step.StepPlanMixin`), which calls
+    :meth:`_fdsched_guard` after each whole ``schedule()`` call (see the module docstring)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._fdsched_stall_watch = StallWatch()
         self._fdsched_block_audit = BlockAudit(AUDIT_INTERVAL_S)
-
-    def schedule(self, *args, **kwargs):
-        result = super().schedule(*args, **kwargs)
-        self._fdsched_guard(nothing_scheduled(result))
-        return result
 
     def _fdsched_guard(self, idle: bool) -> None:
         """After a pass (``idle``: it scheduled nothing)."""

@@ -2,8 +2,8 @@
 
 Replaces:  ResourceManagerV1._select_preempt_candidate (the seam of a host with 7783: which request its
            preemption loop takes next), ResourceManagerV1._trigger_preempt (a host without that seam:
-           the loop, paraphrased; with the seam the host's own loop runs), ResourceManagerV1.schedule
-           (wrapper: ends the no-victim warning episode after each pass), ResourceManagerV1.__init__ (its state)
+           the loop, paraphrased; with the seam the host's own loop runs), ResourceManagerV1.__init__ (its state);
+           a step after each ``schedule()`` pass ends the no-victim warning episode
 Why:       the host preempts the last running request whatever its phase, so a long prompt that is
            half prefilled can be thrown away and recomputed while decoders hold their blocks.
 Upstream:  PR 7444, 2.6 cherry-pick 7783 (merged; in d38eeb8).
@@ -60,11 +60,11 @@ class DecodeOnlyPreemptMixin(PluginBase):
         super().__init__(*args, **kwargs)
         self._fdsched_no_victim = NoVictimWarning()
 
-    def schedule(self):
-        try:
-            return super().schedule()
-        finally:
-            self._fdsched_no_victim.end_pass()
+    fdsched_pass_end = "_fdsched_end_victim_episode"  # a step of the one schedule() wrapper (fdsched.patches._step)
+
+    def _fdsched_end_victim_episode(self, plan, result) -> None:
+        """After every pass: the no-victim warning's pass ends (it warns once per episode)."""
+        self._fdsched_no_victim.end_pass()
 
     # ---- helpers --------------------------------------------------------------------------
     def _fdsched_count_victim(self, victim, decoding: bool) -> None:
@@ -263,7 +263,6 @@ SPEC = PatchSpec(
         "ResourceManagerV1.__init__",
         "ResourceManagerV1._select_preempt_candidate",
         "ResourceManagerV1._trigger_preempt",
-        "ResourceManagerV1.schedule",
     ),
     why="The host preempts the last running request whatever its phase, throwing away prefill work.",
     how="Victim = last decoding request without extend tables (hook fdsched_select_preemption_victim); "

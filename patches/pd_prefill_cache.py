@@ -1,8 +1,8 @@
 """Change 4 — PD disaggregation: a prefill node records its blocks in the radix tree.
 
-Replaces:  ResourceManagerV1.preallocate_resource_in_p, ResourceManagerV1.schedule (wrapper),
-           ResourceManagerV1._free_blocks (wrapper), PrefixCacheManager.update_cache_blocks (gate),
-           ResourceManagerV1.__init__ and PrefixCacheManager.__init__ (bind what the node's role does, once)
+Replaces:  ResourceManagerV1.preallocate_resource_in_p, ResourceManagerV1._free_blocks (wrapper),
+           PrefixCacheManager.update_cache_blocks (gate), ResourceManagerV1.__init__ and PrefixCacheManager.__init__
+           (bind what the node's role does, once); ``off``: a step after each ``schedule()`` pass records its chunks
 Why:       with splitwise_role == "prefill" the prefix hit rate was low: blocks a prefill node
            computed did not reliably end up in its radix tree.
 Upstream:  PR 7364, 2.6 cherry-pick 7387 (merged; in d38eeb8). Upstream records the
@@ -166,10 +166,11 @@ class PdPreChangeMixin(PdPrefillCacheMixin):
         super()._fdsched_bind_role(prefill_node)
         self._fdsched_after_pass = self._fdsched_record_chunks if prefill_node else _nothing_to_record
 
-    def schedule(self):
-        result = super().schedule()
+    fdsched_pass_result = "_fdsched_record_pass"  # a step of the one schedule() wrapper (fdsched.patches._step)
+
+    def _fdsched_record_pass(self, result) -> None:
+        """After a pass that returned: its final task list's chunks recorded (on a prefill node)."""
         self._fdsched_after_pass(result[0])
-        return result
 
     def _fdsched_record_chunks(self, tasks) -> None:
         from fastdeploy.engine.request import Request
@@ -229,7 +230,6 @@ SPEC = PatchSpec(
         "ResourceManagerV1.__init__",
         "PrefixCacheManager.__init__",
         "ResourceManagerV1.preallocate_resource_in_p",
-        "ResourceManagerV1.schedule",
         "ResourceManagerV1._free_blocks",
         "PrefixCacheManager.update_cache_blocks",
     ),

@@ -1,8 +1,8 @@
 """Host fix — a preempted request resumes on the seat it holds: the admission loop never locks every seat for good.
 
-Replaces:  ResourceManagerV1.schedule (wrapper: after a pass that scheduled nothing while every seat is held by
-           preempted requests and nothing runs, the first of them resumes on its own seat and the pass runs again),
-           ResourceManagerV1.__init__ (reads once whether the resume path matches the prefix cache)
+Replaces:  ResourceManagerV1.__init__ (reads once whether the resume path matches the prefix cache); a step after the
+           ``schedule()`` pass: after a pass that scheduled nothing while every seat is held by preempted requests and
+           nothing runs, the first of them resumes on its own seat and the pass runs again
 Why:       FastDeploy's admission loop counts the preempted requests waiting to resume against ``max_num_seqs`` before
            it admits anything, those requests included (slot accounting, PR 7141 / 7181). Once ``max_num_seqs``
            requests sit preempted with nothing running, every pass stops at that first check: no request is admitted
@@ -69,10 +69,13 @@ class PreemptedSeatResumeMixin(PluginBase):
         self._fdsched_match_on_resume = bool(getattr(cache_config, "enable_prefix_caching", False)) and (
             node_role(self) != "decode")
 
-    def schedule(self):
-        result = super().schedule()
+    fdsched_after_passes = "_fdsched_resume_seat"  # a step of the one schedule() wrapper (fdsched.patches._step)
+
+    def _fdsched_resume_seat(self, result, run_pass):
+        """After a pass that scheduled nothing with the seats locked: the preempted head resumes on its seat and one
+        more pass runs (``run_pass``); the result is the second pass's tasks with both passes' error lists."""
         if nothing_scheduled(result) and self._fdsched_resume_locked_head():
-            again = super().schedule()
+            again = run_pass()
             result = (again[0], list(result[1]) + list(again[1])) + tuple(again[2:])
         return result
 
@@ -148,7 +151,7 @@ SPEC = PatchSpec(
     title="A preempted request resumes on the seat it holds",
     upstream_prs=(),
     upstream_state="none",
-    replaces=("ResourceManagerV1.__init__", "ResourceManagerV1.schedule"),
+    replaces=("ResourceManagerV1.__init__",),
     why=(
         "The admission loop counts preempted requests waiting to resume against max_num_seqs before admitting any, "
         "those included: once max_num_seqs requests sit preempted and nothing runs, nothing is admitted again."

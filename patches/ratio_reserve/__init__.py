@@ -1,6 +1,6 @@
 """Change 3 — new_token_ratio-based KV reservation, with the chunked-prefill guard.
 
-Replaces:  ResourceManagerV1.__init__, ResourceManagerV1.schedule (wrapper: the pass),
+Replaces:  ResourceManagerV1.__init__ (and a step at each ``schedule()`` pass's end: the budget closes),
            ResourceManagerV1.get_new_block_nums, ResourceManagerV1._get_can_schedule_prefill_threshold_block,
            ResourceManagerV1._get_running_request_reserve_blocks, ResourceManagerV1._reset_reserve_on_preemption,
            ResourceManagerV1._trigger_preempt (wrapper), ResourceManagerV1.finish_requests (adaptive: samples),
@@ -110,7 +110,6 @@ SPEC = PatchSpec(
     upstream_state="merged",
     replaces=(
         "ResourceManagerV1.__init__",
-        "ResourceManagerV1.schedule",
         "ResourceManagerV1.get_new_block_nums",
         "ResourceManagerV1._get_can_schedule_prefill_threshold_block",
         "ResourceManagerV1._get_running_request_reserve_blocks",

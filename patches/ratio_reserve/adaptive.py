@@ -1,11 +1,11 @@
-"""Change 3, impl ``plugin`` with the plugin's adaptive estimator (:class:`fdsched.core.admission.AdaptiveStrategy`,
+"""Change 3, impl ``plugin`` with the plugin's adaptive estimator (:class:`fdsched.core.strategies.AdaptiveStrategy`,
 beyond upstream), on each host shape. The catalogue entry is :mod:`fdsched.patches.ratio_reserve`.
 """
 
 from __future__ import annotations
 
 from fdsched.core.adaptive import K_BOUND, AdaptiveReserve, client_bound, track_live
-from fdsched.core.admission import AdaptiveStrategy
+from fdsched.core.strategies import AdaptiveStrategy
 from fdsched.core.metrics import METRICS
 
 from fdsched.patches._spec import Shapes

@@ -15,7 +15,7 @@ from fdsched.core.metrics import METRICS
 from fdsched.core.policies import FixedBlockReserve, NewTokenRatio, max_new_tokens_of
 
 from fdsched.patches._base import PluginBase, drafts, host_global
-from fdsched.patches._pass import PassDesk, SchedulePass
+from fdsched.patches._plan import StepPlan
 from fdsched.patches.ratio_reserve.reader import free_blocks_of, reader_for
 
 RM = "fastdeploy.engine.sched.resource_manager_v1"
@@ -31,6 +31,22 @@ _FIXED = (
     "host_tunables.FD_RESERVE_DECAY_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL",
     "host_tunables.FD_RESERVE_MIN_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL",
 )
+
+
+class ArmGauges:
+    """A strategy's reports (:class:`fdsched.core.admission.Gauges`) as this scheduler's metrics, labelled by its
+    arm."""
+
+    __slots__ = ("_of",)
+
+    def __init__(self, scheduler) -> None:
+        self._of = scheduler
+
+    def ratio(self, value: float) -> None:
+        METRICS.ratio(value, of=self._of)
+
+    def adaptive_decision(self, expected_tokens: float, margin_tokens: float, k: float, fallbacks: int) -> None:
+        METRICS.adaptive_decision(expected_tokens, margin_tokens, k, fallbacks, of=self._of)
 
 
 class ReservationMixin(PluginBase):
@@ -58,10 +74,10 @@ class _BudgetedReserve(ReservationMixin):
             s.reestimate_cap,
         )
         self._fdsched_fixed = FixedBlockReserve(*(s[key] for key in _FIXED))
-        # The passes this scheduler has open, one per thread; its cache manager consults them (handed over once,
-        # here: nothing of a pass is ever stored in the cache manager).
-        self._fdsched_desk = PassDesk()
-        self.cache_manager._fdsched_desk = self._fdsched_desk
+        self._fdsched_gauges = ArmGauges(self)  # where the strategy reports, labelled by this scheduler's arm
+        # The slot of this scheduler's open plan (made by the step mixin), handed to its cache manager once, here:
+        # nothing of a pass is ever stored in the cache manager.
+        self.cache_manager._fdsched_plans = self._fdsched_plans
         # A draft model (speculative decoding) needs one block more per chunk; fixed for the scheduler's life.
         self._fdsched_speculative_slack = self._fdsched_draft_slack if drafts(self) else _no_slack
         # the host module's request class (every FastDeploy 2.x has one; without it the reader reads afresh)
@@ -96,39 +112,33 @@ class _BudgetedReserve(ReservationMixin):
 
     def _fdsched_budget(self):
         """The budget of the pass this thread has open (made now if it had none yet), else None."""
-        schedule_pass = self._fdsched_desk.current()
-        return schedule_pass.budget if schedule_pass is not None else None
+        plan = self._fdsched_plans.current()
+        return plan.budget if plan is not None else None
 
     def _fdsched_made_budget(self):
         """The budget of the pass this thread has open if the pass made one yet, else None (nothing is made)."""
-        schedule_pass = self._fdsched_desk.current()
-        return schedule_pass.made if schedule_pass is not None else None
+        plan = self._fdsched_plans.current()
+        return plan.made if plan is not None else None
 
     # ---- the pass ---------------------------------------------------------------------------------
-    def schedule(self):
-        # One pass object per call, on this thread's desk entry: a second thread calling schedule() (it then waits
-        # for the host's lock) neither replaces nor sees this pass.
-        # The budget is made at the pass's first need of it (most passes never ask).
-        desk = self._fdsched_desk
-        schedule_pass = SchedulePass(self._fdsched_new_budget)
-        outer = desk.open(schedule_pass)
-        result = None
-        try:
-            result = super().schedule()
-        finally:
-            desk.close(outer)
-            with self.lock:
-                budget = schedule_pass.made
-                if budget is not None or schedule_pass.expected:  # most passes: nothing was asked or is left
-                    self._fdsched_end_pass(schedule_pass, result[0] if result else None)
-                # one call ends the strategy's pass (None: the host's pass raised, the ratio stays)
-                self._fdsched_strategy.pass_ended(None if result is None else bool(result[0]), budget is not None, self)
-        return result
+    # The step mixin (fdsched.patches._step) opens one plan per pass with this class's budget maker (the budget is
+    # made at the pass's first need of it: most passes never ask) and calls this when the pass ends.
+    fdsched_pass_end = "_fdsched_close_plan"
 
-    def _fdsched_end_pass(self, schedule_pass: SchedulePass, scheduled_reqs) -> None:
+    def _fdsched_close_plan(self, plan: StepPlan, result) -> None:
+        """Under the host's lock: what the pass left (:meth:`_fdsched_end_pass`), and the end of the strategy's pass
+        (None: the host's pass raised, the ratio stays)."""
+        with self.lock:
+            budget = plan.made
+            if budget is not None or plan.expected:  # most passes: nothing was asked or is left
+                self._fdsched_end_pass(plan, result[0] if result else None)
+            self._fdsched_strategy.pass_ended(None if result is None else bool(result[0]), budget is not None,
+                                              self._fdsched_gauges)
+
+    def _fdsched_end_pass(self, plan: StepPlan, scheduled_reqs) -> None:
         """What a pass that asked, or left something expected, leaves: its figures to the metrics, and what nobody
         consumed logged and counted."""
-        budget = schedule_pass.made
+        budget = plan.made
         if budget is not None:
             self._fdsched_report(budget)
             for request_id in sorted(budget.close()):
@@ -136,27 +146,27 @@ class _BudgetedReserve(ReservationMixin):
                 host_global(RM, "llm_logger").warning(
                     f"[fdsched] the guard refused running chunk {request_id} but no preemption call followed"
                 )
-        if schedule_pass.expecting():  # something left unconsumed: logged and counted (the logger looked up here)
-            schedule_pass.close(host_global(RM, "llm_logger"), of=self)
+        if plan.expecting():  # something left unconsumed: logged and counted (the logger looked up here)
+            plan.close(host_global(RM, "llm_logger"), of=self)
 
     # ---- the admission threshold ---------------------------------------------------------------------
     def get_new_block_nums(self, request, num_new_tokens):
         # The host asks for a request's block count right before that request's block checks.
-        schedule_pass = self._fdsched_desk.current()
-        if schedule_pass is not None:
-            schedule_pass.focus(request.request_id)
+        plan = self._fdsched_plans.current()
+        if plan is not None:
+            plan.focus(request.request_id)
         return super().get_new_block_nums(request, num_new_tokens)
 
     def _fdsched_threshold_seam(self, num_chunk_new_block: int) -> int:
         """The answer at the host's threshold seam, whichever shape the host gives it (it is the seam itself where the
         host passes the count only: a pass asks it once per admission)."""
-        schedule_pass = self._fdsched_desk.current()
-        if schedule_pass is not None:
+        plan = self._fdsched_plans.current()
+        if plan is not None:
             # The pass's figures go to the metrics once, when it ends (_fdsched_end_pass): a pass may ask once
             # per admission, and the gauges' updates cost a fair part of an ask.
-            budget = schedule_pass.made
+            budget = plan.made
             if budget is None:
-                budget = schedule_pass.budget
+                budget = plan.budget
             threshold = budget.threshold(num_chunk_new_block, self.running)
             if budget.settled:  # the free blocks cover it: the check that follows answers True, nothing to count
                 return threshold
@@ -164,10 +174,10 @@ class _BudgetedReserve(ReservationMixin):
             budget = self._fdsched_new_budget()
             threshold = budget.threshold(num_chunk_new_block, self.running)
             self._fdsched_report(budget)
-            schedule_pass = SchedulePass(None)
-            self._fdsched_desk.ask_outside_a_pass(schedule_pass)
+            plan = StepPlan(None)
+            self._fdsched_plans.ask_outside_a_pass(plan)
         # Its caller checks the threshold with can_allocate_gpu_blocks next: count that check's refusal.
-        schedule_pass.expect(COUNT_REFUSAL, threshold)
+        plan.expect(COUNT_REFUSAL, threshold)
         return threshold
 
     _get_can_schedule_prefill_threshold_block = _fdsched_threshold_seam
@@ -177,13 +187,13 @@ class _BudgetedReserve(ReservationMixin):
         the metrics (nothing when no ask counted: every one was settled by the bound, or none came)."""
         if budget.reserved is not None:
             METRICS.reserved(budget.reserved, of=self)
-            self._fdsched_strategy.report_decision(of=self)
+            self._fdsched_strategy.report_decision(self._fdsched_gauges)
 
     def fdsched_running_reserve(self) -> int:
         """The blocks the running set keeps free now (what an admission's threshold adds to its chunk); the
         decision's figures go to the metrics as an admission's do."""
         blocks = self._fdsched_strategy.set_blocks(self._fdsched_views())
-        self._fdsched_strategy.report_decision(of=self)
+        self._fdsched_strategy.report_decision(self._fdsched_gauges)
         return blocks
 
     def _fdsched_draft_slack(self, threshold: int) -> int:
@@ -267,17 +277,17 @@ class _RunningChunkGuard(_BudgetedReserve):
         blocks = super().get_new_block_nums(request, num_new_tokens)
         if not self._fdsched_is_running_prefill(request):
             return blocks
-        schedule_pass = self._fdsched_desk.current()
-        if schedule_pass is None:  # outside a pass the host's own check stands
+        plan = self._fdsched_plans.current()
+        if plan is None:  # outside a pass the host's own check stands
             return blocks
-        budget = schedule_pass.budget
+        budget = plan.budget
         threshold = budget.threshold(blocks, self.running)
         # settled by the bound: the free blocks cover the threshold, and the pool's check would answer True
         if budget.settled or self.cache_manager.can_allocate_gpu_blocks(threshold):
             return blocks
         METRICS.admission_blocked(of=self)
         # The pass's one decision for this chunk: its block check is refused and its preemption call declined.
-        schedule_pass.expect(REFUSE_RUNNING_CHUNK, blocks)
+        plan.expect(REFUSE_RUNNING_CHUNK, blocks)
         budget.declined.add(request.request_id)
         return blocks
 

@@ -1,5 +1,5 @@
 """Change 3, impl ``off`` on a host that has the change: the fixed-block policy
-(:class:`fdsched.core.admission.FixedBlockStrategy`) and the pre-change running pass. The catalogue entry is
+(:class:`fdsched.core.strategies.FixedBlockStrategy`) and the pre-change running pass. The catalogue entry is
 :mod:`fdsched.patches.ratio_reserve`.
 """
 
@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import functools
 
-from fdsched.core.admission import AdmissionBudget, FixedBlockStrategy
+from fdsched.core.admission import AdmissionBudget
+from fdsched.core.strategies import FixedBlockStrategy
 from fdsched.core.metrics import METRICS
 
 from fdsched.patches._spec import Shapes
 from fdsched.patches._base import host_global
-from fdsched.patches._pass import SchedulePass
+from fdsched.patches._plan import StepPlan
 from fdsched.patches.ratio_reserve.budget import (
     COUNT_REFUSAL, REFUSE_RUNNING_CHUNK, RM, THRESHOLD_FOR_RUNNING_CHUNK, _BudgetedReserve,
 )
@@ -48,7 +49,7 @@ def admission_closed(queue_type: type) -> type:
 class PreChangeReserveMixin(_BudgetedReserve):
     """``off`` on a host that has 7783: the fixed-block policy (:class:`FixedBlockStrategy`) and the pre-change
     running pass (a running chunk short of blocks preempts instead of waiting). The pass ends where the host's
-    ``schedule()`` returns: the ``schedule`` wrapper gives it back what the plugin held, under the host's lock."""
+    ``schedule()`` returns: the pass's end (``_fdsched_close_plan``) gives it back what the plugin held, under the host's lock."""
 
     fdsched_calls = {"PrefixCacheManager.can_allocate_gpu_blocks": ("num_blocks",)}
     fdsched_attributes = ("waiting",)
@@ -83,14 +84,14 @@ class PreChangeReserveMixin(_BudgetedReserve):
             self.waiting = admission_closed(budget.queue_type)(self.waiting)
         if not can_schedule:
             # The host then stops its running pass (and, as before 7783, admits nobody in this step).
-            self._fdsched_desk.current().expect(REFUSE_RUNNING_CHUNK, blocks)
+            self._fdsched_plans.current().expect(REFUSE_RUNNING_CHUNK, blocks)
 
     def _get_can_schedule_prefill_threshold_block(self, num_chunk_new_block):
         budget = self._fdsched_budget()
         if budget is not None and budget.running_chunk is not None and budget.running_chunk[1] == num_chunk_new_block:
             budget.running_chunk = None
             # pre-change: a running chunk needed only its own blocks
-            self._fdsched_desk.current().expect(COUNT_REFUSAL, num_chunk_new_block)
+            self._fdsched_plans.current().expect(COUNT_REFUSAL, num_chunk_new_block)
             return num_chunk_new_block
         return super()._get_can_schedule_prefill_threshold_block(num_chunk_new_block)
 
@@ -110,12 +111,12 @@ class PreChangeReserveMixin(_BudgetedReserve):
         at = next((i for i, task in enumerate(scheduled_reqs) if task is chunk), len(scheduled_reqs))
         scheduled_reqs[at:at] = tasks
 
-    def _fdsched_end_pass(self, schedule_pass: SchedulePass, scheduled_reqs) -> None:
+    def _fdsched_end_pass(self, plan: StepPlan, scheduled_reqs) -> None:
         """Give the pass back what the plugin held for it (under the host's lock): the waiting queue, every request
         that arrived meanwhile in its place, and its preempt tasks in order."""
-        budget: _PreChangePass = schedule_pass.made
+        budget: _PreChangePass = plan.made
         if budget is None:  # the pass needed none: the plugin held nothing for it
-            super()._fdsched_end_pass(schedule_pass, scheduled_reqs)
+            super()._fdsched_end_pass(plan, scheduled_reqs)
             return
         if budget.queue_type is not None:
             self.waiting, budget.queue_type = budget.queue_type(self.waiting), None
@@ -131,7 +132,7 @@ class PreChangeReserveMixin(_BudgetedReserve):
                 f"[fdsched] no threshold was computed for running chunk {budget.running_chunk[0]} "
                 f"({budget.running_chunk[1]} blocks) after its block count"
             )
-        super()._fdsched_end_pass(schedule_pass, scheduled_reqs)
+        super()._fdsched_end_pass(plan, scheduled_reqs)
 
 
 class PreChangeReserveBatchMixin(PreChangeReserveMixin):

@@ -1,10 +1,10 @@
-"""Change 3, impl ``plugin`` with upstream's ratio formula (:class:`fdsched.core.admission.RatioStrategy`), on each
+"""Change 3, impl ``plugin`` with upstream's ratio formula (:class:`fdsched.core.strategies.RatioStrategy`), on each
 host shape. The catalogue entry is :mod:`fdsched.patches.ratio_reserve`.
 """
 
 from __future__ import annotations
 
-from fdsched.core.admission import RatioStrategy
+from fdsched.core.strategies import RatioStrategy
 from fdsched.core.metrics import METRICS
 
 from fdsched.patches._spec import Shapes
@@ -40,7 +40,7 @@ class _RatioCore(_BudgetedReserve):
         budget = self._fdsched_made_budget()
         if budget is not None:  # the ratio moved: the pass's next ask counts the running set afresh
             budget.running_changed()
-        self._fdsched_strategy.report(of=self)
+        self._fdsched_strategy.report(self._fdsched_gauges)
 
     def fdsched_adaptive_state(self):
         """The adaptive estimator's state (:meth:`fdsched.core.adaptive.AdaptiveReserve.state`), or None when this

@@ -265,15 +265,17 @@ def _arm_class(front, target: str, host_cls, common: dict, arm: Arm, impl: dict,
     """The class of one arm for one target: only the mixins that arm applies, its settings and decisions."""
     from fdsched.patches import TARGETS, mixins_for
     from fdsched.patches._base import InitGuard, RequestOutcomesMixin
-    from fdsched.patches._guard import SchedulerGuardMixin
+    from fdsched.patches._step import StepPlanMixin
     from fdsched.patches._spec import override_problem
 
     info = common["_fdsched_host"]
     mixins = mixins_for(target, impl, info.has, arm.settings, host_cls, info.host_classes)  # outermost first; tests/unit/test_catalogue.py pins the order and why
     if target == "ResourceManagerV1" and override_problem(RequestOutcomesMixin, host_cls) is None:
         mixins = (RequestOutcomesMixin,) + mixins  # measurement only (every arm, every profile); without the seam: none
-    if target == "ResourceManagerV1" and override_problem(SchedulerGuardMixin, host_cls) is None:
-        mixins = (SchedulerGuardMixin,) + mixins  # the guard watches the final pass (outermost); it decides nothing
+    if target == "ResourceManagerV1":
+        # the one schedule() wrapper (outermost, on every arm): the pass's plan, each change's steps, the guard. It
+        # passes schedule()'s arguments through, whatever their shape (every V1 scheduler has schedule()).
+        mixins = (StepPlanMixin,) + mixins
     changes = ", ".join(m.__name__ for m in mixins) or "none: the host's own code"
     # the request views for the host's RequestStatus shape (the scheduler's mixins read requests; the others do not)
     views = (common["_fdsched_status_views"],) if target == "ResourceManagerV1" else ()

@@ -34,7 +34,7 @@ __all__ = [
 # Class attributes every class has, or that the installer sets as data: not overrides of the host's code.
 _NOT_OVERRIDES = frozenset({
     "__module__", "__doc__", "__qualname__", "__dict__", "__weakref__", "__annotations__", "__firstlineno__",
-    "__static_attributes__", "__slots__", "__parameters__", "__orig_bases__",
+    "__static_attributes__", "__slots__", "__parameters__", "__orig_bases__", "__init_subclass__",
 })
 
 
@@ -60,6 +60,7 @@ class TargetExplanation:
     overrides: list  # [(method, [class names that define it, in the order they run])]
     changes: list = field(default_factory=list)  # [ChangeRow]
     note: str = ""  # e.g. the queue server's class, when it differs from the arm's
+    steps: list = field(default_factory=list)  # [(step kind, ["module.Class.method", ...])]: schedule()'s steps
 
 
 def class_name(cls: type) -> str:
@@ -81,7 +82,9 @@ def _role(cls: type, arm_cls: type, host_cls: type) -> str:
         return "front class (the host module's name is rebound to it)"
     if cls.__module__.startswith("fdsched.patches."):
         change = cls.__module__[len("fdsched.patches."):].split(".", 1)[0]  # a change's module or package
-        return {"_base": "plugin base", "_guard": "the scheduler guard (every arm)"}.get(change, f"mixin of {change}")
+        return {"_base": "plugin base", "_guard": "the scheduler guard (every arm)",
+                "_step": "the one schedule() wrapper: the pass's plan, each change's steps (every arm)"}.get(
+            change, f"mixin of {change}")
     return ""
 
 
@@ -132,7 +135,22 @@ def explain_class(target: str, arm_cls: type, host_cls: type, change_mixins: Seq
             detail = host_impl_detail(detail, mixin)
         rows.append(ChangeRow(change_id, impl, detail, None if mixin is None else class_name(mixin), tuple(methods)))
     return TargetExplanation(target, f"{host_cls.__module__}.{host_cls.__qualname__}", chain, host_bases, overrides,
-                             rows)
+                             rows, steps=_steps(arm_cls, plugin_part))
+
+
+def _steps(arm_cls: type, plugin_part) -> list:
+    """The steps of the arm's one ``schedule()`` wrapper, per kind in the order they run (none for a class
+    without it)."""
+    from fdsched.patches._step import STEP_KINDS
+
+    steps = []
+    for kind, collected in STEP_KINDS.items():
+        names = getattr(arm_cls, collected, None)
+        if names is None or collected not in {n for c in plugin_part for n in vars(c)}:
+            continue
+        owners = [next((f"{class_name(c)}.{name}" for c in plugin_part if _defines(c, name)), name) for name in names]
+        steps.append((kind, owners))
+    return steps
 
 
 def host_impl_detail(detail: str, mixin) -> str:
@@ -180,6 +198,12 @@ def format_explanation(title: str, targets: Sequence[TargetExplanation], markdow
             out.append("")
             for name, definers in t.overrides:
                 out.append(f"- `{name}`: " + " -> ".join(f"`{d}`" for d in definers))
+            if t.steps:
+                out.append("")
+                out.append("Steps of the one `schedule()` wrapper, in the order they run:")
+                out.append("")
+                for kind, owners in t.steps:
+                    out.append(f"- `{kind}`: " + (" -> ".join(f"`{o}`" for o in owners) or "none"))
             out.append("")
             out.append("| change | decision | mixin | host method: implemented by |")
             out.append("|---|---|---|---|")
@@ -195,6 +219,10 @@ def format_explanation(title: str, targets: Sequence[TargetExplanation], markdow
             out.append("  overridden host methods (definitions in the order they run):")
             for name, definers in t.overrides:
                 out += _wrap_chain(f"    {name}: ", definers)
+            if t.steps:
+                out.append("  steps of the one schedule() wrapper (in the order they run):")
+                for kind, owners in t.steps:
+                    out += _wrap_chain(f"    {kind}: ", owners or ["none"])
             out.append("  per change (decision; mixin; host method: implemented by):")
             for row in t.changes:
                 out.append(f"    {row.change_id}: {row.detail}; mixin: {row.mixin or 'none'}")

@@ -7,7 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fdsched.core.adaptive import AdaptiveReserve
-from fdsched.core.admission import AdaptiveStrategy, AdmissionBudget, FixedBlockStrategy, RatioStrategy, RunningView
+from fdsched.core.admission import AdmissionBudget, RunningView
+from fdsched.core.strategies import AdaptiveStrategy, FixedBlockStrategy, RatioStrategy
 from fdsched.core.policies import FixedBlockReserve, NewTokenRatio, reserve_blocks_for_request
 
 
@@ -299,31 +300,39 @@ def test_the_adaptive_offset_reads_only_the_requests_admitted_since_the_last_ask
 
 
 def test_the_ratio_gauge_is_set_only_when_the_ratio_moved(monkeypatch):
-    from fdsched.core.metrics import METRICS
-
     shown = []
-    monkeypatch.setattr(METRICS, "ratio", lambda value, of=None: shown.append(value))
+
+    class Shown:
+        ratio = staticmethod(shown.append)
+
+    gauges = Shown()
     strategy = RatioStrategy(_ratio(0.5, minimum=0.3, decay=0.1), 40, 4, 0, _formula)
-    strategy.report()
-    strategy.report()  # nothing moved
+    strategy.report()  # no gauges: nothing reported, and nothing counted as shown
+    strategy.report(gauges)
+    strategy.report(gauges)  # nothing moved
     strategy.after_pass(True)
-    strategy.report()
+    strategy.report(gauges)
     strategy.after_pass(True)
     strategy.after_pass(True)  # at the floor
-    strategy.report()
-    strategy.report()
+    strategy.report(gauges)
+    strategy.report(gauges)
     strategy.on_preemption([_view("a", 100, 90, decoding=True)], 1)
-    strategy.report()
+    strategy.report(gauges)
     assert shown == pytest.approx([0.5, 0.4, 0.3, strategy.ratio.value]) and strategy.ratio.value != 0.3
 
 
 @pytest.mark.parametrize("kind", ["fixed", "ratio", "adaptive"])
-def test_a_passes_one_end_call_does_what_its_three_did(kind, monkeypatch):
+def test_a_passes_one_end_call_does_what_its_three_did(kind):
     """pass_ended(scheduled, counted) == idle_pass (when nothing was counted), after_pass and report (unless the
     host's pass raised: scheduled None), on two strategies built alike, pass after pass."""
-    from fdsched.core.metrics import METRICS
-
     shown = {"one": [], "three": []}
+
+    class Shown:
+        def __init__(self, name):
+            self.ratio = shown[name].append
+
+        def adaptive_decision(self, *figures):
+            pass
 
     def make():
         adaptive = AdaptiveReserve(min_samples=1, k=0.0)
@@ -340,18 +349,18 @@ def test_a_passes_one_end_call_does_what_its_three_did(kind, monkeypatch):
     passes = [(True, True), (False, False), (None, True), (True, False), (True, True), (None, False), (False, True)]
     for scheduled, counted in passes:
         for strategy, name in ((one, "one"), (three, "three")):
-            monkeypatch.setattr(METRICS, "ratio", lambda value, of=None, name=name: shown[name].append(value))
+            gauges = Shown(name)
             kept = strategy.most_tally(reader)
             if kept is not None:
                 kept.blocks([_view("a", 56, 0)])
             if strategy is one:
-                strategy.pass_ended(scheduled, counted)
+                strategy.pass_ended(scheduled, counted, gauges)
             else:
                 if not counted:
                     strategy.idle_pass()
                 if scheduled is not None:
                     strategy.after_pass(scheduled)
-                    strategy.report()
+                    strategy.report(gauges)
             held = None if kept is None else kept.counted
             state = (getattr(strategy, "ratio", None) and strategy.ratio.value, getattr(strategy, "fixed", None)
                      and (strategy.fixed.current, strategy.fixed.relaxed), held)
@@ -378,7 +387,7 @@ def test_lefts_blocks_counts_by_thresholds_or_by_requests_as_the_formula(ratio, 
 
 
 def test_the_least_budget_left_for_a_block_is_the_formulas_own():
-    from fdsched.core.admission import _least_left
+    from fdsched.core.strategies import _least_left
 
     for ratio in (0.05, 0.1, 0.3, 0.7, 0.698, 1.0, 2.5):
         for tokens in range(1, 400):

@@ -273,13 +273,6 @@ WRAP_ORDER = {
         "each calls super().__init__() first and then binds its own choices (the node's role; the eviction path); "
         "neither reads the other's",
     ),
-    ("ResourceManagerV1", "schedule"): (
-        ("preempted_seat_resume", "pd_prefill_cache", "ratio_reserve", "decode_only_preempt"),
-        "ratio_reserve opens the pass's state before, and closes it (preempt tasks in place, waiting queue back) "
-        "after, everything inside; pd_prefill_cache (off on the new host) records the chunks of the pass's final "
-        "task list, so it must wrap the pass that ratio_reserve closes; preempted_seat_resume acts only between two "
-        "whole passes (after one that scheduled nothing), so it wraps them all",
-    ),
     ("PrefixCacheManager", "update_cache_blocks"): (
         ("one_node_per_block", "pd_prefill_cache"),
         "one_node_per_block raises a record below the request's cached count before anything else sees it, so the "
@@ -299,6 +292,65 @@ WRAP_ORDER = {
         "reservation after the loop, so reservation state is the reservation change's alone",
     ),
 }
+
+
+# The steps of the one schedule() wrapper (fdsched.patches._step), per kind: the changes that declare one, in the order
+# they run (innermost class first), and why.
+STEP_ORDER = {
+    "fdsched_pass_end": (
+        ("decode_only_preempt", "ratio_reserve"),
+        "after every pass, also one that raised: the no-victim episode ends, then the reservation closes its budget "
+        "under the host's lock (putting the waiting queue and the pre-change preempt tasks back in place); neither "
+        "reads the other's state",
+    ),
+    "fdsched_pass_result": (
+        ("pd_prefill_cache",),
+        "the prefill node's pre-change recording reads the pass's final task list, so it runs after the budget closed "
+        "(the pre-change preempt tasks are in the list then)",
+    ),
+    "fdsched_after_passes": (
+        ("preempted_seat_resume",),
+        "the seat fix acts between two whole passes (after one that scheduled nothing): the pass it runs again has "
+        "its own plan, ends and results",
+    ),
+}
+
+
+def _declaring(kind: str) -> tuple:
+    """The changes whose ResourceManagerV1 classes declare a step of ``kind``, in catalogue order (innermost first)."""
+    from fdsched.patches._step import declared_steps
+
+    return tuple(spec.change_id for spec in CATALOGUE
+                 if any(declared_steps(cls, kind) for cls in spec.classes("ResourceManagerV1")))
+
+
+@pytest.mark.parametrize("kind", sorted(STEP_ORDER))
+def test_steps_run_in_the_pinned_order(kind):
+    from fdsched.patches._step import STEP_KINDS, StepPlanMixin
+
+    assert set(STEP_ORDER) == set(STEP_KINDS)
+    expected, why = STEP_ORDER[kind]
+    assert why and _declaring(kind) == expected
+    # and so in an arm's class built over every change's plugin (or pre-change) classes
+    for impl in ("plugin", "off"):
+        mixins = fdsched.patches.mixins_for("ResourceManagerV1", {cid: impl for cid in CHANGE_IDS})
+        arm = type("Arm", (StepPlanMixin,) + mixins, {})
+        owners = [spec.change_id for name in getattr(arm, STEP_KINDS[kind])
+                  for spec in CATALOGUE for cls in spec.classes("ResourceManagerV1") if cls.__dict__.get(kind) == name]
+        assert tuple(dict.fromkeys(owners)) == tuple(c for c in expected if c in owners)
+
+
+def test_one_schedule_wrapper_under_patches():
+    """Every change acts at a pass through a declared step; the only ``schedule()`` the plugin defines is the step
+    mixin's."""
+    import ast
+    from pathlib import Path
+
+    root = Path(fdsched.patches.__file__).parent
+    found = [f"{path.relative_to(root)}:{node.lineno}" for path in sorted(root.rglob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+             if isinstance(node, ast.FunctionDef) and node.name == "schedule"]
+    assert len(found) == 1 and found[0].startswith("_step.py:"), found
 
 
 def test_every_shared_method_has_a_pinned_wrap_order():
