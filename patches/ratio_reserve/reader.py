@@ -6,11 +6,8 @@ pool's free blocks where the host's block check reads its free list. The catalog
 
 from __future__ import annotations
 
-import ast
 import functools
-import inspect
 import math
-import textwrap
 import weakref
 from operator import attrgetter, itemgetter
 
@@ -32,25 +29,34 @@ def free_blocks_of(cache_manager):
     return None
 
 
+class _FreeListOnly:
+    """A stand-in for a cache manager that has a free list and nothing else: reading or setting any other attribute
+    raises."""
+
+    __slots__ = ("gpu_free_block_list",)
+
+    def __init__(self, free: int) -> None:
+        self.gpu_free_block_list = list(range(free))
+
+
+# (free blocks, blocks asked) pairs where the free list covers the count
+_COVERED = ((1, 1), (4, 3), (8, 8), (2, 0))
+
+
 def answers_true_when_covered(check) -> bool:
-    """Whether the block check ``check(self, num_blocks, ...)`` begins with ``if len(self.gpu_free_block_list) <
-    num_blocks:`` whose ``else`` is ``return True`` (nothing else): read from its source, so that a check that keeps
-    a watermark, or does anything before it answers, is not taken for one."""
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(check)))
-    except (OSError, TypeError, SyntaxError):
-        return False
-    func = tree.body[0] if tree.body else None
-    if not isinstance(func, ast.FunctionDef) or len(func.args.args) < 2:
-        return False
-    body = [stmt for stmt in func.body if not (isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant))]
-    first = body[0] if body else None
-    if not isinstance(first, ast.If) or len(first.orelse) != 1:
-        return False
-    expected = f"len({func.args.args[0].arg}.gpu_free_block_list) < {func.args.args[1].arg}"
-    answer = first.orelse[0]
-    return (ast.unparse(first.test) == expected and isinstance(answer, ast.Return)
-            and isinstance(answer.value, ast.Constant) and answer.value.value is True)
+    """Whether the block check ``check(self, num_blocks, ...)`` answers True whenever ``self.gpu_free_block_list``
+    covers the count, reading nothing else of ``self`` and changing nothing: probed by calling it on a stand-in
+    cache manager that has only a free list (:class:`_FreeListOnly`), so that a check that keeps a watermark, or
+    does anything before it answers, is not taken for one. Never raises."""
+    for free, asked in _COVERED:
+        stand_in = _FreeListOnly(free)
+        try:
+            answer = check(stand_in, asked)
+        except Exception:  # noqa: BLE001 - anything but the answer is "not this shape"
+            return False
+        if answer is not True or stand_in.gpu_free_block_list != list(range(free)):
+            return False
+    return True
 
 
 def _free_list_length(cache_manager) -> int:

@@ -307,5 +307,11 @@ def test_a_block_check_is_taken_to_answer_true_when_covered_only_in_the_hosts_sh
         else:
             return self.reserve(num_blocks)
 
+    def takes_blocks(self, num_blocks):
+        if len(self.gpu_free_block_list) < num_blocks:
+            return False
+        del self.gpu_free_block_list[:num_blocks]
+        return True
+
     assert answers_true_when_covered(hosts)
-    assert not any(map(answers_true_when_covered, (watermark, acts_first, answers_otherwise, len)))
+    assert not any(map(answers_true_when_covered, (watermark, acts_first, answers_otherwise, takes_blocks, len)))
