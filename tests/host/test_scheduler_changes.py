@@ -241,7 +241,7 @@ def test_a_block_check_from_another_thread_mid_pass_neither_takes_nor_is_bent_by
     seen = []
 
     def check_from_another_thread():
-        signals = rm._fdsched_desk.current()  # the scheduler's open pass (this runs on its thread)
+        signals = rm._fdsched_plans.current()  # the scheduler's open plan (this runs on its thread)
         pending = signals.pending()
         for expected in pending:
             answer = []
@@ -275,19 +275,33 @@ def test_a_second_thread_entering_schedule_mid_pass_does_not_take_the_open_pass_
     admissions ask (on the old host the guard needs it to refuse the running chunk)."""
     import time
 
+    from fdsched.patches._plan import PlanSlot
+
     rm = rm_with("recommended")
     chunk, waiting = _guard_scene(rm)
     before = chunk.num_computed_tokens
     other = threading.Thread(target=rm.schedule)
     real = rm.get_new_block_nums
+    opened = []
+
+    class RecordingSlot(PlanSlot):
+        __slots__ = ()
+
+        def open(self, plan):
+            outer = super().open(plan)
+            opened.append(plan.owner)
+            return outer
+
+    rm._fdsched_plans = rm.cache_manager._fdsched_plans = RecordingSlot()  # as the scheduler hands it over
 
     def wrapped(*args, **kwargs):
         if not other.is_alive() and other.ident is None:
             other.start()
             deadline = time.monotonic() + 10
-            while len(rm._fdsched_desk._open) < 2 and time.monotonic() < deadline:
+            while len(opened) < 2 and time.monotonic() < deadline:
                 time.sleep(0.001)
-            assert len(rm._fdsched_desk._open) == 2, "the second thread never opened its pass"
+            assert len(opened) == 2 and opened[1] == other.ident, "the second thread never opened its pass"
+            assert rm._fdsched_plans.current().owner == threading.get_ident(), "the open pass was replaced"
         return real(*args, **kwargs)
 
     rm.get_new_block_nums = wrapped  # on the instance: the host's self.get_new_block_nums(...) finds it first
@@ -297,7 +311,7 @@ def test_a_second_thread_entering_schedule_mid_pass_does_not_take_the_open_pass_
     assert chunk.num_computed_tokens == before, "the open pass's check of the chunk must still be refused"
     assert list(rm.waiting) == [waiting]
     assert rm.to_be_rescheduled_request_id_set == set(), "the guard never preempts"
-    assert rm._fdsched_desk._open == {}
+    assert rm._fdsched_plans.plan is None
 
 
 def test_without_the_change_the_running_chunk_goes_ahead(rm_with):
@@ -400,7 +414,7 @@ def test_a_signal_no_host_check_consumes_is_dropped_and_reported_at_the_end_of_t
 
     def wrapped(*args, **kwargs):
         blocks = real(*args, **kwargs)
-        schedule_pass = rm._fdsched_desk.current()
+        schedule_pass = rm._fdsched_plans.current()
         schedule_pass.focus("ghost")
         schedule_pass.expect("refuse-running-chunk", 12345)  # no check is ever for 12345
         schedule_pass.focus(args[0].request_id)
@@ -414,7 +428,7 @@ def test_a_signal_no_host_check_consumes_is_dropped_and_reported_at_the_end_of_t
     finally:
         llm_logger.propagate = saved
     assert METRICS.unconsumed_signals.get("refuse-running-chunk", 0) >= 1
-    assert rm._fdsched_desk.current() is None and rm._fdsched_desk.pending() == ()
+    assert rm._fdsched_plans.current() is None and rm._fdsched_plans.pending() == ()
     assert any("ghost" in r.getMessage() and "not consumed" in r.getMessage() for r in caplog.records)
     assert rm.cache_manager.can_allocate_gpu_blocks(1), "a dropped refusal refuses nothing later"
 
