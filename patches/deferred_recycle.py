@@ -116,7 +116,8 @@ class DeferredRecycleMixin(PluginBase):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         settings = self._fdsched_settings
-        self._fdsched_evicting: dict = {}  # thread id -> the ids the thread's open eviction collects
+        # (the thread whose eviction is open, the ids it collects), or None: opened under request_release_lock only
+        self._fdsched_eviction = None
         self._fdsched_heapify_min_batch = settings["tunables.recycle_heapify_min_batch"]
         self._fdsched_deferred_path = (
             self._fdsched_forced_direct if settings["tunables.transfer_force_direct_recycle"]
@@ -170,9 +171,10 @@ class DeferredRecycleMixin(PluginBase):
         """The host's per-node eviction step: inside one of the plugin's evictions the node is detached as the host
         detaches it (status, node id, node map; its reserved decode ids cleared) but its ids are collected for
         the eviction's one recycle call instead of recycled one node at a time; anywhere else, the host's own."""
-        freed = self._fdsched_evicting.get(threading.get_ident())
-        if freed is None:
+        eviction = self._fdsched_eviction
+        if eviction is None or eviction[0] != threading.get_ident():
             return super()._handle_free_gpu_node_without_cpu(node)
+        freed = eviction[1]
         node.cache_status = host_global(PCM, "CacheStatus").CPU  # see docs/internals.md, "deferred_recycle"
         self.node_id_pool.append(node.node_id)
         self.node_map.pop(node.node_id, None)
@@ -184,18 +186,15 @@ class DeferredRecycleMixin(PluginBase):
 
     @contextlib.contextmanager
     def _fdsched_batch(self):
-        """The calling thread's eviction batch: the list the per-node seam collects into while it is open."""
-        batches = self._fdsched_evicting
-        thread, freed = threading.get_ident(), []
-        outer = batches.get(thread)
-        batches[thread] = freed
+        """The calling thread's eviction batch: the list the per-node seam collects into while it is open (on that
+        thread only: a call on another thread gets the host's own step). Opened under ``request_release_lock``, as
+        every host eviction that calls the seam is, so one is open at a time."""
+        outer, freed = self._fdsched_eviction, []
+        self._fdsched_eviction = (threading.get_ident(), freed)
         try:
             yield freed
         finally:
-            if outer is None:
-                batches.pop(thread, None)
-            else:
-                batches[thread] = outer
+            self._fdsched_eviction = outer
 
     def recycle_gpu_blocks(self, gpu_block_ids, req_id=None):
         """The host's seam for returning GPU blocks, same contract, one heap merge per call."""

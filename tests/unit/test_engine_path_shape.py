@@ -1,0 +1,109 @@
+"""The engine path's shape, read from the source (ast): what a reader of ``patches/`` and ``plugin/install/`` must not
+meet.
+
+* no ``ast`` parse of host source and no map keyed by thread under ``patches/``: a host is probed by calling or by
+  reading its bytecode, and the scheduler's plan is found through the slot it hands its cache manager;
+* one ``schedule()`` in ``patches/`` (the step mixin's: ``tests/unit/test_catalogue.py``);
+* classes made at run time (``type(name, bases, attrs)``) and an object's ``__class__`` reassigned: what is still
+  there is listed below by place, with why; a listed one may go (the test then says to take it off) but none may be
+  added.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+ENGINE_PATH = ("patches", "plugin/install")
+
+# Still made at run time ("path:function" -> why). Each is a composition step the static per-target class would
+# replace.
+CLASS_FACTORIES = {
+    "plugin/install/installer.py:_build": "the front class per target (what the host module is rebound to)",
+    "plugin/install/installer.py:_arm_class": "one class per arm: that arm's mixins over the front class",
+    "patches/_base.py:_on_top": "another plugin's class derived from the front class, over an arm's class",
+    "patches/ratio_reserve/off.py:admission_closed": "the waiting queue that reads as empty for the rest of a pass",
+}
+# Still reassigning an object's class ("path:function" -> why).
+CLASS_REASSIGNED = {
+    "patches/_base.py:__set__": "a cache manager's queue client takes its manager's arm class (ArmStamp)",
+}
+
+
+def _files(tops=ENGINE_PATH):
+    for top in tops:
+        for path in sorted((ROOT / top).rglob("*.py")):
+            yield path.relative_to(ROOT).as_posix(), ast.parse(path.read_text(encoding="utf-8"))
+
+
+def _enclosing(tree):
+    """node -> the name of the function it is in (the innermost), for every node in a function."""
+    owner = {}
+    for func in ast.walk(tree):
+        if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(func):
+                owner[node] = func.name  # an inner function's nodes are visited again later and take its name
+    return owner
+
+
+def _found(predicate) -> set:
+    found = set()
+    for rel, tree in _files():
+        owner = _enclosing(tree)
+        found |= {f"{rel}:{owner.get(node, '<module>')}" for node in ast.walk(tree) if predicate(node)}
+    return found
+
+
+def _is_class_factory(node) -> bool:
+    return (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "type"
+            and len(node.args) == 3)
+
+
+def _reassigns_class(node) -> bool:
+    return isinstance(node, ast.Assign) and any(
+        isinstance(t, ast.Attribute) and t.attr == "__class__" for t in node.targets)
+
+
+def test_no_host_source_is_parsed_under_patches():
+    imports = {f"{rel}:{alias.name}" for rel, tree in _files(("patches",)) for node in ast.walk(tree)
+               if isinstance(node, (ast.Import, ast.ImportFrom))
+               for alias in (node.names if isinstance(node, ast.Import) else [ast.alias(node.module or "")])
+               if alias.name.split(".")[0] in ("ast", "inspect") and "getsource" not in alias.name}
+    calls = {rel for rel, tree in _files(("patches",)) for node in ast.walk(tree)
+             if isinstance(node, ast.Attribute) and node.attr in ("getsource", "getsourcelines")}
+    assert not calls, f"host source read under patches/: {sorted(calls)}"
+    assert not {i for i in imports if i.endswith(":ast")}, f"ast imported under patches/: {sorted(imports)}"
+
+
+def test_no_map_is_keyed_by_thread_under_patches():
+    """No ``x[get_ident()]`` and no ``x.get(get_ident())`` (nor ``threading.get_ident()``, ``threading.local``)."""
+    def thread_id(node) -> bool:
+        return isinstance(node, ast.Call) and (
+            (isinstance(node.func, ast.Name) and node.func.id == "get_ident")
+            or (isinstance(node.func, ast.Attribute) and node.func.attr == "get_ident"))
+
+    keyed = set()
+    for rel, tree in _files(("patches",)):
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Subscript) and thread_id(node.slice):
+                keyed.add(f"{rel}:{node.lineno}")
+            elif (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                  and node.func.attr in ("get", "pop", "setdefault", "add", "discard") and node.args
+                  and thread_id(node.args[0])):
+                keyed.add(f"{rel}:{node.lineno}")
+            elif isinstance(node, ast.Attribute) and node.attr == "local":
+                keyed.add(f"{rel}:{node.lineno}")
+    assert not keyed, f"a map keyed by thread under patches/: {sorted(keyed)}"
+
+
+def test_classes_made_at_run_time_are_only_the_listed_ones():
+    found = _found(_is_class_factory)
+    assert found <= set(CLASS_FACTORIES), f"a new class factory: {sorted(found - set(CLASS_FACTORIES))}"
+    assert set(CLASS_FACTORIES) <= found, f"gone, take it off the list: {sorted(set(CLASS_FACTORIES) - found)}"
+
+
+def test_objects_change_class_only_where_listed():
+    found = _found(_reassigns_class)
+    assert found <= set(CLASS_REASSIGNED), f"a new __class__ assignment: {sorted(found - set(CLASS_REASSIGNED))}"
+    assert set(CLASS_REASSIGNED) <= found, f"gone, take it off the list: {sorted(set(CLASS_REASSIGNED) - found)}"
