@@ -120,9 +120,9 @@ class PlanSlot:
     """Where a scheduler's cache manager finds the scheduler's open plan: one plan and one question at a time, each
     with the thread that opened it.
 
-    A second thread calling ``schedule()`` while a pass is open (the host never does; it would then wait for the
-    host's lock) runs without a plan of its own: its thresholds are asked as outside a pass. Only the owner of a plan
-    changes it.
+    The step mixin opens one plan at a time (a second thread calling ``schedule()`` waits for the open pass to end, as
+    it would on the host's lock). A plan opened here while another thread's is open is not found through the slot: its
+    thresholds are asked as outside a pass. Only the owner of a plan changes it.
     """
 
     __slots__ = ("plan", "question", "waiting")

@@ -297,10 +297,8 @@ def test_a_second_thread_entering_schedule_mid_pass_does_not_take_the_open_pass_
     def wrapped(*args, **kwargs):
         if not other.is_alive() and other.ident is None:
             other.start()
-            deadline = time.monotonic() + 10
-            while len(opened) < 2 and time.monotonic() < deadline:
-                time.sleep(0.001)
-            assert len(opened) == 2 and opened[1] == other.ident, "the second thread never opened its pass"
+            time.sleep(0.2)  # the second thread is in schedule() by now, waiting for this pass to end
+            assert other.is_alive() and opened == [threading.get_ident()], "the second pass ran inside the first"
             assert rm._fdsched_plans.current().owner == threading.get_ident(), "the open pass was replaced"
         return real(*args, **kwargs)
 
@@ -312,6 +310,7 @@ def test_a_second_thread_entering_schedule_mid_pass_does_not_take_the_open_pass_
     assert list(rm.waiting) == [waiting]
     assert rm.to_be_rescheduled_request_id_set == set(), "the guard never preempts"
     assert rm._fdsched_plans.plan is None
+    assert opened == [threading.get_ident(), other.ident], "each pass opened its own plan, one after the other"
 
 
 def test_without_the_change_the_running_chunk_goes_ahead(rm_with):
