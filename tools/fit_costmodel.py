@@ -5,7 +5,7 @@ Usage (from the repository root)::
 
     python tools/fit_costmodel.py                       # the committed slices -> preset YAML on stdout
     python tools/fit_costmodel.py --mlp PATH/mlp.csv --attention PATH/attention.csv --out preset.yaml
-    python tools/fit_costmodel.py --check plugin/core/costmodels/llama2-7b-a100.yaml
+    python tools/fit_costmodel.py --check plugin/replay/costmodels/llama2-7b-a100.yaml
 
 ``--mlp`` / ``--attention`` take either Vidur's full files
 (github.com/microsoft/vidur, data/profiling/compute/a100/meta-llama/Llama-2-7b-hf/{mlp,attention}.csv;

@@ -163,22 +163,10 @@ def _cap(raw: Any) -> Optional[float]:
         raise ValueError("'init' or a number in [0, 1]") from None
 
 
-def _cost_model(raw: Any) -> str:
-    """``linear``, a shipped cost-model preset's name or a preset file that loads."""
-    from fdsched.core.costmodel import LINEAR, CostModelError, allowed_text, load_preset, preset_names
-
-    if not isinstance(raw, str) or not raw.strip():
-        raise ValueError(allowed_text())
-    text = raw.strip()
-    if text == LINEAR or text in preset_names():
-        return text
-    if not Path(text).expanduser().is_file():
-        raise ValueError(allowed_text())
-    try:
-        load_preset(Path(text).expanduser())
-    except CostModelError as exc:
-        raise ValueError(f"{allowed_text()}; this file: {exc}") from None
-    return text
+def _as_written(raw: Any) -> Any:
+    """A value the engine never reads, kept as the profile wrote it: the layer that reads it checks it (the
+    replay checks ``replay.cost_model`` with :func:`fdsched.replay.costmodel.check_replay_settings`)."""
+    return raw
 
 
 def _range_text(what: str, lo: Any, hi: Any) -> str:
@@ -393,7 +381,7 @@ SCHEMA: tuple[Setting, ...] = (
     Setting(
         "replay.cost_model",
         None,
-        _cost_model,
+        _as_written,
         "linear",
         "linear, a shipped preset name (fdsched replay --help) or a preset YAML file",
         "Step-cost model of the replay (docs/costmodel.md): linear (the replay.* coefficients below) or a "
@@ -491,6 +479,11 @@ class Settings:
     def reestimate_cap(self) -> float:
         cap = self.values["tunables.ratio_reestimate_cap"]
         return self.values["host_tunables.FD_INIT_NEW_TOKEN_RATIO"] if cap is None else cap
+
+    def origin(self, key: str) -> str:
+        """Where ``key``'s value came from, as an error message names it: ``environment variable <VAR>``,
+        ``profile <file>, key <key>`` or ``<key> (default)``."""
+        return _where(key, self.sources, self.profile_path)
 
     def describe(self) -> list[tuple[str, str, Any, str]]:
         """(key, variable, value, source) rows, schema order."""

@@ -4,7 +4,7 @@ Modules that import nothing from FastDeploy (tested without a host):
 
 * :mod:`~fdsched.replay.trace` - the JSONL trace format, validation, deterministic prompt tokens;
 * :mod:`~fdsched.replay.generate` - the ``pressure`` / ``shared-prefix`` / ``pd-prefill`` generators;
-* :mod:`~fdsched.core.costmodel` - the modelled step cost;
+* :mod:`~fdsched.replay.costmodel` - the modelled step cost;
 * :mod:`~fdsched.replay.figures` - per-step and per-request records and the figures computed from them;
 * :mod:`~fdsched.replay.invariants` - block accounting and request bookkeeping checks;
 * :mod:`~fdsched.replay.report` - report JSON, terminal table, PNG;

@@ -38,7 +38,7 @@ _nonneg_float = bounded_float(0.0, MAX_MS)  # a step-cost coefficient, ms
 
 
 def _preset_list() -> str:
-    from fdsched.core.costmodel import preset_names
+    from fdsched.replay.costmodel import preset_names
 
     return ", ".join(preset_names()) or "none shipped"
 
@@ -266,14 +266,14 @@ def cmd_eval(args) -> int:
 
     from fdsched.replay.evaluate import format_eval_markdown, format_eval_table, load_results, load_windows, window_trace_name
 
-    from fdsched.core.costmodel import resolve_cost_model
+    from fdsched.replay.costmodel import check_replay_settings, resolve_cost_model
 
     try:
         plan = load_windows(args.windows)
         arms = tuple(args.arms or plan.arms)
         _refuse_duplicate_arms(list(arms), "--arms")
         for profile in arms:
-            load_settings(environ={}, profile=profile)
+            check_replay_settings(load_settings(environ={}, profile=profile))
         if args.cost_model is not None:
             resolve_cost_model(args.cost_model, "--cost-model")
     except (TraceError, SettingsError) as exc:
@@ -483,7 +483,7 @@ def _replay_plan(args) -> _ReplayPlan:
     """Everything the command line names, loaded and checked so a mistake fails now, not after the first
     arm (minutes later): the --dp-arms / --profile choice, the trace and its engine shape, the cost model,
     every profile, and the output directory. Raises TraceError or SettingsError."""
-    from fdsched.core.costmodel import resolve_cost_model
+    from fdsched.replay.costmodel import resolve_cost_model
 
     profiles = args.profiles or list(DEFAULT_PROFILES)
     dp_arms = _parse_dp_arms(args)
@@ -528,19 +528,18 @@ def _parse_dp_arms(args) -> Optional[dict]:
 def _check_profiles(args, profiles: list, dp_arms: Optional[dict]) -> None:
     """Load every arm's settings once, before anything runs (with --dp-arms an error names the rank).
     Raises SettingsError."""
-    from fdsched.core.settings import SettingsError, load_settings
+    from fdsched.core.settings import SettingsError, load_settings, resolve_profile
+    from fdsched.replay.costmodel import check_replay_settings
 
     environ = None if args.inherit_env else {}
     if dp_arms is None:
         _refuse_duplicate_arms(profiles)
     for profile in profiles if dp_arms is None else ():
-        load_settings(environ=environ, profile=profile)
+        check_replay_settings(load_settings(environ=environ, profile=profile))
     for rank, profile in (dp_arms or {}).items():
-        from fdsched.core.settings import resolve_profile
-
         resolve_profile(profile, f"--dp-arms, rank {rank}")
         try:
-            load_settings(environ=environ, profile=profile)
+            check_replay_settings(load_settings(environ=environ, profile=profile))
         except SettingsError as exc:
             raise SettingsError(f"--dp-arms, rank {rank} (profile {profile}): {exc}") from None
 

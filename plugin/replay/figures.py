@@ -24,7 +24,7 @@ blocks in use                   ``num_gpu_blocks - len(free list)`` after each s
 evicted blocks                  radix-tree nodes whose GPU block went back to the free list
 admissions blocked              ``fdsched.core.metrics.METRICS.admissions_blocked`` (prefills refused by the
                                 reservation threshold); ``None`` where the host's own code decides
-modelled time                   see :mod:`fdsched.core.costmodel`; throughput = output tokens /
+modelled time                   see :mod:`fdsched.replay.costmodel`; throughput = output tokens /
                                 modelled seconds; TTFT = end of the step of the first token - arrival
                                 (the arrival step's start, or a time-based request's own time);
                                 TPOT = (finish - first token) / (output tokens - 1), requests with >= 2
@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from typing import Optional, Sequence
 
 from fdsched.core.common import mean, percentile
-from fdsched.core.costmodel import StepCost, step_times
+from fdsched.replay.costmodel import StepCost, step_times
 
 __all__ = [
     "StepRow", "RequestRow", "ProfileRun", "percentile", "mean", "latency_samples", "compute_figures", "measured_figures",
@@ -70,7 +70,7 @@ class StepRow:
     schedule_wall_s: float = 0.0  # measured
     gap_ms: float = 0.0  # time-based traces: idle modelled time skipped before this step
     replay_cpu_s: float = 0.0  # measured: the replay's own CPU time in this step (all but schedule())
-    decode_context_tokens: int = 0  # cost model facts (fdsched.core.costmodel): tokens held by decoding requests
+    decode_context_tokens: int = 0  # cost model facts (fdsched.replay.costmodel): tokens held by decoding requests
     prefill_context_tokens: int = 0  # and tokens attended to by the scheduled prefill tokens, summed
 
 

@@ -11,7 +11,7 @@ import json
 from pathlib import Path
 from typing import Optional, Sequence
 
-from fdsched.core.costmodel import row_step_ms
+from fdsched.replay.costmodel import row_step_ms
 from fdsched.core.common import plural, text_table
 from fdsched.replay.figures import ProfileRun, compute_figures, latency_samples, measured_figures
 

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Mapping, Optional, Sequence
 
 from fdsched.core.common import plural
-from fdsched.core.costmodel import cost_from_settings, prefill_context_tokens, row_step_ms
+from fdsched.replay.costmodel import check_replay_settings, cost_from_settings, prefill_context_tokens, row_step_ms
 from fdsched.replay.figures import ProfileRun, RequestRow, StepRow
 from fdsched.patches._blocks import cache_held_blocks, request_held_blocks
 from fdsched.replay.invariants import check_blocks, check_requests
@@ -144,11 +144,11 @@ def arm_settings(profile: str, inherit_env: bool, environ: Optional[Mapping[str,
     names = {s.env for s in SCHEMA if s.env} | {PROFILE_ENV}
     present = {name: environ[name] for name in sorted(names) if name in environ}
     if inherit_env:
-        settings = load_settings(environ=environ, profile=profile)
+        settings = check_replay_settings(load_settings(environ=environ, profile=profile))
         applied = {s.env: environ[s.env] for s in SCHEMA if s.env and settings.sources[s.key] == f"env {s.env}"}
         ignored = {k: v for k, v in present.items() if k not in applied}
     else:
-        settings = load_settings(environ={}, profile=profile)
+        settings = check_replay_settings(load_settings(environ={}, profile=profile))
         applied, ignored = {}, present
     return settings, applied, ignored
 
@@ -612,7 +612,7 @@ def _finish_drive(run: ProfileRun, inputs: _DriveInputs, state: _DriveState) -> 
 
 
 def _set_step_context(row: StepRow, record) -> None:
-    """The step's context facts for the cost model (:mod:`fdsched.core.costmodel`): the tokens its
+    """The step's context facts for the cost model (:mod:`fdsched.replay.costmodel`): the tokens its
     decoding requests held, and the tokens its prefill chunks attended to (prefix included)."""
     row.decode_context_tokens = record.decode_context_tokens
     row.prefill_context_tokens = prefill_context_tokens(record.prefill_chunks)

@@ -227,6 +227,7 @@ def _overlap_schedule_off() -> list:
 def check_config(c: EngineConfig) -> list:
     """Every problem of the configuration, one line each (empty when it can start); nothing is spawned."""
     from fdsched.core.settings import SettingsError, load_settings, parse_dp_arms
+    from fdsched.replay.costmodel import check_replay_settings
 
     problems = []
     for key in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens"):
@@ -274,8 +275,8 @@ def check_config(c: EngineConfig) -> list:
         problems.append(str(exc))
         environ = {}  # then each profile on its own, so that one bad variable is one line
     for origin, profile in profiles:
-        try:
-            load_settings(environ, profile=profile)
+        try:  # the stack's simulated worker steps by the replay's cost model: its key is checked too
+            check_replay_settings(load_settings(environ, profile=profile))
         except SettingsError as exc:
             problems.append(f"{origin}: {exc}")
     return list(dict.fromkeys(problems))

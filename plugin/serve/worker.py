@@ -17,7 +17,7 @@ init_health_status / event loop, ``gpu_model_runner.py`` task handling):
 - outputs: ``list[StreamTransferData]`` pushed to ``get_save_output_rank{dp}_{port}``, the
   ``FD_USE_GET_SAVE_OUTPUT_V1=1`` ZMQ path. **Production GPUs use the compiled ``get_output`` path by
   default**, not this one; the engine-side code after the receive is the same.
-- step time: the replay's cost model (``fdsched.core.costmodel.cost_from_settings`` on the settings of
+- step time: the replay's cost model (``fdsched.replay.costmodel.cost_from_settings`` on the settings of
   this process's environment, i.e. the profile's ``replay.*`` keys); the worker sleeps the modelled time and
   logs the steps per second it sustains.
 
@@ -54,9 +54,9 @@ def _parse(argv):
 
 def _step_cost():
     """The replay's step cost (the profile's ``replay.*`` settings), with its context facts computed as the
-    replay computes them (:mod:`fdsched.core.costmodel`): tokens held by the decoding requests, and tokens
+    replay computes them (:mod:`fdsched.replay.costmodel`): tokens held by the decoding requests, and tokens
     attended to by the scheduled prefill chunks."""
-    from fdsched.core.costmodel import chunk_context_tokens, cost_from_settings
+    from fdsched.replay.costmodel import chunk_context_tokens, cost_from_settings
     from fdsched.core.settings import load_settings
 
     cost = cost_from_settings(load_settings())

@@ -71,7 +71,7 @@ def test_the_model_changes_time_not_decisions_on_a_step_based_trace(pressure_run
 
 
 def test_the_driver_records_each_steps_context_facts(pressure_runs):
-    from fdsched.core.costmodel import chunk_context_tokens, row_step_ms
+    from fdsched.replay.costmodel import chunk_context_tokens, row_step_ms
     from fdsched.replay.figures import compute_figures
 
     trace, runs, checks = pressure_runs

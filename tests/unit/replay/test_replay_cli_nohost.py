@@ -58,7 +58,7 @@ def test_replay_rejects_a_shape_too_small_for_the_trace(capsys, tmp_path):
 def test_host_free_modules_import_no_fastdeploy():
     code = (
         "import sys\n"
-        "import fdsched.replay.trace, fdsched.replay.generate, fdsched.core.costmodel, fdsched.replay.figures\n"
+        "import fdsched.replay.trace, fdsched.replay.generate, fdsched.replay.costmodel, fdsched.replay.figures\n"
         "import fdsched.replay.invariants, fdsched.replay.report, fdsched.replay.oracle, fdsched.replay.cli\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('fastdeploy', 'paddle', 'matplotlib'))\n"
         "print(bad)\n"

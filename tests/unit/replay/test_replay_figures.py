@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from fdsched.core.costmodel import StepCost, cost_from_settings, step_times
+from fdsched.replay.costmodel import StepCost, cost_from_settings, step_times
 from fdsched.replay.figures import ProfileRun, RequestRow, StepRow, compute_figures, measured_figures, mean, percentile
 
 
@@ -124,7 +124,7 @@ def test_empty_run():
 
 
 def test_time_based_ttft_counts_from_the_arrival_time_and_idle_gaps_are_skipped():
-    from fdsched.core.costmodel import StepCost
+    from fdsched.replay.costmodel import StepCost
     from fdsched.replay.figures import ProfileRun, RequestRow, StepRow, compute_figures
 
     run = ProfileRun(profile="p", num_gpu_blocks=8, cost=StepCost(10.0, 0.0, 0.0))

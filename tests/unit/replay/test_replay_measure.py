@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from fdsched.core.policies import VictimCandidate
-from fdsched.core.costmodel import StepCost
+from fdsched.replay.costmodel import StepCost
 from fdsched.replay.evaluate import (
     EVAL_COLUMNS, format_eval_table, load_windows, missing_csv_message, window_trace_name,
 )

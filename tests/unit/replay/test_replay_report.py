@@ -7,7 +7,7 @@ import json
 import pytest
 
 from fdsched.core.hooks import Policies, make_plugin_manager
-from fdsched.core.costmodel import StepCost
+from fdsched.replay.costmodel import StepCost
 from fdsched.replay.figures import ProfileRun, RequestRow, StepRow
 from fdsched.replay.oracle import ORACLE_PLUGIN_NAME, OracleReserve
 from fdsched.replay.report import build_report, format_header, format_table, format_value, ratio, report_json, write_plot

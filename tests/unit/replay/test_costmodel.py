@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from fdsched.core.costmodel import (
+from fdsched.replay.costmodel import (
     COEFFICIENTS,
     CostModelError,
     StepCost,
@@ -22,6 +22,7 @@ from fdsched.core.costmodel import (
     preset_names,
     prefill_context_tokens,
     resolve_cost_model,
+    check_replay_settings,
     row_step_ms,
     step_times,
 )
@@ -29,7 +30,7 @@ from fdsched.replay.figures import ProfileRun, RequestRow, StepRow, latency_samp
 from fdsched.replay.report import build_report, format_header
 from fdsched.core.settings import SettingsError, load_settings
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 PRESET = "llama2-7b-a100"
 LINEAR_SETTINGS = {"replay.step_fixed_ms": 5.0, "replay.per_prefill_token_ms": 0.02, "replay.per_decode_request_ms": 0.1}
 
@@ -151,7 +152,7 @@ def test_latencies_grow_with_the_context_held():
 def test_the_shipped_preset_loads_with_its_source_and_every_coefficient():
     assert PRESET in preset_names()
     cost = resolve_cost_model(PRESET)
-    shipped = REPO / "plugin" / "core" / "costmodels" / f"{PRESET}.yaml"
+    shipped = REPO / "plugin" / "replay" / "costmodels" / f"{PRESET}.yaml"
     doc = yaml.safe_load(shipped.read_text(encoding="utf-8"))
     assert cost.coefficients() == {k: float(v) for k, v in doc["coefficients"].items()}
     assert cost.name == PRESET and cost.context_aware
@@ -166,7 +167,7 @@ def test_the_shipped_preset_loads_with_its_source_and_every_coefficient():
 def test_the_shipped_preset_is_what_the_fit_script_derives():
     proc = subprocess.run(
         [sys.executable, str(REPO / "tools" / "fit_costmodel.py"), "--check",
-         str(REPO / "plugin" / "core" / "costmodels" / f"{PRESET}.yaml")],
+         str(REPO / "plugin" / "replay" / "costmodels" / f"{PRESET}.yaml")],
         capture_output=True, text=True, timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
@@ -230,17 +231,35 @@ def test_an_unknown_name_or_missing_file_names_the_option_and_the_allowed_models
 def test_a_profile_names_its_cost_model(tmp_path):
     good = _write(tmp_path, _preset_doc(), "good.yaml")
     profile = _write(tmp_path, {"replay": {"cost_model": str(good)}}, "p.yaml")
-    assert load_settings(environ={}, profile=str(profile))["replay.cost_model"] == str(good)
+    assert check_replay_settings(load_settings(environ={}, profile=str(profile)))["replay.cost_model"] == str(good)
     named = _write(tmp_path, {"replay": {"cost_model": PRESET}}, "named.yaml")
     assert cost_from_settings(load_settings(environ={}, profile=str(named))) == resolve_cost_model(PRESET)
     bad = _write(tmp_path, {"replay": {"cost_model": "warp-drive"}}, "bad.yaml")
     with pytest.raises(SettingsError) as info:
-        load_settings(environ={}, profile=str(bad))
-    assert str(info.value).startswith(f"profile {bad}, key replay.cost_model: bad value 'warp-drive'; allowed: linear")
+        check_replay_settings(load_settings(environ={}, profile=str(bad)))
+    assert str(info.value) == (f"profile {bad}, key replay.cost_model: bad value 'warp-drive'; allowed: linear, "
+                               f"{', '.join(preset_names())} or the path of a preset YAML file")
     broken = _write(tmp_path, _preset_doc(step_fixed_ms=-2), "broken.yaml")
     profile = _write(tmp_path, {"replay": {"cost_model": str(broken)}}, "p2.yaml")
     with pytest.raises(SettingsError, match="coefficients.step_fixed_ms: bad value -2"):
-        load_settings(environ={}, profile=str(profile))
+        check_replay_settings(load_settings(environ={}, profile=str(profile)))
+
+
+def test_the_engines_loader_leaves_the_cost_model_to_the_replay(tmp_path):
+    """The engine never reads replay.cost_model: its loader keeps the value as written, and the replay's own check
+    (every replay command runs it before anything runs) is the one that refuses it."""
+    bad = _write(tmp_path, {"replay": {"cost_model": "warp-drive"}}, "bad.yaml")
+    assert load_settings(environ={}, profile=str(bad))["replay.cost_model"] == "warp-drive"
+
+
+def test_replay_rejects_a_bad_profile_cost_model_before_running(tmp_path, capsys):
+    from fdsched.tools.cli import main
+
+    bad = _write(tmp_path, {"replay": {"cost_model": "warp-drive"}}, "bad.yaml")
+    out = tmp_path / "out"
+    assert main(["replay", "--trace", "pressure", "--profile", str(bad), "--out", str(out), "--no-progress"]) == 1
+    assert f"profile {bad}, key replay.cost_model: bad value 'warp-drive'; allowed: linear" in capsys.readouterr().err
+    assert not (out / "report.json").exists()
 
 
 def test_replay_rejects_a_bad_cost_model_before_running(tmp_path, capsys):

@@ -40,10 +40,12 @@ __all__ = [
     "load_preset",
     "resolve_cost_model",
     "allowed_text",
+    "parse_cost_model",
+    "check_replay_settings",
 ]
 
 LINEAR = "linear"
-PRESET_DIR = "costmodels"  # inside the fdsched.core package
+PRESET_DIR = "costmodels"  # inside the fdsched.replay package
 
 # Coefficient keys (as in report.json and preset files) -> (StepCost attribute, meaning with unit).
 COEFFICIENTS = {
@@ -161,7 +163,7 @@ def decode_context_tokens(held_tokens: Iterable[int]) -> int:
 # Presets
 # --------------------------------------------------------------------------------------------
 def _preset_root():
-    return resources.files("fdsched.core").joinpath(PRESET_DIR)
+    return resources.files("fdsched.replay").joinpath(PRESET_DIR)
 
 
 def preset_names() -> list:
@@ -244,7 +246,7 @@ def resolve_cost_model(value: str, origin: str = "--cost-model") -> Optional[Ste
     if text in preset_names():
         try:
             return load_preset(_preset_root().joinpath(f"{text}.yaml"), name=text,
-                               shown=f"fdsched/core/{PRESET_DIR}/{text}.yaml")
+                               shown=f"fdsched/replay/{PRESET_DIR}/{text}.yaml")
         except CostModelError as exc:  # a broken shipped preset: say so
             raise CostModelError(f"{origin}: shipped preset {text!r} is broken: {exc}") from None
     path = Path(text).expanduser()
@@ -256,6 +258,35 @@ def resolve_cost_model(value: str, origin: str = "--cost-model") -> Optional[Ste
         except CostModelError as exc:
             raise CostModelError(f"{origin}: {exc}") from None
     raise CostModelError(f"{origin}: bad value {value!r} (unknown cost model); allowed: {allowed_text()}")
+
+
+def parse_cost_model(raw) -> str:
+    """A ``replay.cost_model`` value: ``linear``, a shipped preset's name or a preset file that loads. Raises
+    ValueError saying what is allowed (the settings' parser contract)."""
+    if not isinstance(raw, str) or not raw.strip():
+        raise ValueError(allowed_text())
+    text = raw.strip()
+    if text == LINEAR or text in preset_names():
+        return text
+    if not Path(text).expanduser().is_file():
+        raise ValueError(allowed_text())
+    try:
+        load_preset(Path(text).expanduser())
+    except CostModelError as exc:
+        raise ValueError(f"{allowed_text()}; this file: {exc}") from None
+    return text
+
+
+def check_replay_settings(settings):
+    """The replay's own check of its keys, which the engine's settings loader leaves as written: raises
+    :class:`SettingsError` naming where ``replay.cost_model`` came from, the bad value and what is allowed.
+    Returns ``settings``. Every replay command calls it on each arm's settings before anything runs."""
+    raw = settings["replay.cost_model"]
+    try:
+        parse_cost_model(raw)
+    except ValueError as exc:
+        raise SettingsError(f"{settings.origin('replay.cost_model')}: bad value {raw!r}; allowed: {exc}") from None
+    return settings
 
 
 # --------------------------------------------------------------------------------------------
