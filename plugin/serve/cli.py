@@ -291,7 +291,7 @@ def _serve(args, signals, owned) -> int:
 
 def _check_host_quietly() -> None:
     """The host's import chatter (paddle, prometheus, ops warnings) goes to a log file, not the terminal."""
-    from fdsched.tools.hostsetup import cache_dir
+    from fdsched.install.hosts import cache_dir
     from fdsched.cmdline.quiet import host_output_to
 
     with host_output_to(cache_dir() / "logs" / "serve-host-import.log"):
@@ -300,7 +300,7 @@ def _check_host_quietly() -> None:
 
 def _check_shapes_quietly(configs) -> list:
     """The host's own config checks on each stack's engine shape (its import chatter into the log, as above)."""
-    from fdsched.tools.hostsetup import cache_dir
+    from fdsched.install.hosts import cache_dir
     from fdsched.cmdline.quiet import host_output_to
 
     problems = []

@@ -36,7 +36,7 @@ both hosts).
 
 After the last request, every target's ``/metrics`` is scraped (also once before the first request: the
 report holds the window between the two) and the plugin's series (``fastdeploy:fdsched_*``) are read with
-:mod:`fdsched.tools.abreport`.
+:mod:`fdsched.cmdline.scrape`.
 """
 
 from __future__ import annotations

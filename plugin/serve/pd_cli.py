@@ -91,7 +91,7 @@ def serve_pd(args, signals, cli) -> int:
 
 
 def _host_pd_quietly(config, check) -> list:
-    from fdsched.tools.hostsetup import cache_dir
+    from fdsched.install.hosts import cache_dir
     from fdsched.cmdline.quiet import host_output_to
 
     with host_output_to(cache_dir() / "logs" / "serve-host-import.log"):

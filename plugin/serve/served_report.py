@@ -6,7 +6,7 @@ tool reads both; here every time is wall-clock, measured by the client (see :mod
 throughput is output tokens per wall second from the first request sent to the last token received.
 
 Server-side figures come from the window between the two scrapes of each arm's ``/metrics`` (the plugin's
-``fastdeploy:fdsched_*`` series, read by :mod:`fdsched.tools.abreport`): preemptions (all, by victim phase),
+``fastdeploy:fdsched_*`` series, read by :mod:`fdsched.cmdline.scrape`): preemptions (all, by victim phase),
 recomputed tokens, requests finished. ``None`` where the server exposes no plugin series.
 """
 
@@ -93,7 +93,7 @@ def client_figures(results: list) -> dict:
 
 def server_figures(before: Optional[str], after: Optional[str], source: str = "/metrics") -> dict:
     """The plugin's counters in the window between two scrapes (all arm labels of the scrape added up)."""
-    from fdsched.tools.abreport import PREFIX, ABReportError, ArmSeries, merge_scrapes, parse_exposition
+    from fdsched.cmdline.scrape import PREFIX, ABReportError, ArmSeries, merge_scrapes, parse_exposition
 
     empty = {"preemptions": None, "preemptions_decode_victims": None, "preemptions_prefill_victims": None,
              "recomputed_tokens": None, "server_requests_finished": None, "server_arms": []}

@@ -131,7 +131,8 @@ def _scrape():
 def test_forked_rank_runs_its_arm_and_metrics_and_report_show_both(install_arms, build, clock):
     """As the engine does: rank 0's scheduler exists before rank 1 is forked; each runs its own arm, and the
     host's /metrics text (multi-process collection of every rank's samples) carries both arms apart."""
-    from fdsched.tools.abreport import format_report, parse_exposition
+    from fdsched.cmdline.scrape import parse_exposition
+    from fdsched.tools.abreport import format_report
 
     install_arms()
     before = _scrape()
@@ -155,7 +156,7 @@ def test_forked_rank_runs_its_arm_and_metrics_and_report_show_both(install_arms,
     # The report over the window of this test (--since), on the host's own exposition.
     arms = parse_exposition(after)
     earlier = parse_exposition(before) if "arm=" in before else {}
-    from fdsched.tools.abreport import ArmSeries
+    from fdsched.cmdline.scrape import ArmSeries
 
     window = {arm: series.minus(earlier.get(arm, ArmSeries())) for arm, series in arms.items()}
     assert window["recommended"].counter("fastdeploy:fdsched_requests_finished") == 24

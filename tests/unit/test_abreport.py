@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from fdsched.tools.abreport import ABReportError, Histogram, arm_figures, format_report, parse_exposition
+from fdsched.cmdline.scrape import ABReportError, Histogram, parse_exposition
+from fdsched.tools.abreport import arm_figures, format_report
 from fdsched.tools.cli import main
 
 prometheus_client = pytest.importorskip("prometheus_client")  # the test extra installs it
@@ -200,7 +201,7 @@ def host_exposition(arms, e2e, gaps):
 
 
 def test_recorded_scrape_has_the_host_histograms_but_no_observations(capsys):
-    from fdsched.tools.abreport import HOST_E2E, HOST_GAP, attribute_host, parse_scrape
+    from fdsched.cmdline.scrape import HOST_E2E, HOST_GAP, attribute_host, parse_scrape
 
     scrape = parse_scrape(RECORDED.read_text())
     assert set(scrape.host) == {HOST_E2E, HOST_GAP}
@@ -241,7 +242,7 @@ def test_one_arm_per_scrape_gets_its_e2e_and_token_gaps(tmp_path, capsys):
 
 
 def test_host_histograms_of_a_shared_scrape_are_pooled_and_since_pairs_servers(tmp_path, capsys):
-    from fdsched.tools.abreport import HOST_E2E, attribute_host, parse_scrape
+    from fdsched.cmdline.scrape import HOST_E2E, attribute_host, parse_scrape
 
     both = host_exposition([["baseline", "0"], ["adaptive", "1"]], [2.0] * 10, [0.02] * 10)
     arms, pooled = attribute_host([parse_scrape(both)])
