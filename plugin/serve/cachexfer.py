@@ -54,12 +54,14 @@ def _parse(argv):
     return args
 
 
+# The IPC signals the real process shares with the engine (name -> slots), in the order it attaches them.
+SIGNALS = (("cache_ready_signal", "ranks"), ("swap_space_ready_signal", "ranks"), ("cache_task_broadcast_signal", 1),
+           ("cache_task_is_paused", 1), ("cache_task_inflight", "ranks"), ("cache_transfer_inited_signal", "ranks"),
+           ("kv_cache_status", 1))
+
+
 def main(argv=None) -> int:
     a = _parse(sys.argv[1:] if argv is None else argv)
-    import numpy as np
-    from fastdeploy import envs
-    from fastdeploy.cache_manager.cache_data import CacheStatus
-    from fastdeploy.inter_communicator import EngineCacheQueue, IPCSignal
 
     def log(msg):
         print(f"[fdsched simxfer rank{a.rank} dp{a.local_data_parallel_id}] {msg}", flush=True)
@@ -70,6 +72,22 @@ def main(argv=None) -> int:
     ms_per_block = float(os.environ.get("FDSCHED_SERVE_SWAP_MS_PER_BLOCK", "0.2"))
     idle_s = float(os.environ.get("FDSCHED_SERVE_XFER_IDLE_MS", "1")) / 1000.0
     num_gpu_blocks = int(a.key_cache_shape.split(",")[0]) if a.key_cache_shape else 0
+    queue, sig = _connect(a)
+    state = {"paused": False}
+    _watch_cache_status(sig, a.rank, state, log)
+    log(f"started (pid {os.getpid()}): {num_gpu_blocks} GPU blocks, {a.num_cpu_blocks} CPU blocks, "
+        f"{ms_per_block} ms per block")
+    _wait_ready(sig, a)
+    log("ready")
+    _serve_tasks(a, queue, sig, state, (num_gpu_blocks, ms_per_block, idle_s), log)
+
+
+def _connect(a) -> tuple:
+    """(the engine's cache queue, as a client; name -> IPC signal of :data:`SIGNALS`). Every signal stays referenced
+    for the life of the process (a collected one unmaps its segment)."""
+    import numpy as np
+    from fastdeploy import envs
+    from fastdeploy.inter_communicator import EngineCacheQueue, IPCSignal
 
     def signal(name, size):
         return IPCSignal(name=name, array=np.zeros([size], dtype=np.int32), dtype=np.int32,
@@ -79,24 +97,23 @@ def main(argv=None) -> int:
                else (a.pod_ip, a.cache_queue_port))
     queue = EngineCacheQueue(address=address, is_server=False, num_client=a.mp_num, client_id=a.rank,
                              local_data_parallel_id=0)
-    # keep every IPCSignal referenced for the life of the process (a collected one unmaps its segment)
-    cache_ready = signal("cache_ready_signal", a.mp_num)
-    swap_ready = signal("swap_space_ready_signal", a.mp_num)
-    broadcast = signal("cache_task_broadcast_signal", 1)
-    paused = signal("cache_task_is_paused", 1)
-    inflight = signal("cache_task_inflight", a.mp_num)
-    inited = signal("cache_transfer_inited_signal", a.mp_num)
-    kv_status = signal("kv_cache_status", 1)
-    from fastdeploy.inter_communicator import KVCacheStatus
+    return queue, {name: signal(name, a.mp_num if size == "ranks" else size) for name, size in SIGNALS}
+
+
+def _watch_cache_status(sig: dict, rank: int, state: dict, log) -> None:
+    """The real check_cache_status thread, minus the tensors: CLEARING pauses the loop and answers CLEARED once it
+    has stopped taking tasks; UPDATING resumes it and answers NORMAL."""
     import threading
 
-    state = {"paused": False}
+    from fastdeploy.inter_communicator import KVCacheStatus
 
-    def watch_cache_status():  # the real check_cache_status thread, minus the tensors
+    kv_status, inflight = sig["kv_cache_status"], sig["cache_task_inflight"]
+
+    def watch():
         while True:
             if kv_status.value[0] == KVCacheStatus.CLEARING:
                 state["paused"] = True
-                while inflight.value[a.rank] != 0:  # the loop has finished its task and marked itself paused
+                while inflight.value[rank] != 0:  # the loop has finished its task and marked itself paused
                     time.sleep(0.01)
                 kv_status.value[0] = KVCacheStatus.CLEARED
                 log("paused; KV cache cleared")
@@ -106,18 +123,27 @@ def main(argv=None) -> int:
                 log("resumed; KV cache restored")
             time.sleep(0.1)
 
-    threading.Thread(target=watch_cache_status, name="check_cache_status", daemon=True).start()
+    threading.Thread(target=watch, name="check_cache_status", daemon=True).start()
 
-    log(f"started (pid {os.getpid()}): {num_gpu_blocks} GPU blocks, {a.num_cpu_blocks} CPU blocks, "
-        f"{ms_per_block} ms per block")
-    while cache_ready.value[a.rank] != 1:  # the worker made the KV cache
-        time.sleep(0.1)
-    swap_ready.value[a.rank] = 1  # the CPU cache "exists"
-    while int(np.sum(swap_ready.value)) != a.mp_num:
-        time.sleep(0.1)
-    inited.value[a.rank] = 1
-    log("ready")
 
+def _wait_ready(sig: dict, a) -> None:
+    """The worker made the KV cache; this rank's CPU cache "exists", then every rank's; this rank is initialised."""
+    import numpy as np
+
+    while sig["cache_ready_signal"].value[a.rank] != 1:
+        time.sleep(0.1)
+    sig["swap_space_ready_signal"].value[a.rank] = 1
+    while int(np.sum(sig["swap_space_ready_signal"].value)) != a.mp_num:
+        time.sleep(0.1)
+    sig["cache_transfer_inited_signal"].value[a.rank] = 1
+
+
+def _serve_tasks(a, queue, sig: dict, state: dict, sizes: tuple, log) -> None:
+    """The task loop: take each swap task once, check it, model its copy time and (rank 0) answer it."""
+    from fastdeploy.cache_manager.cache_data import CacheStatus
+
+    num_gpu_blocks, ms_per_block, idle_s = sizes
+    broadcast, paused, inflight = sig["cache_task_broadcast_signal"], sig["cache_task_is_paused"], sig["cache_task_inflight"]
     holds = {}  # CPU block -> the GPU block whose data it holds
     done = {"SWAP2CPU": 0, "SWAP2GPU": 0, "bad": 0, "dropped": 0}
     while True:
@@ -143,30 +169,39 @@ def main(argv=None) -> int:
         if event_type.value not in (CacheStatus.SWAP2CPU.value, CacheStatus.SWAP2GPU.value):
             log(f"ignored a {event_type.name} task (storage and control tasks are not simulated): {data!r}")
             continue
-        task_id, node_ids, gpu_ids, cpu_ids = data[1:]
-        problems = []
-        if not (len(node_ids) == len(gpu_ids) == len(cpu_ids)):
-            problems.append(f"lengths differ: {len(node_ids)} nodes, {len(gpu_ids)} GPU, {len(cpu_ids)} CPU blocks")
-        problems += [f"GPU block {g} out of range 0..{num_gpu_blocks - 1}" for g in gpu_ids
-                     if num_gpu_blocks and not 0 <= int(g) < num_gpu_blocks]
-        problems += [f"CPU block {c} out of range 0..{a.num_cpu_blocks - 1}" for c in cpu_ids
-                     if not 0 <= int(c) < a.num_cpu_blocks]
-        if event_type.value == CacheStatus.SWAP2GPU.value:
-            problems += [f"CPU block {c} holds no swapped-out data" for c in cpu_ids if int(c) not in holds]
-        if problems:
-            done["bad"] += 1
-            log(f"ERROR bad {event_type.name} task {task_id}: " + "; ".join(problems))
-        time.sleep(ms_per_block * len(gpu_ids) / 1000.0)
-        if event_type.value == CacheStatus.SWAP2CPU.value:
-            for g, c in zip(gpu_ids, cpu_ids):
-                holds[int(c)] = int(g)
-        else:
-            for c in cpu_ids:
-                holds.pop(int(c), None)
-        done[event_type.name] += 1
-        if a.rank == 0:
-            queue.put_transfer_done_signal((event_type, task_id, node_ids, gpu_ids, cpu_ids))
-        log(f"{event_type.name} task {task_id}: {len(gpu_ids)} blocks done; totals {done}")
+        _swap(a, queue, data, holds, done, (num_gpu_blocks, ms_per_block), log)
+
+
+def _swap(a, queue, data, holds: dict, done: dict, sizes: tuple, log) -> None:
+    """One SWAP2CPU / SWAP2GPU task: checked (a bad one is logged as an error and still answered), a modelled copy
+    time, the CPU blocks' contents remembered, and rank 0's answer (the tuple the real ``_transfer_data`` returns)."""
+    from fastdeploy.cache_manager.cache_data import CacheStatus
+
+    num_gpu_blocks, ms_per_block = sizes
+    event_type, task_id, node_ids, gpu_ids, cpu_ids = data
+    problems = []
+    if not (len(node_ids) == len(gpu_ids) == len(cpu_ids)):
+        problems.append(f"lengths differ: {len(node_ids)} nodes, {len(gpu_ids)} GPU, {len(cpu_ids)} CPU blocks")
+    problems += [f"GPU block {g} out of range 0..{num_gpu_blocks - 1}" for g in gpu_ids
+                 if num_gpu_blocks and not 0 <= int(g) < num_gpu_blocks]
+    problems += [f"CPU block {c} out of range 0..{a.num_cpu_blocks - 1}" for c in cpu_ids
+                 if not 0 <= int(c) < a.num_cpu_blocks]
+    if event_type.value == CacheStatus.SWAP2GPU.value:
+        problems += [f"CPU block {c} holds no swapped-out data" for c in cpu_ids if int(c) not in holds]
+    if problems:
+        done["bad"] += 1
+        log(f"ERROR bad {event_type.name} task {task_id}: " + "; ".join(problems))
+    time.sleep(ms_per_block * len(gpu_ids) / 1000.0)
+    if event_type.value == CacheStatus.SWAP2CPU.value:
+        for g, c in zip(gpu_ids, cpu_ids):
+            holds[int(c)] = int(g)
+    else:
+        for c in cpu_ids:
+            holds.pop(int(c), None)
+    done[event_type.name] += 1
+    if a.rank == 0:
+        queue.put_transfer_done_signal((event_type, task_id, node_ids, gpu_ids, cpu_ids))
+    log(f"{event_type.name} task {task_id}: {len(gpu_ids)} blocks done; totals {done}")
 
 
 if __name__ == "__main__":

@@ -12,11 +12,15 @@ import time
 
 from fdsched.core.common import EXIT_ERROR, EXIT_NO_HOST
 from fdsched.serve.load_cli import out_dir_problems, owned_out_dir
-from fdsched.serve.preflight import host_shape_problems, profiles_line, rank_arm_problems, rank_profiles
-from fdsched.serve.launcher import (
-    LOOPBACK, PORT_RANGE, PORTS_PER_RANK, EngineConfig, HostMissing, ServedEngine, ServeError, check_config,
-    check_host_modules, format_schedule_times, port_in_use, receiver_rpc_rate,
+from fdsched.serve.preflight import (
+    host_shape_problems, profiles_line, rank_arm_problems, rank_profiles, sequential_arms, sequential_arms_problems,
+    trace_only_problems,
 )
+from fdsched.serve.config import (
+    LOOPBACK, PORT_RANGE, PORTS_PER_RANK, EngineConfig, HostMissing, ServeError, check_config, check_host_modules,
+)
+from fdsched.serve.launcher import ServedEngine, format_schedule_times, receiver_rpc_rate
+from fdsched.serve.ports import port_in_use
 
 __all__ = ["add_command", "cmd_serve"]
 
@@ -101,13 +105,6 @@ def report_dir(args):
     return (args.out or "serve-out") if args.trace else None
 
 
-def sequential_arms(args) -> list:
-    """``--arms A,B`` (no ranks): the arms run one after another, each on the whole trace; [] otherwise."""
-    if not args.arms or "=" in args.arms:
-        return []
-    return [a.strip() for a in args.arms.split(",")]
-
-
 def check_serve_args(args) -> tuple:
     """(problems, trace, configs): every problem of the flags, the profile(s) and the FDSCHED_* variables, one line
     each, found before anything is spawned; the loaded trace (or None) and one EngineConfig per stack to run."""
@@ -130,7 +127,7 @@ def check_serve_args(args) -> tuple:
     if args.idle_rpc is not None and (not args.idle_rpc > 0 or not args.num_cpu_blocks or args.trace):
         problems.append(f"--idle-rpc {args.idle_rpc}: allowed: seconds > 0, with --num-cpu-blocks > 0 and without "
                         "--trace")
-    problems += _trace_only_problems(args)
+    problems += trace_only_problems(args)
     if getattr(args, "role_profiles", None):  # PD only: a mixed stack has no roles
         problems.append(f"--role-profiles {args.role_profiles}: allowed only with --prefill/--decode (PD "
                         "disaggregation); for one profile per data-parallel rank use --dp 2 --arms 0=A,1=B")
@@ -138,7 +135,7 @@ def check_serve_args(args) -> tuple:
         problems.append(f"--decode-num-gpu-blocks {args.decode_num_gpu_blocks}: allowed only with --prefill/--decode")
     problems += out_dir_problems(report_dir(args), "fdsched serve")
     arms = sequential_arms(args)
-    problems += _sequential_arms_problems(args, arms)
+    problems += sequential_arms_problems(args, arms)
     shape = _shape_from_args(args, trace)
     if arms:
         configs = [EngineConfig(profile=arm, dp=1, port=args.port, host=args.host, num_cpu_blocks=args.num_cpu_blocks,
@@ -166,44 +163,6 @@ def check_serve_args(args) -> tuple:
             problems.append(f"--port {args.port}: port {busy} is in use (the stack needs ports {args.port}-"
                             f"{args.port + need - 1}); allowed: a first port whose {need} ports are free")
     return problems, trace, configs
-
-
-def _trace_only_problems(args) -> list:
-    """The flags that mean something only with --trace."""
-    problems = []
-    if args.time_schedule and not args.trace:
-        problems.append("--time-schedule: allowed only with --trace")
-    if getattr(args, "exact_max_tokens", False) and not args.trace:
-        problems.append("--exact-max-tokens: allowed only with --trace (it changes what the trace's clients send)")
-    if args.out and not args.trace:
-        problems.append(f"--out {args.out}: allowed only with --trace (the report directory)")
-    return problems
-
-
-def _sequential_arms_problems(args, arms) -> list:
-    """``--arms A,B`` (run in turn): a trace, one rank, no --profile beside it, distinct profiles that load."""
-    from fdsched.core.settings import SettingsError, resolve_profile
-
-    if not arms:
-        return []
-    problems = []
-    if not args.trace:
-        problems.append(f"--arms {args.arms!r}: arms without ranks run in turn on a trace: add --trace, or give "
-                        "one arm per rank (RANK=PROFILE, with --dp >= 2)")
-    if args.dp != 1:
-        problems.append(f"--arms {args.arms!r} with --dp {args.dp}: arms run in turn use one rank each; allowed: "
-                        "--dp 1, or RANK=PROFILE items for one arm per rank")
-    if args.profile:
-        problems.append(f"--profile {args.profile} with --arms {args.arms!r}: allowed: one of them")
-    if "" in arms or len(set(arms)) != len(arms):
-        problems.append(f"--arms {args.arms!r}: allowed: distinct profile names or paths, comma-separated")
-    for arm in arms:
-        if arm:
-            try:
-                resolve_profile(arm, "--arms")
-            except SettingsError as exc:
-                problems.append(str(exc))
-    return problems
 
 
 class _Signals:

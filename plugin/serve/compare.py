@@ -56,7 +56,8 @@ def scaled_trace(trace: Trace, time_scale: float) -> Trace:
 
 def _served_engine():
     try:
-        from fdsched.serve.launcher import EngineConfig, ServedEngine, ServeError
+        from fdsched.serve.config import EngineConfig, ServeError
+        from fdsched.serve.launcher import ServedEngine
     except ImportError as exc:
         from fdsched.serve.load import LoadError
 

@@ -9,325 +9,39 @@ served stack's ``PYTHONPATH``.
 :class:`ServedEngine` is the context manager the tests and the load generator use. Every process it starts
 is in its own process group; stopping (also after Ctrl-C, a dead child or a failed start) terminates the
 groups and every descendant, then removes the ``/dev/shm`` entries the stack's own processes created (recorded at
-creation by the seams' ledger, :func:`fdsched.serve.seams.record_created`), nothing else.
+creation by the seams' ledger, :func:`fdsched.serve.seams.record_created`), nothing else (:mod:`fdsched.serve.teardown`).
+Which process is gone, and why, is :class:`fdsched.serve.watch.StackWatch`'s part.
 
-Ownership, not port numbers: a stack holds a lease on each of its ports (:class:`PortLease`: one lock file per port
-under :data:`PORT_LOCK_DIR`, held with ``fcntl.flock`` by the launcher and the stack's top process) from before
-anything is spawned until everything is stopped, so a second launcher cannot take them.
+Ownership, not port numbers: a stack holds a lease on each of its ports (:class:`fdsched.serve.ports.PortLease`: one
+lock file per port, held with ``fcntl.flock`` by the launcher and the stack's top process) from before anything is
+spawned until everything is stopped, so a second launcher cannot take them. The configuration and its pre-flight
+checks: :mod:`fdsched.serve.config`.
 """
 
 from __future__ import annotations
 
-import errno
-import fcntl
 import json
 import os
 import re
 import shutil
 import signal
-import socket
-import stat
 import subprocess
 import sys
 import tempfile
 import time
 import urllib.request
-from dataclasses import dataclass, field
 from typing import Optional
 
+from fdsched.serve.config import (
+    LOOPBACK, PORTS_PER_RANK, EngineConfig, ServeError, check_config, check_host_modules, overlap_schedule_off,
+    swap_space_gb,
+)
+from fdsched.serve.ports import PortLease, free_ports, port_in_use
+from fdsched.serve.teardown import created_entries, group_members, kill_pids, remove_created, still_running
+from fdsched.serve.watch import StackWatch
 
 
-PORT_RANGE = (18000, 18999)
-PORTS_PER_RANK = 6  # api, metrics, engine-worker-queue, cache-queue, pd-comm, rdma
-REQUIRED_MODULES = ("fastdeploy", "fastapi", "uvicorn", "gunicorn", "aiozmq", "jinja2", "ml_dtypes",
-                    "partial_json_parser", "zmq", "tokenizers", "prometheus_client")
-
-
-
-_EXCEPTION_LINE = re.compile(r"^(?:[\w.]+\.)?(\w*(?:Error|Exception|Exit)): (.+)$")
-
-
-def last_exception(files) -> str:
-    """The last exception line (``SomeError: ...``) written to any of ``files``, from the most recently written
-    one; "" when none has one (a missing file is skipped)."""
-    best = (0.0, "")
-    for path in files:
-        try:
-            with open(path, errors="replace") as fh:
-                lines = fh.read().splitlines()
-            mtime = os.path.getmtime(path)
-        except OSError:
-            continue
-        for line in reversed(lines):
-            m = _EXCEPTION_LINE.match(line.strip())
-            if m and "KeyboardInterrupt" not in line:
-                if mtime >= best[0]:
-                    best = (mtime, f"{m.group(1)}: {m.group(2)}"[:400])
-                break
-    return best[1]
-
-class ServeError(RuntimeError):
-    """One clear error (the CLI prints it without a traceback)."""
-
-
-class HostMissing(ServeError):
-    """The host, or the serving stack's modules, are not there (exit code 2, as every command without a host)."""
-
-
-def port_in_use(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("0.0.0.0", port))
-        except OSError:
-            return True
-    return False
-
-
-# One lock file per port, shared by every user's fdsched stacks on this machine (sticky, world-writable like /tmp).
-PORT_LOCK_DIR = os.path.join(tempfile.gettempdir(), "fdsched-ports")
-
-
-class PortLease:
-    """Exclusive use of ports among fdsched stacks: ``flock`` on ``PORT_LOCK_DIR/<port>.lock`` per port.
-
-    The lock lives as long as one of its holders (the launcher, and the stack's top process, which inherits the
-    descriptors), so a second ``fdsched serve`` on the same ports fails at once instead of racing the first one's
-    start-up. Released files are removed while still locked; a taker re-checks after locking that its file is still
-    the one on disk (the classic unlink-while-locked protocol), so no two holders can ever share a port."""
-
-    def __init__(self, lock_dir: Optional[str] = None):
-        self.lock_dir = lock_dir or PORT_LOCK_DIR
-        self.held: dict = {}  # port -> fd
-
-    def _open(self, path: str) -> int:
-        os.makedirs(self.lock_dir, exist_ok=True)
-        try:
-            if os.stat(self.lock_dir).st_uid == os.getuid():
-                os.chmod(self.lock_dir, 0o1777)  # other users' stacks lock here too
-        except OSError:
-            pass
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except PermissionError:  # another user's file: flock works on a read-only descriptor
-            fd = os.open(path, os.O_RDONLY)
-        return fd
-
-    def take(self, port: int) -> Optional[str]:
-        """None when the port is now ours; else who holds it (``"pid 1234"`` or ``"another fdsched stack"``)."""
-        if port in self.held:
-            return None
-        path = os.path.join(self.lock_dir, f"{port}.lock")
-        for _attempt in range(20):
-            try:
-                fd = self._open(path)
-            except FileNotFoundError:  # the directory was removed by a releasing stack just now
-                continue
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except OSError as exc:
-                if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-                    os.close(fd)
-                    raise
-                holder = os.pread(fd, 64, 0).decode(errors="replace").strip()
-                os.close(fd)
-                return f"pid {holder}" if holder.isdigit() else "another fdsched stack"
-            try:
-                same = os.fstat(fd).st_ino == os.stat(path).st_ino
-            except FileNotFoundError:
-                same = False
-            if not same:  # its holder released (and removed) it between our open and our lock: take the new one
-                os.close(fd)
-                continue
-            try:
-                os.ftruncate(fd, 0)
-                os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
-            except OSError:
-                pass  # read-only (another user's file): the lock is what counts
-            self.held[port] = fd
-            return None
-        return "another fdsched stack (its lock file kept changing)"
-
-    def fds(self) -> tuple:
-        return tuple(self.held.values())
-
-    def release(self) -> None:
-        for port, fd in sorted(self.held.items()):
-            try:
-                os.unlink(os.path.join(self.lock_dir, f"{port}.lock"))  # still locked: nobody holds it after us
-            except OSError:
-                pass
-            os.close(fd)
-        self.held.clear()
-        try:
-            os.rmdir(self.lock_dir)  # only when empty: another stack's locks keep it
-        except OSError:
-            pass
-
-
-def free_ports(count: int, start: Optional[int] = None, port_range=PORT_RANGE, lease: Optional[PortLease] = None) -> list:
-    """``count`` consecutive free ports in ``port_range`` (from ``start`` if given, else a random offset); with
-    ``lease``, ports some other fdsched stack holds are skipped and the block returned is held in ``lease``."""
-    import random
-
-    lo, hi = port_range
-    first = start if start is not None else lo + random.randrange(0, max(1, hi - lo - count))
-    candidates = list(range(first, hi + 1 - count + 1)) + list(range(lo, first))
-    for base in candidates[::count]:
-        block = list(range(base, base + count))
-        if block[-1] > hi or any(port_in_use(p) for p in block):
-            continue
-        if lease is None:
-            return block
-        taken = [p for p in block if lease.take(p) is None]
-        if len(taken) == len(block) and not any(port_in_use(p) for p in block):
-            return block
-        for p in taken:  # a partial block: give it back
-            fd = lease.held.pop(p)
-            try:
-                os.unlink(os.path.join(lease.lock_dir, f"{p}.lock"))
-            except OSError:
-                pass
-            os.close(fd)
-    raise ServeError(f"no {count} free consecutive ports in {lo}-{hi}")
-
-
-@dataclass
-class EngineConfig:
-    profile: Optional[str] = None
-    dp: int = 1
-    arms: Optional[str] = None  # "0=baseline,1=recommended"
-    port: Optional[int] = None  # first port of the stack; default: free ports picked in PORT_RANGE
-    num_gpu_blocks: int = 200
-    block_size: int = 64
-    max_num_seqs: int = 32
-    max_model_len: int = 4096
-    max_num_batched_tokens: int = 2048
-    enable_prefix_caching: bool = True
-    num_cpu_blocks: int = 0  # the CPU swap tier (FastDeploy's --swap-space, in blocks); > 0 starts seam S10's process
-    count_rpcs: bool = False  # harness seam H2: count the engine process's manager RPCs per thread
-    time_schedule: bool = False  # harness seam H3: time every schedule() call in each rank's engine
-    finish_delay_ms: float = 0.0  # harness seam H7: each finish on the host's finish pool runs this much later
-    health_timeout: float = 240.0
-    host: str = "127.0.0.1"  # the address the api_server, metrics and router ports listen on
-    log_dir: Optional[str] = None
-    env: dict = field(default_factory=dict)  # extra environment for the served stack
-
-
-def _overlap_schedule_off() -> list:
-    """The api_server flag that keeps the overlap schedule off: ``--no-enable-overlap-schedule`` where the host's
-    default is on (2.6 and later); nothing where the flag is a plain switch that is off unless given (2.5)."""
-    try:
-        from fastdeploy.engine.args_utils import EngineArgs
-    except Exception:  # noqa: BLE001 - the launch itself will say what is wrong with the host
-        return ["--no-enable-overlap-schedule"]
-    return ["--no-enable-overlap-schedule"] if getattr(EngineArgs, "enable_overlap_schedule", True) else []
-
-
-def check_config(c: EngineConfig) -> list:
-    """Every problem of the configuration, one line each (empty when it can start); nothing is spawned."""
-    from fdsched.core.settings import SettingsError, load_settings, parse_dp_arms
-    from fdsched.replay.costmodel import check_replay_settings
-
-    problems = []
-    for key in ("num_gpu_blocks", "block_size", "max_num_seqs", "max_model_len", "max_num_batched_tokens"):
-        value = getattr(c, key)
-        if not isinstance(value, int) or value < 1:
-            problems.append(f"--{key.replace('_', '-')} {value}: allowed: an integer >= 1")
-    if not isinstance(c.dp, int) or c.dp < 1:
-        problems.append(f"--dp {c.dp}: allowed: an integer >= 1")
-    if c.num_cpu_blocks < 0:
-        problems.append(f"--num-cpu-blocks {c.num_cpu_blocks}: allowed: an integer >= 0")
-    if not (c.health_timeout > 0):
-        problems.append(f"--health-timeout {c.health_timeout}: allowed: seconds > 0")
-    if c.port is not None:
-        need = PORTS_PER_RANK * max(1, c.dp if isinstance(c.dp, int) else 1) + (1 if c.dp > 1 else 0)
-        if not (1024 <= c.port <= 65535 - need + 1):
-            problems.append(f"--port {c.port}: allowed: 1024-{65535 - need + 1} (the stack needs {need} ports "
-                            "from there)")
-    try:
-        socket.getaddrinfo(c.host, None)
-    except (OSError, UnicodeError):
-        problems.append(f"--host {c.host!r}: not an address of this machine; allowed: an IP address or host name, "
-                        f"e.g. {LOOPBACK} (the default) or 0.0.0.0 (every interface)")
-    # the stack's environment: FDSCHED_PROFILE* come from the flags only
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("FDSCHED_PROFILE")}
-    profiles = []
-    if c.arms:
-        try:
-            arms = parse_dp_arms(c.arms, origin="--arms")
-        except SettingsError as exc:
-            problems.append(str(exc))
-            arms = {}
-        if c.dp < 2:
-            problems.append(f"--arms {c.arms!r} needs --dp >= 2 (one arm per data-parallel rank); for arms that "
-                            "each get the whole trace, name them without ranks: --arms baseline,recommended")
-        beyond = sorted(r for r in arms if r >= c.dp)
-        if beyond and c.dp >= 2:
-            problems.append(f"--arms {c.arms!r}: rank {beyond[0]} does not exist with --dp {c.dp}; allowed: ranks "
-                            f"0-{c.dp - 1}")
-        profiles += [(f"--arms rank {r}", p) for r, p in sorted(arms.items())]
-    if c.profile:
-        profiles.append(("--profile", c.profile))
-    try:  # every FDSCHED_* variable, once, on the built-in defaults
-        load_settings(environ, profile=None)
-    except SettingsError as exc:
-        problems.append(str(exc))
-        environ = {}  # then each profile on its own, so that one bad variable is one line
-    for origin, profile in profiles:
-        try:  # the stack's simulated worker steps by the replay's cost model: its key is checked too
-            check_replay_settings(load_settings(environ, profile=profile))
-        except SettingsError as exc:
-            problems.append(f"{origin}: {exc}")
-    return list(dict.fromkeys(problems))
-
-
-def check_host_modules() -> str:
-    """The host source directory; ServeError naming what is missing."""
-    import importlib.util
-
-    from fdsched.install.probe import HostNotFound, find_host
-
-    try:
-        source = find_host()
-    except HostNotFound as exc:
-        raise HostMissing(f"needs FastDeploy engine: {exc}") from None
-    missing = [m for m in REQUIRED_MODULES if importlib.util.find_spec(m) is None]
-    if missing:
-        raise HostMissing(f"needs FastDeploy engine: the serving stack's modules are missing: {', '.join(missing)}; "
-                          "`fdsched host setup` installs them")
-    return source
-
-
-LOOPBACK = "127.0.0.1"
-GONE_GRACE_S = 1.0  # how long a watched process may be gone before it is named without its exit status
-
-
-@dataclass(frozen=True)
-class Death:
-    """A process of the stack that is gone: which rank, which role, how it ended."""
-
-    rank: Optional[int]
-    role: str
-    pid: int
-    code: Optional[int] = None  # exit status; negative: killed by that signal (Popen's convention)
-    when: float = 0.0
-
-    def text(self) -> str:
-        where = f"rank {self.rank} {self.role}" if self.rank is not None else self.role
-        if self.code is None:
-            how = "is gone (not our child: its exit status is its parent's)"
-        elif self.code < 0:
-            try:
-                how = f"was killed by {signal.Signals(-self.code).name}"
-            except ValueError:
-                how = f"was killed by signal {-self.code}"
-        else:
-            how = f"exited with code {self.code}"
-        return f"{where} (pid {self.pid}) {how}"
-
-
-class ServedEngine:
+class ServedEngine(StackWatch):
     """Start the served stack; ``with ServedEngine(EngineConfig(...)) as eng: eng.urls ...``.
 
     ``progress(line)`` (optional) receives one line per start-up stage (``starting api_server rank 0 ...``,
@@ -447,7 +161,7 @@ class ServedEngine:
             "--max-num-batched-tokens", str(c.max_num_batched_tokens),
             "--engine-worker-queue-port", joined(2), "--cache-queue-port", joined(3),
             "--pd-comm-port", joined(4), "--rdma-comm-ports", joined(5),
-            *_overlap_schedule_off(),
+            *overlap_schedule_off(),
             "--enable-prefix-caching" if c.enable_prefix_caching else "--no-enable-prefix-caching",
         ]
         if c.num_cpu_blocks:
@@ -501,116 +215,6 @@ class ServedEngine:
 
     def rank_log_dir(self, rank: int) -> str:
         return self.log_dir if self.config.dp == 1 else os.path.join(self.log_dir, f"log_{rank}")
-
-    # ----------------------------------------------------------------------------------- watching
-    def deaths(self) -> list:
-        """Every process of the stack known to be gone, earliest first (empty while all live)."""
-        found = {}
-        for f in sorted(os.listdir(os.path.join(self.state_dir, "exits"))):  # recorded by the seams' watchers
-            try:
-                with open(os.path.join(self.state_dir, "exits", f)) as fh:
-                    d = json.load(fh)
-            except (OSError, ValueError):
-                continue
-            found[d["pid"]] = Death(d.get("rank"), d["role"], d["pid"], d.get("code"), d.get("time", 0.0))
-        now = time.time()
-        for name, proc in self.procs.items():
-            if proc.poll() is not None and proc.pid not in found:
-                rank = 0 if name == "api_server" else None
-                found[proc.pid] = Death(rank, name, proc.pid, proc.returncode, now)
-        if self._watched:
-            import psutil
-
-            for (pid, created), (rank, role) in self._watched.items():
-                if pid in found:
-                    continue
-                try:
-                    p = psutil.Process(pid)
-                    alive = p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE
-                except psutil.Error:
-                    alive = False
-                if alive:
-                    continue
-                # Its parent's watcher records how it ended (an exits record) a moment after it goes: wait that
-                # long before naming it without its status.
-                first_seen = self._gone_since.setdefault(pid, now)
-                if now - first_seen >= GONE_GRACE_S:
-                    found[pid] = Death(rank, role, pid, None, first_seen)
-        # earliest first; at one detection time, a death whose status is known (the cause) before the ones it took
-        return sorted(found.values(), key=lambda d: (d.when, d.code is None, d.pid))
-
-    def check_alive(self) -> None:
-        """ServeError in one line naming the first process that is gone (rank, role, signal or exit code), the
-        others after it, and the host's own error message where its output has one."""
-        dead = self.deaths()
-        if not dead:
-            return
-        first = dead[0]
-        message = first.text()
-        rest = [d.text() for d in dead[1:]]
-        if rest:
-            message += "; then " + ", ".join(rest[:3]) + (f" and {len(rest) - 3} more" if len(rest) > 3 else "")
-        host_error = self.host_error(first.rank)
-        if host_error:
-            message += f"; the host said: {host_error}"
-        raise ServeError(message)
-
-    def host_error(self, rank: Optional[int]) -> str:
-        """The last exception line (``SomeError: ...``) the host wrote for ``rank``: the api_server's own output
-        (``api_server.out``, ``multi_api_server.out`` under data parallelism) and the rank's log files."""
-        files = [os.path.join(self.log_dir, "api_server.out"), os.path.join(self.log_dir, "multi_api_server.out")]
-        if rank is not None:
-            d = self.rank_log_dir(rank)
-            if os.path.isdir(d):
-                files += [os.path.join(d, f) for f in sorted(os.listdir(d)) if f.endswith(".log")]
-        return last_exception(files)
-
-    def _watch_engine_processes(self):
-        """Record, once the stack is up, each rank's api_server and its descendants (the engine's queue managers
-        and cache processes; the simulated workers): a later disappearance of any of them stops the stack."""
-        try:
-            import psutil
-        except ImportError:
-            return
-        roots = []
-        if self.config.dp == 1 and "api_server" in self.procs:
-            roots.append((0, self.procs["api_server"].pid))
-        elif "multi_api_server" in self.procs:
-            try:
-                for child in psutil.Process(self.procs["multi_api_server"].pid).children():
-                    m = re.search(r"--local-data-parallel-id\s+(\d+)", " ".join(child.cmdline()))
-                    if m:
-                        roots.append((int(m.group(1)), child.pid))
-            except psutil.Error:
-                pass
-        for rank, pid in roots:
-            try:
-                root = psutil.Process(pid)
-                self._watched[(pid, root.create_time())] = (rank, "api_server")
-                children = root.children(recursive=True)
-                workers = {c.pid for c in children if "worker.py" in " ".join(c.cmdline())}
-                for child in children:
-                    if child.ppid() in workers:  # a worker's own helpers (its resource tracker) go with it
-                        continue
-                    line = " ".join(child.cmdline())
-                    m = re.search(r"--dp-rank\s+(\d+)", line)
-                    if "worker.py" in line and m:
-                        who = (int(m.group(1)), "worker")
-                    elif "worklaunch.py" in line:
-                        who = (rank, "worker launcher")
-                    elif "cachexfer.py" in line:
-                        who = (rank, "cache transfer manager")
-                    else:
-                        who = (rank, "engine process")
-                    self._watched[(child.pid, child.create_time())] = who
-            except psutil.Error:
-                pass
-
-    def _alive_check(self):
-        try:
-            self.check_alive()
-        except ServeError as exc:
-            raise ServeError(f"during start-up: {exc}; logs in {self.log_dir}") from None
 
     def _tail(self, name: str, lines: int = 15) -> str:
         try:
@@ -737,8 +341,8 @@ class ServedEngine:
                 proc.wait(timeout=10)
         # a process of one of the stack's own groups that was never seen as a descendant (started after the last
         # look, or re-parented) is the stack's too: it must be gone before the ledger is read
-        self._descendants.update(_group_members(self._groups))
-        _kill_pids(self._descendants)
+        self._descendants.update(group_members(self._groups))
+        kill_pids(self._descendants)
         deadline = time.monotonic() + 10  # SIGKILL is not instantaneous: wait until they are gone
         while (still_running(self._descendants) or any(port_in_use(p) for p in self.ports)) \
                 and time.monotonic() < deadline:
@@ -749,7 +353,7 @@ class ServedEngine:
 
     def created_shm_left(self) -> list:
         """The /dev/shm entries this stack's processes created that are still there (same name and inode)."""
-        return [path for path, _ino in _created_entries(self.state_dir, still_there=True)]
+        return [path for path, _ino in created_entries(self.state_dir, still_there=True)]
 
     def cleanup(self):
         shutil.rmtree(self._tmp, ignore_errors=True)
@@ -783,86 +387,6 @@ class ServedEngine:
                     return json.load(fh)
             time.sleep(0.05)
         raise ServeError(f"rank {rank}: the engine's state probe did not answer within {timeout:.0f}s")
-
-
-def _created_entries(state_dir: str, still_there: bool = False) -> list:
-    """(path, inode) of every /dev/shm entry the stack's processes recorded creating (seams' ledger).
-
-    A creation is recorded twice: an intent before the call (with the inode at the path then, if any), and the
-    entry's inode after it (or that it failed). An intent left open means the process ended inside the call; the
-    entry at the path is then the one that call made when it is of the kind the call makes and is not the one that
-    was there before it. Such an entry is only known while it is there, whatever ``still_there`` says."""
-    from fdsched.serve.seams import SHM_LEDGER
-
-    entries, seen, open_intents = [], set(), {}
-
-    def add(path, ino):
-        if (path, ino) in seen:
-            return
-        seen.add((path, ino))
-        if still_there:
-            try:
-                if os.stat(path).st_ino != ino:
-                    return
-            except OSError:
-                return
-        entries.append((path, ino))
-
-    try:
-        with open(os.path.join(state_dir, SHM_LEDGER), errors="replace") as fh:
-            for line in fh:
-                try:
-                    rec = json.loads(line)
-                    if "intent" in rec:
-                        open_intents[(rec["pid"], rec["intent"])] = rec
-                    elif "failed" in rec:
-                        open_intents.pop((rec["pid"], rec["failed"]), None)
-                    else:
-                        open_intents.pop((rec["pid"], rec["path"]), None)
-                        add(rec["path"], rec["ino"])
-                except (ValueError, KeyError, TypeError):
-                    continue
-    except OSError:
-        pass
-    for rec in open_intents.values():
-        path = rec["intent"]
-        try:
-            st = os.stat(path)
-        except OSError:
-            continue
-        kind_ok = stat.S_ISSOCK(st.st_mode) if rec.get("kind") == "socket" else stat.S_ISREG(st.st_mode)
-        if kind_ok and st.st_ino != rec.get("before"):
-            add(path, st.st_ino)
-    return entries
-
-
-def remove_created(state_dir: str) -> list:
-    """Remove the /dev/shm entries the stack's own processes created and that are still the same file (name and
-    inode as recorded at creation); nothing found only by its name. Returns the paths removed."""
-    removed = []
-    for path, ino in _created_entries(state_dir, still_there=True):
-        try:
-            if os.stat(path).st_ino == ino:
-                os.unlink(path)
-                removed.append(path)
-        except OSError:
-            pass
-    return removed
-
-
-def swap_space_gb(model_dir: str, block_size: int, num_cpu_blocks: int) -> float:
-    """FastDeploy's --swap-space (GiB) that gives exactly ``num_cpu_blocks`` CPU blocks for the model directory:
-    the host computes int(swap_space * 2**30 / bytes_per_block) with bytes_per_block = kv heads * head_dim *
-    2 bytes (bfloat16 cache) * 2 (K and V) * block_size * layers (CacheConfig, config.py ~1636-1652 new host).
-    Every factor is a power of two times a small integer here, so the float round trip is exact."""
-    import json
-
-    with open(os.path.join(model_dir, "config.json")) as fh:
-        cfg = json.load(fh)
-    heads = cfg.get("num_key_value_heads") or cfg["num_attention_heads"]
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    per_block = heads * head_dim * 2 * 2 * block_size * cfg["num_hidden_layers"]
-    return num_cpu_blocks * per_block / 2 ** 30
 
 
 RECEIVER_THREAD = "recv_data_transfer_result"  # the host's CPU-cache transfer-done receiver (thread target name)
@@ -903,48 +427,3 @@ def _http_ok(url: str) -> bool:
             return r.status == 200
     except Exception:
         return False
-
-
-def _group_members(pgids) -> set:
-    """(pid, create_time) of the live, non-zombie processes in the process groups ``pgids``. A group's number is not
-    handed out again while any process is in it, and a member found here is one: it belongs to the stack."""
-    try:
-        import psutil
-    except ImportError:
-        return set()
-    members = set()
-    for proc in psutil.process_iter():
-        try:
-            if os.getpgid(proc.pid) in pgids and proc.status() != psutil.STATUS_ZOMBIE:
-                members.add((proc.pid, proc.create_time()))
-        except (psutil.Error, OSError):
-            pass
-    return members
-
-
-def _kill_pids(pids):
-    for pid in still_running(pids):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
-
-
-def still_running(descendants) -> list:
-    """The (pid, create_time) pairs that are still the same live, non-zombie process."""
-    import psutil
-
-    alive = []
-    for pid, created in descendants:
-        try:
-            p = psutil.Process(pid)
-            if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
-                alive.append(pid)
-        except psutil.Error:
-            pass
-    return alive
-
-
-# ----------------------------------------------------------------------------------------------- CLI
-
-

@@ -25,10 +25,10 @@ import urllib.request
 from dataclasses import dataclass
 from typing import Optional
 
-from fdsched.serve.launcher import (
-    LOOPBACK, PORTS_PER_RANK, Death, EngineConfig, ServedEngine, ServeError, check_config, free_ports, last_exception,
-    port_in_use,
-)
+from fdsched.serve.config import LOOPBACK, PORTS_PER_RANK, EngineConfig, ServeError, check_config
+from fdsched.serve.launcher import ServedEngine
+from fdsched.serve.ports import free_ports, port_in_use
+from fdsched.serve.watch import Death, last_exception
 
 __all__ = ["ROLES", "PdConfig", "PdServedEngine", "parse_role_profiles", "pd_config_problems", "instance_profiles"]
 
@@ -169,7 +169,7 @@ class PdServedEngine(ServedEngine):
         return env
 
     def start(self):
-        from fdsched.serve.launcher import check_host_modules
+        from fdsched.serve.config import check_host_modules
         from fdsched.serve.model import make_model
 
         source = check_host_modules()
@@ -322,18 +322,18 @@ class PdServedEngine(ServedEngine):
         return total
 
     def stop(self):
-        from fdsched.serve.launcher import remove_created
+        from fdsched.serve.teardown import remove_created
 
         super().stop()
         for inst in self.instances:
             self.removed_shm += remove_created(inst["state_dir"])
 
     def created_shm_left(self) -> list:
-        from fdsched.serve.launcher import _created_entries
+        from fdsched.serve.teardown import created_entries
 
         left = super().created_shm_left()
         for inst in self.instances:
-            left += [path for path, _ino in _created_entries(inst["state_dir"], still_there=True)]
+            left += [path for path, _ino in created_entries(inst["state_dir"], still_there=True)]
         return left
 
     def engine_state(self, rank: int = 0, timeout: float = 20.0) -> dict:

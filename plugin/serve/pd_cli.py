@@ -59,7 +59,7 @@ def serve_pd(args, signals, cli) -> int:
     :mod:`fdsched.serve.cli`, whose helpers this shares."""
     _check_host_quietly, _check_shapes_quietly = cli._check_host_quietly, cli._check_shapes_quietly  # noqa: N806
     _finish, _say, _serve_until_stopped = cli._finish, cli._say, cli._serve_until_stopped  # noqa: N806
-    from fdsched.serve.launcher import LOOPBACK, ServeError
+    from fdsched.serve.config import LOOPBACK, ServeError
     from fdsched.serve.pd import PdServedEngine
     from fdsched.serve.pd_checks import host_pd_problems
 

@@ -1,6 +1,7 @@
-"""``fdsched serve``'s checks that need more than the flags: every data-parallel rank has exactly one arm, and the
-engine shape passes the host's own config checks. Both run before anything is spawned, one line per problem; and
-the start-up banner's line of which profile each rank runs.
+"""``fdsched serve``'s checks that need more than one flag's value: the flags that mean something only with
+``--trace``, arms run in turn (``--arms A,B``: a trace, one rank, profiles that load), every data-parallel rank has
+exactly one arm, and the engine shape passes the host's own config checks. All run before anything is spawned, one
+line per problem; and the start-up banner's line of which profile each rank runs.
 """
 
 from __future__ import annotations
@@ -9,7 +10,8 @@ import os
 import re
 from typing import Optional
 
-__all__ = ["rank_arm_problems", "host_shape_problems", "rank_profiles", "profiles_line"]
+__all__ = ["rank_arm_problems", "host_shape_problems", "rank_profiles", "profiles_line", "sequential_arms",
+           "sequential_arms_problems", "trace_only_problems"]
 
 # The host's names for the engine shape, and the serve flag that sets each (longest first: one name holds another)
 HOST_NAMES = (
@@ -86,3 +88,48 @@ def host_shape_problems(config) -> list:
         os.environ.clear()
         os.environ.update(saved)
     return []
+
+
+def sequential_arms(args) -> list:
+    """``--arms A,B`` (no ranks): the arms run one after another, each on the whole trace; [] otherwise."""
+    if not args.arms or "=" in args.arms:
+        return []
+    return [a.strip() for a in args.arms.split(",")]
+
+
+def trace_only_problems(args) -> list:
+    """The flags that mean something only with --trace."""
+    problems = []
+    if args.time_schedule and not args.trace:
+        problems.append("--time-schedule: allowed only with --trace")
+    if getattr(args, "exact_max_tokens", False) and not args.trace:
+        problems.append("--exact-max-tokens: allowed only with --trace (it changes what the trace's clients send)")
+    if args.out and not args.trace:
+        problems.append(f"--out {args.out}: allowed only with --trace (the report directory)")
+    return problems
+
+
+def sequential_arms_problems(args, arms) -> list:
+    """``--arms A,B`` (run in turn): a trace, one rank, no --profile beside it, distinct profiles that load."""
+    from fdsched.core.settings import SettingsError, resolve_profile
+
+    if not arms:
+        return []
+    problems = []
+    if not args.trace:
+        problems.append(f"--arms {args.arms!r}: arms without ranks run in turn on a trace: add --trace, or give "
+                        "one arm per rank (RANK=PROFILE, with --dp >= 2)")
+    if args.dp != 1:
+        problems.append(f"--arms {args.arms!r} with --dp {args.dp}: arms run in turn use one rank each; allowed: "
+                        "--dp 1, or RANK=PROFILE items for one arm per rank")
+    if args.profile:
+        problems.append(f"--profile {args.profile} with --arms {args.arms!r}: allowed: one of them")
+    if "" in arms or len(set(arms)) != len(arms):
+        problems.append(f"--arms {args.arms!r}: allowed: distinct profile names or paths, comma-separated")
+    for arm in arms:
+        if arm:
+            try:
+                resolve_profile(arm, "--arms")
+            except SettingsError as exc:
+                problems.append(str(exc))
+    return problems

@@ -15,7 +15,7 @@ from fdsched.replay.engine import prepare_host_environment
 
 def _missing():
     prepare_host_environment()
-    from fdsched.serve.launcher import ServeError, check_host_modules
+    from fdsched.serve.config import ServeError, check_host_modules
 
     try:
         check_host_modules()
@@ -59,7 +59,8 @@ def pytest_terminal_summary(terminalreporter):
 @pytest.fixture
 def served():
     """Start a served engine (kwargs of EngineConfig); stopped and checked for leftovers afterwards."""
-    from fdsched.serve.launcher import EngineConfig, ServedEngine
+    from fdsched.serve.config import EngineConfig
+    from fdsched.serve.launcher import ServedEngine
 
     started = []
 

@@ -188,7 +188,8 @@ def assert_left_nothing(eng, when: str = "after stop", stop: bool = True) -> Non
 def leftovers(eng) -> list:
     """Processes, ports and /dev/shm entries of a stopped stack that are still there: what its processes recorded
     creating, and (to catch what the ledger missed) entries whose names carry one of its ports. Read only."""
-    from fdsched.serve.launcher import port_in_use, still_running
+    from fdsched.serve.ports import port_in_use
+    from fdsched.serve.teardown import still_running
 
     left = [f"port {p}" for p in eng.ports if port_in_use(p)]
     left += eng.created_shm_left()

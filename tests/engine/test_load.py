@@ -22,7 +22,8 @@ MAX_MODEL_LEN = 2048
 
 def _launcher():
     try:
-        from fdsched.serve.launcher import EngineConfig, ServedEngine, ServeError, check_host_modules
+        from fdsched.serve.config import EngineConfig, ServeError, check_host_modules
+        from fdsched.serve.launcher import ServedEngine
     except ImportError as exc:
         pytest.skip(f"needs FastDeploy engine: fdsched.serve.launcher is not available ({exc})")
     try:

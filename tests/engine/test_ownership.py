@@ -32,7 +32,9 @@ def _stream_raw(url: str, max_tokens: int, out: dict, key: str) -> None:
 
 
 def test_two_stacks_on_one_port_then_a_drain():
-    from fdsched.serve.launcher import EngineConfig, ServedEngine, ServeError, free_ports
+    from fdsched.serve.config import EngineConfig, ServeError
+    from fdsched.serve.launcher import ServedEngine
+    from fdsched.serve.ports import free_ports
 
     port = free_ports(7)[0]  # a stack of one rank needs 6 ports; one spare
     stacks = [ServedEngine(EngineConfig(port=port, **SHAPE)) for _ in range(2)]

@@ -137,7 +137,8 @@ def test_prompt_longer_than_max_model_len_is_one_clear_error(served):
 @pytest.fixture(scope="module")
 def ab_stack():
     """One two-rank stack (Router + multi_api_server) for the A/B test and, after it, the dead-worker test."""
-    from fdsched.serve.launcher import EngineConfig, ServedEngine
+    from fdsched.serve.config import EngineConfig
+    from fdsched.serve.launcher import ServedEngine
 
     from .helpers import assert_left_nothing
 
@@ -187,7 +188,7 @@ def test_a_dead_worker_on_rank_1_stops_the_stack_naming_it(ab_stack):
 
     import psutil
 
-    from fdsched.serve.launcher import ServeError
+    from fdsched.serve.config import ServeError
 
     eng = ab_stack
     eng.check_alive()  # all alive
@@ -217,7 +218,8 @@ def test_a_refused_engine_shape_is_reported_at_once_with_the_hosts_message():
     after the health timeout."""
     import time
 
-    from fdsched.serve.launcher import EngineConfig, ServedEngine, ServeError
+    from fdsched.serve.config import EngineConfig, ServeError
+    from fdsched.serve.launcher import ServedEngine
 
     from .helpers import assert_left_nothing
 
@@ -240,7 +242,9 @@ def test_a_refused_engine_shape_is_reported_at_once_with_the_hosts_message():
 def test_port_in_use_is_one_clear_error():
     import socket
 
-    from fdsched.serve.launcher import EngineConfig, ServedEngine, ServeError, free_ports
+    from fdsched.serve.config import EngineConfig, ServeError
+    from fdsched.serve.launcher import ServedEngine
+    from fdsched.serve.ports import free_ports
 
     port = free_ports(1)[0]
     with socket.socket() as s:
@@ -256,15 +260,16 @@ def test_port_in_use_is_one_clear_error():
 
 
 def test_host_without_serving_modules_is_one_clear_error(monkeypatch):
-    from fdsched.serve import launcher
+    from fdsched.serve import config
 
-    monkeypatch.setattr(launcher, "REQUIRED_MODULES", launcher.REQUIRED_MODULES + ("no_such_module_fdsched",))
-    with pytest.raises(launcher.ServeError, match="needs FastDeploy engine: .*no_such_module_fdsched"):
-        launcher.check_host_modules()
+    monkeypatch.setattr(config, "REQUIRED_MODULES", config.REQUIRED_MODULES + ("no_such_module_fdsched",))
+    with pytest.raises(config.ServeError, match="needs FastDeploy engine: .*no_such_module_fdsched"):
+        config.check_host_modules()
 
 
 def test_never_healthy_names_the_stage():
-    from fdsched.serve.launcher import EngineConfig, ServedEngine, ServeError
+    from fdsched.serve.config import EngineConfig, ServeError
+    from fdsched.serve.launcher import ServedEngine
 
     eng = ServedEngine(EngineConfig(health_timeout=4))
     with pytest.raises(ServeError, match=r"stage (api_server rank 0|worker ready rank 0|engine start rank 0)"):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fdsched.serve.launcher import EngineConfig
+from fdsched.serve.config import EngineConfig
 from fdsched.serve.preflight import host_shape_problems
 
 

@@ -13,9 +13,12 @@ import socket
 import pytest
 
 from fdsched.serve import seams
-from fdsched.serve.launcher import (
-    Death, EngineConfig, PortLease, ServedEngine, ServeError, _created_entries, check_config, remove_created,
-)
+from fdsched.serve.seams import drain, ledger
+from fdsched.serve.config import EngineConfig, ServeError, check_config
+from fdsched.serve.launcher import ServedEngine
+from fdsched.serve.ports import PortLease
+from fdsched.serve.teardown import created_entries, remove_created
+from fdsched.serve.watch import Death
 
 
 # ------------------------------------------------------------------------------------------------ ports
@@ -45,9 +48,9 @@ def test_a_lease_survives_in_a_child_that_inherits_it(tmp_path):
 
 
 def test_a_port_in_use_or_leased_is_one_line_naming_it(tmp_path, monkeypatch):
-    from fdsched.serve import launcher
+    from fdsched.serve import ports
 
-    monkeypatch.setattr(launcher, "PORT_LOCK_DIR", str(tmp_path / "ports"))
+    monkeypatch.setattr(ports, "PORT_LOCK_DIR", str(tmp_path / "ports"))
     holder = PortLease(str(tmp_path / "ports"))
     assert holder.take(18104) is None
     eng = ServedEngine(EngineConfig(port=18100))
@@ -82,7 +85,7 @@ def test_stop_removes_only_what_the_stack_recorded_creating(tmp_path, monkeypatc
     old = open(replaced)
     replaced.unlink()
     replaced.write_text("someone else's")
-    assert sorted(p for p, _ in _created_entries(str(state), still_there=True)) == [str(ours)]
+    assert sorted(p for p, _ in created_entries(str(state), still_there=True)) == [str(ours)]
     assert remove_created(str(state)) == [str(ours)]
     assert sorted(os.listdir(shm)) == ["queue_18000.sock", "signal.18001"]  # not ours: untouched, port or not
     old.close()
@@ -95,15 +98,15 @@ def test_the_ledger_records_creations_through_os_open_and_unix_binds(tmp_path, m
     state = tmp_path / "state"
     state.mkdir()
     name = f"fdsched-unit-{os.getpid()}"
-    code = (f"import os, socket, sys; sys.path.insert(0, {os.path.dirname(seams.__file__)!r}); import seams; "
-            "seams._h4_record_creations(); "
+    code = (f"import os, socket, sys; sys.path.insert(0, {os.path.dirname(os.path.dirname(seams.__file__))!r}); import seams; "
+            "seams.record_creations(); "
             f"fd = os.open('/dev/shm/{name}.lock', os.O_CREAT | os.O_RDWR, 0o600); os.close(fd); "
             f"s = socket.socket(socket.AF_UNIX); s.bind('/dev/shm/{name}.sock'); s.close(); "
             f"fd = os.open('/dev/shm/{name}.lock', os.O_RDWR); os.close(fd)")  # opening again: not a creation
     env = dict(os.environ, **{seams.STATE_ENV: str(state)})
     try:
         subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=60)
-        recorded = sorted(p for p, _ in _created_entries(str(state)))
+        recorded = sorted(p for p, _ in created_entries(str(state)))
         assert recorded == [f"/dev/shm/{name}.lock", f"/dev/shm/{name}.sock"]
         assert sorted(remove_created(str(state))) == recorded
     finally:
@@ -121,11 +124,11 @@ def test_an_entry_whose_creator_died_before_recording_it_is_still_known_as_ours(
     state = tmp_path / "state"
     state.mkdir()
     path = f"/dev/shm/fdsched-unit-{os.getpid()}-dying.sock"
-    code = (f"import os, signal, socket, sys; sys.path.insert(0, {os.path.dirname(seams.__file__)!r}); import seams; "
+    code = (f"import os, signal, socket, sys; sys.path.insert(0, {os.path.dirname(os.path.dirname(seams.__file__))!r}); import seams; "
             "real = socket.socket.bind\n"
             "def dying_bind(self, address):\n"
             "    real(self, address); os.kill(os.getpid(), signal.SIGKILL)\n"
-            "socket.socket.bind = dying_bind; seams._h4_record_creations(); "
+            "socket.socket.bind = dying_bind; seams.record_creations(); "
             f"socket.socket(socket.AF_UNIX).bind({path!r})")
     env = dict(os.environ, **{seams.STATE_ENV: str(state)})
     try:
@@ -133,7 +136,7 @@ def test_an_entry_whose_creator_died_before_recording_it_is_still_known_as_ours(
         assert done.returncode == -signal.SIGKILL and os.path.exists(path)
         ledger = [json.loads(line) for line in open(state / seams.SHM_LEDGER)]
         assert [set(rec) for rec in ledger] == [{"pid", "intent", "kind", "before"}]  # no record after the bind
-        assert _created_entries(str(state), still_there=True) == [(path, os.stat(path).st_ino)]
+        assert created_entries(str(state), still_there=True) == [(path, os.stat(path).st_ino)]
         assert remove_created(str(state)) == [path] and not os.path.exists(path)
     finally:
         if os.path.exists(path):
@@ -156,16 +159,16 @@ def test_an_open_intent_claims_only_a_new_entry_of_its_kind(tmp_path, monkeypatc
 
     try:
         before = unix_socket(base + "-there.sock")  # there before the call, and still the same: not the call's
-        seams._ledger_write({"intent": base + "-there.sock", "kind": "socket", "before": before})
-        seams._ledger_write({"intent": base + "-file.sock", "kind": "socket", "before": None})
+        ledger._ledger_write({"intent": base + "-there.sock", "kind": "socket", "before": before})
+        ledger._ledger_write({"intent": base + "-file.sock", "kind": "socket", "before": None})
         with open(base + "-file.sock", "w"):  # a regular file where a socket was to be made: not the call's
             made.append(base + "-file.sock")
-        seams._ledger_write({"intent": base + "-failed.sock", "kind": "socket", "before": None})
-        seams._ledger_write({"failed": base + "-failed.sock"})
+        ledger._ledger_write({"intent": base + "-failed.sock", "kind": "socket", "before": None})
+        ledger._ledger_write({"failed": base + "-failed.sock"})
         unix_socket(base + "-failed.sock")  # the call failed: what is there now was made by someone else
-        seams._ledger_write({"intent": base + "-new.sock", "kind": "socket", "before": before})
+        ledger._ledger_write({"intent": base + "-new.sock", "kind": "socket", "before": before})
         new = unix_socket(base + "-new.sock")
-        assert _created_entries(str(state), still_there=True) == [(base + "-new.sock", new)]
+        assert created_entries(str(state), still_there=True) == [(base + "-new.sock", new)]
         assert remove_created(str(state)) == [base + "-new.sock"]
         assert all(os.path.exists(p) for p in made if not p.endswith("-new.sock"))
     finally:
@@ -215,7 +218,8 @@ def test_serve_flags_are_all_checked_before_start_up():
 
 
 def test_arms_without_ranks_run_in_turn_on_a_trace():
-    from fdsched.serve.cli import check_serve_args, sequential_arms
+    from fdsched.serve.cli import check_serve_args
+    from fdsched.serve.preflight import sequential_arms
 
     args = _serve_args("--arms", "baseline,recommended", "--trace", "azure-conv")
     problems, trace, configs = check_serve_args(args)
@@ -231,7 +235,7 @@ def test_arms_without_ranks_run_in_turn_on_a_trace():
 
 def test_a_port_in_use_is_found_before_start_up():
     from fdsched.serve.cli import check_serve_args
-    from fdsched.serve.launcher import free_ports
+    from fdsched.serve.ports import free_ports
 
     port = free_ports(7)[0]
     with socket.socket() as s:
@@ -273,7 +277,7 @@ def test_check_alive_names_the_first_death_and_the_hosts_message():
 def _run_gate(tmp_path, monkeypatch, scenario):
     state = tmp_path / "state"
     (state / seams.DRAIN_DIR).mkdir(parents=True)
-    monkeypatch.setattr(seams, "_GATE", {})
+    monkeypatch.setattr(drain, "_GATE", {})
     release = asyncio.Event()
 
     async def app(scope, receive, send):  # a streaming completion that waits until released
@@ -283,7 +287,7 @@ def _run_gate(tmp_path, monkeypatch, scenario):
         await release.wait()
         await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
 
-    gate = seams._DrainGate(app, str(state))
+    gate = drain._DrainGate(app, str(state))
     scope = {"type": "http", "method": "POST", "path": "/v1/completions"}
 
     async def main():
@@ -302,7 +306,7 @@ def _run_gate(tmp_path, monkeypatch, scenario):
             refused.append(message)
 
         await gate(scope, None, send2)
-        st = seams._GATE["gate"]
+        st = drain._GATE["gate"]
         st.closed = True
         return sent, refused, {k: getattr(st, k) for k in ("in_flight", "finished", "ended", "refused")}
 

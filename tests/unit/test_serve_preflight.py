@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from fdsched.serve.launcher import EngineConfig
+from fdsched.serve.config import EngineConfig
 from fdsched.serve.preflight import host_shape_problems, profiles_line, rank_arm_problems, rank_profiles
 
 

@@ -7,8 +7,9 @@ import json
 
 import pytest
 
-from fdsched.serve import seams
-from fdsched.serve.launcher import EngineConfig, ServedEngine, ServeError, swap_space_gb
+from fdsched.serve.seams import engine, hostcode
+from fdsched.serve.config import EngineConfig, ServeError, swap_space_gb
+from fdsched.serve.launcher import ServedEngine
 
 
 def _model(tmp_path, **over):
@@ -45,7 +46,7 @@ class _FakeSubprocess:
 
 def test_s10_replaces_only_the_transfer_manager_script():
     fake = _FakeSubprocess()
-    launcher = seams._TransferManagerLauncher(fake, "/x/cachexfer.py")
+    launcher = hostcode._TransferManagerLauncher(fake, "/x/cachexfer.py")
     host = "/h/fastdeploy/cache_manager/cache_transfer_manager.py"
     cmd = f"FLAGS_a=1 CUDA_VISIBLE_DEVICES=0 /usr/bin/python {host} --rank 0 --num_cpu_blocks 8 >/l/x.log 2>&1"
     assert launcher.Popen(cmd, shell=True) == "proc"
@@ -60,9 +61,9 @@ def test_s10_replaces_only_the_transfer_manager_script():
 
 
 def test_schedule_summary_splits_busy_and_idle(monkeypatch):
-    monkeypatch.setattr(seams, "SCHEDULE_TIMES", {"busy_cpu_ns": [1000 * i for i in range(1, 101)],
+    monkeypatch.setattr(engine, "SCHEDULE_TIMES", {"busy_cpu_ns": [1000 * i for i in range(1, 101)],
                                                   "busy_wall_ns": [2000 * i for i in range(1, 101)],
                                                   "idle_calls": 4, "idle_cpu_ns": 8000})
-    s = seams.schedule_time_summary()
+    s = engine.schedule_time_summary()
     assert s["calls"] == 100 and s["cpu_us_mean"] == pytest.approx(50.5) and s["cpu_us_p50"] == 51
     assert s["wall_us_p99"] == 200 and s["idle_calls"] == 4 and s["idle_cpu_us_mean"] == 2.0

@@ -1,8 +1,7 @@
-"""Readable units: no module over 450 lines and no function over 60 lines, outside ``plugin/serve/``.
+"""Readable units: no module over 450 lines and no function over 60 lines.
 
-``plugin/serve/`` is left out while it is being reworked elsewhere. What is still over a limit is listed below
-by name, with its size today: a listed one may shrink but not grow, and an entry goes (the test says so) once
-its module or function fits. Nothing is skipped silently.
+What is still over a limit is listed below by name, with its size today: a listed one may shrink but not grow, and
+an entry goes (the test says so) once its module or function fits. Nothing is skipped silently.
 """
 
 from __future__ import annotations
@@ -12,15 +11,14 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 TOPS = ("plugin", "patches", "configs")
-EXCLUDED = ("plugin/serve/",)
 MAX_MODULE_LINES = 450
 MAX_FUNCTION_LINES = 60
 
 # Not split yet (path -> its lines when listed). Each wants a split along a natural seam; none is done yet.
 LONG_MODULES = {
     "plugin/core/adaptive.py": 581,  # the estimator, its tallies and the warm-up fallback
-    "plugin/core/settings.py": 837,  # the key table (most of it) and the loader
-    "plugin/replay/cli.py": 717,  # the argument parsers and each subcommand's body
+    "plugin/core/settings.py": 830,  # the key table (most of it) and the loader
+    "plugin/replay/cli.py": 716,  # the argument parsers and each subcommand's body
     "plugin/replay/engine.py": 458,  # the step loop and the simulated worker
     "plugin/replay/evaluate.py": 522,  # running the arms and comparing them
     "plugin/replay/report.py": 729,  # the tables and the markdown writer
@@ -36,6 +34,7 @@ LONG_FUNCTIONS = {
     "plugin/replay/engine.py:step": 72,  # one engine step, in the host's order
     "plugin/replay/runner.py:run_profile": 113,  # the whole run of one profile
     "plugin/replay/trace.py:_parse_request": 69,  # every field of a trace line, checked in order
+    "plugin/serve/worker.py:main": 153,  # the simulated worker's start-up and step loop (being reworked with PD)
     "plugin/tools/hostsuites.py:cmd_test": 65,  # the host suites' run
 }
 
@@ -43,9 +42,7 @@ LONG_FUNCTIONS = {
 def _files():
     for top in TOPS:
         for path in sorted((ROOT / top).rglob("*.py")):
-            rel = path.relative_to(ROOT).as_posix()
-            if not rel.startswith(EXCLUDED):
-                yield rel, path.read_text(encoding="utf-8")
+            yield path.relative_to(ROOT).as_posix(), path.read_text(encoding="utf-8")
 
 
 def _long_modules() -> dict:
