@@ -16,10 +16,11 @@ back while the others still grow. The set never keeps more free than its budgets
 ratio formula would for the same requests, and its answer depends on the set, not on the order of its requests
 (:meth:`AdaptiveReserve.set_reservation`).
 
-Warm-up (:func:`warmup_reserve_blocks`), drift (a sliding window), censoring (only finished requests are samples),
-the preemption feedback on ``k`` (:data:`K_STEP`, :data:`K_BOUND`, :data:`K_DECAY`), determinism (a function of
-the events, no clock) and the cost (log-spaced buckets in Fenwick trees; many requests' terms at once through
-:mod:`fdsched.core.terms`): docs/adaptive.md, "How the estimator works".
+Warm-up (:func:`fdsched.core.warmup.warmup_reserve_blocks`), drift (a sliding window), censoring (only finished
+requests are samples), the preemption feedback on ``k`` (:data:`K_STEP`, :data:`K_BOUND`, :data:`K_DECAY`),
+determinism (a function of the events, no clock) and the cost (log-spaced buckets in Fenwick trees,
+:mod:`fdsched.core.lengths`; many requests' terms at once through :mod:`fdsched.core.terms`): docs/adaptive.md,
+"How the estimator works".
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ from dataclasses import dataclass
 from typing import Iterable, NamedTuple, Optional
 
 from fdsched.core.common import ceil_div
+from fdsched.core.lengths import LengthHistogram
 from fdsched.core.policies import reserve_blocks_for_request
 from fdsched.core.terms import BATCH_MIN, MEAN_SCALE, SetTerms, batch_terms, columns_of_keys, numpy_or_none
 from fdsched.core.terms import prepare as prepare_terms
+from fdsched.core.warmup import warmup_reserve_blocks
 
 __all__ = [
-    "LengthHistogram",
     "RemainderEstimate",
     "AdaptiveReserve",
     "RunningRequest",
@@ -50,7 +52,6 @@ __all__ = [
     "track_live",
     "live_states",
     "client_bound",
-    "warmup_reserve_blocks",
 ]
 
 # Relative samples (L / max_tokens, in (0, 1]) are stored as L / max_tokens * RELATIVE_SCALE.
@@ -102,138 +103,6 @@ def client_bound(max_tokens: Optional[int], max_model_len: int, prompt_len: int)
     if max_tokens >= max_model_len - prompt_len:
         return None
     return int(max_tokens)
-
-
-def warmup_reserve_blocks(
-    max_tokens: Optional[int],
-    budget: int,
-    generated: int,
-    ratio: float,
-    clip_max_new_tokens: int,
-    block_size: int,
-    fixed_blocks: int,
-) -> int:
-    """Blocks a running request reserves while the estimator cannot answer for it (warm-up, or it has
-    generated more than any sample of its kind).
-
-    * The client bounded its length (``max_tokens`` from :func:`client_bound`): upstream's ratio formula
-      over that bound (:func:`fdsched.core.policies.reserve_blocks_for_request`): the bound is informative
-      and that formula does well on such traffic.
-    * No bound: the legacy fixed-block reservation's current per-request amount (``fixed_blocks``: 16
-      blocks after a preemption, decaying to 0; :class:`fdsched.core.policies.FixedBlockReserve`), never
-      more than upstream's formula would reserve for it. Upstream's
-      ratio over the rest of the context (min(context left, 4096) x 0.7 tokens per request at first) is
-      mostly air and throttles a cold engine for hundreds of steps; the legacy policy is what the
-      operator ran before and beats it on real traffic, and decode-only preemption keeps its
-      under-reservation cheap (no prefill is thrown away).
-    """
-    by_ratio = reserve_blocks_for_request(budget, generated, ratio, clip_max_new_tokens, block_size)
-    if max_tokens is None:
-        # Never more than upstream would reserve: the legacy amount ignores what the request can still use,
-        # and a lone request in a small pool could otherwise refuse its own next chunk for good.
-        return min(max(int(fixed_blocks), 0), by_ratio)
-    return by_ratio
-
-
-class _Fenwick:
-    """Prefix sums over a fixed number of slots, O(log n) update and query."""
-
-    __slots__ = ("n", "tree")
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.tree = [0.0] * (n + 1)
-
-    def add(self, index: int, delta: float) -> None:
-        i = index + 1
-        tree, n = self.tree, self.n
-        while i <= n:
-            tree[i] += delta
-            i += i & -i
-
-    def prefix(self, index: int) -> float:
-        """Sum of slots 0 .. index-1."""
-        total = 0.0
-        i = index
-        tree = self.tree
-        while i > 0:
-            total += tree[i]
-            i -= i & -i
-        return total
-
-
-class LengthHistogram:
-    """Weighted samples of a positive length in log-spaced buckets: count, sum, sum of squares.
-
-    Bucket ``b`` covers ``[lo * 2**(b / per_octave), lo * 2**((b + 1) / per_octave))``; values
-    below ``lo`` go to bucket 0, values above ``hi`` to the last one.
-    """
-
-    def __init__(self, lo: float = 1.0, hi: float = 1 << 20, buckets_per_octave: int = 8) -> None:
-        if not (0 < lo < hi) or buckets_per_octave < 1:
-            raise ValueError(f"LengthHistogram(lo={lo}, hi={hi}, buckets_per_octave={buckets_per_octave})")
-        self.lo, self.hi, self.per_octave = float(lo), float(hi), buckets_per_octave
-        self.buckets = int(math.ceil(math.log2(hi / lo) * buckets_per_octave)) + 1
-        self._count = _Fenwick(self.buckets)
-        self._sum = _Fenwick(self.buckets)
-        self._sumsq = _Fenwick(self.buckets)
-        self.n = 0.0  # total weight
-        self.version = 0  # bumped by every add: answers computed from this histogram are valid while it stands
-        # bucket -> its tail aggregates, valid until the next add: queries between two finished requests
-        # (every running request at every admission decision) mostly hit a few buckets, O(1) each then.
-        self._tails: dict = {}
-
-    def bucket(self, value: float) -> int:
-        if value < self.lo:
-            return 0
-        index = int(math.log2(value / self.lo) * self.per_octave)
-        return min(index, self.buckets - 1)
-
-    def edges(self, index: int) -> tuple:
-        low = self.lo * 2 ** (index / self.per_octave) if index > 0 else 0.0
-        return low, self.lo * 2 ** ((index + 1) / self.per_octave)
-
-    def add(self, value: float, weight: float = 1.0) -> None:
-        """Add (or, with a negative weight, remove) a sample."""
-        index = self.bucket(value)
-        self._count.add(index, weight)
-        self._sum.add(index, weight * value)
-        self._sumsq.add(index, weight * value * value)
-        self.n += weight
-        self.version += 1
-        self._tails.clear()
-
-    def _slot(self, index: int) -> tuple:
-        return (
-            self._count.prefix(index + 1) - self._count.prefix(index),
-            self._sum.prefix(index + 1) - self._sum.prefix(index),
-            self._sumsq.prefix(index + 1) - self._sumsq.prefix(index),
-        )
-
-    def tail(self, threshold: float) -> tuple:
-        """(weight, sum, sum of squares) of the samples above ``threshold``."""
-        index = self.bucket(threshold)
-        cached = self._tails.get(index)
-        if cached is None:
-            cached = self._tails[index] = self._bucket_tail(index)
-        count, total, squares, c, low, high = cached
-        if c > 1e-12:
-            # The part of this bucket above the threshold, its samples taken as spread evenly over it.
-            part = min(max((high - threshold) / max(high - low, 1e-12), 0.0), 1.0) * c
-            a, b = max(threshold, low), high
-            count += part
-            total += part * (a + b) / 2.0
-            squares += part * (a * a + a * b + b * b) / 3.0
-        return max(count, 0.0), total, squares
-
-    def _bucket_tail(self, index: int) -> tuple:
-        """(weight, sum, sum of squares) above bucket ``index``, the bucket's own weight and its edges."""
-        count = self.n - self._count.prefix(index + 1)
-        total = self._sum.prefix(self.buckets) - self._sum.prefix(index + 1)
-        squares = self._sumsq.prefix(self.buckets) - self._sumsq.prefix(index + 1)
-        c = self._slot(index)[0]
-        low, high = self.edges(index)
-        return count, total, squares, c, low, high
 
 
 class RemainderEstimate(NamedTuple):

@@ -248,7 +248,7 @@ class AdaptiveStrategy(RatioStrategy):
     """The plugin's own: each running request's expected remainder learned from finished requests, plus one
     margin ``k x sqrt(sum of variances)`` for the running set (:class:`fdsched.core.adaptive.AdaptiveReserve`),
     never more than upstream's formula gives the same requests. Until a kind has enough samples a request
-    falls back (:func:`fdsched.core.adaptive.warmup_reserve_blocks`, with ``fixed``'s current amount for an
+    falls back (:func:`fdsched.core.warmup.warmup_reserve_blocks`, with ``fixed``'s current amount for an
     unbounded one). A third-party ``fdsched_estimate_reserve_blocks`` answer (``override``) counts for its
     request outside the set's margin. A preemption raises k and resets ``fixed``."""
 

@@ -148,7 +148,7 @@ def _learned_columns(np, estimator, bound, budget, generated, ratio, clip_max_ne
 
 
 def _fallback(np, bound, cap, fixed_blocks: int):
-    """The warm-up rule (fdsched.core.adaptive.warmup_reserve_blocks) for each request: upstream's formula (the
+    """The warm-up rule (fdsched.core.warmup.warmup_reserve_blocks) for each request: upstream's formula (the
     cap), or for a request without a bound the fixed amount when that is less."""
     return np.where(np.isnan(bound), np.minimum(max(int(fixed_blocks), 0), cap), cap)
 
@@ -220,7 +220,7 @@ def _tails(np, estimator, is_relative, threshold) -> tuple:
             if row is None:
                 row = histogram._tails[own] = histogram._bucket_tail(own)
             count, total, squares, c, low, high = row
-            if c <= 1e-12:  # the estimator leaves this bucket's own weight out (LengthHistogram.tail)
+            if c <= 1e-12:  # the estimator leaves this bucket's own weight out (fdsched.core.lengths.LengthHistogram.tail)
                 c = 0.0
             rows.append((count, total, squares, c, low, high, max(high - low, 1e-12), high * high))
         table[:, wanted] = np.array(rows).T

@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from fdsched.core.adaptive import AdaptiveReserve, LengthHistogram, RunningRequest, margin_blocks
+from fdsched.core.adaptive import AdaptiveReserve, RunningRequest, margin_blocks
+from fdsched.core.lengths import LengthHistogram
 from fdsched.core.policies import reserve_blocks_for_request
 
 
@@ -136,7 +137,8 @@ def test_bad_parameters_are_refused(kw):
 
 
 # ---- the engine path's pieces: which max_tokens bound a length, the warm-up fallback ---------------------
-from fdsched.core.adaptive import client_bound, warmup_reserve_blocks  # noqa: E402
+from fdsched.core.adaptive import client_bound  # noqa: E402
+from fdsched.core.warmup import warmup_reserve_blocks  # noqa: E402
 
 
 @pytest.mark.parametrize(

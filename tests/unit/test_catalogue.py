@@ -15,7 +15,7 @@ import pytest
 import fdsched.patches
 from fdsched.patches import CATALOGUE, TARGETS, PatchSpec, Shapes, spec_for
 from fdsched.patches._spec import declared
-from fdsched.core.settings import CHANGE_IDS, HOST_FIXES, SCHEMA
+from fdsched.core.schema import CHANGE_IDS, HOST_FIXES, SCHEMA
 
 SCHEMA_BY_KEY = {s.key: s for s in SCHEMA}
 PATCH_MODULES = sorted(

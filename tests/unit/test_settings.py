@@ -7,12 +7,9 @@ import dataclasses
 import pytest
 
 from fdsched.install.installer import effective_ratio_mode
+from fdsched.core.schema import CHANGE_IDS, HOST_FIXES, UPSTREAM_CHANGE_IDS, SCHEMA
 from fdsched.core.settings import (
-    CHANGE_IDS,
-    HOST_FIXES,
-    UPSTREAM_CHANGE_IDS,
     PROFILE_ENV,
-    SCHEMA,
     SettingsError,
     load_settings,
     shipped_profiles,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from fdsched.core.settings import CHANGE_IDS
+from fdsched.core.schema import CHANGE_IDS
 from fdsched.tools.support import MARKERS, cmd_support, detail_table, refused_row, summary_table
 
 
