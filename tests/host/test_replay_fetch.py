@@ -1,5 +1,5 @@
 """``replay.fetch: engine``: arrivals reach the real scheduler's waiting queue as the host's own engine hands them
-over on a mixed node (fdsched.replay.runner.engine_fetch_rule), against the replay's default (every arrival at once).
+over on a mixed node (fdsched.replay.drive.engine_fetch_rule), against the replay's default (every arrival at once).
 
 A burst of short requests arrives at once. New host: the engine's fetch thread hands over one request, and only
 when the waiting queue is empty, so at most one new request starts per step. Old host: every arrived request is
@@ -38,7 +38,7 @@ def _starts_per_step(tmp_path, fetch):
 
 
 def test_engine_fetch_hands_requests_over_as_the_hosts_engine_does(replay_host, tmp_path):
-    from fdsched.replay.runner import FETCH_ONE_WHEN_EMPTY, FETCH_WHILE_SLOTS, engine_fetch_rule
+    from fdsched.replay.drive import FETCH_ONE_WHEN_EMPTY, FETCH_WHILE_SLOTS, engine_fetch_rule
 
     default, _ = _starts_per_step(tmp_path, "all")
     assert max(default.values()) == BURST  # every arrival in the first pass
@@ -57,7 +57,7 @@ def test_engine_fetch_hands_requests_over_as_the_hosts_engine_does(replay_host, 
 
 
 def test_the_default_and_other_roles_keep_every_arrival_at_once(replay_host):
-    from fdsched.replay.runner import FETCH_ALL, engine_fetch_rule
+    from fdsched.replay.drive import FETCH_ALL, engine_fetch_rule
 
     assert engine_fetch_rule("all", "mixed") == FETCH_ALL
     assert engine_fetch_rule("engine", "prefill") == FETCH_ALL

@@ -20,7 +20,6 @@ LONG_MODULES = {
     "plugin/replay/engine.py": 458,  # the step loop and the simulated worker
     "plugin/replay/evaluate.py": 522,  # running the arms and comparing them
     "plugin/replay/report.py": 729,  # the tables and the markdown writer
-    "plugin/replay/runner.py": 723,  # the profile run, the fetch models and the step records
     "plugin/replay/trace.py": 512,  # reading, validating and writing traces
     "plugin/tools/hostsuites.py": 550,  # the suite table and the pytest runner
 }

@@ -121,7 +121,7 @@ def test_row_step_ms_and_step_times_read_the_rows_context():
 
 
 def test_the_runner_records_each_steps_context_facts():
-    from fdsched.replay.runner import _set_step_context
+    from fdsched.replay.drive import _set_step_context
 
     record = SimpleNamespace(decode_context_tokens=812, prefill_chunks=[("a", 100, 110), ("b", 0, 4)])
     row = StepRow(0)
