@@ -1,28 +1,28 @@
-"""``fdsched replay`` and ``fdsched trace``: the command-line side of the replay.
+"""``fdsched replay``, ``eval``, ``check`` and ``trace``: the command-line side of the replay.
 
 ``fdsched replay`` replays a trace once per profile through the real host scheduler and writes a
-table (terminal), ``report.json`` and ``replay.png``. ``fdsched trace generate`` writes a
-synthetic trace; ``fdsched trace validate`` checks one; ``fdsched trace list`` shows the shipped
-ones; ``fdsched trace import`` turns a public request log (CSV) into a time-based trace. Only ``replay`` needs the FastDeploy host.
+table (terminal), ``report.json`` and ``replay.png``; ``fdsched eval`` runs the reference arms on the held-out
+evaluation windows. Every command's options are declared here; the bodies of ``fdsched trace``'s subcommands
+(generate, validate, list, import: no host needed) are :mod:`fdsched.replay.trace_cli`, ``fdsched check``'s
+:mod:`fdsched.replay.check_cli`.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from fdsched.replay.trace import ENGINE_KEYS, ENGINE_MAX, MAX_ARRIVAL_S, MAX_ARRIVAL_STEP, TraceError, check_engine, load_trace, resolve_trace, shipped_traces
+from fdsched.replay.trace import ENGINE_MAX, MAX_ARRIVAL_S, MAX_ARRIVAL_STEP, TraceError, check_engine, load_trace, resolve_trace, shipped_traces
 
-from fdsched.core.common import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK, bounded_float, bounded_int, error_line, plural
+from fdsched.core.common import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK, bounded_float, bounded_int, error_line
 from fdsched.cmdline.outdir import settle_out_dir
 
 DEFAULT_TRACE = "pressure"
 DEFAULT_PROFILES = ("baseline", "recommended")
 
-__all__ = ["add_commands", "cmd_eval", "cmd_replay", "cmd_trace_generate", "cmd_trace_validate", "cmd_trace_list"]
+__all__ = ["add_commands", "cmd_eval", "cmd_replay"]
 
 
 # Upper bounds of the numeric options without one of their own (a typo of a dozen extra digits is refused in
@@ -58,6 +58,16 @@ def _add_engine_shape_args(group) -> None:
 
 
 def add_commands(sub) -> None:
+    """``fdsched replay``, ``eval``, ``check`` and ``trace``, each with its options."""
+    from fdsched.replay.check_cli import add_check_command
+
+    _add_replay(sub)
+    _add_eval(sub)
+    add_check_command(sub)
+    _add_trace(sub)
+
+
+def _add_replay(sub) -> None:
     replay = sub.add_parser(
         "replay",
         help="replay a trace through the real scheduler under several profiles and compare",
@@ -99,6 +109,8 @@ def add_commands(sub) -> None:
                         "traces up to 2000 requests, else every 32)")
     replay.set_defaults(func=cmd_replay)
 
+
+def _add_eval(sub) -> None:
     ev = sub.add_parser(
         "eval",
         help="run every reference arm on the held-out evaluation windows and print one table",
@@ -127,9 +139,9 @@ def add_commands(sub) -> None:
                     help="check the block invariants every N steps and at the end (default 32; 1: every step)")
     ev.set_defaults(func=cmd_eval)
 
-    from fdsched.replay.check_cli import add_check_command
 
-    add_check_command(sub)
+def _add_trace(sub) -> None:
+    from fdsched.replay.trace_cli import cmd_trace_generate, cmd_trace_import, cmd_trace_list, cmd_trace_validate
 
     trace = sub.add_parser("trace", help="generate, validate or list replay traces (no host needed)")
     trace_sub = trace.add_subparsers(dest="trace_command", required=True)
@@ -170,95 +182,6 @@ def add_commands(sub) -> None:
     imp.add_argument("--description", default="", help="text for the trace header's description")
     _add_engine_shape_args(imp.add_argument_group("engine shape for the trace header (default: the replay defaults)"))
     imp.set_defaults(func=cmd_trace_import)
-
-
-# --------------------------------------------------------------------------------------------
-# trace
-# --------------------------------------------------------------------------------------------
-def cmd_trace_generate(args) -> int:
-    from fdsched.replay.generate import DEFAULT_REQUESTS, generate_text
-
-    n = args.requests or DEFAULT_REQUESTS[args.kind]
-    text = generate_text(args.kind, n, args.seed)
-    if args.out == "-":
-        sys.stdout.write(text)
-    else:
-        try:
-            _check_out_file(args.out, "fdsched trace generate")
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(text, encoding="utf-8")
-        except (TraceError, OSError) as exc:
-            detail = exc if isinstance(exc, TraceError) else (
-                f"--out {args.out!r}: cannot write ({exc.strerror}); allowed: a file path in a writable directory, "
-                "or - (standard output)")
-            print(error_line("trace generate", detail), file=sys.stderr)
-            return EXIT_ERROR
-        print(f"wrote {args.out}: {args.kind}, {plural(n, 'request')}, seed {args.seed}", file=sys.stderr)
-    return EXIT_OK
-
-
-def _trace_summary(trace, engine: dict) -> str:
-    requests = trace.requests
-    prompt = sum(r.prompt_len for r in requests)
-    out = sum(r.effective_output_len for r in requests)
-    if trace.time_based:
-        span = f"arrivals over {min(r.arrival_s for r in requests):.3f}..{max(r.arrival_s for r in requests):.3f} s"
-    else:
-        span = f"arrivals over steps 0..{max(r.arrival for r in requests)}"
-    groups = sorted({r.prefix_group for r in requests if r.prefix_group})
-    lines = [
-        f"{trace.name}: {plural(len(requests), 'request')}, {span}, {plural(prompt, 'prompt token')}, "
-        f"{out} output tokens" + (f", prefix groups: {', '.join(groups)}" if groups else ""),
-        "engine: " + ", ".join(f"{k}={engine[k]}" for k in ENGINE_KEYS),
-    ]
-    if trace.description:
-        lines.append(trace.description)
-    return "\n".join(lines)
-
-
-def cmd_trace_validate(args) -> int:
-    try:
-        trace = load_trace(resolve_trace(args.trace))
-        engine = trace.engine_with()
-        check_engine(trace, engine)
-    except TraceError as exc:
-        print(error_line("trace validate", exc), file=sys.stderr)
-        return EXIT_ERROR
-    print(_trace_summary(trace, engine))
-    print("ok")
-    return EXIT_OK
-
-
-def cmd_trace_import(args) -> int:
-    from fdsched.replay.importer import ImportOptions, import_summary, import_trace, parse_columns, parse_max_tokens
-
-    try:
-        options = ImportOptions(
-            fmt=args.fmt,
-            columns=parse_columns(args.columns) if args.columns else {},
-            start_s=args.start,
-            duration_s=args.duration,
-            limit=args.limit,
-            rate_scale=args.rate_scale,
-            sample=args.sample,
-            seed=args.seed,
-            max_tokens=parse_max_tokens(args.max_tokens),
-            engine={
-                "block_size": args.block_size,
-                "num_gpu_blocks": args.num_gpu_blocks,
-                "max_num_seqs": args.max_num_seqs,
-                "max_num_batched_tokens": args.max_num_batched_tokens,
-                "max_model_len": args.max_model_len,
-            },
-            description=args.description,
-        )
-        _check_out_file(args.out, "fdsched trace import")
-        result = import_trace(args.csv, args.out, options)
-    except TraceError as exc:
-        print(error_line("trace import", exc), file=sys.stderr)
-        return EXIT_ERROR
-    print(f"wrote {args.out}: {import_summary(result)}", file=sys.stderr)
-    return EXIT_OK
 
 
 def cmd_eval(args) -> int:
@@ -358,19 +281,6 @@ def _run_eval(args, plan, arms, fmt) -> int:
     return EXIT_ERROR if violations else EXIT_OK
 
 
-def cmd_trace_list(args) -> int:
-    for name, path in shipped_traces().items():
-        try:
-            trace = load_trace(path)
-            print(f"{name}: {trace.description or '(no description)'}")
-        except TraceError as exc:
-            print(f"{name}: INVALID: {exc}")
-    return EXIT_OK
-
-
-# --------------------------------------------------------------------------------------------
-# replay
-# --------------------------------------------------------------------------------------------
 class _Bar:
     def __init__(self, tqdm_cls, label: str, total: int, stream=None) -> None:
         self._bar = tqdm_cls(total=total, desc=label, unit="req", file=stream or sys.stderr, leave=False, disable=None)
@@ -400,18 +310,6 @@ def _import_host() -> None:
         import fastdeploy.engine.sched.resource_manager_v1  # noqa: F401
     except Exception as exc:  # the host's own import failing is a host problem; say what it was
         raise HostNotFound(f"importing the host's scheduler modules failed: {type(exc).__name__}: {exc}") from None
-
-
-def _check_out_file(value: str, command: str) -> None:
-    """An output trace's path: a new file, or a trace the same command wrote (never a file it did not write)."""
-    from fdsched.replay.generate import KINDS
-    from fdsched.cmdline.outdir import OutputError, check_out_file, trace_written_by
-
-    kinds = ("import",) if command.endswith("import") else tuple(KINDS)
-    try:
-        check_out_file(value, command, trace_written_by(kinds))
-    except OutputError as exc:
-        raise TraceError(str(exc)) from None
 
 
 def _check_out_dir(value: str, command: str) -> tuple:
