@@ -23,9 +23,9 @@ def warmup_reserve_blocks(
     """Blocks a running request reserves while the estimator cannot answer for it (warm-up, or it has
     generated more than any sample of its kind).
 
-    * The client bounded its length (``max_tokens`` from :func:`client_bound`): upstream's ratio formula
-      over that bound (:func:`fdsched.core.policies.reserve_blocks_for_request`): the bound is informative
-      and that formula does well on such traffic.
+    * The client bounded its length (``max_tokens`` from :func:`fdsched.core.adaptive.client_bound`): upstream's
+      ratio formula over that bound (:func:`fdsched.core.policies.reserve_blocks_for_request`): the bound is
+      informative and that formula does well on such traffic.
     * No bound: the legacy fixed-block reservation's current per-request amount (``fixed_blocks``: 16
       blocks after a preemption, decaying to 0; :class:`fdsched.core.policies.FixedBlockReserve`), never
       more than upstream's formula would reserve for it. Upstream's

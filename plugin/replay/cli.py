@@ -576,7 +576,8 @@ def _trace_section(args, plan: _ReplayPlan, runs: list) -> dict:
 def _write_and_print_report(args, plan: _ReplayPlan, runs: list, note: Optional[str]) -> int:
     """Write ``report.json``, print the header, table and bounds, the host-log note, the plot (unless
     ``--no-plot``) and, last, the verdicts. EXIT_ERROR when any arm broke an invariant, else EXIT_OK."""
-    from fdsched.replay.report import build_report, format_bounds, format_header, format_table, format_verdicts, report_json
+    from fdsched.replay.report import build_report, format_bounds, format_header, format_table, report_json
+    from fdsched.replay.verdict import format_verdicts
 
     out = plan.out
     report = build_report(_trace_section(args, plan, runs), plan.engine, runs)
@@ -604,7 +605,8 @@ def _write_and_print_report(args, plan: _ReplayPlan, runs: list, note: Optional[
 
 def _write_plot(report: dict, out: Path, trace_name: str) -> None:
     """``<out>/replay.png``, and its path on stdout; without matplotlib, say so on stderr instead."""
-    from fdsched.replay.report import INSTALL_HINT, write_plot
+    from fdsched.replay.plot import write_plot
+    from fdsched.replay.report import INSTALL_HINT
 
     try:
         write_plot(report, str(out / "replay.png"), title=f"trace {trace_name}")

@@ -17,7 +17,8 @@ from typing import Optional
 
 from fdsched.core.common import text_table
 from fdsched.replay.report import BETTER as REPLAY_BETTER
-from fdsched.replay.report import format_value, ratio, verdict_lines
+from fdsched.replay.report import format_value, ratio
+from fdsched.replay.verdict import verdict_lines
 
 __all__ = ["SERVED_REPORT_VERSION", "TABLE_ROWS", "BETTER", "client_figures", "server_figures", "build_served_report",
            "format_served_table", "write_served_plot", "served_report_json", "traffic_of", "traffic_lines",
@@ -166,7 +167,7 @@ def traffic_lines(report: dict) -> list:
 def _read_beyond(p: dict, ref: dict, line: str, limits: dict) -> tuple:
     """For arm ``p`` against ``ref`` and its verdict line: ``(arm words, the line's figures, effect per verdict figure
     (|ratio - 1|), the verdict figures whose effect exceeds their limit in ``limits`` (0 where absent))``."""
-    from fdsched.replay.report import VERDICT_KEYS
+    from fdsched.replay.verdict import VERDICT_KEYS
 
     effects = {key: abs(r - 1) for key in VERDICT_KEYS
                for r in [ratio(p["figures"].get(key), ref["figures"].get(key))] if r is not None}
@@ -179,7 +180,7 @@ def gated_verdict_lines(report: dict, what: str) -> list:
     """The replay's verdict lines; on split traffic each verdict figure (TTFT p50, E2E p99, stall p99) whose change
     is smaller than the traffic difference is left out of the word, and an arm with no figure beyond the
     difference gets no verdict; the line says which."""
-    from fdsched.replay.report import VERDICT_KEYS, VERDICT_LINE_FIGURES, verdict
+    from fdsched.replay.verdict import VERDICT_KEYS, VERDICT_LINE_FIGURES, verdict
 
     profiles = report["profiles"]
     lines = verdict_lines(profiles, what=what)
@@ -212,7 +213,7 @@ def noise_band(report: dict) -> dict:
     """Verdict figure -> how far the reference arm's second run landed from its first (``|second / first - 1|``):
     what the same arm moves between two runs on this machine, so the least change that can be read as an effect.
     Empty without a repeated reference run."""
-    from fdsched.replay.report import VERDICT_KEYS
+    from fdsched.replay.verdict import VERDICT_KEYS
 
     repeat = report.get("reference_repeat")
     if not repeat:
@@ -228,7 +229,7 @@ def noise_band(report: dict) -> dict:
 
 def noise_lines(report: dict) -> list:
     """The reference arm's second run, said under the table: how far each verdict figure moved between its runs."""
-    from fdsched.replay.report import VERDICT_KEYS, VERDICT_LINE_FIGURES
+    from fdsched.replay.verdict import VERDICT_KEYS, VERDICT_LINE_FIGURES
 
     repeat = report.get("reference_repeat")
     if not repeat:
@@ -247,7 +248,7 @@ def noise_lines(report: dict) -> list:
 def _noise_gated(report: dict, lines: list) -> list:
     """Verdict lines where each verdict figure whose change from the reference is within that figure's run-to-run
     noise (:func:`noise_band`) is left out of the word; an arm with no figure beyond the noise gets no verdict."""
-    from fdsched.replay.report import VERDICT_KEYS, VERDICT_LINE_FIGURES, verdict
+    from fdsched.replay.verdict import VERDICT_KEYS, VERDICT_LINE_FIGURES, verdict
 
     profiles = report["profiles"]
     ref = profiles[0]
@@ -272,7 +273,7 @@ def _wrapped_note(text: str) -> str:
     verdict width."""
     import textwrap
 
-    from fdsched.replay.report import VERDICT_WIDTH
+    from fdsched.replay.verdict import VERDICT_WIDTH
 
     return "".join("\n" + line for line in textwrap.wrap(text, VERDICT_WIDTH, initial_indent="      ",
                                                           subsequent_indent="      ", break_on_hyphens=False))

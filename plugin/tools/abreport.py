@@ -176,9 +176,9 @@ def _parse_or_empty(text: str, source: str) -> Scrape:
 
 
 def _verdict_text(arms: dict, reference: Optional[str]) -> str:
-    """The verdict lines (one definition: :func:`fdsched.replay.report.verdict_lines`) on what a scrape has:
+    """The verdict lines (one definition: :func:`fdsched.replay.verdict.verdict_lines`) on what a scrape has:
     TTFT p50, prefill victims and requests finished; /metrics has no throughput, E2E or stall (the lines say n/a)."""
-    from fdsched.replay.report import verdict_lines
+    from fdsched.replay.verdict import verdict_lines
 
     def figures(series):
         ttft = series.histograms.get(PREFIX + "ttft_seconds", Histogram()).quantile(0.5)

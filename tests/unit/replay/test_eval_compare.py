@@ -1,5 +1,5 @@
 """Which arm to ship (issue 18): every shippable arm against the best one, per trace and figure
-(fdsched.replay.evaluate.compare_arms and its reader/printer). No host."""
+(fdsched.replay.armcompare.compare_arms, its reader and printer). No host."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from fdsched.replay.evaluate import compare_arms, format_comparison, load_arm_results, main
+from fdsched.replay.armcompare import compare_arms, format_comparison
+from fdsched.replay.evaluate import load_arm_results, main
 from fdsched.replay.trace import TraceError
 
 

@@ -14,7 +14,8 @@ from fdsched.replay.figures import (
     LATENCY_KEYS, ProfileRun, RequestRow, RequestTimes, StepRow, compute_figures, request_latency_figures,
 )
 from fdsched.replay.oracle import Holding, PeakOracle, peak_demand_blocks, sglang_victim
-from fdsched.replay.report import BOUND_KEYS, build_report, format_bounds, format_verdicts, verdict
+from fdsched.replay.report import BOUND_KEYS, build_report, format_bounds
+from fdsched.replay.verdict import format_verdicts, verdict
 from fdsched.replay.trace import TraceError, load_trace, shipped_traces
 
 
@@ -92,7 +93,7 @@ def test_report_table_and_png_series_carry_the_felt_figures(tmp_path):
     table = format_table(report, measured=False)
     assert "E2E p99 (modelled ms)" in table and "stall max (longest token gap, ms)" in table
     pytest.importorskip("matplotlib")
-    from fdsched.replay.report import write_plot
+    from fdsched.replay.plot import write_plot
 
     write_plot(report, str(tmp_path / "r.png"))
     assert (tmp_path / "r.png").read_bytes()[:4] == b"\x89PNG"

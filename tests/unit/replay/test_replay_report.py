@@ -10,7 +10,8 @@ from fdsched.core.hooks import Policies, make_plugin_manager
 from fdsched.replay.costmodel import StepCost
 from fdsched.replay.figures import ProfileRun, RequestRow, StepRow
 from fdsched.replay.oracle import ORACLE_PLUGIN_NAME, OracleReserve
-from fdsched.replay.report import build_report, format_header, format_table, format_value, ratio, report_json, write_plot
+from fdsched.replay.plot import write_plot
+from fdsched.replay.report import build_report, format_header, format_table, format_value, ratio, report_json
 
 TRACE = {"name": "t", "description": "", "requests": 1, "sha256": "0" * 64}
 ENGINE = {"block_size": 4, "num_gpu_blocks": 10}

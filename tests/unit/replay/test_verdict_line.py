@@ -1,4 +1,4 @@
-"""The verdict line (one definition, ``fdsched.replay.report.verdict_line``) and every output that ends with it:
+"""The verdict line (one definition, ``fdsched.replay.verdict.verdict_line``) and every output that ends with it:
 the replay table, ``fdsched eval``, the served report, ``fdsched ab report``, the PNG. No host."""
 
 from __future__ import annotations
@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from fdsched.replay.report import (
-    ARM_COLORS, QUEUE_COLORS, SMALL_EVENTS, SMALL_REQUESTS, VERDICT_WIDTH, arm_color, build_report, change_words,
-    format_verdicts, verdict_line, verdict_lines,
+from fdsched.replay.plot import ARM_COLORS, QUEUE_COLORS, arm_color
+from fdsched.replay.report import build_report
+from fdsched.replay.verdict import (
+    SMALL_EVENTS, SMALL_REQUESTS, VERDICT_WIDTH, change_words, format_verdicts, verdict_line, verdict_lines,
 )
 
 REF = {"throughput_tokens_per_s": 1000.0, "ttft_ms_p50": 800.0, "e2e_ms_p99": 14000.0, "stall_ms_p99": 250.0,
@@ -52,7 +53,7 @@ def test_every_line_fits_a_terminal_and_noise_lines_name_what_they_qualify():
     (400.0, 250.0 * 3, "worse"),
 ])
 def test_a_figure_worse_by_more_than_the_factor_is_never_mixed(ttft, stall, word):
-    from fdsched.replay.report import VERDICT_DOMINANT_FACTOR, verdict
+    from fdsched.replay.verdict import VERDICT_DOMINANT_FACTOR, verdict
 
     assert VERDICT_DOMINANT_FACTOR == 2.0
     arm = dict(REF, ttft_ms_p50=ttft, stall_ms_p99=stall)
@@ -183,7 +184,7 @@ def _captured_figure(monkeypatch, report, tmp_path):
     pytest.importorskip("matplotlib")
     import matplotlib.figure
 
-    from fdsched.replay.report import write_plot
+    from fdsched.replay.plot import write_plot
 
     seen = []
     original = matplotlib.figure.Figure.savefig
