@@ -271,9 +271,9 @@ def add_commands(sub) -> None:
     use = host_sub.add_parser("use", help="make a set-up host the active one")
     use.add_argument("commit", help="a commit (or unique prefix), or old / new")
     use.set_defaults(func=cmd_use)
-    from fdsched.tools import hostsuites, support
+    from fdsched.tools import hostsuite_cli, support
 
-    hostsuites.add_command(host_sub)
+    hostsuite_cli.add_command(host_sub)
     support.add_command(host_sub)
 
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from fdsched.core.common import EXIT_ERROR, EXIT_OK, remove_files, text_table
+from fdsched.core.common import remove_files
 
 import yaml
 
@@ -419,58 +419,6 @@ def check_loader(tree: str, plugins: Optional[str], timeout: float = 300) -> dic
     return {"installed": False, "error": tail, "exit": proc.returncode}
 
 
-def profile_decisions(info, refusals: Optional[dict] = None) -> dict:
-    """Every profile an engine runs differently -> its decisions on the probed host ``info``, or None where the host
-    refuses it (recommended first, then by name). ``refusals``, if given, receives each refused profile's one-line
-    reason (the message an engine would stop with)."""
-    from fdsched.core.settings import engine_profiles, load_settings
-    from fdsched.install.installer import InstallError, decide
-
-    found = {}
-    for name in sorted(set(engine_profiles().values()), key=lambda n: (n != "recommended", n)):
-        try:
-            found[name] = decide(load_settings({}, profile=name), info)
-        except InstallError as exc:
-            found[name] = None
-            if refusals is not None:
-                refusals[name] = (str(exc).splitlines() or [type(exc).__name__])[0]
-    return found
-
-
-def most_applying_profile(info=None, decisions: Optional[dict] = None) -> Optional[str]:
-    """The profile that applies the most changes on the probed host (plugin code in the most places; ties:
-    recommended first, then by name), None when every profile is refused there. ``decisions``: what
-    :func:`profile_decisions` found, if the caller has it already."""
-    if decisions is None:
-        if info is None:
-            from fdsched.install.probe import probe
-
-            info = probe()
-        decisions = profile_decisions(info)
-    best, best_count = None, -1
-    for name, decided in decisions.items():
-        if decided is None:
-            continue
-        count = sum(1 for d in decided.values() if d.impl != "host")
-        if count > best_count:
-            best, best_count = name, count
-    return best
-
-
-# ---- CLI -----------------------------------------------------------------------------------------
-def add_command(host_sub) -> None:
-    test = host_sub.add_parser(
-        "test",
-        help="run the host's own test files without and with fdsched (per profile): no test that passes without it may fail with it",
-    )
-    test.add_argument("--run", nargs="+", metavar="RUN",
-                      help=f"runs to make besides {NO_PLUGIN} (default: {DEFAULT_RUN} and the profile that applies the "
-                           "most changes on this host)")
-    test.add_argument("--all-profiles", action="store_true", help="every run: default and every shipped profile")
-    test.add_argument("--timeout", type=float, default=900, help="seconds per run (default 900)")
-    test.set_defaults(func=cmd_test)
-
-
 def host_tree_and_key() -> tuple:
     """(source tree, the host's short name or None for an unknown commit, label) of the host fdsched finds; raises
     HostSuiteError when it is not a source tree with tests."""
@@ -481,70 +429,3 @@ def host_tree_and_key() -> tuple:
     if not os.path.isdir(os.path.join(info.location, "tests")):
         raise HostSuiteError(f"{info.label} has no tests/ folder: the host suites need a FastDeploy source tree (fdsched host setup)")
     return info.location, host_key(info.commit), info.label
-
-
-def cmd_test(args) -> int:
-    import importlib.util
-
-    if importlib.util.find_spec("pytest") is None:
-        print("fdsched host test: error: pytest is not installed here; allowed: pip install pytest (or, in a checkout of this project: pip install '.[test]')",
-              file=sys.stderr)
-        return EXIT_ERROR
-    table = load_table()
-    from fdsched.install.hosts import cache_dir, host_key
-    from fdsched.install.probe import probe
-    from fdsched.cmdline.quiet import host_output_to
-
-    with host_output_to(cache_dir() / "logs" / "host-test-host.log", verbose=False):  # the host's import chatter
-        info = probe()
-        best = None if (args.all_profiles or args.run) else most_applying_profile(info)
-    tree, key, label = info.location, host_key(info.commit), info.label
-    if args.all_profiles:
-        runs = run_names()[1:]
-    elif args.run:
-        runs = [r for r in args.run if r != NO_PLUGIN]
-    else:
-        runs = [DEFAULT_RUN] + [p for p in [best] if p]
-    unknown = [r for r in runs if r not in run_names()]
-    if unknown:
-        print(f"fdsched host test: error: --run {unknown}; allowed: {', '.join(run_names())}", file=sys.stderr)
-        return EXIT_ERROR
-    failed = False
-    loader = {plugins: check_loader(tree, plugins, args.timeout) for plugins in (None, "fdsched")}
-    print(f"host suites on {label} ({info.support})")
-    print(f"  FastDeploy's loader, FD_PLUGINS unset: {'INSTALLED (wrong)' if loader[None]['installed'] else 'not installed'}"
-          f"; FD_PLUGINS=fdsched: {'installed' if loader['fdsched']['installed'] else 'not installed: ' + str(loader['fdsched'].get('error'))}")
-    if loader[None]["installed"] or loader[None]["exit"] != 0 or loader["fdsched"]["exit"] != 0:
-        failed = True
-        print(f"  loader problem: {loader}")
-    files = suite_files(tree, key, table) if os.path.isdir(os.path.join(tree, "tests")) else []
-    if not files:
-        print(f"  this tree has none of the host test files the suites run ({len(table.candidates)} candidates): "
-              "nothing to compare")
-        print("host suites: " + ("FAILED" if failed else "no suites in this tree; the loader checks passed"))
-        return EXIT_ERROR if failed else EXIT_OK
-    print(f"  {len(files)} files; runs: {NO_PLUGIN}, {', '.join(runs)}")
-    baseline = run_suite(tree, key, NO_PLUGIN, table, args.timeout)
-    rows = []
-    for run in [NO_PLUGIN] + runs:
-        result, problems, altered = run_and_compare(tree, key, run, table, baseline, timeout=args.timeout)
-        counts = result.counts()
-        rows.append((run, counts["passed"], counts["failed"], len(altered), counts["skipped"], len(problems),
-                     f"{result.seconds:.1f}"))
-        for node, threads in sorted(result.leaked_threads.items()):
-            where = "own process" if node.split("::", 1)[0] in table.own_process else "SHARED process"
-            print(f"  {run}: left threads running ({where}): {node}: {', '.join(threads)}")
-        for call in result.refused_signals:
-            print(f"  {run}: refused a signal to a process the suite did not start: {call}")
-        if result.install.get("refused"):
-            print(f"  {run}: refused at load, nothing patched: {result.install['refused']}")
-        for node, why in altered.items():
-            print(f"  {run}: altered on purpose: {node}: {why}")
-        for problem in problems:
-            print(f"  {run}: {problem}")
-        if problems:
-            failed = True
-            print(result.output_tail)
-    print(text_table(rows, ("run", "passed", "failed", "altered", "skipped", "problems", "seconds")))
-    print("host suites: " + ("FAILED" if failed else "no test that passes without the plugin fails with it"))
-    return EXIT_ERROR if failed else 0

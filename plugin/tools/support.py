@@ -32,7 +32,7 @@ def support_row(info) -> dict:
     from fdsched.core.settings import load_settings
     from fdsched.install.hosts import known_host
     from fdsched.install.installer import decide
-    from fdsched.tools.hostsuites import most_applying_profile, profile_decisions
+    from fdsched.tools.hostsuite_cli import most_applying_profile, profile_decisions
 
     known = known_host(info.commit)
     decisions = decide(load_settings({}), info)

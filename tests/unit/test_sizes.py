@@ -19,7 +19,6 @@ LONG_MODULES = {
     "plugin/replay/cli.py": 616,  # the options of every command, and the replay's and eval's bodies
     "plugin/replay/engine.py": 458,  # the step loop and the simulated worker
     "plugin/replay/trace.py": 512,  # reading, validating and writing traces
-    "plugin/tools/hostsuites.py": 550,  # the suite table and the pytest runner
 }
 
 # Not shortened yet ("path:function" -> its lines when listed).
@@ -29,7 +28,6 @@ LONG_FUNCTIONS = {
     "plugin/replay/runner.py:run_profile": 113,  # the whole run of one profile
     "plugin/replay/trace.py:_parse_request": 69,  # every field of a trace line, checked in order
     "plugin/serve/worker.py:main": 153,  # the simulated worker's start-up and step loop (being reworked with PD)
-    "plugin/tools/hostsuites.py:cmd_test": 65,  # the host suites' run
 }
 
 
