@@ -99,9 +99,11 @@ def pd_config_problems(c: PdConfig) -> list:
     except ValueError as exc:
         return problems + [str(exc)]
     environ = {k: v for k, v in os.environ.items() if not k.startswith("FDSCHED_PROFILE")}
+    from fdsched.replay.costmodel import check_replay_settings
+
     for role, profile in sorted(by_role.items()):
-        try:
-            load_settings(environ, profile=profile)
+        try:  # the role's simulated worker steps by the replay's cost model: its key is checked too
+            check_replay_settings(load_settings(environ, profile=profile))
         except SettingsError as exc:
             problems.append(f"--role-profiles {role}: {exc}")
     base = check_config(EngineConfig(**{k: getattr(c, k) for k in EngineConfig.__dataclass_fields__ if k != "dp"}))

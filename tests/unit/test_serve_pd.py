@@ -43,6 +43,14 @@ def test_pd_config_problems_are_one_line_each():
     assert pd_config_problems(PdConfig(prefill=1, decode=1, role_profiles="prefill=baseline")) == []
 
 
+def test_a_role_profile_with_a_bad_cost_model_is_refused_before_start(tmp_path):
+    profile = tmp_path / "warp.yaml"
+    profile.write_text("replay:\n  cost_model: warp-drive\n")
+    problems = pd_config_problems(PdConfig(prefill=1, decode=1, role_profiles=f"decode={profile}"))
+    assert len(problems) == 1 and problems[0].startswith("--role-profiles decode:"), problems
+    assert "replay.cost_model" in problems[0] and "'warp-drive'" in problems[0] and "allowed: linear" in problems[0]
+
+
 class _Cache:
     def launch_cache_messager(self, cache_config, tensor_parallel_size, device_ids, key_cache_shape,
                               value_cache_shape, pod_ip, engine_worker_queue_port, ipc_suffix):
