@@ -12,7 +12,7 @@ runs (its rank's arm under ``FDSCHED_PROFILE_BY_DP_RANK``, else ``FDSCHED_PROFIL
 profile), ``dp_rank`` its data-parallel rank. The host's ``/metrics`` sums the samples of forked ranks that
 share a label set, so without these labels the arms of an online A/B would be added together. One helper,
 :func:`labels_of`, gives an instance's label values; every update takes the recording instance as ``of=``
-(a new metric: declare it in :func:`_prometheus` with ``LABELS + (its own labels)``, update it through
+(a new metric: add its row to ``_DECLARED`` with its own labels beyond ``LABELS``, update it through
 ``PluginMetrics._series(family, name, labels_of(of), ...)``, which keeps each labelled child, and add its row to
 docs/metrics.md). Updates without ``of`` are labelled ``arm="default", dp_rank=""``.
 
@@ -62,86 +62,62 @@ def request_latencies(arrival, first_token, latest_token, output_tokens):
         tpot = float(latest_token - first_token) / (output_tokens - 1)
     return ttft, tpot
 
+# One row per Prometheus metric: (key, type, name, help, labels beyond LABELS, options); docs/metrics.md has a row
+# for each. The objects are made from it once per process (:func:`_prometheus`).
+_DECLARED = (
+    ("preemptions", "Counter", "fastdeploy:fdsched_preemptions_total", "Preemptions by the victim's phase",
+     ("victim_phase",), {}),
+    ("recomputed", "Counter", "fastdeploy:fdsched_recomputed_tokens_total",
+     "Computed tokens thrown away by preemptions", (), {}),
+    ("ratio", "Gauge", "fastdeploy:fdsched_new_token_ratio", "Current new_token_ratio", (),
+     {"multiprocess_mode": "max"}),
+    ("reserved", "Gauge", "fastdeploy:fdsched_reserved_blocks",
+     "Blocks reserved for running requests at the last admission decision", (), {"multiprocess_mode": "max"}),
+    ("blocked", "Counter", "fastdeploy:fdsched_admissions_blocked_total",
+     "Prefills refused by the reservation threshold", (), {}),
+    ("evicted", "Counter", "fastdeploy:fdsched_evicted_blocks_total", "GPU blocks freed by LRU eviction", (), {}),
+    ("batches", "Counter", "fastdeploy:fdsched_recycle_batches_total", "Batched recycle calls", (), {}),
+    ("batch_size", "Histogram", "fastdeploy:fdsched_recycle_batch_size", "Blocks per batched recycle call", (),
+     {"buckets": (1, 4, 16, 64, 256, 1024, 4096, 16384, 65536)}),
+    ("evict_seconds", "Counter", "fastdeploy:fdsched_eviction_seconds_total", "Time spent in the eviction loops",
+     (), {}),
+    ("gc_hold", "Histogram", "fastdeploy:fdsched_gc_hold_seconds",
+     "How long a large eviction held the garbage collector off (process-wide)", (),
+     {"buckets": (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0)}),
+    ("unconsumed", "Counter", "fastdeploy:fdsched_unconsumed_signals_total",
+     "One-shot signals to the host's control flow that no check consumed by the end of the pass", ("signal",), {}),
+    ("guard", "Counter", "fastdeploy:fdsched_guard_events_total",
+     "Scheduler guard events: seats_resumed (the way out of every seat held by a preempted request taken), "
+     "admission_stalled (requests wait, blocks are free, nothing runs or is admitted), block_owner_conflict "
+     "(an audit found one KV block with two owners, or free twice)", ("event",), {}),
+    ("finished", "Counter", "fastdeploy:fdsched_requests_finished_total", "Requests the scheduler finished", (), {}),
+    ("output_tokens", "Counter", "fastdeploy:fdsched_output_tokens_total", "Output tokens of finished requests",
+     (), {}),
+    ("ttft", "Histogram", "fastdeploy:fdsched_ttft_seconds",
+     "Time to first token of finished requests (engine_recv_first_token_time - arrival_time)", (),
+     {"buckets": TTFT_BUCKETS}),
+    ("tpot", "Histogram", "fastdeploy:fdsched_tpot_seconds",
+     "Time per output token after the first, of finished requests", (), {"buckets": TPOT_BUCKETS}),
+)
+
 _PROM_LOCK = threading.Lock()
 _PROM = None
 
 
 def _prometheus():
-    """Create the Prometheus objects once per process; None where prometheus_client is missing."""
+    """Create the Prometheus objects of :data:`_DECLARED` once per process; None where prometheus_client is
+    missing."""
     global _PROM
     with _PROM_LOCK:
         if _PROM is not None:
             return _PROM or None
         try:
-            from prometheus_client import Counter, Gauge, Histogram
+            import prometheus_client
         except ImportError:
             _PROM = False
             return None
-        _PROM = {
-            "preemptions": Counter(
-                "fastdeploy:fdsched_preemptions_total", "Preemptions by the victim's phase", LABELS + ("victim_phase",)
-            ),
-            "recomputed": Counter(
-                "fastdeploy:fdsched_recomputed_tokens_total", "Computed tokens thrown away by preemptions", LABELS
-            ),
-            "ratio": Gauge(
-                "fastdeploy:fdsched_new_token_ratio", "Current new_token_ratio", LABELS, multiprocess_mode="max"
-            ),
-            "reserved": Gauge(
-                "fastdeploy:fdsched_reserved_blocks",
-                "Blocks reserved for running requests at the last admission decision",
-                LABELS,
-                multiprocess_mode="max",
-            ),
-            "blocked": Counter(
-                "fastdeploy:fdsched_admissions_blocked_total", "Prefills refused by the reservation threshold", LABELS
-            ),
-            "evicted": Counter("fastdeploy:fdsched_evicted_blocks_total", "GPU blocks freed by LRU eviction", LABELS),
-            "batches": Counter("fastdeploy:fdsched_recycle_batches_total", "Batched recycle calls", LABELS),
-            "batch_size": Histogram(
-                "fastdeploy:fdsched_recycle_batch_size",
-                "Blocks per batched recycle call",
-                LABELS,
-                buckets=(1, 4, 16, 64, 256, 1024, 4096, 16384, 65536),
-            ),
-            "evict_seconds": Counter(
-                "fastdeploy:fdsched_eviction_seconds_total", "Time spent in the eviction loops", LABELS
-            ),
-            "gc_hold": Histogram(
-                "fastdeploy:fdsched_gc_hold_seconds",
-                "How long a large eviction held the garbage collector off (process-wide)",
-                LABELS,
-                buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0),
-            ),
-            "unconsumed": Counter(
-                "fastdeploy:fdsched_unconsumed_signals_total",
-                "One-shot signals to the host's control flow that no check consumed by the end of the pass",
-                LABELS + ("signal",),
-            ),
-            "guard": Counter(
-                "fastdeploy:fdsched_guard_events_total",
-                "Scheduler guard events: seats_resumed (the way out of every seat held by a preempted request taken), "
-                "admission_stalled (requests wait, blocks are free, nothing runs or is admitted), block_owner_conflict "
-                "(an audit found one KV block with two owners, or free twice)",
-                LABELS + ("event",),
-            ),
-            "finished": Counter("fastdeploy:fdsched_requests_finished_total", "Requests the scheduler finished", LABELS),
-            "output_tokens": Counter(
-                "fastdeploy:fdsched_output_tokens_total", "Output tokens of finished requests", LABELS
-            ),
-            "ttft": Histogram(
-                "fastdeploy:fdsched_ttft_seconds",
-                "Time to first token of finished requests (engine_recv_first_token_time - arrival_time)",
-                LABELS,
-                buckets=TTFT_BUCKETS,
-            ),
-            "tpot": Histogram(
-                "fastdeploy:fdsched_tpot_seconds",
-                "Time per output token after the first, of finished requests",
-                LABELS,
-                buckets=TPOT_BUCKETS,
-            ),
-        }
+        _PROM = {key: getattr(prometheus_client, kind)(name, text, LABELS + labels, **options)
+                 for key, kind, name, text, labels, options in _DECLARED}
         return _PROM
 
 

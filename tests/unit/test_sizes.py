@@ -23,7 +23,6 @@ LONG_MODULES = {
 
 # Not shortened yet ("path:function" -> its lines when listed).
 LONG_FUNCTIONS = {
-    "plugin/core/metrics.py:_prometheus": 77,  # one declaration per Prometheus metric, in one table
     "plugin/replay/engine.py:step": 72,  # one engine step, in the host's order
     "plugin/replay/runner.py:run_profile": 113,  # the whole run of one profile
     "plugin/replay/trace.py:_parse_request": 69,  # every field of a trace line, checked in order
