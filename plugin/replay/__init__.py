@@ -10,7 +10,8 @@ Modules that import nothing from FastDeploy (tested without a host):
 * :mod:`~fdsched.replay.report` - report JSON, terminal table, PNG;
 * :mod:`~fdsched.replay.oracle` - the ``oracle`` profile's reservation hook.
 
-Modules that need the host: :mod:`~fdsched.replay.engine` (build a ``ResourceManagerV1``, play
-worker and token processor) and :mod:`~fdsched.replay.runner` (one replay per profile).
+Modules that need the host: :mod:`~fdsched.replay.engine` (build a ``ResourceManagerV1``),
+:mod:`~fdsched.replay.driver` (play worker and token processor) and :mod:`~fdsched.replay.runner` (one replay
+per profile).
 :mod:`~fdsched.replay.cli` adds ``fdsched replay`` and ``fdsched trace``.
 """

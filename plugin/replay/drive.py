@@ -1,6 +1,6 @@
 """One arm's run, step by step: what the runner (:func:`fdsched.replay.runner.run_profile`) hands the driver, and
 the loop that feeds arrivals (as each arrives, or as the host's engine fetches them: :func:`engine_fetch_rule`),
-runs one engine step (:class:`fdsched.replay.engine.Driver`), records the step's row and each request's figures,
+runs one engine step (:class:`fdsched.replay.driver.Driver`), records the step's row and each request's figures,
 checks the block accounting and request bookkeeping (:mod:`fdsched.replay.invariants`) and stops when the run has
 drained, stalled or reached ``max_steps``.
 """
@@ -116,7 +116,7 @@ def drive(run: ProfileRun, inputs: DriveInputs) -> None:
 
 def _start_drive(run: ProfileRun, inputs: DriveInputs) -> _DriveState:
     """The driver around the manager, and the prefix cache's node pool swapped for one that counts evictions."""
-    from fdsched.replay.engine import Driver
+    from fdsched.replay.driver import Driver
 
     driver = Driver(inputs.manager, output_lengths=dict(inputs.outputs), policies=inputs.policies)
     cache = inputs.manager.cache_manager

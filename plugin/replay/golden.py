@@ -78,20 +78,20 @@ def _num(value):
 @contextlib.contextmanager
 def recording_steps(records: list):
     """While open, every ``Driver.step()`` appends its ``StepRecord`` to ``records``."""
-    from fdsched.replay import engine
+    from fdsched.replay.driver import Driver
 
-    original = engine.Driver.step
+    original = Driver.step
 
     def step(self):
         record = original(self)
         records.append(record)
         return record
 
-    engine.Driver.step = step
+    Driver.step = step
     try:
         yield
     finally:
-        engine.Driver.step = original
+        Driver.step = original
 
 
 def step_line(record, row) -> list:

@@ -4,7 +4,7 @@ For each profile (an "arm"): load its settings (:func:`arm_settings`: exactly th
 ``inherit_env`` lets the process environment override it as in production; either way the run
 records which variables were applied and which not), install the plugin with them, reset
 the plugin's counters, build a fresh ``ResourceManagerV1`` for the trace's engine inside a logical
-clock, and step it (:class:`fdsched.replay.engine.Driver`) until every request has finished:
+clock, and step it (:class:`fdsched.replay.driver.Driver`) until every request has finished:
 
 * a request is fed at the start of its arrival step (a time-based trace: at the start of the first
   step that begins at or after its ``arrival_s`` on the modelled clock; when nothing runs or waits,

@@ -67,7 +67,8 @@ def _finish_some_first(driver, rm, make_request) -> None:
 
 
 def _schedule_setup(running: int, waiting: int, block_size: int, workload: str = "spread"):
-    from fdsched.replay.engine import Driver, EngineShape, build_manager, make_request
+    from fdsched.replay.driver import Driver
+    from fdsched.replay.engine import EngineShape, build_manager, make_request
 
     shape = EngineShape(
         block_size=block_size,

@@ -27,7 +27,7 @@ def pressure_runs():
     from fdsched.replay.runner import run_profile
     from fdsched.replay.trace import load_trace, resolve_trace
 
-    from fdsched.replay.engine import Driver
+    from fdsched.replay.driver import Driver
 
     trace = load_trace(resolve_trace("pressure"))  # arrivals in steps: the cost model cannot move them
     checks = []  # per step of the preset's run: (record, what the decoding requests held before the step)

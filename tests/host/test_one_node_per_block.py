@@ -33,7 +33,8 @@ def _run_prompt_twice(rm):
     """The same two-block prompt twice, the second while another request decodes (a token budget of 4 leaves it 3,
     so its recomputed last block is recorded in two chunks, as in a busy engine); returns the block ids that two
     radix-tree nodes hold at some step."""
-    from fdsched.replay.engine import Driver, make_request
+    from fdsched.replay.driver import Driver
+    from fdsched.replay.engine import make_request
 
     driver = Driver(rm)
     driver.add(make_request("first", list(PROMPT), 1), true_output_len=1)

@@ -20,7 +20,8 @@ SHAPE = dict(block_size=BS, num_gpu_blocks=64, max_num_seqs=8, max_num_batched_t
 
 def _fill_tree(rm, prompts):
     """Run each prompt to completion (one output token) so its blocks end up cached and released."""
-    from fdsched.replay.engine import Driver, make_request
+    from fdsched.replay.driver import Driver
+    from fdsched.replay.engine import make_request
 
     driver = Driver(rm)
     for i, prompt in enumerate(prompts):
@@ -336,7 +337,8 @@ def test_heap_merge_uses_heapify_for_large_batches():
     )
 )
 def test_random_insert_match_release_evict_keeps_accounting(ops, install_profile, make_manager):
-    from fdsched.replay.engine import Driver, logical_clock, make_request
+    from fdsched.replay.driver import Driver
+    from fdsched.replay.engine import logical_clock, make_request
 
     install_profile("recommended")
     with logical_clock():

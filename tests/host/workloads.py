@@ -36,7 +36,8 @@ PRESSURE_SHAPE = dict(block_size=4, num_gpu_blocks=34, max_num_seqs=6, max_num_b
 
 def run_workload(manager, requests, max_steps=3000, on_step=None):
     """Drive ``requests`` through ``manager``; return the list of StepRecords."""
-    from fdsched.replay.engine import Driver, make_request
+    from fdsched.replay.driver import Driver
+    from fdsched.replay.engine import make_request
 
     driver = Driver(manager)
     records = []
@@ -78,7 +79,7 @@ class StepClock:
 
 def stamped_driver(manager):
     """A Driver that stamps request timestamps (arrival, first / latest token) with a :class:`StepClock`."""
-    from fdsched.replay.engine import Driver
+    from fdsched.replay.driver import Driver
 
     clock = StepClock()
     driver = Driver(manager, clock=clock)

@@ -17,13 +17,11 @@ MAX_FUNCTION_LINES = 60
 # Not split yet (path -> its lines when listed). Each wants a split along a natural seam; none is done yet.
 LONG_MODULES = {
     "plugin/replay/cli.py": 616,  # the options of every command, and the replay's and eval's bodies
-    "plugin/replay/engine.py": 458,  # the step loop and the simulated worker
     "plugin/replay/trace.py": 512,  # reading, validating and writing traces
 }
 
 # Not shortened yet ("path:function" -> its lines when listed).
 LONG_FUNCTIONS = {
-    "plugin/replay/engine.py:step": 72,  # one engine step, in the host's order
     "plugin/replay/runner.py:run_profile": 113,  # the whole run of one profile
     "plugin/replay/trace.py:_parse_request": 69,  # every field of a trace line, checked in order
     "plugin/serve/worker.py:main": 153,  # the simulated worker's start-up and step loop (being reworked with PD)
