@@ -357,7 +357,7 @@ def test_console_script(case_id, files, tmp_path):
 
 
 def test_a_replay_over_an_earlier_report_says_it_replaces_it(tmp_path, capsys):
-    from fdsched.replay.cli import _say_if_replacing
+    from fdsched.replay.replay_cli import _say_if_replacing
 
     _say_if_replacing(tmp_path)
     assert capsys.readouterr().err == ""  # nothing to replace: nothing said
@@ -423,7 +423,7 @@ def test_counts_read_as_words():
 def test_an_unexpected_error_mid_run_is_one_line_and_its_traceback_is_kept(capsys, tmp_path):
     """What a host we have never seen raises in the middle of a replay (not a settings or trace problem) reaches the
     terminal as one line naming the error and where it was raised; the traceback goes to the run's host log."""
-    from fdsched.replay.cli import run_failure
+    from fdsched.replay.replay_cli import run_failure
 
     def host_code():
         raise KeyError("no_such_field\nsecond line")
