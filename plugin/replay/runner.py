@@ -191,11 +191,52 @@ def run_profile(
     ``check_every``: run the block invariants every N steps (and always at the last step); 1 checks
     every step; None: :func:`auto_check_every`. ``check_every_step=False`` checks only at the end.
     """
-    from fdsched.install.probe import find_host
-    from fdsched.install.installer import install
     from fdsched.core.metrics import METRICS
 
-    from fdsched.replay.engine import EngineShape, build_manager, close_manager, logical_clock, prepare_host_environment
+    from fdsched.replay.engine import EngineShape
+
+    settings, env_applied, env_ignored, report = _install_arm(trace, engine, profile, inherit_env, host_only)
+    cost = cost_from_settings(settings, cost_overrides)
+    unbounded = settings["replay.unbounded_memory"]
+    if unbounded:
+        engine = dict(engine, num_gpu_blocks=max(engine["num_gpu_blocks"], unbounded_blocks(trace, engine)))
+    shape = EngineShape(**engine)
+    outputs = node_output_lengths(trace, shape.splitwise_role)
+    run = _new_run(profile, shape, cost, settings, report, host_only, (inherit_env, env_applied, env_ignored), trace,
+                   outputs)
+
+    manager_ref: dict = {}
+    hooks = _register_replay_hooks(settings, trace, shape, outputs, report.policies, manager_ref)
+    METRICS.reset()
+    started = time.perf_counter()
+    run.check_every = every = _check_interval(check_every_step, check_every, len(trace.requests), unbounded)
+
+    def inputs_for(manager) -> DriveInputs:
+        role = shape.splitwise_role
+        return DriveInputs(trace, manager, outputs, role, max_steps, stall_steps, every, progress, cost,
+                           report.policies, engine_fetch_rule(settings["replay.fetch"], role))
+
+    try:
+        manager = _build_and_drive(run, settings, shape, inputs_for, manager_ref, hooks)
+    finally:
+        for hook in hooks:
+            report.policies.unregister(hook)
+        manager_ref.clear()
+    if unbounded:
+        _check_unbounded(run)
+    run.wall_seconds = time.perf_counter() - started
+    _record_plugin_state(run, manager, report, host_only)
+    return run
+
+
+def _install_arm(trace: Trace, engine: dict, profile: str, inherit_env: bool, host_only: bool) -> tuple:
+    """Check the trace against the engine, find the host, load the arm's settings (:func:`arm_settings`) and
+    install the plugin with them, undone again with ``host_only``: (settings, variables applied, variables not
+    applied, the install's report)."""
+    from fdsched.install.installer import install
+    from fdsched.install.probe import find_host
+
+    from fdsched.replay.engine import prepare_host_environment
 
     check_engine(trace, engine)
     prepare_host_environment()
@@ -206,14 +247,34 @@ def run_profile(
         from fdsched.install.installer import uninstall
 
         uninstall()
-    cost = cost_from_settings(settings, cost_overrides)
-    unbounded = settings["replay.unbounded_memory"]
-    if unbounded:
-        engine = dict(engine, num_gpu_blocks=max(engine["num_gpu_blocks"], unbounded_blocks(trace, engine)))
-    shape = EngineShape(**engine)
-    role = shape.splitwise_role
-    outputs = node_output_lengths(trace, role)
+    return settings, env_applied, env_ignored, report
 
+
+def _record_plugin_state(run: ProfileRun, manager, report, host_only: bool) -> None:
+    """What the plugin's own state says after the run: the adaptive estimator's (profile adaptive; None when it
+    does not run) and the admissions the ratio reservation refused (None where the host's code decided)."""
+    from fdsched.core.metrics import METRICS
+
+    adaptive_state = getattr(manager, "fdsched_adaptive_state", None)
+    if adaptive_state is not None:
+        run.estimator = adaptive_state()  # the engine path's estimator (profile adaptive); None when it does not run
+    ratio_impl = "host" if host_only else report.decisions["ratio_reserve"].impl
+    run.admissions_blocked = None if ratio_impl == "host" else METRICS.admissions_blocked
+
+
+def _check_interval(check_every_step: bool, check_every: Optional[int], requests: int, unbounded: bool) -> int:
+    """Every how many steps the block invariants run (0: only at the end); see :func:`run_profile`."""
+    every = 0 if not check_every_step else max(1, check_every or auto_check_every(requests))
+    if unbounded and check_every is None and every:
+        every = max(every, AUTO_CHECK_EVERY)  # the block check is O(pool), and this pool holds the whole trace
+    return every
+
+
+def _new_run(profile: str, shape, cost, settings, report, host_only: bool, environment: tuple, trace: Trace,
+             outputs: dict) -> ProfileRun:
+    """The arm's record before it runs: what the install decided, the host, the settings, the environment
+    (``(inherit_env, applied, not applied)``) and the requests."""
+    inherit_env, env_applied, env_ignored = environment
     run = ProfileRun(profile=profile, num_gpu_blocks=shape.num_gpu_blocks, cost=cost)
     run.decisions = {cid: "host alone" if host_only else d.detail for cid, d in report.decisions.items()}
     run.host = {"version": report.host.version, "commit": report.host.commit, "label": report.host.name}
@@ -230,17 +291,23 @@ def run_profile(
                    arrival_ms=None if r.arrival_s is None else r.arrival_s * 1000.0)
         for r in trace.requests
     ]
+    return run
 
-    reservation = None
+
+def _register_replay_hooks(settings, trace: Trace, shape, outputs: dict, policies, manager_ref: dict) -> list:
+    """Register the replay-only hooks the arm's settings ask for, in order: the peak oracle or a replay admission
+    candidate (docs/peak-admission.md), then SGLang's retract order. They read the scheduler through
+    ``manager_ref["manager"]`` once it is built; the caller unregisters them, in the same order."""
     hooks = []
-    manager_ref: dict = {}
     if settings["replay.oracle_reserve"]:
         reservation = _peak_oracle(manager_ref, outputs, shape.block_size)
-        report.policies.register(reservation, name=ORACLE_PLUGIN_NAME)
+        policies.register(reservation, name=ORACLE_PLUGIN_NAME)
+        hooks.append(reservation)
     else:
-        reservation = replay_admission_hook(settings, trace, shape, manager_ref)  # the replay-only candidates (docs/peak-admission.md)
+        reservation = replay_admission_hook(settings, trace, shape, manager_ref)
         if reservation is not None:
-            report.policies.register(reservation, name=PEAK_PLUGIN_NAME)
+            policies.register(reservation, name=PEAK_PLUGIN_NAME)
+            hooks.append(reservation)
     if settings["replay.retract_order"] == "sglang":
 
         def lengths(request_id):
@@ -248,41 +315,26 @@ def run_profile(
             return None if request is None else (len(request.output_token_ids), request.prompt_token_ids_len)
 
         retract = RetractOrder(lengths)
-        report.policies.register(retract, name=RETRACT_PLUGIN_NAME)
+        policies.register(retract, name=RETRACT_PLUGIN_NAME)
         hooks.append(retract)
-    METRICS.reset()
-    started = time.perf_counter()
-    every = 0 if not check_every_step else max(1, check_every or auto_check_every(len(trace.requests)))
-    if unbounded and check_every is None and every:
-        every = max(every, AUTO_CHECK_EVERY)  # the block check is O(pool), and this pool holds the whole trace
-    run.check_every = every
-    try:
-        with host_environment(settings), logical_clock():
-            manager = build_manager(shape)
-            manager_ref["manager"] = manager
-            if getattr(reservation, "watches_candidate", False):  # PeakOracle, PeakAdmissionHook
-                _watch_candidate(manager, manager_ref)
-            try:
-                inputs = DriveInputs(trace, manager, outputs, role, max_steps, stall_steps, every, progress, cost,
-                                      report.policies, engine_fetch_rule(settings["replay.fetch"], role))
-                drive(run, inputs)
-            finally:
-                close_manager(manager)
-    finally:
-        if reservation is not None:
-            report.policies.unregister(reservation)
-        for hook in hooks:
-            report.policies.unregister(hook)
-        manager_ref.clear()
-    if unbounded:
-        _check_unbounded(run)
-    run.wall_seconds = time.perf_counter() - started
-    adaptive_state = getattr(manager, "fdsched_adaptive_state", None)
-    if adaptive_state is not None:
-        run.estimator = adaptive_state()  # the engine path's estimator (profile adaptive); None when it does not run
-    ratio_impl = "host" if host_only else report.decisions["ratio_reserve"].impl
-    run.admissions_blocked = None if ratio_impl == "host" else METRICS.admissions_blocked
-    return run
+    return hooks
+
+
+def _build_and_drive(run: ProfileRun, settings, shape, inputs_for: Callable, manager_ref: dict, hooks: list):
+    """Build the arm's scheduler inside its host environment and a logical clock, drive the run through it
+    (``inputs_for(manager)``: what :func:`drive` is given) into ``run`` and close it; returns the (closed) scheduler."""
+    from fdsched.replay.engine import build_manager, close_manager, logical_clock
+
+    with host_environment(settings), logical_clock():
+        manager = build_manager(shape)
+        manager_ref["manager"] = manager
+        if any(getattr(hook, "watches_candidate", False) for hook in hooks):  # PeakOracle, PeakAdmissionHook
+            _watch_candidate(manager, manager_ref)
+        try:
+            drive(run, inputs_for(manager))
+        finally:
+            close_manager(manager)
+    return manager
 
 
 def _check_unbounded(run: ProfileRun) -> None:
