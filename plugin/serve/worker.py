@@ -95,10 +95,7 @@ def main(argv=None) -> int:
     a = _parse(sys.argv[1:] if argv is None else argv)
     import numpy as np
     import zmq
-    from fastdeploy.config import PREEMPTED_TOKEN_ID
-    from fastdeploy.engine.request import RequestType
-    from fastdeploy.inter_communicator import EngineWorkerQueue, IPCSignal, ZmqIpcClient
-    from fastdeploy.output.stream_transfer_data import DecoderState, StreamTransferData
+    from fastdeploy.inter_communicator import IPCSignal, ZmqIpcClient
 
     def log(msg):
         print(f"[fdsched simworker rank{a.dp_rank}] {msg}", file=sys.stderr, flush=True)
@@ -110,16 +107,63 @@ def main(argv=None) -> int:
     log(f"started (pid {os.getpid()}, engine {os.getppid()})")
     cost, step_ms = _step_cost()
     log("cost model ok")
-    eos = [int(x) for x in a.eos.split(",") if x]
+    started = _start_up(a, log, signal)
+    if started is None:
+        return 3
+    queue, live, exist, _kept = started  # keep every IPCSignal referenced: a collected one unmaps its segment
+
+    out = ZmqIpcClient(name=f"get_save_output_rank{a.dp_rank}_{a.queue_port}", mode=zmq.PUSH)
+    out.connect()
+    progress = _prefill_progress(a, zmq) if a.splitwise_role == "prefill" else None
+    log(f"ready: queue port {a.queue_port}, cost model {cost}")
+    slots = _Slots(a, ends_at_first_token=progress is not None, log=log)
+    rate = _Rate(log)
+    parent = os.getppid()
+    while True:
+        if os.getppid() != parent:  # the engine is gone: so is its worker
+            log("engine process gone; exiting")
+            return 0
+        live.value[0] = int(time.time())
+        acks = []
+        if queue.exist_tasks():
+            exist.value[0] = 1
+            tasks, read_finish = queue.get_tasks()
+            if read_finish:
+                exist.value[0] = 0
+            for reqs, _bsz in tasks:
+                for r in reqs:
+                    slots.take(r, acks)
+        if not slots.active and not acks:
+            time.sleep(0.001)
+            continue
+        outs, prefill_chunks, decode_held, prefilled = slots.step(acks)
+        ms = step_ms(prefill_chunks, decode_held) if (prefill_chunks or decode_held) else 0.0
+        if ms:
+            time.sleep(ms / 1000.0)
+        if progress is not None and prefilled:  # what the attention kernels report per layer on a GPU
+            progress.send_pyobj(prefilled)
+        if outs:
+            out.socket.send_pyobj(outs)
+        rate.stepped(ms, slots)
+
+
+def _start_up(a, log, signal):
+    """Become ready as the GPU worker does: the checkpoint line, the profiled block count, the engine's task queue
+    (waiting up to 5 minutes for this rank's engine) and the ready signals. Returns ``(queue, live, exist,
+    kept)`` (``kept``: every other signal, to keep referenced), or None when the engine did not come up."""
+    from fastdeploy.inter_communicator import EngineWorkerQueue
+
+    kept = []
     if a.dp_size > 1 and not a.multi_api_server:
-        launched = signal("launched_expert_service_signal", a.dp_size, a.engine_pid)  # noqa: F841 (kept alive)
+        launched = signal("launched_expert_service_signal", a.dp_size, a.engine_pid)
+        kept.append(launched)
         while launched.value[a.dp_rank] == 0:
             time.sleep(0.05)
     print("Loading checkpoint shards: 100", flush=True)  # what check_worker_initialize_status parses
-    # keep every IPCSignal referenced: a collected one unmaps its segment under the numpy view
     if a.do_profile:
         profiled = signal("get_profile_block_num", 1, a.engine_pid)
         profiled.value[0] = a.profile_blocks
+        kept.append(profiled)
     # this rank's engine (an ExpertService under multi_api_server for ranks > 0) may come up after us
     deadline = time.monotonic() + 300
     waited = False
@@ -143,66 +187,71 @@ def main(argv=None) -> int:
                 waited = True
             if time.monotonic() > deadline:
                 log(f"rank {a.dp_rank}'s engine did not come up: {exc!r}")
-                return 3
+                return None
             time.sleep(0.5)
     cache_ready.value[0] = 1
     ready = signal("worker_ready_signal", max(1, a.ready_slots), a.engine_pid)
     ready.value[a.dp_rank % max(1, a.ready_slots)] = 1
+    kept += [cache_ready, ready]
     if a.dp_rank == 0:
         loaded = signal("loaded_model_signal", 1, a.engine_pid)
         loaded.value[0] = 1
+        kept.append(loaded)
+    return queue, live, exist, kept
 
-    out = ZmqIpcClient(name=f"get_save_output_rank{a.dp_rank}_{a.queue_port}", mode=zmq.PUSH)
-    out.connect()
-    progress = _prefill_progress(a, zmq) if a.splitwise_role == "prefill" else None
-    log(f"ready: queue port {a.queue_port}, cost model {cost}")
 
-    def token(batch_id, value):
-        return StreamTransferData(decoder_state=DecoderState.TEXT, batch_id=batch_id,
-                                  tokens=np.array([value], dtype=np.int64))
+class _Slots:
+    """The batch slots and what each request in them has produced: :meth:`take` reads one task from the engine,
+    :meth:`step` runs one step over every slot and returns the outputs (module docstring: what each task does)."""
 
-    slots: dict = {}  # batch slot -> state of the request in it
-    first_max: dict = {}  # request id -> max_tokens when first scheduled
-    rng = random.Random(1234 + a.dp_rank)
-    steps = tokens_out = 0
-    busy_s = slept_s = 0.0
-    window_start, window_steps = time.monotonic(), 0
-    parent = os.getppid()
-    while True:
-        if os.getppid() != parent:  # the engine is gone: so is its worker
-            log("engine process gone; exiting")
-            return 0
-        live.value[0] = int(time.time())
-        acks = []
-        if queue.exist_tasks():
-            exist.value[0] = 1
-            tasks, read_finish = queue.get_tasks()
-            if read_finish:
-                exist.value[0] = 0
-            for reqs, _bsz in tasks:
-                for r in reqs:
-                    kind = getattr(getattr(r, "task_type", None), "value", None)
-                    if kind == RequestType.PREFILL.value:
-                        outputs_so_far = len(r.output_token_ids or [])
-                        slot = slots.get(r.idx)
-                        if slot is None or slot["rid"] != r.request_id or r.prefill_start_index == 0:
-                            # where it ends, as first seen: a rescheduled (preempted) request keeps it
-                            max_tokens = first_max.get(r.request_id) or first_max.setdefault(r.request_id, answer_length(r, log))
-                            slot = slots[r.idx] = {"rid": r.request_id, "generated": outputs_so_far,
-                                                   "prompt": len(r.prompt_token_ids),
-                                                   "max": int(max_tokens), "decoding": False}
-                        slot["chunk"] = (r.prefill_start_index, r.prefill_end_index,
-                                         len(r.prompt_token_ids) + outputs_so_far)
-                    elif kind in (RequestType.PREEMPTED.value, RequestType.ABORT.value):
-                        # a decode instance frees a preempted request's slot at once (it does not wait for this
-                        # ack), so the slot may already hold the next request: free it only for this request
-                        if slots.get(r.idx, {}).get("rid") == r.request_id:
-                            del slots[r.idx]
-                        acks.append(token(r.idx, PREEMPTED_TOKEN_ID))
-                    # DECODE / EXTEND: block-table extension only, no output
-        if not slots and not acks:
-            time.sleep(0.001)
-            continue
+    def __init__(self, a, ends_at_first_token: bool, log) -> None:
+        import numpy as np
+        from fastdeploy.config import PREEMPTED_TOKEN_ID
+        from fastdeploy.engine.request import RequestType
+        from fastdeploy.output.stream_transfer_data import DecoderState, StreamTransferData
+
+        self._np, self._preempted_token, self._types = np, PREEMPTED_TOKEN_ID, RequestType
+        self._text, self._data = DecoderState.TEXT, StreamTransferData
+        self._eos = [int(x) for x in a.eos.split(",") if x]
+        self._vocab = a.vocab
+        self._ends_at_first_token = ends_at_first_token  # a prefill instance ends each request at its first token
+        self._log = log
+        self.active: dict = {}  # batch slot -> state of the request in it
+        self._first_max: dict = {}  # request id -> max_tokens when first scheduled
+        self._rng = random.Random(1234 + a.dp_rank)
+        self.tokens_out = 0
+
+    def _token(self, batch_id, value):
+        return self._data(decoder_state=self._text, batch_id=batch_id, tokens=self._np.array([value], dtype=self._np.int64))
+
+    def take(self, r, acks: list) -> None:
+        """One task: a PREFILL chunk (re)fills its slot, a PREEMPTED or ABORT frees it and is acknowledged in
+        ``acks``; DECODE / EXTEND only extend block tables (no output)."""
+        kind = getattr(getattr(r, "task_type", None), "value", None)
+        slots = self.active
+        if kind == self._types.PREFILL.value:
+            outputs_so_far = len(r.output_token_ids or [])
+            slot = slots.get(r.idx)
+            if slot is None or slot["rid"] != r.request_id or r.prefill_start_index == 0:
+                # where it ends, as first seen: a rescheduled (preempted) request keeps it
+                max_tokens = (self._first_max.get(r.request_id)
+                              or self._first_max.setdefault(r.request_id, answer_length(r, self._log)))
+                slot = slots[r.idx] = {"rid": r.request_id, "generated": outputs_so_far,
+                                       "prompt": len(r.prompt_token_ids),
+                                       "max": int(max_tokens), "decoding": False}
+            slot["chunk"] = (r.prefill_start_index, r.prefill_end_index,
+                             len(r.prompt_token_ids) + outputs_so_far)
+        elif kind in (self._types.PREEMPTED.value, self._types.ABORT.value):
+            # a decode instance frees a preempted request's slot at once (it does not wait for this
+            # ack), so the slot may already hold the next request: free it only for this request
+            if slots.get(r.idx, {}).get("rid") == r.request_id:
+                del slots[r.idx]
+            acks.append(self._token(r.idx, self._preempted_token))
+
+    def step(self, acks: list) -> tuple:
+        """One step over every slot, in slot order: ``(outputs, prefill chunks (start, end), tokens each decoding
+        request holds, (slot, tokens prefilled) per prefilling slot)``."""
+        slots = self.active
         outs, prefill_chunks, decode_held, prefilled = list(acks), [], [], []
         for idx in sorted(slots):
             slot = slots[idx]
@@ -215,35 +264,40 @@ def main(argv=None) -> int:
                 if end >= need:
                     slot["decoding"] = produce = True
                 else:
-                    outs.append(token(idx, -1))
+                    outs.append(self._token(idx, -1))
             elif slot["decoding"]:
                 decode_held.append(slot["prompt"] + slot["generated"])
                 produce = True
             if produce:
                 slot["generated"] += 1
-                value = eos[0] if slot["generated"] >= slot["max"] else rng.randrange(8, a.vocab)
-                outs.append(token(idx, value))
-                tokens_out += 1
-                if value in eos or progress is not None:  # a prefill instance ends each request at its first token
-                    first_max.pop(slot["rid"], None)
+                value = self._eos[0] if slot["generated"] >= slot["max"] else self._rng.randrange(8, self._vocab)
+                outs.append(self._token(idx, value))
+                self.tokens_out += 1
+                if value in self._eos or self._ends_at_first_token:
+                    self._first_max.pop(slot["rid"], None)
                     del slots[idx]
-        ms = step_ms(prefill_chunks, decode_held) if (prefill_chunks or decode_held) else 0.0
-        t0 = time.monotonic()
-        if ms:
-            time.sleep(ms / 1000.0)
-        if progress is not None and prefilled:  # what the attention kernels report per layer on a GPU
-            progress.send_pyobj(prefilled)
-        if outs:
-            out.socket.send_pyobj(outs)
-        slept_s += ms / 1000.0
-        busy_s += time.monotonic() - t0
-        steps += 1
-        window_steps += 1
+        return outs, prefill_chunks, decode_held, prefilled
+
+
+class _Rate:
+    """The steps per second the worker sustains, logged every 2 seconds."""
+
+    def __init__(self, log) -> None:
+        self._log = log
+        self.steps = 0
+        self._slept_s = 0.0
+        self._window_start, self._window_steps = time.monotonic(), 0
+
+    def stepped(self, ms: float, slots: _Slots) -> None:
+        self._slept_s += ms / 1000.0
+        self.steps += 1
+        self._window_steps += 1
         now = time.monotonic()
-        if now - window_start >= 2.0:
-            log(f"steps/s={window_steps / (now - window_start):.1f} steps={steps} tokens_out={tokens_out} "
-                f"active={len(slots)} modelled_ms_per_step={1000 * slept_s / max(1, window_steps):.2f}")
-            window_start, window_steps, slept_s = now, 0, 0.0
+        if now - self._window_start >= 2.0:
+            self._log(f"steps/s={self._window_steps / (now - self._window_start):.1f} steps={self.steps} "
+                      f"tokens_out={slots.tokens_out} active={len(slots.active)} "
+                      f"modelled_ms_per_step={1000 * self._slept_s / max(1, self._window_steps):.2f}")
+            self._window_start, self._window_steps, self._slept_s = now, 0, 0.0
 
 
 def _prefill_progress(a, zmq):

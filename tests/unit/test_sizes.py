@@ -22,7 +22,6 @@ LONG_MODULES = {
 # Not shortened yet ("path:function" -> its lines when listed).
 LONG_FUNCTIONS = {
     "plugin/replay/trace.py:_parse_request": 69,  # every field of a trace line, checked in order
-    "plugin/serve/worker.py:main": 153,  # the simulated worker's start-up and step loop (being reworked with PD)
 }
 
 
