@@ -2,7 +2,8 @@
 
 Modules that import nothing from FastDeploy (tested without a host):
 
-* :mod:`~fdsched.replay.trace` - the JSONL trace format, validation, deterministic prompt tokens;
+* :mod:`~fdsched.replay.trace` - the JSONL trace format, its bounds, deterministic prompt tokens;
+* :mod:`~fdsched.replay.tracefile` - trace files: shipped, resolved, read and checked line by line;
 * :mod:`~fdsched.replay.generate` - the ``pressure`` / ``shared-prefix`` / ``pd-prefill`` generators;
 * :mod:`~fdsched.replay.costmodel` - the modelled step cost;
 * :mod:`~fdsched.replay.figures` - per-step and per-request records and the figures computed from them;
@@ -13,5 +14,5 @@ Modules that import nothing from FastDeploy (tested without a host):
 Modules that need the host: :mod:`~fdsched.replay.engine` (build a ``ResourceManagerV1``),
 :mod:`~fdsched.replay.driver` (play worker and token processor) and :mod:`~fdsched.replay.runner` (one replay
 per profile).
-:mod:`~fdsched.replay.cli` adds ``fdsched replay`` and ``fdsched trace``.
+:mod:`~fdsched.replay.cli` adds ``fdsched replay``, ``eval``, ``check`` and ``trace`` (their bodies: the ``*_cli`` modules).
 """

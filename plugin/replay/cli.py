@@ -12,7 +12,8 @@ from __future__ import annotations
 from fdsched.core.common import bounded_float, bounded_int
 from fdsched.replay.eval_cli import cmd_eval
 from fdsched.replay.replay_cli import cmd_replay
-from fdsched.replay.trace import ENGINE_MAX, MAX_ARRIVAL_S, MAX_ARRIVAL_STEP, shipped_traces
+from fdsched.replay.trace import ENGINE_MAX, MAX_ARRIVAL_S, MAX_ARRIVAL_STEP
+from fdsched.replay.tracefile import shipped_traces
 
 DEFAULT_TRACE = "pressure"
 

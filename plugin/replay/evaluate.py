@@ -274,7 +274,7 @@ def run_plan(plan: EvalPlan, csv_dir: Path, out_dir: Path, arms: Sequence[str], 
     from fdsched.replay.report import trace_info
     from fdsched.replay.report import build_report, report_json
     from fdsched.replay.runner import run_replay
-    from fdsched.replay.trace import load_trace, resolve_trace, shipped_traces
+    from fdsched.replay.tracefile import load_trace, resolve_trace, shipped_traces
 
     wanted = _check_only(plan, only, include_shipped)
     out_dir = Path(out_dir)

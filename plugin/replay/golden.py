@@ -124,7 +124,7 @@ def decision_log(trace_name: str, profile: str) -> dict:
     its entry: the step and request lines, their sha256 and the report's figures."""
     from fdsched.replay.figures import compute_figures
     from fdsched.replay.runner import run_profile
-    from fdsched.replay.trace import load_trace, resolve_trace
+    from fdsched.replay.tracefile import load_trace, resolve_trace
 
     trace = load_trace(resolve_trace(trace_name))
     records: list = []
@@ -158,7 +158,7 @@ def current_profiles() -> list:
 
 
 def current_traces() -> list:
-    from fdsched.replay.trace import shipped_traces
+    from fdsched.replay.tracefile import shipped_traces
 
     return list(shipped_traces())
 

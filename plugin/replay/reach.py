@@ -156,7 +156,7 @@ def _measure(trace, engine: dict, arm: Arm, grid: Grid) -> dict:
 
 def _rows(grid: Grid, name: str) -> Iterator[dict]:
     """Every (seats, pool) row of one trace, measured."""
-    from fdsched.replay.trace import load_trace, resolve_trace
+    from fdsched.replay.tracefile import load_trace, resolve_trace
 
     full = load_trace(resolve_trace(name))
     trace = window(full, grid.window)
@@ -280,7 +280,7 @@ def _grid(args) -> Grid:
     grid = QUICK if args.quick else FULL
     changes = {}
     if args.traces:
-        from fdsched.replay.trace import shipped_traces
+        from fdsched.replay.tracefile import shipped_traces
 
         unknown = [t for t in args.traces if t not in shipped_traces()]
         if unknown:

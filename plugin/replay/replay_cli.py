@@ -14,7 +14,8 @@ from typing import Optional
 
 from fdsched.core.common import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK, error_line
 from fdsched.cmdline.outdir import settle_out_dir
-from fdsched.replay.trace import TraceError, check_engine, load_trace, resolve_trace
+from fdsched.replay.trace import TraceError, check_engine
+from fdsched.replay.tracefile import load_trace, resolve_trace
 
 DEFAULT_PROFILES = ("baseline", "recommended")
 

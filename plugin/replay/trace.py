@@ -1,6 +1,7 @@
-"""Replay traces: the JSONL format, its validation, and deterministic prompt tokens.
+"""Replay traces: the JSONL format, what a trace holds, its bounds, deterministic prompt tokens, writing one.
 
-Imports nothing from FastDeploy.
+Reading a trace file and checking it line by line is :mod:`fdsched.replay.tracefile`. Imports nothing from
+FastDeploy.
 
 A trace is a UTF-8 text file with one JSON object per line (blank lines ignored): an optional header first
 (``{"header": {"description": ..., "engine": {...}, "generator": {...}}}``: the engine the trace was made for,
@@ -21,16 +22,12 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
-import os
 import random
 from dataclasses import dataclass, field
-from importlib import resources
-from pathlib import Path
-from typing import Any, Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
-from fdsched.core.common import ceil_div, did_you_mean, read_utf8
-from fdsched.replay.tracehelp import TRACE_FORMAT, fitting_max_model_len, shown_source
+from fdsched.core.common import ceil_div
+from fdsched.replay.tracehelp import fitting_max_model_len, shown_source
 
 __all__ = [
     "TraceError",
@@ -43,10 +40,8 @@ __all__ = [
     "MAX_ARRIVAL_S",
     "MAX_TOKENS",
     "VOCAB_SIZE",
-    "parse_trace",
-    "load_trace",
-    "resolve_trace",
-    "shipped_traces",
+    "SPLITWISE_ROLES",
+    "Where",
     "dump_trace",
     "group_tokens",
     "request_tokens",
@@ -87,8 +82,6 @@ MAX_ARRIVAL_STEP = 10_000_000  # an arrival in engine steps (also the bound of -
 MAX_ARRIVAL_S = 31_536_000.0  # an arrival in seconds: one year
 MAX_TOKENS = 2**31 - 1  # a token count (max_tokens, output_len, prompt_len): the host's int32
 SPLITWISE_ROLES = ("mixed", "prefill")
-_HEADER_KEYS = ("description", "engine", "generator")
-_REQUEST_KEYS = ("id", "arrival", "arrival_s", "prompt", "prompt_len", "prefix_group", "prefix_len", "max_tokens", "output_len")
 
 
 class TraceError(ValueError):
@@ -195,13 +188,11 @@ def request_tokens(request_id: str, prompt_len: int, prefix_group: Optional[str]
 
 
 # --------------------------------------------------------------------------------------------
-# Parsing and validation
+# Checking a trace against an engine
 # --------------------------------------------------------------------------------------------
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+class Where:
+    """A line of a trace file, for an error that names it (and the field)."""
 
-
-class _Where:
     def __init__(self, source: str, line: int) -> None:
         self.source, self.line = source, line
 
@@ -210,202 +201,6 @@ class _Where:
         if field_name:
             where += f", field {field_name!r}"
         return TraceError(f"trace {where}: {problem}")
-
-
-def _check_int(where: _Where, name: str, value: Any, lo: int, hi: Optional[int] = None) -> int:
-    if not _is_int(value) or value < lo or (hi is not None and value > hi):
-        allowed = f"an integer in [{lo}, {hi}]" if hi is not None else f"an integer >= {lo}"
-        raise where.error(name, f"bad value {value!r}; allowed: {allowed}")
-    return value
-
-
-def _parse_engine(where: _Where, raw: Any) -> dict:
-    if not isinstance(raw, dict):
-        raise where.error("header.engine", f"bad value {raw!r}; allowed: an object with keys {', '.join(ENGINE_KEYS)}")
-    engine = {}
-    for key, value in raw.items():
-        name = f"header.engine.{key}"
-        if key not in ENGINE_DEFAULTS:
-            raise where.error(name, f"unknown key; allowed: {', '.join(ENGINE_KEYS)}")
-        if key == "enable_prefix_caching":
-            if not isinstance(value, bool):
-                raise where.error(name, f"bad value {value!r}; allowed: true or false")
-        elif key == "splitwise_role":
-            if value not in SPLITWISE_ROLES:
-                raise where.error(name, f"bad value {value!r}; allowed: {', '.join(SPLITWISE_ROLES)}")
-        else:
-            _check_int(where, name, value, 0 if key == "enc_dec_block_num" else 1, ENGINE_MAX[key])
-        engine[key] = value
-    return engine
-
-
-def _parse_header(where: _Where, raw: Any) -> tuple:
-    if not isinstance(raw, dict):
-        raise where.error("header", f"bad value {raw!r}; allowed: an object with keys {', '.join(_HEADER_KEYS)}")
-    for key in raw:
-        if key not in _HEADER_KEYS:
-            raise where.error(f"header.{key}", f"unknown key; allowed: {', '.join(_HEADER_KEYS)}")
-    description = raw.get("description", "")
-    if not isinstance(description, str):
-        raise where.error("header.description", f"bad value {description!r}; allowed: a string")
-    generator = raw.get("generator")
-    if generator is not None and not isinstance(generator, dict):
-        raise where.error("header.generator", f"bad value {generator!r}; allowed: an object")
-    engine = _parse_engine(where, raw.get("engine", {}))
-    return engine, description, generator
-
-
-def _parse_request(where: _Where, raw: dict) -> TraceRequest:
-    for key in raw:
-        if key not in _REQUEST_KEYS:
-            raise where.error(key, f"unknown field; allowed: {', '.join(_REQUEST_KEYS)}")
-    for required in ("id", "output_len"):
-        if required not in raw:
-            raise where.error(required, "missing (required)")
-    rid = raw["id"]
-    if not isinstance(rid, str) or not rid:
-        raise where.error("id", f"bad value {rid!r}; allowed: a non-empty string")
-    if ("arrival" in raw) == ("arrival_s" in raw):
-        raise where.error("arrival", "give exactly one of 'arrival' (an engine step) or 'arrival_s' (seconds)")
-    arrival, arrival_s = 0, None
-    if "arrival" in raw:
-        arrival = _check_int(where, "arrival", raw["arrival"], 0, MAX_ARRIVAL_STEP)
-    else:
-        arrival_s = raw["arrival_s"]
-        if not isinstance(arrival_s, (int, float)) or isinstance(arrival_s, bool) or not math.isfinite(arrival_s) \
-                or not 0 <= arrival_s <= MAX_ARRIVAL_S:
-            raise where.error("arrival_s", f"bad value {arrival_s!r}; allowed: a number of seconds in "
-                              f"[0, {MAX_ARRIVAL_S:.0f}] (one year)")
-        arrival_s = float(arrival_s)
-    output_len = _check_int(where, "output_len", raw["output_len"], 1, MAX_TOKENS)
-    if "max_tokens" not in raw:
-        raise where.error("max_tokens", "missing (required; null means the engine's default)")
-    max_tokens = raw["max_tokens"]
-    if max_tokens is not None:
-        max_tokens = _check_int(where, "max_tokens", max_tokens, 1, MAX_TOKENS)
-
-    has_prompt, has_len = "prompt" in raw, "prompt_len" in raw
-    if has_prompt == has_len:
-        raise where.error("prompt", "give exactly one of 'prompt' (token ids) or 'prompt_len'")
-    prompt = None
-    prefix_group, prefix_len = None, 0
-    if has_prompt:
-        tokens = raw["prompt"]
-        if not isinstance(tokens, list) or not tokens:
-            raise where.error("prompt", f"bad value {tokens!r}; allowed: a non-empty list of token ids")
-        for index, token in enumerate(tokens):
-            if not _is_int(token) or not 0 <= token <= MAX_TOKENS:
-                raise where.error("prompt", f"bad token {token!r} at index {index}; allowed: integers in "
-                                  f"[0, {MAX_TOKENS}]")
-        for key in ("prefix_group", "prefix_len"):
-            if key in raw:
-                raise where.error(key, "only allowed with 'prompt_len' (an explicit prompt has its own tokens)")
-        prompt = tuple(tokens)
-        prompt_len = len(tokens)
-    else:
-        prompt_len = _check_int(where, "prompt_len", raw["prompt_len"], 1, MAX_TOKENS)
-        if ("prefix_group" in raw) != ("prefix_len" in raw):
-            missing = "prefix_len" if "prefix_group" in raw else "prefix_group"
-            raise where.error(missing, "missing: 'prefix_group' and 'prefix_len' go together")
-        if "prefix_group" in raw:
-            prefix_group = raw["prefix_group"]
-            if not isinstance(prefix_group, str) or not prefix_group:
-                raise where.error("prefix_group", f"bad value {prefix_group!r}; allowed: a non-empty string")
-            prefix_len = _check_int(where, "prefix_len", raw["prefix_len"], 0, prompt_len)
-    return TraceRequest(
-        id=rid,
-        arrival=arrival,
-        prompt_len=prompt_len,
-        output_len=output_len,
-        max_tokens=max_tokens,
-        prompt=prompt,
-        prefix_group=prefix_group,
-        prefix_len=prefix_len,
-        line=where.line,
-        arrival_s=arrival_s,
-    )
-
-
-def parse_trace(lines: Iterable[str], source: str = "<trace>", name: Optional[str] = None) -> Trace:
-    """Parse and validate JSONL lines. Raises :class:`TraceError` at the first problem."""
-    engine: dict = {}
-    description, generator = "", None
-    requests: list = []
-    seen: dict = {}
-    first_object = True
-    for number, text in enumerate(lines, start=1):
-        if not text.strip():
-            continue
-        where = _Where(source, number)
-        try:
-            obj = json.loads(text)
-        except json.JSONDecodeError as exc:
-            detail = f"not valid JSON: {exc.msg} (column {exc.colno}); allowed: {TRACE_FORMAT}"
-            raise where.error(None, detail) from None
-        if not isinstance(obj, dict):
-            got = type(obj).__name__
-            raise where.error(None, f"each line must be a JSON object, got {got}; allowed: {TRACE_FORMAT}")
-        if "header" in obj:
-            if not first_object:
-                raise where.error("header", "a header is only allowed on the first line")
-            if len(obj) != 1:
-                extra = sorted(k for k in obj if k != "header")
-                raise where.error(extra[0], "a header line holds only the 'header' object")
-            engine, description, generator = _parse_header(where, obj["header"])
-        else:
-            request = _parse_request(where, obj)
-            if requests and (request.arrival_s is None) != (requests[0].arrival_s is None):
-                first = "arrival_s" if requests[0].arrival_s is not None else "arrival"
-                raise where.error(
-                    "arrival_s" if request.arrival_s is not None else "arrival",
-                    f"mixes step and time arrivals; this trace uses {first!r} (line {requests[0].line})",
-                )
-            if request.id in seen:
-                raise where.error("id", f"duplicate id {request.id!r} (first on line {seen[request.id]})")
-            seen[request.id] = number
-            requests.append(request)
-        first_object = False
-    if not requests:
-        raise TraceError(f"trace {shown_source(source)}: no requests; allowed: {TRACE_FORMAT}")
-    stem = name or Path(source).name.split(".")[0] or "trace"
-    return Trace(tuple(requests), engine, description, generator, source, stem)
-
-
-def load_trace(path) -> Trace:
-    path = Path(path)
-    text = read_utf8(path, "trace", "a JSONL trace file (fdsched trace validate checks one)", TraceError)
-    if path.suffix.lower() == ".csv" and not text.lstrip().startswith("{"):
-        raise TraceError(f"trace {path}: a CSV file, not a trace; allowed: {TRACE_FORMAT}. A CSV request log becomes "
-                         f"one with: fdsched trace import {path} --format azure|burstgpt|generic --out TRACE.jsonl")
-    return parse_trace(text.splitlines(), source=str(path), name=path.name[: -len(".jsonl")] if path.name.endswith(".jsonl") else path.stem)
-
-
-def shipped_traces() -> dict:
-    """Shipped trace name -> path."""
-    folder = resources.files("fdsched.replay") / "traces"
-    found = {}
-    if folder.is_dir():
-        for entry in folder.iterdir():
-            if entry.name.endswith(".jsonl"):
-                found[entry.name[: -len(".jsonl")]] = Path(str(entry))
-    return dict(sorted(found.items()))
-
-
-def resolve_trace(value: str) -> Path:
-    """A shipped trace name, or the path of a JSONL file."""
-    value = value.strip()
-    shipped = shipped_traces()
-    if value in shipped:
-        return shipped[value]
-    if os.sep in value or value.endswith(".jsonl") or os.path.exists(value):
-        path = Path(value).expanduser()
-        if path.is_dir():
-            raise TraceError(f"trace {value!r}: is a directory; allowed: a shipped trace ({', '.join(shipped)}) or the path of a JSONL file")
-        if not path.is_file():
-            raise TraceError(f"trace {value!r}: no such file; allowed: a shipped trace ({', '.join(shipped)}) or a path")
-        return path
-    raise TraceError(f"trace {value!r}: unknown{did_you_mean(value, shipped)}; allowed: a shipped trace ({', '.join(shipped)}) "
-                     "or the path of a JSONL file")
 
 
 def check_engine_shape(engine: dict) -> None:
@@ -441,7 +236,7 @@ def check_engine(trace: Trace, engine: dict) -> None:
     check_engine_shape(engine)
     max_len = engine["max_model_len"]
     for request in trace.requests:
-        where = _Where(trace.source, request.line)
+        where = Where(trace.source, request.line)
         raise_to = f"allowed: max_model_len (--max-model-len) {fitting_max_model_len(trace.requests)} or more, where every request fits"
         if request.prompt_len >= max_len:
             raise where.error("prompt_len", f"{request.prompt_len} does not fit max_model_len={max_len}; {raise_to}")

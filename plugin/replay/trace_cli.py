@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 from fdsched.core.common import EXIT_ERROR, EXIT_OK, error_line, plural
-from fdsched.replay.trace import ENGINE_KEYS, TraceError, check_engine, load_trace, resolve_trace, shipped_traces
+from fdsched.replay.trace import ENGINE_KEYS, TraceError, check_engine
+from fdsched.replay.tracefile import load_trace, resolve_trace, shipped_traces
 
 __all__ = ["cmd_trace_generate", "cmd_trace_validate", "cmd_trace_list", "cmd_trace_import"]
 

@@ -79,7 +79,8 @@ SHAPE_KEYS = ("num_gpu_blocks", "block_size", "max_num_seqs", "max_model_len", "
 
 
 def _load_trace(args):
-    from fdsched.replay.trace import TraceError, load_trace, resolve_trace
+    from fdsched.replay.trace import TraceError
+    from fdsched.replay.tracefile import load_trace, resolve_trace
 
     try:
         return load_trace(resolve_trace(args.trace))

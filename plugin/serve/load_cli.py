@@ -112,7 +112,8 @@ def out_dir_problems(out, command: str) -> list:
 
 
 def cmd_load(args) -> int:
-    from fdsched.replay.trace import TraceError, load_trace, resolve_trace
+    from fdsched.replay.trace import TraceError
+    from fdsched.replay.tracefile import load_trace, resolve_trace
     from fdsched.serve.load import DEFAULT_STEP_MS, LoadError, run_trace_load
     from fdsched.serve.served_report import build_served_report, format_served_table
 
@@ -184,7 +185,8 @@ def add_compare_command(sub) -> None:
 
 
 def cmd_compare(args) -> int:
-    from fdsched.replay.trace import TraceError, load_trace, resolve_trace
+    from fdsched.replay.trace import TraceError
+    from fdsched.replay.tracefile import load_trace, resolve_trace
     from fdsched.serve.compare import compare, format_comparison
     from fdsched.serve.load import LoadError
 

@@ -120,7 +120,7 @@ def main(argv=None) -> int:
     ap.add_argument("--no-repeat-reference", dest="repeat", action="store_false")
     ap.add_argument("--out", help="write the rows as JSON here")
     a = ap.parse_args(argv)
-    from fdsched.replay.trace import load_trace, resolve_trace
+    from fdsched.replay.tracefile import load_trace, resolve_trace
 
     trace = load_trace(resolve_trace(a.trace))
     engine = dict(trace.engine or {})

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 import pytest
 
-from fdsched.replay.trace import load_trace, resolve_trace
+from fdsched.replay.tracefile import load_trace, resolve_trace
 from fdsched.serve.compare import exact_output_trace
 from fdsched.serve.load import LoadError, Target, run_trace_load
 from fdsched.serve.served_report import build_served_report, format_served_table

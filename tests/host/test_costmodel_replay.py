@@ -25,7 +25,7 @@ def pressure_runs():
         pytest.skip(f"needs FastDeploy host: {exc}" if HOW_TO_POINT in str(exc) else f"needs FastDeploy host: {HOW_TO_POINT}")
     from fdsched.install import installer
     from fdsched.replay.runner import run_profile
-    from fdsched.replay.trace import load_trace, resolve_trace
+    from fdsched.replay.tracefile import load_trace, resolve_trace
 
     from fdsched.replay.driver import Driver
 

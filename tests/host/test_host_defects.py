@@ -141,7 +141,7 @@ def _pd_prefill(arm, monkeypatch):
     """The shipped pd-prefill trace; ``host``: FastDeploy alone; ``fix-off``: no profile with the fix off; else a
     profile (None: no profile)."""
     from fdsched.replay.runner import run_profile
-    from fdsched.replay.trace import load_trace, resolve_trace
+    from fdsched.replay.tracefile import load_trace, resolve_trace
 
     from .conftest import skip_if_refused
 

@@ -67,7 +67,7 @@ def test_a_before_the_fix_cell_is_failure_of_the_same_replay(quick, monkeypatch,
     from fdsched.replay.check import Case, failure_of
     from fdsched.replay.reach import QUICK
     from fdsched.replay.runner import run_profile
-    from fdsched.replay.trace import load_trace, resolve_trace
+    from fdsched.replay.tracefile import load_trace, resolve_trace
 
     row = _row(quick, trace_name)
     full = load_trace(resolve_trace(trace_name))

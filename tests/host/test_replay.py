@@ -18,7 +18,7 @@ PROFILES = ("baseline", "recommended")
 def replays(replay_host):
     """(trace name, profile) -> ProfileRun, each replay run once per module."""
     from fdsched.replay.runner import run_profile
-    from fdsched.replay.trace import load_trace, resolve_trace
+    from fdsched.replay.tracefile import load_trace, resolve_trace
 
     cache = {}
 
@@ -127,7 +127,7 @@ def _logical(report):
 def test_two_runs_give_the_same_report_except_measured(replay_host):
     from fdsched.replay.report import build_report
     from fdsched.replay.runner import run_replay
-    from fdsched.replay.trace import load_trace, resolve_trace
+    from fdsched.replay.tracefile import load_trace, resolve_trace
 
     reports = []
     for _ in range(2):
@@ -146,7 +146,7 @@ def test_oracle_admits_by_peak_demand_and_unregisters(replay_host, monkeypatch):
     from fdsched.replay import runner
     from fdsched.replay.figures import compute_figures
     from fdsched.replay.oracle import ORACLE_PLUGIN_NAME, PeakOracle, peak_demand_blocks
-    from fdsched.replay.trace import load_trace, resolve_trace
+    from fdsched.replay.tracefile import load_trace, resolve_trace
 
     seen = []
 
@@ -201,7 +201,7 @@ def test_sglang_retract_order_picks_the_fewest_outputs(replay_host, monkeypatch,
     from fdsched.replay import runner
     from fdsched.replay.figures import compute_figures
     from fdsched.replay.oracle import RetractOrder
-    from fdsched.replay.trace import load_trace, resolve_trace
+    from fdsched.replay.tracefile import load_trace, resolve_trace
 
     chosen = []
 
@@ -248,7 +248,7 @@ def test_token_times_match_the_output_and_first_token(replays):
 def test_max_steps_stops_and_reports_not_drained(replay_host):
     from fdsched.replay.figures import compute_figures
     from fdsched.replay.runner import run_profile
-    from fdsched.replay.trace import load_trace, resolve_trace
+    from fdsched.replay.tracefile import load_trace, resolve_trace
 
     trace = load_trace(resolve_trace("pressure"))
     run = run_profile(trace, "baseline", trace.engine_with(), max_steps=30)
@@ -286,7 +286,8 @@ def test_cli_replay_writes_table_json_and_png(replay_host, tmp_path, capsys):
 def test_cli_replay_dp_arms_splits_one_trace_across_one_scheduler_per_arm(replay_host, tmp_path, capsys):
     """--dp-arms predicts an online A/B: each rank serves its share (uniform random split, seeded) with its profile."""
     from fdsched.tools.cli import main
-    from fdsched.replay.trace import load_trace, resolve_trace, split_across_ranks
+    from fdsched.replay.trace import split_across_ranks
+    from fdsched.replay.tracefile import load_trace, resolve_trace
 
     out = tmp_path / "out"
     code = main(["replay", "--trace", "pressure", "--out", str(out), "--no-progress", "--no-plot",

@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 
-from fdsched.replay.trace import parse_trace
+from fdsched.replay.tracefile import parse_trace
 
 HEADER = ('{"header": {"engine": {"block_size": 16, "num_gpu_blocks": 200, "max_num_seqs": 8, '
           '"max_num_batched_tokens": 512, "max_model_len": 512}}}')

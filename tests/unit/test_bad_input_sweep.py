@@ -371,7 +371,8 @@ def test_a_replay_over_an_earlier_report_says_it_replaces_it(tmp_path, capsys):
 
 def test_the_bounds_admit_their_own_limits(tmp_path):
     """The bounds refuse typos, not real values: an arrival at the bound and a pool at the bound pass."""
-    from fdsched.replay.trace import ENGINE_MAX, MAX_ARRIVAL_S, MAX_ARRIVAL_STEP, parse_trace
+    from fdsched.replay.trace import ENGINE_MAX, MAX_ARRIVAL_S, MAX_ARRIVAL_STEP
+    from fdsched.replay.tracefile import parse_trace
 
     header = '{"header": {"engine": {"num_gpu_blocks": %d}}}' % ENGINE_MAX["num_gpu_blocks"]
     trace = parse_trace([header, '{"id": "r", "arrival": %d, "prompt_len": 5, "max_tokens": null, "output_len": 2}'

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from fdsched.core.settings import SettingsError, load_settings, read_profile, resolve_profile
-from fdsched.replay.trace import shipped_traces
+from fdsched.replay.tracefile import shipped_traces
 from fdsched.tools.cli import main
 
 
@@ -41,7 +41,8 @@ def test_a_context_too_short_for_a_shipped_trace_says_which_length_fits_and_no_p
 
 
 def test_the_length_said_to_fit_does_fit(capsys, tmp_path):
-    from fdsched.replay.trace import check_engine, load_trace
+    from fdsched.replay.trace import check_engine
+    from fdsched.replay.tracefile import load_trace
 
     trace = load_trace(shipped_traces()["azure-conv"])
     with pytest.raises(ValueError) as err:

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from fdsched.replay.trace import load_trace, parse_trace, resolve_trace
+from fdsched.replay.tracefile import load_trace, parse_trace, resolve_trace
 from fdsched.serve.lengthmark import BASE, MARKER_IDS, MAX_LENGTH, mark_size, mark_words, read_mark
 from fdsched.serve.load import _prompts, prompt_text, request_prompt
 from fdsched.serve.model import MARKER_WORDS, NUM_WORDS, SPECIALS

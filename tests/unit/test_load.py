@@ -11,7 +11,8 @@ import threading
 import pytest
 
 from fdsched.tools.cli import main
-from fdsched.replay.trace import load_trace, parse_trace, resolve_trace, split_across_ranks
+from fdsched.replay.trace import split_across_ranks
+from fdsched.replay.tracefile import load_trace, parse_trace, resolve_trace
 from fdsched.serve.load import (
     WORDS, LoadError, RequestResult, Target, _stamp, assign_targets, check_servable, prompt_text, request_metrics,
     request_prompt, run_trace_load, send_times, server_info,

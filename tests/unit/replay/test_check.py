@@ -13,7 +13,8 @@ from fdsched.replay.check import (HOST_ARM, PREFILL_RESERVE_DEFECT, SEATS_DEFECT
                                   failure_of, search, shrink)
 from fdsched.replay.check_cli import COMMAND, _arms, _out_dir
 from fdsched.cmdline.outdir import claim_out_dir
-from fdsched.replay.trace import TraceRequest, check_engine, load_trace
+from fdsched.replay.trace import TraceRequest, check_engine
+from fdsched.replay.tracefile import load_trace
 
 
 def _req(i, prompt=8, output=4, arrival=0, max_tokens=None):

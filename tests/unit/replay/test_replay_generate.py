@@ -8,7 +8,8 @@ import pytest
 
 from fdsched.tools.cli import main
 from fdsched.replay.generate import DEFAULT_REQUESTS, KINDS, generate, generate_text, peak_demand_blocks
-from fdsched.replay.trace import check_engine, load_trace, parse_trace, resolve_trace
+from fdsched.replay.trace import check_engine
+from fdsched.replay.tracefile import load_trace, parse_trace, resolve_trace
 
 
 def _blocks(tokens, block_size):

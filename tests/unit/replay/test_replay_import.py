@@ -6,7 +6,7 @@ import pytest
 
 from fdsched.tools.cli import main
 from fdsched.replay.importer import ImportError_, ImportOptions, import_trace, parse_columns, parse_max_tokens
-from fdsched.replay.trace import load_trace
+from fdsched.replay.tracefile import load_trace
 
 AZURE = """TIMESTAMP,ContextTokens,GeneratedTokens
 2023-11-16 18:15:46.6805900,374,44
@@ -166,7 +166,7 @@ REAL_BURSTGPT = __import__("pathlib").Path(__file__).resolve().parents[1] / "dat
 def test_real_burstgpt_rows_import_to_the_shipped_trace(tmp_path):
     """The first 400 real rows of BurstGPT_1.csv (tests/unit/data, CC-BY-4.0) go through the importer as
     any operator's file would, and give exactly the requests of the shipped ``burstgpt`` trace."""
-    from fdsched.replay.trace import resolve_trace
+    from fdsched.replay.tracefile import resolve_trace
 
     shipped = load_trace(resolve_trace("burstgpt"))
     out = tmp_path / "bg.jsonl"

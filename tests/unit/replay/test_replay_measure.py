@@ -16,7 +16,8 @@ from fdsched.replay.figures import (
 from fdsched.replay.oracle import Holding, PeakOracle, peak_demand_blocks, sglang_victim
 from fdsched.replay.report import BOUND_KEYS, build_report, format_bounds
 from fdsched.replay.verdict import format_verdicts, verdict
-from fdsched.replay.trace import TraceError, load_trace, shipped_traces
+from fdsched.replay.trace import TraceError
+from fdsched.replay.tracefile import load_trace, shipped_traces
 
 
 # --------------------------------------------------------------------------------------------

@@ -13,12 +13,9 @@ from fdsched.replay.trace import (
     check_engine,
     dump_trace,
     group_tokens,
-    load_trace,
-    parse_trace,
     request_tokens,
-    resolve_trace,
-    shipped_traces,
 )
+from fdsched.replay.tracefile import load_trace, parse_trace, resolve_trace, shipped_traces
 
 
 def lines(*objects):
