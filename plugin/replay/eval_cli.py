@@ -9,9 +9,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from fdsched.core.common import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK, error_line
+from fdsched.core.common import EXIT_ERROR, EXIT_OK, error_line
 from fdsched.cmdline.outdir import settle_out_dir
-from fdsched.replay.replay_cli import ProgressBar, check_out_dir, refuse_duplicate_arms, run_failure
+from fdsched.replay.replay_cli import ProgressBar, check_out_dir, refuse_duplicate_arms, report_run_error, run_failure
 from fdsched.replay.trace import TraceError
 
 __all__ = ["cmd_eval"]
@@ -68,7 +68,7 @@ def cmd_eval(args) -> int:
 
 def _run_eval(args, plan, arms, fmt) -> int:
     """``fdsched eval`` after its checks: import, replay every arm, print the table (the output folder is claimed)."""
-    from fdsched.install.probe import HOW_TO_POINT, HostNotFound
+    from fdsched.install.probe import HostNotFound
     from fdsched.install.installer import InstallError
     from fdsched.core.settings import SettingsError
     from fdsched.replay.evaluate import run_plan
@@ -97,15 +97,8 @@ def _run_eval(args, plan, arms, fmt) -> int:
         except Exception as exc:  # noqa: BLE001 - anything else the host (or we) raised mid-run: one line
             error = run_failure(exc, Path(args.out) / "host.log")
     note = log_note(host_log)
-    if isinstance(error, HostNotFound):
-        message = str(error)
-        if HOW_TO_POINT not in message:
-            message += f"; {HOW_TO_POINT}"
-        print(error_line("eval", f"needs the FastDeploy host: {message}"), file=sys.stderr)
-        return EXIT_NO_HOST
     if error is not None:
-        print(error_line("eval", error), file=sys.stderr)
-        return EXIT_ERROR
+        return report_run_error(error, "eval")
     if note:
         print(note)
     print(fmt(results))

@@ -2,7 +2,7 @@
 
 Its options are declared in :mod:`fdsched.replay.cli`. The run's pieces that ``fdsched eval``
 (:mod:`fdsched.replay.eval_cli`) shares are public here: the progress bar, the output folder's claim, the
-one-arm-per-profile check and the one-line report of an unexpected error.
+one-arm-per-profile check, the one-line report of an unexpected error and of a run that did not start.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from fdsched.replay.tracefile import load_trace, resolve_trace
 
 DEFAULT_PROFILES = ("baseline", "recommended")
 
-__all__ = ["cmd_replay", "ProgressBar", "check_out_dir", "refuse_duplicate_arms", "run_failure"]
+__all__ = ["cmd_replay", "ProgressBar", "check_out_dir", "refuse_duplicate_arms", "report_run_error", "run_failure"]
 
 
 class ProgressBar:
@@ -114,7 +114,7 @@ def cmd_replay(args) -> int:
         tqdm = _progress_module(args)
         runs, error, note = _run_arms_logged(args, plan, tqdm)
         if error is not None:
-            return _report_run_error(error)
+            return report_run_error(error)
         return _write_and_print_report(args, plan, runs, note)
     finally:  # every file now in the folder is this command's; a folder this run made and left empty goes
         settle_out_dir(plan.out, "fdsched replay", plan.created)
@@ -284,18 +284,18 @@ def _run_arms(args, plan: _ReplayPlan, progress_factory) -> list:
     )
 
 
-def _report_run_error(error: Exception) -> int:
-    """Say why the arms did not run; EXIT_NO_HOST when the host is missing (with how to point at one),
-    else EXIT_ERROR."""
+def report_run_error(error: Exception, command: str = "replay") -> int:
+    """Say why the arms of ``fdsched <command>`` did not run; EXIT_NO_HOST when the host is missing (with how to
+    point at one), else EXIT_ERROR."""
     from fdsched.install.probe import HOW_TO_POINT, HostNotFound
 
     if isinstance(error, HostNotFound):
         message = str(error)
         if HOW_TO_POINT not in message:
             message += f"; {HOW_TO_POINT}"
-        print(error_line("replay", f"needs the FastDeploy host: {message}"), file=sys.stderr)
+        print(error_line(command, f"needs the FastDeploy host: {message}"), file=sys.stderr)
         return EXIT_NO_HOST
-    print(error_line("replay", error), file=sys.stderr)
+    print(error_line(command, error), file=sys.stderr)
     return EXIT_ERROR
 
 
