@@ -1,7 +1,42 @@
-"""Shared pytest setup: the two test tiers.
+"""Shared pytest setup: the three tiers, their order, and their turns under pytest-xdist.
 
-``tests/unit``: needs no host; always runs (CI). ``tests/host``: needs FastDeploy importable (an
-installed ``fastdeploy`` or ``FDSCHED_HOST_SOURCE=/path/to/FastDeploy``); every test there is
-skipped with one reason, starting "needs FastDeploy host", when it is not, so a CI log shows at a
-glance how many host tests ran.
+``tests/unit``: needs no host; always runs (CI). ``tests/host``: needs FastDeploy importable (an installed ``fastdeploy``
+or ``FDSCHED_HOST_SOURCE=/path/to/FastDeploy``); every test there is skipped with one reason, starting "needs FastDeploy
+host", when it is not, so a CI log shows at a glance how many host tests ran. ``tests/engine``: FastDeploy's serving
+stack on CPU, skipped with one reason starting "needs FastDeploy engine" when it cannot start.
+
+The tiers run in that order. Under pytest-xdist (README's test command: two workers, a module at a time each) the
+workers share the unit and host tiers; an engine module runs only while no other module runs anywhere (a lock on this
+file: shared for a unit or host module, exclusive for an engine module). So a served stack never starts beside
+another or beside other tests' work, as its start-up and health timeouts assume on two cores. Without workers nobody
+ever waits.
 """
+
+from __future__ import annotations
+
+import fcntl
+
+import pytest
+
+TIERS = ("tests/unit/", "tests/host/", "tests/engine/")
+ENGINE = TIERS.index("tests/engine/")
+
+
+def _tier(path) -> int:
+    path = str(path).replace("\\", "/")
+    return next((i for i, tier in enumerate(TIERS) if tier in path), len(TIERS))
+
+
+def pytest_collection_modifyitems(items):
+    items.sort(key=lambda item: _tier(item.fspath))  # stable: each tier keeps its own order
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tier_turns(request):
+    """Hold this module's turn (see the module docstring) from its first test's set-up to its last test's teardown."""
+    with open(__file__, "rb") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX if _tier(request.path) == ENGINE else fcntl.LOCK_SH)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)

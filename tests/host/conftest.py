@@ -69,6 +69,19 @@ def pytest_report_header(config):
     return f"fdsched host tests: SKIPPED ({_MISSING})"
 
 
+def pytest_sessionfinish(session):
+    # a pytest-xdist worker hands what it deselected to the controller, which prints the summary
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["fdsched_deselected"] = list(_DESELECTED)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    for line in getattr(node, "workeroutput", {}).get("fdsched_deselected", []):
+        if line not in _DESELECTED:
+            _DESELECTED.append(line)
+
+
 def pytest_terminal_summary(terminalreporter):
     # Printed even with -q (the header is not), so a CI log says which host the tier ran against.
     terminalreporter.write_line(pytest_report_header(terminalreporter.config))

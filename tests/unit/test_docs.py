@@ -45,7 +45,7 @@ def test_the_readme_says_what_the_project_is_before_any_command():
     # the quick start's replay shows the point: a shipped real trace, baseline / recommended / adaptive
     assert "fdsched replay --trace azure-conv --profile baseline recommended adaptive" in text
     # the test command says where its measured times are, and that page has the place CI's figures go
-    assert re.search(r"python -m pytest -q -ra tests\s+# the tests: three tiers, times in docs/testing.md", text)
+    assert re.search(r"python -m pytest -q -ra -n 2 --dist loadscope tests\s+# the tests: three tiers, times in docs/testing.md", text)
     assert "<!-- ci-times -->" in (ROOT / "docs" / "testing.md").read_text(encoding="utf-8")
 
 
