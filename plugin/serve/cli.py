@@ -309,7 +309,9 @@ def _serve_until_stopped(engine, args, signals) -> int:
     signals.serving = False
     print(f"fdsched serve: {name}: stopped admitting; {counts['finished']} request(s) in flight finished, "
           f"{counts['ended']} ended with an error event after the {args.drain_timeout:g} s drain timeout, "
-          f"{counts['refused']} refused while draining ({counts['seconds']:.1f} s); stopping", file=sys.stderr)
+          f"{counts['refused']} refused while draining"
+          + (f", {counts['lost']} lost with an instance already gone" if counts.get("lost") else "")
+          + f" ({counts['seconds']:.1f} s); stopping", file=sys.stderr)
     return 0
 
 

@@ -298,34 +298,48 @@ class PdServedEngine(ServedEngine):
 
     # ----------------------------------------------------------------------------------- drain / stop / state
     def drain(self, timeout: float, poll: float = 0.1) -> dict:
+        """The mixed stack's drain over every instance whose api_server still runs. What was in flight on an instance
+        whose api_server is gone cannot be answered by anyone: counted as ``lost``, not waited for."""
         from fdsched.serve import seams
 
         t0 = time.monotonic()
-        dirs = [inst["state_dir"] for inst in self.instances]
-        for d in dirs:
+        live, lost = [], 0
+        for inst in self.instances:
+            proc = self.procs.get(inst["name"])
+            if proc is not None and proc.poll() is None:
+                live.append(inst["state_dir"])
+            else:
+                lost += seams.drain_counts(inst["state_dir"], wait_ack=0)["in_flight"]
+        for d in live:
             seams.request_drain(d)
 
         def counts():
-            per = [seams.drain_counts(d) for d in dirs]
+            per = [seams.drain_counts(d) for d in live]
             return {k: sum(p[k] for p in per) for k in ("in_flight", "finished", "ended", "refused")}
 
+        dead_before = len(self.deaths())
         deadline = t0 + timeout
-        while time.monotonic() < deadline and counts()["in_flight"] and not self.deaths():
+        while time.monotonic() < deadline and counts()["in_flight"] and len(self.deaths()) == dead_before:
             time.sleep(poll)
         total = counts()
         if total["in_flight"]:
-            for d in dirs:
+            for d in live:
                 seams.request_abort(d)
             end = time.monotonic() + 5
             while time.monotonic() < end and counts()["in_flight"]:
                 time.sleep(poll)
             total = counts()
+        total["lost"] = lost
         total["seconds"] = time.monotonic() - t0
         return total
 
     def stop(self):
         from fdsched.serve.teardown import remove_created
 
+        # An instance's cache messager runs in a session of its own (the host's launch), its worker launcher in a
+        # group of its own: once an instance's api_server is gone they are nobody's descendants any more. Every
+        # process seen at start-up is the stack's to stop.
+        self._descendants.update(self._watched)
         super().stop()
         for inst in self.instances:
             self.removed_shm += remove_created(inst["state_dir"])
@@ -352,6 +366,20 @@ class PdServedEngine(ServedEngine):
             time.sleep(0.05)
         raise ServeError(f"{self.instances[rank]['name']}: the engine's state probe did not answer within "
                          f"{timeout:.0f}s")
+
+    def hold_transfers(self, hold: bool = True) -> None:
+        """Hold (or release) every prefill instance's KV writes: a held write has its prefill done and its decode
+        blocks allocated, and sends nothing until released (:func:`fdsched.serve.pdxfer.hold_path`)."""
+        from fdsched.serve.pdxfer import hold_path
+
+        for inst in self.instances:
+            if inst["role"] != "prefill":
+                continue
+            path = hold_path(inst["state_dir"])
+            if hold:
+                open(path, "w").close()
+            elif os.path.exists(path):
+                os.remove(path)
 
     def messager_log(self, rank: int) -> str:
         try:

@@ -23,7 +23,13 @@ engine's IPC as the real one does:
   or the host's error words (``connection error`` when the decode does not answer, ``write cache error`` when it
   refuses the blocks); the prefill engine's token processor waits for exactly that (``get_finished_req``) before
   it sends the first token to the decode instance and frees the request's blocks;
-- decode role: it listens on its ``--rdma_port`` and answers the prefill messagers' writes.
+- decode role: it listens on its ``--rdma_port`` and answers the prefill messagers' writes;
+- both roles end when the engine that launched them is gone (the host starts the messager through a shell in a
+  session of its own, so neither a signal to the engine's process group nor the shell reaches it).
+
+A file named ``kv-hold`` in the stack's state directory holds every write of a prefill messager while it is there
+(one log line per held task): the prefill is done and the decode has allocated its blocks, the bytes are not sent.
+The engine tier uses it to take a decode instance away with a transfer in flight.
 
 Differences from the real process, on purpose: no tensors (a write takes ``FDSCHED_SERVE_KV_MS_PER_BLOCK`` ms per
 block, default 0.05); the transfer is one message per step and request, not one per layer; one rank only (the
@@ -41,6 +47,7 @@ import threading
 import time
 
 SIGNAL_NAME = "kv-signal-{suffix}.sock"  # in the stack's state dir: the worker's progress reports (PUSH -> PULL)
+HOLD_NAME = "kv-hold"  # in the stack's state dir: while it exists, a prefill messager holds its writes
 MS_PER_BLOCK_ENV = "FDSCHED_SERVE_KV_MS_PER_BLOCK"
 STATE_ENV = "FDSCHED_SERVE_STATE_DIR"
 SEND_TIMEOUT_MS = 3000
@@ -49,6 +56,50 @@ SEND_TIMEOUT_MS = 3000
 def signal_address(suffix) -> str:
     """The ZeroMQ address the worker reports prefill progress on, for the instance whose IPC suffix is ``suffix``."""
     return "ipc://" + os.path.join(os.environ.get(STATE_ENV, "/tmp"), SIGNAL_NAME.format(suffix=suffix))
+
+
+def hold_path(state_dir: str) -> str:
+    """The file whose presence holds the prefill messagers' writes of the stack whose state dir is ``state_dir``."""
+    return os.path.join(state_dir, HOLD_NAME)
+
+
+def _parent_of(pid: int):
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return int(fh.read().rsplit(")", 1)[1].split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _engine_watch():
+    """A callable that is True while the engine that launched this process lives: the parent, and the parent's
+    parent when the parent is the shell the host's command line runs in (``Popen(..., shell=True)``)."""
+    parent = os.getppid()
+    try:
+        with open(f"/proc/{parent}/cmdline", "rb") as fh:
+            through_shell = os.path.basename(fh.read().split(b"\0")[0]) in (b"sh", b"bash", b"dash")
+    except OSError:
+        through_shell = False
+    engine = _parent_of(parent) if through_shell else None
+    engine_start = _start_time(engine) if engine else None
+
+    def alive() -> bool:
+        if os.getppid() != parent:
+            return False
+        return engine is None or _start_time(engine) == engine_start
+
+    return alive
+
+
+def _start_time(pid: int):
+    """The process's start time (its identity with its pid), or None once it is gone or a zombie (a killed engine
+    stays a zombie until the launcher reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if len(fields) < 20 or fields[0] in ("Z", "X") else fields[19]
 
 
 def _parse(argv):
@@ -130,6 +181,7 @@ class Messager:
         end = len(src) if done else min(len(src), prefilled // self.block_size)
         start = task["sent_blocks"]
         if end > start and "error" not in task["status"]:
+            self._hold(task, end - start)
             status = self._write(task, src[start:end], dest[start:end], zmq, ctx, sockets)
             if status != "ok":
                 task["status"] = status
@@ -147,6 +199,14 @@ class Messager:
             self.failures += status != "finished"
             self.log(f"task {rid}: {status} ({end} blocks sent); transfers {self.transfers}, failed "
                      f"{self.failures}, blocks {self.sent_blocks}")
+
+    def _hold(self, task, blocks) -> None:
+        path = hold_path(os.environ.get(STATE_ENV, "/tmp"))
+        if not os.path.exists(path):
+            return
+        self.log(f"task {task['request_id']}: write of {blocks} blocks held ({HOLD_NAME})")
+        while os.path.exists(path):
+            time.sleep(0.02)
 
     def _write(self, task, src, dest, zmq, ctx, sockets) -> str:
         ports = task.get("decode_rdma_ports") or []
@@ -240,15 +300,17 @@ def main(argv=None) -> int:
                             suffix=suffix, create=False)
     cache_ready.value[a.rank] = 1
     log(f"ready (pid {os.getpid()}): {num_blocks} blocks of {block_size} tokens")
-    parent = os.getppid()
+    engine_alive = _engine_watch()
     if a.splitwise_role != "prefill":
-        while os.getppid() == parent:
+        while engine_alive():
             time.sleep(0.5)
+        log("engine process gone; exiting")
         return 0
     sockets = {}
     while True:
         if not progress.poll(500):
-            if os.getppid() != parent:
+            if not engine_alive():
+                log("engine process gone; exiting")
                 return 0
             continue
         for slot, prefilled in progress.recv_pyobj():

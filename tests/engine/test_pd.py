@@ -3,7 +3,8 @@
 cache messager (seams S2, S12, S13).
 
 One stack serves every check (a PD start costs two api_servers' start-up, ~35 s on a loaded 2-core machine); the
-failure path runs last, on the same stack, because it takes the decode instance's KV receiver away."""
+failure paths run last, on the same stack: the first takes the decode instance's KV receiver away, the second the
+whole decode instance."""
 
 from __future__ import annotations
 
@@ -133,6 +134,67 @@ def test_a_decode_that_stops_receiving_fails_the_request_and_prefill_frees_its_b
         except ServeError as exc:
             message = str(exc)
     assert message.startswith("decode 0 cache messager (pid "), message
+
+
+def test_a_decode_instance_killed_mid_transfer_fails_the_request_and_nothing_is_left(pd):
+    """The decode instance's api_server process group is killed while a transfer to it is in flight (the prefill is
+    done, the decode has allocated its blocks, the prefill messager's write is held): the write finds nobody
+    (``connection error``), the prefill engine frees the request's blocks, the Router answers 500 at once and does
+    not retry (both hosts: its request to the decode raises and nothing catches that; new host router.py 219-292
+    with 308-316, whose retry loop reads only answers; old host 192-257, no retry at all), the instance's processes
+    outside its group (cache messager, worker launcher, worker) end by themselves, a drain counts the lost request
+    without waiting for it, and the module's teardown leaves no process, port or /dev/shm entry."""
+    import threading
+
+    from fdsched.serve.launcher import still_running
+
+    decode = pd.instances[1]
+    api_pid = pd.procs[decode["name"]].pid
+    others = [key for key, (_rank, role) in pd._watched.items()
+              if role.startswith(decode["name"] + " ") and key[0] != api_pid]
+    assert others, "no decode process outside the api_server's group was seen at start-up"
+    retries_before = _router_text(pd).count("Preemption detected")
+    answer = {}
+    pd.hold_transfers(True)
+    try:
+        sender = threading.Thread(target=lambda: answer.update(
+            r=_post(pd.router_url, prompt_of_length(40, seed=4), 6, timeout=60)))
+        sender.start()
+        deadline = time.monotonic() + 30
+        while ": write of " not in pd.messager_log(0) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        held = [ln for ln in pd.messager_log(0).splitlines() if ": write of " in ln]
+        assert len(held) == 1, pd.messager_log(0)[-2000:]
+        rid = held[0].split("task ", 1)[1].split(":", 1)[0]
+        assert pd.engine_state(1)["request_blocks"], "the decode holds no blocks for the request in flight"
+        os.killpg(api_pid, signal.SIGKILL)
+        sender.join(30)
+        gone_by = time.monotonic() + 5
+        while still_running(others) and time.monotonic() < gone_by:
+            time.sleep(0.1)
+    finally:
+        pd.hold_transfers(False)
+    assert not still_running(others), f"decode processes outside its group outlived it: {still_running(others)}"
+    status, doc = answer["r"]
+    assert status == 500 and doc == {"raw": "Internal Server Error"}, (status, doc)
+    router = _router_text(pd)
+    assert "ServerDisconnectedError" in router or "ClientOSError" in router, router[-2000:]
+    assert router.count("Preemption detected") == retries_before, "the Router retried a request whose decode died"
+    state = settle(pd, 0)
+    assert_blocks_whole(state, pd.instances[0]["log_dir"])
+    assert f"task {rid}: connection error (" in pd.messager_log(0), pd.messager_log(0)[-2000:]
+    killed = [d.text() for d in pd.deaths() if d.pid == api_pid]
+    assert killed == [f"decode 0 api_server (pid {api_pid}) was killed by SIGKILL"], pd.deaths()
+    counts = pd.drain(timeout=10)
+    assert (counts["in_flight"], counts["lost"]) == (0, 1) and counts["seconds"] < 3, counts
+
+
+def _router_text(pd) -> str:
+    """The Router's output and logs."""
+    paths = [os.path.join(pd.log_dir, "router.out")]
+    folder = os.path.join(pd.log_dir, "router")
+    paths += [os.path.join(folder, f) for f in sorted(os.listdir(folder))] if os.path.isdir(folder) else []
+    return "".join(open(p, errors="replace").read() for p in paths if os.path.isfile(p))
 
 
 def test_an_instance_that_never_comes_up_is_named_and_nothing_is_left():

@@ -186,3 +186,73 @@ def test_messager_reports_connection_error_when_the_decode_does_not_answer(monke
     for s in sockets.values():
         s.close(linger=0)
     ctx.term()
+
+
+def test_a_held_write_waits_for_the_hold_file_then_goes(tmp_path, monkeypatch):
+    zmq = pytest.importorskip("zmq")
+    monkeypatch.setenv(pdxfer.STATE_ENV, str(tmp_path))
+    ctx = zmq.Context()
+    writes = []
+    sock, port = _receiver(zmq, ctx, writes)
+    queue = _FakeEngineQueue([[{"request_id": "r3", "dest_block_ids": [4, 5], "src_block_ids": [1, 2],
+                                "current_id": 1, "need_prefill_tokens": 20, "decode_ip": "127.0.0.1",
+                                "decode_rdma_ports": [str(port)]}]])
+    m, lines = _messager(queue)
+    m.ms_per_block = 0.0
+    m.take_cache_infos()
+    hold = pdxfer.hold_path(str(tmp_path))
+    open(hold, "w").close()
+    sockets = {}
+    writer = threading.Thread(target=m.on_progress, args=(1, 20, zmq, ctx, sockets))
+    writer.start()
+    writer.join(0.3)
+    assert writer.is_alive() and writes == [] and queue.finished == []
+    assert lines[-1] == "task r3: write of 2 blocks held (kv-hold)"
+    import os
+
+    os.remove(hold)
+    writer.join(5)
+    assert [w["dest_block_ids"] for w in writes] == [[4, 5]] and queue.finished == [["r3", "finished"]]
+    stop, thread = sock
+    stop.set()
+    thread.join()
+    for s in sockets.values():
+        s.close(linger=0)
+    ctx.term()
+
+
+def test_the_messager_sees_its_engine_gone_through_the_hosts_shell():
+    """The host starts the messager as ``sh -c "python cache_messager.py ..."`` in a session of its own: when the
+    engine is killed the shell stays the messager's parent, and the engine stays a zombie until it is reaped. The
+    messager's watch reads the engine behind the shell and takes a zombie for gone."""
+    import os
+    import subprocess
+    import sys
+    import time
+
+    child = os.path.join(os.path.dirname(pdxfer.__file__), "pdxfer.py")
+    probe = (f"import importlib.util, sys, time; s = importlib.util.spec_from_file_location('x', {child!r}); "
+             "m = importlib.util.module_from_spec(s); s.loader.exec_module(m); alive = m._engine_watch(); "
+             "print('up', alive(), flush=True)\nwhile alive(): time.sleep(0.02)\nprint('gone', flush=True)")
+    engine_code = ("import subprocess, sys, time; p = subprocess.Popen(['sh', '-c', sys.argv[1] + ' ; true']); "
+                   "time.sleep(60)")
+    cmd = f"{sys.executable} -c \"{probe}\""
+    import select
+
+    def line(timeout=10.0):
+        ready, _w, _x = select.select([engine.stdout], [], [], timeout)
+        return engine.stdout.readline().strip() if ready else "(nothing within 10 s)"
+
+    out = open(os.devnull, "w")
+    engine = subprocess.Popen([sys.executable, "-c", engine_code, cmd], stdout=subprocess.PIPE, text=True,
+                              stderr=out, start_new_session=True)
+    try:
+        assert line() == "up True"
+        os.kill(engine.pid, 9)
+        time.sleep(0.3)  # not reaped yet: a zombie
+        assert line() == "gone"
+    finally:
+        os.killpg(engine.pid, 9)  # the shell and the probe too, whatever happened
+        engine.wait()
+        out.close()
+    assert pdxfer._start_time(os.getpid()) is not None and pdxfer._start_time(engine.pid) is None
