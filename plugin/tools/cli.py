@@ -353,6 +353,9 @@ def _add_optional_commands(sub) -> None:
 
     load_cli.add_command(sub)
     load_cli.add_compare_command(sub)
+    from fdsched.serve import pd_bench  # fdsched serve-pd-bench: a served A/B of one PD role
+
+    pd_bench.add_command(sub)
     try:
         from fdsched.replay import cli as replay_cli
     except ImportError:
@@ -362,7 +365,8 @@ def _add_optional_commands(sub) -> None:
 
 # commands that import the host in this process: each gets its own log and metrics directories, removed when it
 # exits (the stacks serve starts get theirs from the launcher; load imports nothing of the host)
-HOST_IMPORTING = frozenset({"doctor", "explain", "host", "bench", "patches", "serve", "load-vs-replay"})
+HOST_IMPORTING = frozenset({"doctor", "explain", "host", "bench", "patches", "serve", "serve-pd-bench",
+                            "load-vs-replay"})
 
 
 def command_name(args) -> str:

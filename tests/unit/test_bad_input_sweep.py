@@ -281,6 +281,20 @@ def _cases() -> list:
     add("profiles-dir", ["profiles", "{tmp}/"], "directory")
     add("profiles-missing-yaml", ["profiles", "{tmp}/missing.yaml"], "no such profile file")
     add("load-trace-binary", ["load", "--url", "http://127.0.0.1:9", "--trace", "{trace-binary.jsonl}"], "binary")
+    # ---- serve-pd-bench: refused before any stack starts --------------------------------------------------------
+    add("serve-pd-bench-burst-0", ["serve-pd-bench", "--burst", "0"], "--burst", 2)
+    add("serve-pd-bench-trace-and-burst", ["serve-pd-bench", "--trace", "pd-prefill", "--burst", "8"],
+        "--trace pd-prefill with --burst 8: allowed: one workload")
+    add("serve-pd-bench-runs-without-burst", ["serve-pd-bench", "--runs", "3"], "--runs 3 without --burst")
+    add("serve-pd-bench-both-roles", ["serve-pd-bench", "--burst", "8", "--prefill-profiles", "baseline,recommended",
+                                      "--decode-profiles", "baseline,recommended"], "several profiles on one role only")
+    add("serve-pd-bench-bad-profile", ["serve-pd-bench", "--burst", "2", "--decode-profiles", "recomended"],
+        "--decode-profiles: profile: bad value 'recomended'")
+    add("serve-pd-bench-prompt-too-long", ["serve-pd-bench", "--burst", "2", "--prompt-tokens", "400"],
+        "--prompt-tokens 400 with --max-tokens 150: allowed: at most 512")
+    add("serve-pd-bench-trace-unknown", ["serve-pd-bench", "--trace", "nosuch"], "--trace: trace 'nosuch': unknown")
+    add("serve-pd-bench-out-missing-dir", ["serve-pd-bench", "--burst", "2", "--out", "{tmp}/no/x.json"],
+        "--out")
     return c
 
 

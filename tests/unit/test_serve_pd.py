@@ -256,3 +256,53 @@ def test_the_messager_sees_its_engine_gone_through_the_hosts_shell():
         engine.wait()
         out.close()
     assert pdxfer._start_time(os.getpid()) is not None and pdxfer._start_time(engine.pid) is None
+
+
+def test_a_stalled_decode_is_named_in_one_line_with_what_it_holds():
+    from fdsched.serve.pd_burst import stall_line
+
+    logs = {"engine": "D has successfully added prefilled request, r1_0\nD has successfully added prefilled request, "
+                      "r2_0\nD has successfully added prefilled request, r3_0\nPreemption is triggered! Preempted "
+                      "request id: r3_0\n",
+            "worker": "request r1_0: prompt 40 tokens, max_tokens 150\n"}
+    state = {"running": 1, "free": list(range(43)), "request_blocks": [1, 2, 3, 4, 5]}
+    line = stall_line("decode 0", state, logs, 10)
+    assert line.startswith("decode 0 stalled for 10 s: its 1 running request(s) are prefilled ones it never stepped")
+    assert "holding 5 blocks with 43 free" in line and "\n" not in line
+    # a request the worker was handed is not one of them: the plain line
+    state["running"] = 2
+    assert stall_line("decode 0", state, logs, 10) == ("decode 0 stalled for 10 s: 2 running request(s), 5 blocks "
+                                                        "held, 43 free, no answer and no change")
+
+
+def test_a_burst_run_reads_ttft_from_the_prefill_log_of_the_attempt_that_completed(tmp_path):
+    import time as _time
+
+    from fdsched.serve.pd_burst import _figures, format_burst_table
+
+    sent = _time.mktime(_time.strptime("2026-11-28 09:00:00", "%Y-%m-%d %H:%M:%S"))
+    pdir, ddir = tmp_path / "p", tmp_path / "d"
+    pdir.mkdir()
+    ddir.mkdir()
+    (pdir / "fastdeploy.log").write_text(
+        "INFO     2026-11-28 09:00:00,100 1 token_processor.py[line:1] Request=cmpl-a_0, TTFT=0.1, IsPrefill=True\n"
+        "INFO     2026-11-28 09:00:01,250 1 token_processor.py[line:1] Request=cmpl-a-retry1_0, IsPrefill=True\n")
+    (ddir / "fastdeploy.log").write_text("Preemption is triggered! Preempted request id: cmpl-a_0\n")
+    eng = types.SimpleNamespace(instances=[{"log_dir": str(pdir)}, {"log_dir": str(ddir), "name": "decode 0"}])
+    results = [{"sent": sent, "end": sent + 2.0, "status": 200,
+                "doc": {"id": "cmpl-a-retry1", "choices": [{"finish_reason": "length"}]}},
+               {"sent": sent, "end": sent + 1.0, "status": 200,
+                "doc": {"id": "cmpl-b", "choices": [{"finish_reason": "pd_reschedule"}]}},
+               {"sent": sent, "end": sent + 1.0, "status": None, "doc": {"raw": "ConnectionResetError"}},
+               {"sent": sent, "end": sent + 1.0, "status": 200, "doc": {"error": {"message": "PD Error: decode does "
+                                                                                "not have enough blocks"}}},
+               {"sent": sent, "end": sent + 1.0, "status": 500, "doc": {"raw": "Internal Server Error"}}]
+    row = _figures(eng, "baseline", 1, results, "decode 0 stalled", 3.0)
+    assert [row[k] for k in ("completed", "pd_reschedule", "pd_error", "cut", "errors", "retried", "preemptions")] == [
+        1, 1, 1, 1, 1, 1, 1]
+    assert row["error_sample"] == 'HTTP 500: {"raw": "Internal Server Error"}'
+    assert row["ttft_ms_p50"] == pytest.approx(1250) and row["e2e_ms_p50"] == pytest.approx(2000)
+    table = format_burst_table([row])
+    assert "| baseline | 1 | after 3 s | 1 | 1 | 1 | 1 | 1 | 1 | 1 | 1250 | 1250 | 2000 | 2000 | 3.0 |" in table
+    # not stalled: a dropped connection is an error like any other
+    assert _figures(eng, "baseline", 1, results[2:3], "", 1.0)["errors"] == 1

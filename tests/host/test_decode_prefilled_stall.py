@@ -1,0 +1,153 @@
+"""A decode node whose running requests are all prefilled ones it never stepped schedules nothing, for good: the new
+host alone, no plugin, no engine.
+
+The smallest reproduction of the stall the served PD stack shows under decode-side preemption on the new host
+(``fdsched serve-pd-bench --burst 8``), with the host's own ``ResourceManagerV1`` in the decode role: a pool of 48
+blocks of 16 and eight prompts of 40 tokens with ``max_tokens`` 150, as on the served stack.
+
+How the new host (d38eeb8) gets there, ``engine/sched/resource_manager_v1.py``:
+
+* ``preallocate_resource_in_d`` (1505-1536) allocates a prefilled request's blocks (its prompt and
+  ``enc_dec_block_num`` more) and sets ``num_computed_tokens`` to the prompt; ``add_prefilled_request``
+  (1549-1590) appends the first token, sets ``need_prefill_tokens`` to the prompt + 1 and puts it in ``running``;
+* so ``schedule()`` sees a running request that still needs one prefill token; its running-queue prefill branch
+  (996-1013) admits a chunk only if ``can_allocate_gpu_blocks(_get_can_schedule_prefill_threshold_block(
+  num_new_block))``: free blocks above the reservation for *every* running request (488-504; by new-token ratio,
+  7 blocks per 150-token answer at the initial 0.7), itself included, although the chunk needs no new block;
+  otherwise ``break``, and nothing after it in ``running`` is scheduled either;
+* the reservation relaxes only after a pass that scheduled something (1198-1210);
+* so with eight such requests (56 blocks reserved, 8 free) no pass schedules anything, nothing decodes, nothing
+  finishes, nothing frees, the reservation never relaxes: the node is stuck, its blocks held, its worker idle.
+
+The old host (e7c8dc2) asks that branch only for the chunk's own blocks (``can_allocate_gpu_blocks(num_new_block)``,
+about 908-915) and preempts when it cannot: the same bursts drain there. Which behaviour a host has is read from its
+``schedule()``: whether the running queue's prefill branch asks for the reservation too.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+SHAPE = dict(num_gpu_blocks=48, block_size=16, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=256,
+             splitwise_role="decode", enc_dec_block_num=2)
+PROMPT, MAX_TOKENS = 40, 150
+PREALLOCATED = (PROMPT + 15) // 16 + 2  # the prompt's blocks and enc_dec_block_num
+
+
+class DecodeNode:
+    """The host's decode scheduler, with the engine's feeding, the worker and the token processor played around it."""
+
+    def __init__(self):
+        from fastdeploy.engine.sched import resource_manager_v1
+
+        from fdsched.replay.engine import EngineShape, host_config
+
+        config = host_config(EngineShape(**SHAPE), replay_check=False)
+        self.rm = resource_manager_v1.ResourceManagerV1(max_num_seqs=SHAPE["max_num_seqs"], config=config,
+                                                        tensor_parallel_size=1, splitwise_role="decode")
+        self.handed = set()  # request ids the worker was given (a task for their first step)
+        self.preempted, self.finished = [], []
+
+    def arrive(self, rids) -> bool:
+        """The prefill node sends these requests at once: each is preallocated when the connector brings it (before
+        its prefill), then added as prefilled when the first token and the KV arrive. False: a preallocation
+        failed (the host answers the prefill "Not enough resources")."""
+        from fastdeploy.engine.request import CompletionOutput, RequestOutput
+
+        from fdsched.replay.engine import make_request
+
+        requests = [make_request(rid, list(range(100, 100 + PROMPT)), MAX_TOKENS) for rid in rids]
+        if not all(self.rm.preallocate_resource_in_d(r) for r in requests):
+            return False
+        for request in requests:
+            out = RequestOutput(request_id=request.request_id, finished=False,
+                                outputs=CompletionOutput(index=0, send_idx=0, token_ids=[7]))
+            out.metrics, out.num_cached_tokens = request.metrics, 0
+            self.rm.add_prefilled_request(out)
+        return True
+
+    def step(self) -> int:
+        """One schedule() pass and one step of the worker; how many tasks the pass gave."""
+        tasks, errors = self.rm.schedule()
+        assert not errors, errors
+        for task in tasks:
+            kind = type(task).__name__
+            if kind == "ScheduledPreemptTask":
+                self.preempted.append(task.request_id)
+                self.handed.discard(task.request_id)
+            elif kind == "Request":
+                self.handed.add(task.request_id)
+        for request in list(self.rm.running):
+            if request.request_id in self.handed:
+                request.output_token_ids.append(9)
+                if len(request.output_token_ids) >= MAX_TOKENS:  # the token processor's recycle
+                    self.handed.discard(request.request_id)
+                    self.finished.append(request.request_id)
+                    self.rm.stop_flags[request.idx] = True
+                    self.rm.tasks_list[request.idx] = None
+                    self.rm.finish_requests(request.request_id)
+        return len(tasks)
+
+    def run(self, steps: int = 2000, idle: int = 50) -> bool:
+        """Step until nothing runs (True) or ``idle`` passes in a row give nothing with requests running (False)."""
+        quiet = 0
+        for _ in range(steps):
+            if not self.rm.running:
+                return True
+            quiet = 0 if self.step() else quiet + 1
+            if quiet >= idle:
+                return False
+        raise AssertionError(f"neither drained nor stuck in {steps} passes")
+
+    def free(self) -> int:
+        return len(self.rm.cache_manager.gpu_free_block_list)
+
+    def close(self):
+        from fdsched.replay.engine import close_manager
+
+        close_manager(self.rm)
+
+
+@pytest.fixture
+def node():
+    n = DecodeNode()
+    assert type(n.rm).__module__ == "fastdeploy.engine.sched.resource_manager_v1", "the plugin is installed"
+    yield n
+    n.close()
+
+
+def running_chunks_wait_for_the_reservation() -> bool:
+    """Whether the host's ``schedule()`` asks for the reservation inside its loop over the running queue (every line
+    asks for it for the waiting queue's requests)."""
+    import ast
+    import inspect
+    import textwrap
+
+    from fastdeploy.engine.sched import resource_manager_v1
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(resource_manager_v1.ResourceManagerV1.schedule)))
+    for loop in ast.walk(tree):
+        if isinstance(loop, ast.While) and "self.running" in ast.unparse(loop.test):
+            return any(isinstance(node, ast.Attribute) and node.attr == "_get_can_schedule_prefill_threshold_block"
+                       for node in ast.walk(loop))
+    raise AssertionError("the host's schedule() has no loop over self.running")
+
+
+def test_prefilled_requests_the_decode_never_stepped_hold_their_blocks_for_good(node):
+    assert node.arrive([f"a{i}" for i in range(8)])
+    if not running_chunks_wait_for_the_reservation():  # the old host: both bursts drain, preempting on the way
+        assert node.run() and node.preempted and node.finished
+        assert node.arrive([f"b{i}" for i in range(4)]) and node.run()
+        assert sorted(node.finished + node.preempted) == sorted([f"a{i}" for i in range(8)] + [f"b{i}" for i in range(4)])
+        assert node.free() == SHAPE["num_gpu_blocks"]
+        return
+    assert not node.run(), "the burst drained"
+    stuck = list(node.rm.running)
+    assert len(stuck) == 8 and not node.handed and not node.preempted, "a running request was stepped or preempted"
+    assert all(len(r.block_tables) == PREALLOCATED for r in stuck)
+    assert all(node.rm.get_new_block_nums(r, 1) <= 0 for r in stuck), "a stuck request needs a new block"
+    free = node.free()
+    assert free == SHAPE["num_gpu_blocks"] - 8 * PREALLOCATED and free > 0
+    for _ in range(200):
+        assert node.step() == 0
+    assert node.free() == free and [r.request_id for r in node.rm.running] == [r.request_id for r in stuck]
