@@ -166,21 +166,14 @@ def add_command(sub) -> None:
     p.set_defaults(func=cmd_serve_pd_bench)
 
 
-def check_args(a) -> tuple:
-    """(problems, plan): every problem of the command line, one line each, before anything is spawned."""
+def _role_profiles(a, mode: str, problems: list) -> dict:
+    """role -> its profiles from the command line (or the mode's default), each loaded and its cost model checked
+    (the role's simulated worker steps by it); a problem appended per bad one."""
     import os
 
     from fdsched.core.settings import SettingsError, load_settings
+    from fdsched.replay.costmodel import check_replay_settings
 
-    problems = []
-    mode = "burst" if a.burst else "trace"
-    if a.burst and a.trace:
-        problems.append(f"--trace {a.trace} with --burst {a.burst}: allowed: one workload, a trace or a burst")
-    if not a.burst:
-        for key in BURST_ONLY:
-            if getattr(a, key) is not None:
-                flag = "--" + key.replace("_", "-")
-                problems.append(f"{flag} {getattr(a, key):g} without --burst: allowed: only with --burst N")
     roles = {}
     environ = {k: v for k, v in os.environ.items() if not k.startswith("FDSCHED_PROFILE")}
     for role in ("prefill", "decode"):
@@ -191,10 +184,27 @@ def check_args(a) -> tuple:
                             "comma-separated")
         for name in names:
             try:
-                load_settings(environ, profile=name)
+                check_replay_settings(load_settings(environ, profile=name))
             except SettingsError as exc:
                 problems.append(f"--{role}-profiles: {exc}")
         roles[role] = names
+    return roles
+
+
+def check_args(a) -> tuple:
+    """(problems, plan): every problem of the command line, one line each, before anything is spawned."""
+    import os
+
+    problems = []
+    mode = "burst" if a.burst else "trace"
+    if a.burst and a.trace:
+        problems.append(f"--trace {a.trace} with --burst {a.burst}: allowed: one workload, a trace or a burst")
+    if not a.burst:
+        for key in BURST_ONLY:
+            if getattr(a, key) is not None:
+                flag = "--" + key.replace("_", "-")
+                problems.append(f"{flag} {getattr(a, key):g} without --burst: allowed: only with --burst N")
+    roles = _role_profiles(a, mode, problems)
     if len(roles["prefill"]) > 1 and len(roles["decode"]) > 1:
         problems.append(f"--prefill-profiles {','.join(roles['prefill'])} with --decode-profiles "
                         f"{','.join(roles['decode'])}: allowed: several profiles on one role only")
@@ -231,7 +241,7 @@ def check_args(a) -> tuple:
 
 def cmd_serve_pd_bench(a) -> int:
     from fdsched.core.common import EXIT_ERROR, error_line
-    from fdsched.serve.launcher import ServeError
+    from fdsched.serve.config import ServeError
 
     problems, plan = check_args(a)
     for problem in problems:

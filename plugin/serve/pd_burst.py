@@ -10,7 +10,7 @@ the attempt that completed, read from its log), and whether the run stalled.
 
 A stall is named, not waited out: when no answer arrives and the decode engine's state (running requests, free
 blocks) stays the same for ``stall_seconds``, the run ends with one line saying what the decode engine holds. The
-case seen on both hosts: every running request is a prefilled request the decode engine has not stepped once
+case seen on the new host: every running request is a prefilled request the decode engine has not stepped once
 (its blocks allocated, its worker never handed it), because the host admits that first step as a prefill chunk,
 only with free blocks above its reservation for every running request, and with nothing else running nothing
 frees (docs/engine.md, "Decode-side preemption through the Router").

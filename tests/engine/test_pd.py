@@ -146,7 +146,7 @@ def test_a_decode_instance_killed_mid_transfer_fails_the_request_and_nothing_is_
     without waiting for it, and the module's teardown leaves no process, port or /dev/shm entry."""
     import threading
 
-    from fdsched.serve.launcher import still_running
+    from fdsched.serve.teardown import still_running
 
     decode = pd.instances[1]
     api_pid = pd.procs[decode["name"]].pid

@@ -306,3 +306,19 @@ def test_a_burst_run_reads_ttft_from_the_prefill_log_of_the_attempt_that_complet
     assert "| baseline | 1 | after 3 s | 1 | 1 | 1 | 1 | 1 | 1 | 1 | 1250 | 1250 | 2000 | 2000 | 3.0 |" in table
     # not stalled: a dropped connection is an error like any other
     assert _figures(eng, "baseline", 1, results[2:3], "", 1.0)["errors"] == 1
+
+
+def test_the_bench_refuses_a_profile_with_a_bad_cost_model_before_any_stack(tmp_path):
+    import argparse
+
+    from fdsched.serve.pd_bench import add_arguments, check_args
+
+    profile = tmp_path / "warp.yaml"
+    profile.write_text("replay:\n  cost_model: warp-drive\n")
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    problems, plan = check_args(ap.parse_args(["--burst", "2", "--decode-profiles", f"baseline,{profile}"]))
+    assert len(problems) == 1 and problems[0].startswith("--decode-profiles: "), problems
+    assert "replay.cost_model" in problems[0] and "'warp-drive'" in problems[0] and "allowed: linear" in problems[0]
+    assert plan["roles"] == {"prefill": ["baseline"], "decode": ["baseline", str(profile)]}
+    assert plan["shape"]["num_gpu_blocks"] == 48 and (plan["prompt_tokens"], plan["max_tokens"]) == (40, 150)
