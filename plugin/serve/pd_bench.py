@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 
-__all__ = ["main", "run_arm", "add_command", "check_args", "cmd_serve_pd_bench"]
+__all__ = ["main", "run_arm", "stack_config", "add_command", "check_args", "host_problems", "cmd_serve_pd_bench"]
 
 
 def _sample_blocks(eng, stop: threading.Event, out: dict) -> None:
@@ -49,12 +49,21 @@ def _hit_rate(text) -> float:
     return float("nan")
 
 
-def run_arm(trace, prefill_profile: str, decode_profile: str, shape: dict, decode_blocks, time_scale: float) -> dict:
-    """One stack, the whole trace through its Router; the arm's figures. The stack's run folder goes afterwards."""
-    from fdsched.serve.pd import PdConfig, PdServedEngine
+def stack_config(prefill_profile: str, decode_profile: str, shape: dict, decode_blocks=None):
+    """One 1P+1D stack's configuration: each role's profile, the engine shape, the decode node's own pool if set."""
+    from fdsched.serve.pd import PdConfig
 
-    config = PdConfig(prefill=1, decode=1, role_profiles=f"prefill={prefill_profile},decode={decode_profile}",
-                      decode_num_gpu_blocks=decode_blocks, health_timeout=300, **shape)
+    return PdConfig(prefill=1, decode=1, role_profiles=f"prefill={prefill_profile},decode={decode_profile}",
+                    decode_num_gpu_blocks=decode_blocks, health_timeout=300, **shape)
+
+
+def run_arm(trace, config, time_scale: float) -> dict:
+    """One stack (:func:`stack_config`), the whole trace through its Router; the arm's figures. The stack's run
+    folder goes afterwards."""
+    from fdsched.serve.pd import PdServedEngine, parse_role_profiles
+
+    profiles = parse_role_profiles(config.role_profiles)
+    prefill_profile, decode_profile = profiles["prefill"], profiles["decode"]
     eng = PdServedEngine(config, progress=lambda line: print(f"  {line}", file=sys.stderr, flush=True))
     try:
         with eng:
@@ -240,10 +249,19 @@ def check_args(a) -> tuple:
 
 
 def cmd_serve_pd_bench(a) -> int:
-    from fdsched.core.common import EXIT_ERROR, error_line
-    from fdsched.serve.config import ServeError
+    from fdsched.core.common import EXIT_ERROR, EXIT_NO_HOST, error_line
+    from fdsched.serve.config import HostMissing, ServeError
 
     problems, plan = check_args(a)
+    for problem in problems:
+        print(error_line("serve-pd-bench", problem), file=sys.stderr)
+    if problems:
+        return EXIT_ERROR
+    try:
+        problems = host_problems(a, plan)
+    except HostMissing as exc:
+        print(error_line("serve-pd-bench", exc), file=sys.stderr)
+        return EXIT_NO_HOST
     for problem in problems:
         print(error_line("serve-pd-bench", problem), file=sys.stderr)
     if problems:
@@ -265,10 +283,30 @@ def _say(line: str) -> None:
     print(f"  {line}", file=sys.stderr, flush=True)
 
 
-def _host_label() -> str:
+def host_problems(a, plan) -> list:
+    """The serve command's pre-flight for every stack the plan starts, before the first one: the PD configuration,
+    the host's own config checks on the shape, what the host must have for PD and whether it takes each profile.
+    The host is imported here once, its import chatter in the serve commands' log; its label goes in
+    ``plan["host"]``. ServeError (HostMissing) when the host or its serving modules are missing."""
+    from fdsched.cmdline.quiet import host_output_to
+    from fdsched.install.hosts import cache_dir
     from fdsched.install.probe import probe
+    from fdsched.serve.config import check_host_modules
+    from fdsched.serve.pd import pd_config_problems
+    from fdsched.serve.pd_checks import host_pd_problems
+    from fdsched.serve.preflight import host_shape_problems
 
-    return probe().label
+    roles = plan["roles"]
+    configs = [stack_config(p, d, plan["shape"], a.decode_num_gpu_blocks) for p in roles["prefill"]
+               for d in roles["decode"]]
+    problems = pd_config_problems(configs[0])
+    with host_output_to(cache_dir() / "logs" / "serve-host-import.log"):
+        check_host_modules()
+        plan["host"] = probe().label
+        problems = problems or host_shape_problems(configs[0])  # the stacks differ only in their profiles
+        for config in configs if not problems else []:
+            problems += [p for p in host_pd_problems(config) if p not in problems]
+    return problems
 
 
 def _run_trace(a, plan) -> list:
@@ -281,10 +319,10 @@ def _run_trace(a, plan) -> list:
         label = profile + (" (again)" if i >= len(arms) else "")
         print(f"arm {label} ({i + 1} of {len(runs)})", file=sys.stderr, flush=True)
         p, d = (profile, decode[0]) if role == "prefill" else (prefill[0], profile)
-        row = run_arm(trace, p, d, plan["shape"], a.decode_num_gpu_blocks, a.time_scale)
+        row = run_arm(trace, stack_config(p, d, plan["shape"], a.decode_num_gpu_blocks), a.time_scale)
         row["label"] = label
         rows.append(row)
-    print(f"trace {trace.name}: {len(trace.requests)} requests; host {_host_label()}; "
+    print(f"trace {trace.name}: {len(trace.requests)} requests; host {plan['host']}; "
           + (f"decode node {decode[0]}" if role == "prefill" else f"prefill node {prefill[0]}")
           + f"; {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(format_table(rows, role))
@@ -301,11 +339,12 @@ def _run_burst(a, plan) -> list:
         for p in prefill:
             for d in decode:
                 print(f"run {len(rows) + 1} of {total}: prefill {p}, decode {d}", file=sys.stderr, flush=True)
-                rows.append(run_burst_arm(p, d, run, a.burst, plan["prompt_tokens"], plan["max_tokens"],
-                                          plan["stall_seconds"], plan["shape"], a.decode_num_gpu_blocks, _say))
+                config = stack_config(p, d, plan["shape"], a.decode_num_gpu_blocks)
+                rows.append(run_burst_arm(config, d, run, a.burst, plan["prompt_tokens"], plan["max_tokens"],
+                                          plan["stall_seconds"], _say))
     print(f"burst of {a.burst} non-streamed completions ({plan['prompt_tokens']} prompt tokens, max_tokens "
           f"{plan['max_tokens']}) through the Router; {plan['shape']['num_gpu_blocks']} blocks of "
-          f"{plan['shape']['block_size']}; prefill node {', '.join(prefill)}; host {_host_label()}; "
+          f"{plan['shape']['block_size']}; prefill node {', '.join(prefill)}; host {plan['host']}; "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}")
     print(format_burst_table(rows))
     for row in rows:

@@ -33,13 +33,12 @@ COMPLETED = ("length", "stop")
 _LOG_TIME = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})")
 
 
-def run_burst_arm(prefill_profile: str, decode_profile: str, run: int, requests: int, prompt_tokens: int,
-                  max_tokens: int, stall_seconds: float, shape: dict, decode_blocks=None, progress=None) -> dict:
-    """One stack, one burst; the run's figures. The stack's run folder goes afterwards."""
-    from fdsched.serve.pd import PdConfig, PdServedEngine
+def run_burst_arm(config, decode_profile: str, run: int, requests: int, prompt_tokens: int, max_tokens: int,
+                  stall_seconds: float, progress=None) -> dict:
+    """One stack (``config``, a 1P+1D :class:`fdsched.serve.pd.PdConfig`), one burst; the run's figures. The stack's
+    run folder goes afterwards."""
+    from fdsched.serve.pd import PdServedEngine
 
-    config = PdConfig(prefill=1, decode=1, role_profiles=f"prefill={prefill_profile},decode={decode_profile}",
-                      decode_num_gpu_blocks=decode_blocks, health_timeout=300, **shape)
     eng = PdServedEngine(config, progress=progress)
     try:
         with eng:
@@ -78,7 +77,7 @@ def _burst(eng, decode_profile, run, requests, prompt_tokens, max_tokens, stall_
     t0 = time.monotonic()
     for t in threads:
         t.start()
-    stall, last, since = "", None, time.monotonic()
+    stall, stopped_at, last, since = "", None, None, time.monotonic()
     while any(t.is_alive() for t in threads):
         time.sleep(0.5)
         eng.check_alive()
@@ -92,12 +91,13 @@ def _burst(eng, decode_profile, run, requests, prompt_tokens, max_tokens, stall_
             last, since = key, time.monotonic()
         elif time.monotonic() - since >= stall_seconds:
             stall = stall_line(eng.instances[1]["name"], state, _decode_logs(eng), stall_seconds)
+            stopped_at = time.time()
             eng.stop()  # the clients' connections drop: every thread ends
             break
     wall = time.monotonic() - t0
     for t in threads:
         t.join(30)
-    return _figures(eng, decode_profile, run, results, stall, wall)
+    return _figures(eng, decode_profile, run, results, stall, wall, stopped_at)
 
 
 def _decode_logs(eng) -> dict:
@@ -146,7 +146,9 @@ def _log_times(text: str, marker: str) -> dict:
     return out
 
 
-def _figures(eng, decode_profile, run, results, stall, wall) -> dict:
+def _figures(eng, decode_profile, run, results, stall, wall, stopped_at=None) -> dict:
+    """The run's row. A request still waiting when a stalled run was stopped (``stopped_at``, epoch seconds) is
+    ``cut``, whether its connection dropped or the Router answered it with an error as the instances went."""
     import os
 
     prefill_log = ""
@@ -174,7 +176,7 @@ def _figures(eng, decode_profile, run, results, stall, wall) -> dict:
             counts["pd_reschedule"] += 1
         elif "PD Error" in json.dumps(doc):  # a line whose completions answer the host's error as an error object
             counts["pd_error"] += 1
-        elif r.get("status") is None and stall:  # still waiting when the stalled run was stopped
+        elif stall and (r.get("status") is None or (stopped_at is not None and r.get("end", 0) >= stopped_at)):
             counts["cut"] += 1
         else:
             counts["errors"] += 1

@@ -306,6 +306,11 @@ def test_a_burst_run_reads_ttft_from_the_prefill_log_of_the_attempt_that_complet
     assert "| baseline | 1 | after 3 s | 1 | 1 | 1 | 1 | 1 | 1 | 1 | 1250 | 1250 | 2000 | 2000 | 3.0 |" in table
     # not stalled: a dropped connection is an error like any other
     assert _figures(eng, "baseline", 1, results[2:3], "", 1.0)["errors"] == 1
+    # stopped at the stall before the Router's 500 arrived: that answer is cut too, the earlier answers stand
+    row = _figures(eng, "baseline", 1, results, "decode 0 stalled", 3.0, stopped_at=sent + 0.5)
+    assert [row[k] for k in ("completed", "pd_reschedule", "pd_error", "cut", "errors")] == [1, 1, 1, 2, 0]
+    assert row["error_sample"] == ""
+    assert _figures(eng, "baseline", 1, results[4:], "decode 0 stalled", 3.0, stopped_at=sent + 1.5)["errors"] == 1
 
 
 def test_the_bench_refuses_a_profile_with_a_bad_cost_model_before_any_stack(tmp_path):
