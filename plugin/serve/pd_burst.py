@@ -3,9 +3,9 @@ sends again when a decode instance preempts one) through FastDeploy's Router to 
 whose KV pool is too small for all the answers at once, one stack per decode-node profile and run.
 
 Per run: how the burst ended on the client (completed at ``max_tokens``; answered ``pd_reschedule`` after the
-Router's last attempt; answered with an error object carrying the host's ``PD Error``, as the old host's completions
-do; cut when a stalled run was stopped; other errors), how many answers needed a retry, the decode engine's preemptions, E2E on the
-client's clock and TTFT as a streamed answer would have seen it (client send -> the prefill engine's first token of
+Router's last attempt; cut when a stalled run was stopped; preempted by the decode engine and answered an error, as
+on the old host, whose Router does not retry and whose decode api_server fails the preempted completion with HTTP
+500; other errors), how many answers needed a retry, the decode engine's preemptions, E2E on the client's clock and TTFT as a streamed answer would have seen it (client send -> the prefill engine's first token of
 the attempt that completed, read from its log), and whether the run stalled.
 
 A stall is named, not waited out: when no answer arrives and the decode engine's state (running requests, free
@@ -68,11 +68,11 @@ def _post(url: str, body: dict, out: dict) -> None:
 def _burst(eng, decode_profile, run, requests, prompt_tokens, max_tokens, stall_seconds) -> dict:
     from fdsched.serve.model import prompt_of_length
 
-    results = [{} for _ in range(requests)]
+    results = [{"rid": f"pdb{run}-{i}"} for i in range(requests)]
     threads = []
     for i in range(requests):
         body = {"model": "default", "prompt": prompt_of_length(prompt_tokens, seed=1000 + i),
-                "max_tokens": max_tokens, "stream": False, "request_id": f"pdb{run}-{i}"}
+                "max_tokens": max_tokens, "stream": False, "request_id": results[i]["rid"]}
         threads.append(threading.Thread(target=_post, args=(eng.router_url, body, results[i]), daemon=True))
     t0 = time.monotonic()
     for t in threads:
@@ -159,7 +159,8 @@ def _figures(eng, decode_profile, run, results, stall, wall, stopped_at=None) ->
         pass
     first_token = _log_times(prefill_log, "IsPrefill=True")
     logs = _decode_logs(eng)
-    counts = dict.fromkeys(("completed", "pd_reschedule", "pd_error", "cut", "errors", "retried"), 0)
+    counts = dict.fromkeys(("completed", "pd_reschedule", "cut", "preempted_error", "errors", "retried"), 0)
+    preempted = set(re.findall(r"Preempted request id: (\S+)", logs["engine"]))
     e2e, ttft, sample = [], [], ""
     for r in results:
         doc = r.get("doc") or {}
@@ -174,10 +175,10 @@ def _figures(eng, decode_profile, run, results, stall, wall, stopped_at=None) ->
                 ttft.append(1000 * (first_token[rid + "_0"] - r["sent"]))
         elif reason == "pd_reschedule":
             counts["pd_reschedule"] += 1
-        elif "PD Error" in json.dumps(doc):  # a line whose completions answer the host's error as an error object
-            counts["pd_error"] += 1
         elif stall and (r.get("status") is None or (stopped_at is not None and r.get("end", 0) >= stopped_at)):
             counts["cut"] += 1
+        elif "PD Error" in json.dumps(doc) or _was_preempted(r.get("rid"), preempted):
+            counts["preempted_error"] += 1
         else:
             counts["errors"] += 1
             sample = sample or f"HTTP {r.get('status')}: {json.dumps(doc)[:200]}"
@@ -190,8 +191,18 @@ def _figures(eng, decode_profile, run, results, stall, wall, stopped_at=None) ->
     }
 
 
+def _was_preempted(rid, preempted: set) -> bool:
+    """Whether the decode engine preempted the client's request ``rid`` (any attempt: the host's id is
+    ``cmpl-<rid>[-retryN]_0``)."""
+    if not rid:
+        return False
+    attempt = re.compile(rf"cmpl-{re.escape(rid)}(-retry\d+)?_0")
+    return any(attempt.fullmatch(x) for x in preempted)
+
+
 COLUMNS = (("completed", "completed", "{}"), ("pd_reschedule", "pd_reschedule", "{}"),
-           ("pd_error", "PD Error answers", "{}"), ("cut", "cut at the stall", "{}"), ("errors", "other errors", "{}"),
+           ("cut", "cut at the stall", "{}"), ("preempted_error", "preempted, answered an error", "{}"),
+           ("errors", "other errors", "{}"),
            ("retried", "retried", "{}"), ("preemptions", "D preemptions", "{}"),
            ("ttft_ms_p50", "TTFT p50 ms", "{:.0f}"), ("ttft_ms_p99", "TTFT p99 ms", "{:.0f}"),
            ("e2e_ms_p50", "E2E p50 ms", "{:.0f}"), ("e2e_ms_p99", "E2E p99 ms", "{:.0f}"),

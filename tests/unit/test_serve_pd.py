@@ -296,19 +296,21 @@ def test_a_burst_run_reads_ttft_from_the_prefill_log_of_the_attempt_that_complet
                {"sent": sent, "end": sent + 1.0, "status": None, "doc": {"raw": "ConnectionResetError"}},
                {"sent": sent, "end": sent + 1.0, "status": 200, "doc": {"error": {"message": "PD Error: decode does "
                                                                                 "not have enough blocks"}}},
-               {"sent": sent, "end": sent + 1.0, "status": 500, "doc": {"raw": "Internal Server Error"}}]
+               {"sent": sent, "end": sent + 1.0, "status": 500, "doc": {"raw": "Internal Server Error"}},
+               {"rid": "a", "sent": sent, "end": sent + 1.0, "status": 500, "doc": {"raw": "Internal Server Error"}}]
     row = _figures(eng, "baseline", 1, results, "decode 0 stalled", 3.0)
-    assert [row[k] for k in ("completed", "pd_reschedule", "pd_error", "cut", "errors", "retried", "preemptions")] == [
-        1, 1, 1, 1, 1, 1, 1]
+    assert [row[k] for k in ("completed", "pd_reschedule", "cut", "preempted_error", "errors", "retried",
+                             "preemptions")] == [1, 1, 1, 2, 1, 1, 1]
     assert row["error_sample"] == 'HTTP 500: {"raw": "Internal Server Error"}'
     assert row["ttft_ms_p50"] == pytest.approx(1250) and row["e2e_ms_p50"] == pytest.approx(2000)
     table = format_burst_table([row])
-    assert "| baseline | 1 | after 3 s | 1 | 1 | 1 | 1 | 1 | 1 | 1 | 1250 | 1250 | 2000 | 2000 | 3.0 |" in table
+    assert "| baseline | 1 | after 3 s | 1 | 1 | 1 | 2 | 1 | 1 | 1 | 1250 | 1250 | 2000 | 2000 | 3.0 |" in table
     # not stalled: a dropped connection is an error like any other
     assert _figures(eng, "baseline", 1, results[2:3], "", 1.0)["errors"] == 1
-    # stopped at the stall before the Router's 500 arrived: that answer is cut too, the earlier answers stand
+    # stopped at the stall before the error answers arrived: every one of them is cut (a preempted request that was
+    # retried and is stuck is answered 500 as the stack goes), completed and pd_reschedule answers stand
     row = _figures(eng, "baseline", 1, results, "decode 0 stalled", 3.0, stopped_at=sent + 0.5)
-    assert [row[k] for k in ("completed", "pd_reschedule", "pd_error", "cut", "errors")] == [1, 1, 1, 2, 0]
+    assert [row[k] for k in ("completed", "pd_reschedule", "cut", "preempted_error", "errors")] == [1, 1, 4, 0, 0]
     assert row["error_sample"] == ""
     assert _figures(eng, "baseline", 1, results[4:], "decode 0 stalled", 3.0, stopped_at=sent + 1.5)["errors"] == 1
 
@@ -327,3 +329,10 @@ def test_the_bench_refuses_a_profile_with_a_bad_cost_model_before_any_stack(tmp_
     assert "replay.cost_model" in problems[0] and "'warp-drive'" in problems[0] and "allowed: linear" in problems[0]
     assert plan["roles"] == {"prefill": ["baseline"], "decode": ["baseline", str(profile)]}
     assert plan["shape"]["num_gpu_blocks"] == 48 and (plan["prompt_tokens"], plan["max_tokens"]) == (40, 150)
+
+
+def test_a_request_counts_as_preempted_by_its_own_id_or_a_retry_of_it():
+    from fdsched.serve.pd_burst import _was_preempted
+
+    assert _was_preempted("pdb1-1", {"cmpl-pdb1-1_0"}) and _was_preempted("pdb1-1", {"cmpl-pdb1-1-retry2_0"})
+    assert not _was_preempted("pdb1-1", {"cmpl-pdb1-10_0", "cmpl-pdb1-1x_0"}) and not _was_preempted(None, set())
