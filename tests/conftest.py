@@ -10,6 +10,9 @@ workers share the unit and host tiers; an engine module runs only while no other
 file: shared for a unit or host module, exclusive for an engine module). So a served stack never starts beside
 another or beside other tests' work, as its start-up and health timeouts assume on two cores. Without workers nobody
 ever waits.
+
+The host and engine tiers' summary lines are printed here, by the process that reports (under pytest-xdist the
+controller, which loads no tier's conftest), for each tier that has a result in the run.
 """
 
 from __future__ import annotations
@@ -27,6 +30,9 @@ def _tier(path) -> int:
     return next((i for i, tier in enumerate(TIERS) if tier in path), len(TIERS))
 
 
+_WORKER_DESELECTED: list = []  # host tests the pytest-xdist workers deselected (tests/host/conftest.py)
+
+
 def pytest_collection_modifyitems(items):
     items.sort(key=lambda item: _tier(item.fspath))  # stable: each tier keeps its own order
 
@@ -40,3 +46,23 @@ def tier_turns(request):
             yield
         finally:
             fcntl.flock(fh, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+    _WORKER_DESELECTED.extend(getattr(node, "workeroutput", {}).get("fdsched_deselected", []))
+
+
+def pytest_terminal_summary(terminalreporter):
+    stats = terminalreporter.stats
+    ran = {_tier(getattr(report, "nodeid", "")) for reports in stats.values() for report in reports}
+    if TIERS.index("tests/host/") in ran:
+        from tests.host import conftest as host
+
+        for line in host.summary_lines(_WORKER_DESELECTED):
+            terminalreporter.write_line(line)
+    if ENGINE in ran:
+        from tests.engine import conftest as engine
+
+        for line in engine.summary_lines(stats):
+            terminalreporter.write_line(line)

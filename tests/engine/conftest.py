@@ -45,15 +45,16 @@ def _label():
     return probe().label
 
 
-def pytest_terminal_summary(terminalreporter):
+def summary_lines(stats) -> list:
+    """The tier's line in pytest's summary (``stats``: the terminal reporter's): how many engine tests ran, against
+    which host."""
     if _MISSING is not None:
-        terminalreporter.write_line(f"fdsched engine tests: SKIPPED ({_MISSING})")
-        return
+        return [f"fdsched engine tests: SKIPPED ({_MISSING})"]
     ran = 0
     for key in ("passed", "failed", "error"):
-        ran += sum(1 for r in terminalreporter.stats.get(key, []) if "tests/engine/" in getattr(r, "nodeid", "")
+        ran += sum(1 for r in stats.get(key, []) if "tests/engine/" in getattr(r, "nodeid", "")
                    and getattr(r, "when", "call") == "call")
-    terminalreporter.write_line(f"fdsched engine tests: {ran} ran against {_label()}")
+    return [f"fdsched engine tests: {ran} ran against {_label()}"]
 
 
 @pytest.fixture

@@ -70,23 +70,18 @@ def pytest_report_header(config):
 
 
 def pytest_sessionfinish(session):
-    # a pytest-xdist worker hands what it deselected to the controller, which prints the summary
+    # a pytest-xdist worker hands what it deselected to the controller, which prints the summary (tests/conftest.py)
     if hasattr(session.config, "workeroutput"):
         session.config.workeroutput["fdsched_deselected"] = list(_DESELECTED)
 
 
-@pytest.hookimpl(optionalhook=True)
-def pytest_testnodedown(node, error):
-    for line in getattr(node, "workeroutput", {}).get("fdsched_deselected", []):
-        if line not in _DESELECTED:
-            _DESELECTED.append(line)
-
-
-def pytest_terminal_summary(terminalreporter):
-    # Printed even with -q (the header is not), so a CI log says which host the tier ran against.
-    terminalreporter.write_line(pytest_report_header(terminalreporter.config))
-    for line in _DESELECTED:
-        terminalreporter.write_line(f"fdsched host tests: deselected on this host: {line}")
+def summary_lines(deselected=()) -> list:
+    """The tier's lines in pytest's summary (printed even with -q, the header is not), so a CI log says which host
+    the tier ran against and what it deselected: ``deselected`` adds what pytest-xdist workers deselected."""
+    lines = [pytest_report_header(None)]
+    for line in dict.fromkeys(list(_DESELECTED) + list(deselected)):
+        lines.append(f"fdsched host tests: deselected on this host: {line}")
+    return lines
 
 
 @pytest.fixture(scope="session")
