@@ -302,6 +302,10 @@ class ServedEngine(StackWatch):
         return counts
 
     # ----------------------------------------------------------------------------------- stop
+    def descendants(self) -> set:
+        """Every process of the stack's seen so far, (pid, create time), a copy: what stopping ends and waits for."""
+        return set(self._descendants)
+
     def _collect_descendants(self):
         try:
             import psutil

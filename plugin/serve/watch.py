@@ -69,6 +69,10 @@ class StackWatch:
     """The watching methods of a served stack. The stack sets ``config``, ``procs``, ``log_dir``, ``state_dir``,
     ``_watched`` and ``_gone_since`` and answers ``rank_log_dir``."""
 
+    def watched(self) -> dict:
+        """The stack's processes seen once it was up, a copy: (pid, create time) -> (rank or None, role)."""
+        return dict(self._watched)
+
     def deaths(self) -> list:
         """Every process of the stack known to be gone, earliest first (empty while all live)."""
         found = {}

@@ -197,5 +197,5 @@ def leftovers(eng) -> list:
         pattern = re.compile(r"(?<!\d)(" + "|".join(str(p) for p in eng.ports) + r")(?!\d)")
         left += [f"/dev/shm/{n}" for n in os.listdir("/dev/shm") if pattern.search(n)
                  and f"/dev/shm/{n}" not in left]
-    left += [f"pid {pid}" for pid in still_running(eng._descendants)]
+    left += [f"pid {pid}" for pid in still_running(eng.descendants())]
     return left

@@ -4,7 +4,7 @@ cache messager (seams S2, S12, S13).
 
 One stack serves every check (a PD start costs two api_servers' start-up, ~35 s on a loaded 2-core machine); the
 failure paths run last, on the same stack: the first takes the decode instance's KV receiver away, the second the
-whole decode instance."""
+whole decode instance. A failed start and a drain (which closes the gates for good) start stacks of their own."""
 
 from __future__ import annotations
 
@@ -150,7 +150,7 @@ def test_a_decode_instance_killed_mid_transfer_fails_the_request_and_nothing_is_
 
     decode = pd.instances[1]
     api_pid = pd.procs[decode["name"]].pid
-    others = [key for key, (_rank, role) in pd._watched.items()
+    others = [key for key, (_rank, role) in pd.watched().items()
               if role.startswith(decode["name"] + " ") and key[0] != api_pid]
     assert others, "no decode process outside the api_server's group was seen at start-up"
     retries_before = _router_text(pd).count("Preemption detected")
@@ -213,3 +213,36 @@ def test_an_instance_that_never_comes_up_is_named_and_nothing_is_left():
     assert message.startswith("stage prefill 0 ") and "; decode 0 " in message, message
     assert "not healthy within 20s; allowed: a longer --health-timeout" in message, message
     assert_left_nothing(eng, "after a failed start", stop=False)
+
+
+def test_a_drain_finishes_what_both_instances_have_in_flight_and_refuses_the_rest():
+    """What Ctrl-C runs on a PD stack, on a stack of its own (a drain closes the gates for good): a long completion in
+    flight through the Router when the drain starts finishes whole; a request sent after it is refused by the
+    instances' gates and the Router passes the 503 on; nothing is cut, nothing is lost, and stopping leaves no
+    process, port or /dev/shm entry."""
+    import threading
+
+    from fdsched.serve.pd import PdConfig, PdServedEngine
+
+    eng = PdServedEngine(PdConfig(prefill=1, decode=1, role_profiles=ROLE_PROFILES, **SHAPE))
+    try:
+        eng.__enter__()
+        answer = {}
+        sender = threading.Thread(target=lambda: answer.update(
+            r=_post(eng.router_url, prompt_of_length(40, seed=11), 400, timeout=120)))
+        sender.start()
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not eng.engine_state(1).get("request_blocks"):
+            time.sleep(0.05)  # until the decode instance holds the request: both gates have it in flight
+        counts = eng.drain(timeout=60)
+        refused_status, refused_doc = _post(eng.router_url, prompt_of_length(40, seed=12), 8, timeout=60)
+        sender.join(60)
+    finally:
+        assert_left_nothing(eng)
+    status, doc = answer["r"]
+    assert status == 200 and doc["choices"][0]["finish_reason"] == "length", (status, doc)
+    assert doc["usage"]["completion_tokens"] == 400, doc["usage"]
+    assert (counts["in_flight"], counts["ended"], counts["lost"]) == (0, 0, 0) and counts["finished"] >= 1, counts
+    # the Router passes the instance's refusal on
+    assert refused_status == 503 and "shutting down" in json.dumps(refused_doc), (refused_status, refused_doc)
+    print(f"\ndrain: {counts}; after it the Router answered {refused_status}: {json.dumps(refused_doc)[:200]}")

@@ -192,7 +192,7 @@ def test_a_dead_worker_on_rank_1_stops_the_stack_naming_it(ab_stack):
 
     eng = ab_stack
     eng.check_alive()  # all alive
-    workers = [p for pid, _created in list(eng._watched) for p in [psutil.Process(pid)]
+    workers = [p for pid, _created in eng.watched() for p in [psutil.Process(pid)]
                if "worker.py" in " ".join(p.cmdline()) and "--dp-rank 1" in " ".join(p.cmdline())]
     assert len(workers) == 1, workers
     victim = workers[0].pid
