@@ -159,12 +159,7 @@ def test_messager_merges_both_halves_then_sends_what_each_step_completed():
     m.on_progress(3, 50, zmq, ctx, sockets)  # the whole prompt: the rest, then the host's finished result
     assert [w["dest_block_ids"] for w in writes] == [[7, 8], [9, 10]]
     assert queue.finished == [["r1", "finished"]] and m.sent_blocks == 4
-    stop, thread = sock
-    stop.set()
-    thread.join()
-    for s in sockets.values():
-        s.close(linger=0)
-    ctx.term()
+    _close(sock, sockets, ctx)
 
 
 def test_messager_reports_connection_error_when_the_decode_does_not_answer(monkeypatch):
@@ -213,12 +208,7 @@ def test_a_held_write_waits_for_the_hold_file_then_goes(tmp_path, monkeypatch):
     os.remove(hold)
     writer.join(5)
     assert [w["dest_block_ids"] for w in writes] == [[4, 5]] and queue.finished == [["r3", "finished"]]
-    stop, thread = sock
-    stop.set()
-    thread.join()
-    for s in sockets.values():
-        s.close(linger=0)
-    ctx.term()
+    _close(sock, sockets, ctx)
 
 
 def test_the_messager_sees_its_engine_gone_through_the_hosts_shell():
@@ -336,3 +326,13 @@ def test_a_request_counts_as_preempted_by_its_own_id_or_a_retry_of_it():
 
     assert _was_preempted("pdb1-1", {"cmpl-pdb1-1_0"}) and _was_preempted("pdb1-1", {"cmpl-pdb1-1-retry2_0"})
     assert not _was_preempted("pdb1-1", {"cmpl-pdb1-10_0", "cmpl-pdb1-1x_0"}) and not _was_preempted(None, set())
+
+
+def _close(sock, sockets, ctx) -> None:
+    """Stop the fake decode receiver's thread, then close the messager's sockets and the ZMQ context."""
+    stop, thread = sock
+    stop.set()
+    thread.join()
+    for s in sockets.values():
+        s.close(linger=0)
+    ctx.term()
