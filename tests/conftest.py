@@ -22,7 +22,7 @@ import fcntl
 import pytest
 
 TIERS = ("tests/unit/", "tests/host/", "tests/engine/")
-ENGINE = TIERS.index("tests/engine/")
+HOST, ENGINE = TIERS.index("tests/host/"), TIERS.index("tests/engine/")
 
 
 def _tier(path) -> int:
@@ -56,7 +56,7 @@ def pytest_testnodedown(node, error):
 def pytest_terminal_summary(terminalreporter):
     stats = terminalreporter.stats
     ran = {_tier(getattr(report, "nodeid", "")) for reports in stats.values() for report in reports}
-    if TIERS.index("tests/host/") in ran:
+    if HOST in ran:
         from tests.host import conftest as host
 
         for line in host.summary_lines(_WORKER_DESELECTED):
