@@ -28,6 +28,7 @@ TARGETS = {
 
 def _load_catalogue() -> tuple:
     from fdsched.patches import (
+        decode_node_reserve,
         decode_only_preempt,
         deferred_recycle,
         nonpolling_transfer,
@@ -47,6 +48,7 @@ def _load_catalogue() -> tuple:
         one_node_per_block.SPEC,
         prefill_node_reserve.SPEC,
         preempted_seat_resume.SPEC,
+        decode_node_reserve.SPEC,
     )
 
 

@@ -43,7 +43,7 @@ class StepPlan:
     """One ``schedule()`` pass of one scheduler (or one question asked outside a pass), used by the thread that
     opened it only."""
 
-    __slots__ = ("_new_budget", "made", "request_id", "expected", "slot", "owner")
+    __slots__ = ("_new_budget", "made", "request_id", "expected", "slot", "owner", "running_chunk")
 
     def __init__(self, new_budget=None) -> None:
         # makes the pass's admission budget (fdsched.core.admission.AdmissionBudget) when the pass first needs it:
@@ -54,6 +54,7 @@ class StepPlan:
         self.expected: list = []  # what the plan still expects of its checks (Expected), in order
         self.slot = None  # the slot it is open in, told when it starts or stops expecting
         self.owner = None  # the thread that opened it
+        self.running_chunk = None  # (request id, blocks): a running chunk whose threshold the pass asks next
 
     @property
     def budget(self):

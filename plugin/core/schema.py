@@ -34,6 +34,7 @@ CHANGES: tuple[tuple[str, str], ...] = (
     ("one_node_per_block", "host fix: a fully cached prompt never gets a second radix node for a cached block."),
     ("prefill_node_reserve", "host fix: a PD prefill node reserves no decode blocks for running requests."),
     ("preempted_seat_resume", "host fix: a preempted request resumes on its seat; admission never locks for good."),
+    ("decode_node_reserve", "host fix: a PD decode node admits a running request's chunk on its own blocks."),
 )
 CHANGE_IDS = tuple(change_id for change_id, _ in CHANGES)
 # The plugin's fixes of defects in FastDeploy's own code (the entries above whose text starts "host fix"). A

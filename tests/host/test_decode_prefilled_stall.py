@@ -1,9 +1,10 @@
-"""A decode node whose running requests are all prefilled ones it never stepped schedules nothing, for good: the new
-host alone, no plugin, no engine.
+"""A decode node whose running requests are all prefilled ones it never stepped schedules nothing, for good, with the
+host alone; the host fix ``decode_node_reserve`` drains it under every shipped profile. No engine: the host's own
+``ResourceManagerV1`` in the decode role, the engine's feeding, the worker and the token processor played around it.
 
-The smallest reproduction of the stall the served PD stack shows under decode-side preemption on the new host
-(``fdsched serve-pd-bench --burst 8``), with the host's own ``ResourceManagerV1`` in the decode role: a pool of 48
-blocks of 16 and eight prompts of 40 tokens with ``max_tokens`` 150, as on the served stack.
+The smallest reproduction of the stall the served PD stack showed under decode-side preemption on the new host
+(``fdsched serve-pd-bench --burst 8``): a pool of 48 blocks of 16 and eight prompts of 40 tokens with ``max_tokens``
+150, as on the served stack, then four more once the eight are done.
 
 How the new host (d38eeb8) gets there, ``engine/sched/resource_manager_v1.py``:
 
@@ -20,8 +21,10 @@ How the new host (d38eeb8) gets there, ``engine/sched/resource_manager_v1.py``:
   finishes, nothing frees, the reservation never relaxes: the node is stuck, its blocks held, its worker idle.
 
 The old host (e7c8dc2) asks that branch only for the chunk's own blocks (``can_allocate_gpu_blocks(num_new_block)``,
-about 908-915) and preempts when it cannot: the same bursts drain there. Which behaviour a host has is read from its
-``schedule()``: whether the running queue's prefill branch asks for the reservation too.
+about 908-915) and preempts when it cannot: the same bursts drain there, 6 finished and 6 preempted (a decode node
+hands a preempted request back to the Router). With the fix the new host does exactly that. Which behaviour a host
+has is read from its ``schedule()``: whether the running queue's prefill branch asks for the reservation too; the
+plugin's probe must agree with that reading.
 """
 
 from __future__ import annotations
@@ -110,10 +113,35 @@ class DecodeNode:
 
 @pytest.fixture
 def node():
+    """The host's scheduler with no plugin installed."""
+    from .conftest import skip_where_the_replay_declines
+
+    skip_where_the_replay_declines()  # the node is built as the replay builds its scheduler
     n = DecodeNode()
     assert type(n.rm).__module__ == "fastdeploy.engine.sched.resource_manager_v1", "the plugin is installed"
     yield n
     n.close()
+
+
+@pytest.fixture
+def node_with(install_profile):
+    """node_with(profile=None, **env): the scheduler under the plugin, installed with a shipped profile (None: no
+    profile) and these switches (a profile the line refuses skips, naming why)."""
+    made = []
+
+    def _make(profile=None, **env):
+        from .conftest import skip_where_the_replay_declines
+
+        skip_where_the_replay_declines()  # the node is built as the replay builds its scheduler
+        install_profile(profile, **env)
+        n = DecodeNode()
+        assert type(n.rm).__module__ != "fastdeploy.engine.sched.resource_manager_v1", "the plugin is not installed"
+        made.append(n)
+        return n
+
+    yield _make
+    for n in made:
+        n.close()
 
 
 def running_chunks_wait_for_the_reservation() -> bool:
@@ -151,3 +179,61 @@ def test_prefilled_requests_the_decode_never_stepped_hold_their_blocks_for_good(
     for _ in range(200):
         assert node.step() == 0
     assert node.free() == free and [r.request_id for r in node.rm.running] == [r.request_id for r in stuck]
+
+
+def assert_stuck(node) -> None:
+    """The eight prefilled requests hold their blocks, and no pass schedules anything."""
+    assert not node.run(), "the burst drained"
+    stuck = list(node.rm.running)
+    assert len(stuck) == 8 and not node.handed and not node.preempted, "a running request was stepped or preempted"
+    assert all(len(r.block_tables) == PREALLOCATED for r in stuck)
+    free = node.free()
+    assert free == SHAPE["num_gpu_blocks"] - 8 * PREALLOCATED and free > 0
+    for _ in range(50):
+        assert node.step() == 0
+    assert node.free() == free
+
+
+def assert_both_bursts_drain(node) -> None:
+    """Eight, then four: every request finishes or is handed back preempted, once, and the pool is whole again."""
+    assert node.run(), "the first burst stalled"
+    assert node.arrive([f"b{i}" for i in range(4)]) and node.run(), "the second burst stalled"
+    ended = node.finished + node.preempted
+    assert sorted(ended) == sorted([f"a{i}" for i in range(8)] + [f"b{i}" for i in range(4)]), ended
+    assert node.finished and not node.rm.running and node.free() == SHAPE["num_gpu_blocks"]
+
+
+def test_the_probe_reads_the_defect_where_the_source_has_it(host_info):
+    """The fix's probe (from the class and its code) says "not needed" exactly where the running pass never asks the
+    reservation for a running chunk, or where the threshold itself reads the node's role (upstream's own fix)."""
+    from fastdeploy.engine.sched import resource_manager_v1
+
+    from fdsched.patches._base import code_names
+
+    asks = running_chunks_wait_for_the_reservation()
+    reads_role = "splitwise_role" in code_names(
+        resource_manager_v1.ResourceManagerV1._get_can_schedule_prefill_threshold_block)
+    assert host_info.has["decode_node_reserve"] == (not asks or reads_role)
+
+
+@pytest.mark.parametrize("arm", [
+    (None, {}), ("baseline", {}), ("decode_only_preempt", {}), ("recommended", {}), ("adaptive", {}),
+    (None, {"FDSCHED_DECODE_NODE_RESERVE": "on"}),
+], ids=["no-profile", "baseline", "decode_only_preempt", "recommended", "adaptive", "fix-on"])
+def test_with_the_fix_both_bursts_drain_as_on_a_line_without_the_defect(node_with, arm):
+    profile, env = arm
+    node = node_with(profile, **env)
+    assert node.arrive([f"a{i}" for i in range(8)])
+    assert_both_bursts_drain(node)
+
+
+@pytest.mark.parametrize("profile", [None, "recommended"], ids=["host-reservation", "plugin-reservation"])
+def test_with_the_fix_off_the_node_stalls_where_the_line_has_the_defect(node_with, host_info, profile):
+    """Off, FastDeploy's reservation (no profile) and the plugin's (``recommended``) both hold a running chunk for
+    the reservation, where the line's running pass asks it."""
+    node = node_with(profile, FDSCHED_DECODE_NODE_RESERVE="off")
+    assert node.arrive([f"a{i}" for i in range(8)])
+    if host_info.has["decode_node_reserve"]:
+        assert_both_bursts_drain(node)
+    else:
+        assert_stuck(node)

@@ -195,8 +195,9 @@ def test_doctor_reports_what_the_host_has(host_info, capsys, monkeypatch):
     assert set(rows) == set(host_info.has)
     expected = {
         # the old host (e7c8dc2) has none of the five, and without upstream's ratio reservation it cannot have the
-        # prefill-node defect (the host fix is not needed there); the new host (d38eeb8) has 7783 and 7387
-        "e7c8dc2fe940ba2f50d932f17b41eab555846ecb": {"prefill_node_reserve"},
+        # prefill-node or the decode-node defect (those host fixes are not needed there); the new host (d38eeb8) has
+        # 7783 and 7387
+        "e7c8dc2fe940ba2f50d932f17b41eab555846ecb": {"prefill_node_reserve", "decode_node_reserve"},
         "d38eeb8334331b903fb34c9cd270ff0c58a48adf": {"decode_only_preempt", "ratio_reserve", "pd_prefill_cache"},
     }
     has = {cid for cid, value in host_info.has.items() if value}

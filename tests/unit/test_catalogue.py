@@ -264,7 +264,8 @@ def test_relies_on_section_lists_exactly_the_spec_reliances(change_id):
 # method -> (outermost first) change ids whose mixins override it, and why that order is the right one.
 WRAP_ORDER = {
     ("ResourceManagerV1", "__init__"): (
-        ("preempted_seat_resume", "prefill_node_reserve", "pd_prefill_cache", "ratio_reserve", "decode_only_preempt"),
+        ("decode_node_reserve", "preempted_seat_resume", "prefill_node_reserve", "pd_prefill_cache", "ratio_reserve",
+         "decode_only_preempt"),
         "each calls super().__init__() first, so the host's constructor has finished before any plugin state is set "
         "or any choice is bound; no mixin's state reads another's, so this order only fixes which exists first",
     ),
@@ -284,6 +285,19 @@ WRAP_ORDER = {
         "prefill_node_reserve is in an arm's class only where the host's own reservation runs (ratio_reserve auto "
         "on a host with it: ratio_reserve's own mixin is absent there), so the two never both answer; pinned for the "
         "base classes",
+    ),
+    ("ResourceManagerV1", "get_new_block_nums"): (
+        ("decode_node_reserve", "ratio_reserve"),
+        "both read the host's count and pass it on unchanged: decode_node_reserve notes a decode node's running chunk "
+        "in the pass's plan, ratio_reserve focuses the plan on the request (and, pre-change or guarded, decides on its "
+        "chunk); neither reads what the other wrote",
+    ),
+    ("ResourceManagerV1", "_get_can_schedule_prefill_threshold_block"): (
+        ("decode_node_reserve", "ratio_reserve"),
+        "a decode node's running chunk is answered outside any reservation (its own blocks), so decode_node_reserve "
+        "must see the threshold first; every other threshold goes on to the reservation (the plugin's, or under "
+        "ratio_reserve auto the host's). Not in an arm whose ratio_reserve is off, whose own running chunk answer "
+        "it would otherwise pre-empt",
     ),
     ("ResourceManagerV1", "_trigger_preempt"): (
         ("ratio_reserve", "decode_only_preempt"),
