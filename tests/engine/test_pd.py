@@ -93,6 +93,34 @@ def test_shared_prefix_hits_on_the_prefill_node_and_pools_are_whole(pd):
     assert settle(pd, 0)["tree_blocks"], "the prefill node's tree is empty after shared-prefix traffic"
 
 
+def test_a_burst_the_decode_node_preempts_is_answered_whole(pd):
+    """Eight non-streamed completions at once (40-token prompts, ``max_tokens`` 150: more answers than the decode
+    node's 48 blocks hold) through the Router: the decode node preempts. Each request is answered: completed (on the
+    new host also after the Router sent it again), ``pd_reschedule`` (the Router's retries used up) or, on the old
+    host, whose Router does not retry, HTTP 500 for a preempted one. None waits: a decode node whose prefilled
+    requests are all held for the reservation (the defect ``decode_node_reserve`` fixes, and which the decode node's
+    ``baseline`` showed on the new host before its running pass took a prefilled request's chunk) would leave them
+    unanswered. Both pools are whole afterwards."""
+    prompts = [(prompt_of_length(40, seed=1000 + i),) for i in range(8)]
+    results = run_concurrently(lambda prompt: _post(pd.router_url, prompt, 150, timeout=90), prompts)
+    unanswered = [r for r in results if not isinstance(r, tuple)]
+    assert not unanswered, f"requests the stack never answered (a stalled decode node?): {unanswered}"
+    completed = [doc for status, doc in results if status == 200 and doc["choices"][0]["finish_reason"] == "length"]
+    rescheduled = [doc for status, doc in results if status == 200 and doc["choices"][0]["finish_reason"] == "pd_reschedule"]
+    failed = [(status, doc) for status, doc in results if status == 500]
+    assert len(completed) + len(rescheduled) + len(failed) == 8, results
+    assert completed and all(doc["usage"]["completion_tokens"] == 150 for doc in completed), completed
+    preemptions = open(os.path.join(pd.instances[1]["log_dir"], "fastdeploy.log"), errors="replace").read().count(
+        "Preempted request id:")
+    assert preemptions >= 1, "the decode node never preempted: the burst did not press its pool"
+    for rank in range(2):
+        state = settle(pd, rank)
+        assert state["running"] == 0, state
+        assert_blocks_whole(state, pd.instances[rank]["log_dir"])
+    print(f"\nburst of 8: {len(completed)} completed, {len(rescheduled)} pd_reschedule, {len(failed)} answered 500; "
+          f"{preemptions} preemption(s) on the decode node")
+
+
 def test_a_decode_that_stops_receiving_fails_the_request_and_prefill_frees_its_blocks(pd):
     """The decode instance's KV receiver (its cache messager) is killed: the prefill messager's write finds nobody
     (``connection error``), the prefill engine ends the request with the host's ``PD Error`` (501) and frees its
