@@ -42,7 +42,7 @@ from fdsched.patches.ratio_reserve.budget import (  # noqa: F401
 from fdsched.patches.ratio_reserve.cache import CACHE_SHAPES, RatioReserveCacheMixin, RatioReserveCacheOneArgMixin  # noqa: F401
 from fdsched.patches.ratio_reserve.host import HOST_RESERVE_RESET_SHAPES, HostReserveMixin, HostReserveResetMixin  # noqa: F401
 from fdsched.patches.ratio_reserve.off import (  # noqa: F401
-    PRE_CHANGE_SHAPES, PreChangeReserveBatchMixin, PreChangeReserveMixin, admission_closed,
+    ClosedWaitingQueue, PRE_CHANGE_SHAPES, PreChangeReserveBatchMixin, PreChangeReserveMixin,
 )
 from fdsched.patches.ratio_reserve.ratio import (  # noqa: F401
     RATIO_GUARD_SHAPES, RatioReserveMixin, RatioReserveGuardMixin, RatioReserveRequestArgMixin,

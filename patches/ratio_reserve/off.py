@@ -5,8 +5,6 @@
 
 from __future__ import annotations
 
-import functools
-
 from fdsched.core.admission import AdmissionBudget
 from fdsched.core.strategies import FixedBlockStrategy
 from fdsched.core.metrics import METRICS
@@ -24,26 +22,48 @@ class _PreChangePass(AdmissionBudget):
     """The budget of a pre-change pass, with what the pre-change running pass does that 7783's does not: a
     running chunk short of blocks preempts (into lists of the plugin's own, added to the pass's task list at
     its end, right before the chunk's task), and a pass that preempted admits nobody (the waiting queue reads as
-    empty until the pass ends: :func:`admission_closed`)."""
+    empty until the pass ends: :class:`ClosedWaitingQueue`)."""
 
     def __init__(self, strategy, tally, slack):
         super().__init__(strategy, tally, slack)
         self.running_chunk = None  # (request id, blocks): the next threshold is that running chunk's
         self.preemptions: list = []  # (the running chunk, its preempt tasks), in order
-        self.queue_type = None  # the waiting queue's own type, while admission is closed for the pass
+        self.closed = None  # the view the waiting queue is seen through while admission is closed for the pass
 
 
-@functools.lru_cache(maxsize=None)
-def admission_closed(queue_type: type) -> type:
-    """A ``queue_type`` that holds every request as the host's does but reads as empty to a truth test: the host's
-    waiting pass starts with ``while self.waiting``, its only gate before its side effects (prefix matching,
-    swap-in) that the plugin can reach. Every other operation (append, appendleft, len, remove, iteration) is the
-    queue's own, so a request that arrives meanwhile keeps its place and the pass's metrics count the queue."""
-    return type(f"AdmissionClosed{queue_type.__name__.capitalize()}", (queue_type,), {
-        "__slots__": (),
-        "__bool__": lambda self: False,
-        "__doc__": f"A {queue_type.__name__} that reads as empty for the rest of a pass that preempted.",
-    })
+class ClosedWaitingQueue:
+    """The host's waiting queue for the rest of a pass that preempted: a view of the queue that reads as empty to a
+    truth test and is the queue itself for everything else. The host's waiting pass starts with ``while
+    self.waiting``, its only gate before its side effects (prefix matching, swap-in) that the plugin can reach;
+    every other operation (append, appendleft, len, index, iteration, remove) goes to the queue, so a request that
+    arrives meanwhile keeps its place and the pass's metrics count the queue. The pass's end puts the queue itself
+    back (:attr:`queue`): nothing is copied."""
+
+    __slots__ = ("queue",)
+
+    def __init__(self, queue) -> None:
+        self.queue = queue
+
+    def __bool__(self) -> bool:
+        return False
+
+    def __len__(self) -> int:
+        return len(self.queue)
+
+    def __iter__(self):
+        return iter(self.queue)
+
+    def __getitem__(self, index):
+        return self.queue[index]
+
+    def __contains__(self, item) -> bool:
+        return item in self.queue
+
+    def __getattr__(self, name):
+        return getattr(self.queue, name)
+
+    def __repr__(self) -> str:
+        return f"ClosedWaitingQueue({self.queue!r})"
 
 
 class PreChangeReserveMixin(_BudgetedReserve):
@@ -77,11 +97,10 @@ class PreChangeReserveMixin(_BudgetedReserve):
         can_schedule = self._trigger_preempt(request, blocks, preempted, tasks)
         if len(tasks):
             budget.preemptions.append((request, tasks))
-        if preempted and budget.queue_type is None:
+        if preempted and budget.closed is None:
             # Before 7783 a pass that preempted admitted nobody: close admission until the pass ends. The
             # scheduler lock is held for the whole pass, so nothing else reads or fills the queue meanwhile.
-            budget.queue_type = type(self.waiting)
-            self.waiting = admission_closed(budget.queue_type)(self.waiting)
+            budget.closed = self.waiting = ClosedWaitingQueue(self.waiting)
         if not can_schedule:
             # The host then stops its running pass (and, as before 7783, admits nobody in this step).
             self._fdsched_plans.current().expect(REFUSE_RUNNING_CHUNK, blocks)
@@ -118,8 +137,10 @@ class PreChangeReserveMixin(_BudgetedReserve):
         if budget is None:  # the pass needed none: the plugin held nothing for it
             super()._fdsched_end_pass(plan, scheduled_reqs)
             return
-        if budget.queue_type is not None:
-            self.waiting, budget.queue_type = budget.queue_type(self.waiting), None
+        if budget.closed is not None:
+            if self.waiting is budget.closed:  # else the host replaced the queue during the pass: it stays
+                self.waiting = budget.closed.queue
+            budget.closed = None
         if scheduled_reqs is None:  # the host's pass raised: its tasks are gone, and so are the plugin's
             scheduled_reqs = self._fdsched_task_list()
         for chunk, tasks in budget.preemptions:

@@ -23,7 +23,6 @@ CLASS_FACTORIES = {
     "plugin/install/installer.py:_build": "the front class per target (what the host module is rebound to)",
     "plugin/install/installer.py:_arm_class": "one class per arm: that arm's mixins over the front class",
     "patches/_base.py:_on_top": "another plugin's class derived from the front class, over an arm's class",
-    "patches/ratio_reserve/off.py:admission_closed": "the waiting queue that reads as empty for the rest of a pass",
 }
 # Still reassigning an object's class ("path:function" -> why).
 CLASS_REASSIGNED = {
