@@ -20,8 +20,6 @@ order of the steps and why.
 
 from __future__ import annotations
 
-import threading
-
 from fdsched.patches._guard import SchedulerGuard, nothing_scheduled
 from fdsched.patches._plan import PlanSlot, StepPlan
 
@@ -61,11 +59,9 @@ class StepPlanMixin(SchedulerGuard):
     def __init__(self, *args, **kwargs):
         # Made before the host's constructor runs: a change that hands it to the cache manager does so in its own
         # __init__, right after the host has built that cache manager.
+        # One pass at a time, plan open to the pass's last step (the slot's turn): the host's passes already take
+        # turns on its lock, so this only makes the plan's life take turns too.
         self._fdsched_plans = PlanSlot()
-        # One pass at a time, plan open to plan closed: the host's passes already take turns on its lock (a second
-        # thread in schedule() waits there), so this only makes the plan's life take turns too. Re-entrant: a pass
-        # that calls schedule() again on its own thread nests.
-        self._fdsched_pass_turn = threading.RLock()
         super().__init__(*args, **kwargs)
         # the reservation's budget maker where the arm has the plugin's reservation, else None: fixed for life
         self._fdsched_plan_budget = getattr(self, "_fdsched_new_budget", None)
@@ -81,7 +77,7 @@ class StepPlanMixin(SchedulerGuard):
         """One pass of the host's ``schedule()`` with its plan open, then the pass's ends and results."""
         plan = StepPlan(self._fdsched_plan_budget)
         slot = self._fdsched_plans
-        with self._fdsched_pass_turn:
+        with slot.turn:
             outer = slot.open(plan)
             result = None
             try:

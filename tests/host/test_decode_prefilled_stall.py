@@ -4,7 +4,9 @@ host alone; the host fix ``decode_node_reserve`` drains it under every shipped p
 
 The smallest reproduction of the stall the served PD stack showed under decode-side preemption on the new host
 (``fdsched serve-pd-bench --burst 8``): a pool of 48 blocks of 16 and eight prompts of 40 tokens with ``max_tokens``
-150, as on the served stack, then four more once the eight are done.
+150, as on the served stack, then four more once the eight are done. Prefix caching is off: a decode node is handed
+its KV and matches nothing (2.4 and 2.5 would record a decode node's running chunk in a prefix tree that never had
+the request).
 
 How the new host (d38eeb8) gets there, ``engine/sched/resource_manager_v1.py``:
 
@@ -32,7 +34,7 @@ from __future__ import annotations
 import pytest
 
 SHAPE = dict(num_gpu_blocks=48, block_size=16, max_model_len=512, max_num_seqs=8, max_num_batched_tokens=256,
-             splitwise_role="decode", enc_dec_block_num=2)
+             splitwise_role="decode", enc_dec_block_num=2, enable_prefix_caching=False)
 PROMPT, MAX_TOKENS = 40, 150
 PREALLOCATED = (PROMPT + 15) // 16 + 2  # the prompt's blocks and enc_dec_block_num
 
@@ -132,8 +134,13 @@ def node_with(install_profile):
     def _make(profile=None, **env):
         from .conftest import skip_where_the_replay_declines
 
+        from fdsched.install.installer import InstallError
+
         skip_where_the_replay_declines()  # the node is built as the replay builds its scheduler
-        install_profile(profile, **env)
+        try:
+            install_profile(profile, **env)
+        except InstallError as exc:  # a switch set ``on`` where the line's seams differ: refused in one line
+            pytest.skip(f"{env} is refused on this line ({str(exc).split(' cannot be applied')[0]})")
         n = DecodeNode()
         assert type(n.rm).__module__ != "fastdeploy.engine.sched.resource_manager_v1", "the plugin is not installed"
         made.append(n)
@@ -211,8 +218,8 @@ def test_the_probe_reads_the_defect_where_the_source_has_it(host_info):
     from fdsched.patches._base import code_names
 
     asks = running_chunks_wait_for_the_reservation()
-    reads_role = "splitwise_role" in code_names(
-        resource_manager_v1.ResourceManagerV1._get_can_schedule_prefill_threshold_block)
+    threshold = getattr(resource_manager_v1.ResourceManagerV1, "_get_can_schedule_prefill_threshold_block", None)
+    reads_role = threshold is not None and "splitwise_role" in code_names(threshold)
     assert host_info.has["decode_node_reserve"] == (not asks or reads_role)
 
 
