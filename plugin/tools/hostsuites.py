@@ -15,6 +15,7 @@ and not judged. Nothing here is per commit, so it runs on any FastDeploy tree, o
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import json
 import os
@@ -174,21 +175,30 @@ class RunResult:
         return counts
 
 
-def _os_free_ports(count: int) -> list:
-    """``count`` distinct ports the OS reports free now (bound to port 0 together, then released)."""
-    import socket
+# The host's engine tests build their configs on FD_ENGINE_QUEUE_PORT / FD_CACHE_QUEUE_PORT (default 6778 / 6779),
+# and FastDeploy's EngineArgs asserts each port it uses is free; a test with data_parallel_size > 1 uses the port + 21
+# + its rank instead (tests/engine/test_common_engine.py, _make_cfg). Each process gets a block of HOST_PORT_SPAN
+# ports for each: free, outside the kernel's ephemeral range (where any process's outgoing connection can land on
+# one: seen in CI, three DP tests failed on "engine_worker_queue_port ... is already in use"), and leased like a
+# served stack's ports, so no fdsched stack started meanwhile takes them.
+HOST_PORT_SPAN = 24
 
-    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(count)]
+
+@contextlib.contextmanager
+def _host_test_ports():
+    """(engine queue port, cache queue port), each the first of HOST_PORT_SPAN free ports held for the block."""
+    from fdsched.serve.ports import PortLease, free_ports
+
+    lease = PortLease()
     try:
-        for s in sockets:
-            s.bind(("0.0.0.0", 0))
-        return [s.getsockname()[1] for s in sockets]
+        block = free_ports(2 * HOST_PORT_SPAN, lease=lease)
+        yield block[0], block[HOST_PORT_SPAN]
     finally:
-        for s in sockets:
-            s.close()
+        lease.release()
 
 
-def _run_env(run: str, results: str, scratch: str) -> dict:
+def _run_env(run: str, results: str, scratch: str, ports: tuple) -> dict:
+    """The environment of one pytest process over the host's files; ``ports``: from :func:`_host_test_ports`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("FDSCHED_") and k != "FD_PLUGINS"}
     # Keep the fdsched home (a recorded host) but no plugin setting from the caller's shell: a run is its name.
     if os.environ.get("FDSCHED_HOME"):
@@ -200,11 +210,7 @@ def _run_env(run: str, results: str, scratch: str) -> dict:
         PYTHONDONTWRITEBYTECODE="1",
     )
     os.makedirs(env["PROMETHEUS_MULTIPROC_DIR"])
-    # The host's engine tests build their configs on FD_ENGINE_QUEUE_PORT / FD_CACHE_QUEUE_PORT (default 6778 /
-    # 6779), and FastDeploy's EngineArgs asserts each is free: any other process holding one of them fails whichever
-    # test builds a config then (seen: test_control_abort_requests_not_v1_raises, e7c8dc2, under load). Free ports
-    # of the OS's own picking instead, per process.
-    env["FD_ENGINE_QUEUE_PORT"], env["FD_CACHE_QUEUE_PORT"] = (str(p) for p in _os_free_ports(2))
+    env["FD_ENGINE_QUEUE_PORT"], env["FD_CACHE_QUEUE_PORT"] = (str(p) for p in ports)
     if run != NO_PLUGIN:
         env["FD_PLUGINS"] = "fdsched"
         if run != DEFAULT_RUN:
@@ -303,9 +309,9 @@ def sweep_new_shm(before: set, shm_dir: str = SHM_DIR) -> list:
 
 def _run_process(tree: str, host: str, run: str, files: list, last: tuple, timeout: float) -> tuple:
     """(results data, seconds, output tail) of one pytest process over ``files``."""
-    with tempfile.TemporaryDirectory(prefix="fdsched-hostsuite-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="fdsched-hostsuite-") as scratch, _host_test_ports() as ports:
         results = os.path.join(scratch, "results.json")
-        env = _run_env(run, results, scratch)
+        env = _run_env(run, results, scratch, ports)
         env["PYTHONPATH"] = os.pathsep.join([tree] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
         if last:
             env[LAST_ENV] = "\n".join(last)
@@ -402,8 +408,8 @@ def check_loader(tree: str, plugins: Optional[str], timeout: float = 300) -> dic
         "r = current()\n"
         "print('FDSCHED_LOADER ' + json.dumps({'installed': r is not None, 'summary': r.summary() if r else None}))\n"
     )
-    with tempfile.TemporaryDirectory(prefix="fdsched-loader-") as scratch:
-        env = _run_env(DEFAULT_RUN if plugins else NO_PLUGIN, os.path.join(scratch, "unused.json"), scratch)
+    with tempfile.TemporaryDirectory(prefix="fdsched-loader-") as scratch, _host_test_ports() as ports:
+        env = _run_env(DEFAULT_RUN if plugins else NO_PLUGIN, os.path.join(scratch, "unused.json"), scratch, ports)
         env.pop("FD_PLUGINS", None)
         if plugins is not None:
             env["FD_PLUGINS"] = plugins

@@ -167,20 +167,48 @@ def test_own_process_entries_are_checked(tmp_path):
 
 
 def test_each_host_suite_process_gets_its_own_engine_queue_ports(tmp_path, monkeypatch):
-    # the host's engine tests assert FD_ENGINE_QUEUE_PORT / FD_CACHE_QUEUE_PORT are free (default 6778 / 6779): a
-    # fixed pair collides with any other process holding one of them
+    # the host's engine tests assert FD_ENGINE_QUEUE_PORT / FD_CACHE_QUEUE_PORT are free (default 6778 / 6779), and
+    # its DP tests use the port + 21 + rank: every port of both spans must be free, outside the kernel's ephemeral
+    # range, and held from other fdsched stacks while the process runs
     import socket
 
-    from fdsched.tools.hostsuites import _run_env
+    from fdsched.serve.ports import PortLease
+    from fdsched.tools.hostsuites import HOST_PORT_SPAN, _host_test_ports, _run_env
 
     monkeypatch.setenv("FD_ENGINE_QUEUE_PORT", "6778")
-    first = _run_env("baseline", str(tmp_path / "r.json"), str(tmp_path / "a"))
-    ports = [int(first["FD_ENGINE_QUEUE_PORT"]), int(first["FD_CACHE_QUEUE_PORT"])]
-    assert ports[0] != ports[1] and 6778 not in ports
-    for port in ports:  # free now: FastDeploy's own check (bind with SO_REUSEADDR) passes
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            s.bind(("0.0.0.0", port))
+    with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="utf-8") as fh:
+        ephemeral_low = int(fh.read().split()[0])
+    with _host_test_ports() as ports:
+        env = _run_env("baseline", str(tmp_path / "r.json"), str(tmp_path / "a"), ports)
+        engine, cache = int(env["FD_ENGINE_QUEUE_PORT"]), int(env["FD_CACHE_QUEUE_PORT"])
+        spans = [range(engine, engine + HOST_PORT_SPAN), range(cache, cache + HOST_PORT_SPAN)]
+        assert not set(spans[0]) & set(spans[1]) and 6778 not in spans[0]
+        assert HOST_PORT_SPAN > 22 and all(port < ephemeral_low for span in spans for port in span)
+        other = PortLease()
+        assert other.take(engine + 21) is not None  # another stack cannot take a port of the span meanwhile
+        for span in spans:
+            for port in span:  # free now: FastDeploy's own check (bind with SO_REUSEADDR) passes
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                    s.bind(("0.0.0.0", port))
+    assert other.take(engine + 21) is None  # released with the block
+    other.release()
+
+
+def test_host_suite_ports_skip_a_block_where_any_port_is_taken():
+    import socket
+
+    from fdsched.tools.hostsuites import HOST_PORT_SPAN, _host_test_ports
+
+    with _host_test_ports() as (engine, _cache):
+        pass
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as held:
+        held.bind(("0.0.0.0", engine + 21))
+        held.listen()
+        for _attempt in range(20):
+            with _host_test_ports() as (again, cache):
+                assert engine + 21 not in range(again, again + HOST_PORT_SPAN)
+                assert engine + 21 not in range(cache, cache + HOST_PORT_SPAN)
 
 
 def test_sweep_removes_only_new_host_shm_files_that_no_process_holds(tmp_path):
