@@ -338,6 +338,34 @@ def test_the_drain_gate_lets_a_request_in_flight_finish(tmp_path, monkeypatch):
     assert counts["finished"] == 1 and counts["ended"] == 0
 
 
+def test_a_gate_first_used_after_the_drain_refuses_at_once(tmp_path, monkeypatch):
+    # an api_server runs several worker processes, each with a gate made on its own first request: a worker that had
+    # served nothing before the drain must refuse too (a PD decode instance that admits it waits for KV for ever)
+    state = tmp_path / "state"
+    (state / seams.DRAIN_DIR).mkdir(parents=True)
+    seams.request_drain(str(state))
+    monkeypatch.setattr(drain, "_GATE", {})
+    called = []
+
+    async def app(scope, receive, send):
+        called.append(scope)
+
+    async def main():
+        sent = []
+
+        async def send(message):
+            sent.append(message)
+
+        await drain._DrainGate(app, str(state))({"type": "http", "method": "POST", "path": "/v1/completions"}, None,
+                                                 send)
+        drain._GATE["gate"].closed = True
+        return sent
+
+    sent = asyncio.run(main())
+    assert not called and sent[0]["status"] == 503 and b"not admitting" in sent[1]["body"]
+    assert drain._GATE["gate"].refused == 1
+
+
 # ------------------------------------------------------------------------------------------------ signals
 def test_the_first_signal_while_serving_asks_for_a_drain_the_second_stops():
     from fdsched.serve.cli import _Signals

@@ -31,6 +31,8 @@ class _GateState:
         self.draining = self.aborting = self.closed = False
         self._written = None
         self._abort_events = {}  # event loop -> asyncio.Event set when the launcher asks for the abort
+        self.see_drain()
+        self.aborting = self.draining and os.path.exists(os.path.join(self.dir, "abort"))
         self._write()
         threading.Thread(target=self._poll, name="fdsched-serve-drain-gate", daemon=True).start()
 
@@ -48,6 +50,15 @@ class _GateState:
         except OSError:
             pass
 
+    def see_drain(self) -> bool:
+        """Whether the launcher asked for the drain, read now (a stat). The api_server runs several worker
+        processes (FastDeploy's ``--workers``: 4 by default on later 2.6 commits), each with its own gate made on its
+        first request: one made after the drain, or a request arriving between two polls, must not be admitted (on a
+        PD decode instance such a request waits for KV that the refusing prefill instance never sends)."""
+        if not self.draining and os.path.exists(os.path.join(self.dir, "requested")):
+            self.draining = True
+        return self.draining
+
     def abort_event(self) -> "asyncio.Event":
         """The running loop's event for the abort (one per loop; set at once if the abort came already)."""
         loop = asyncio.get_running_loop()
@@ -60,8 +71,7 @@ class _GateState:
 
     def _poll(self):
         while not self.closed:
-            if not self.draining and os.path.exists(os.path.join(self.dir, "requested")):
-                self.draining = True
+            self.see_drain()
             if self.draining and not self.aborting and os.path.exists(os.path.join(self.dir, "abort")):
                 self.aborting = True
                 for loop, event in list(self._abort_events.items()):
@@ -95,7 +105,7 @@ class _DrainGate:
         if "gate" not in _GATE:
             _GATE["gate"] = _GateState(self.state_dir)
         st = _GATE["gate"]
-        if st.draining:
+        if st.see_drain():
             st.refused += 1
             return await _send_json(send, 503, {"error": REFUSED_ERROR})
         st.in_flight += 1
