@@ -145,7 +145,17 @@ class PluginBase:
 
 
 # ---- request views, one class per shape of the host's RequestStatus (chosen when the classes are built) -------
-class SplitStatusViews:
+class _RequestViews:
+    """What both shapes read the same way."""
+
+    def _fdsched_is_running_prefill(self, request) -> bool:
+        """Whether the host's running pass gives ``request`` a prefill chunk next: a running request (any running
+        status) that has not computed all it must prefill. A PD decode node's prefilled request is one: it is added
+        decoding, with one prefill token (the first token the prefill node sent) still to compute."""
+        return request.status in self._fdsched_running_statuses and request.num_computed_tokens < request.need_prefill_tokens
+
+
+class SplitStatusViews(_RequestViews):
     """Request views on a host whose running status is split (``RUNNING_PREFILL`` / ``RUNNING_DECODE``, PR 7783)."""
 
     def _fdsched_is_decoding(self, request) -> bool:
@@ -158,7 +168,7 @@ class SplitStatusViews:
         )
 
 
-class SingleStatusViews:
+class SingleStatusViews(_RequestViews):
     """Request views on a host with one ``RUNNING`` status: the status cannot tell a decoding request apart."""
 
     def _fdsched_is_decoding(self, request) -> bool:

@@ -55,7 +55,9 @@ class StepPlan:
         self.expected: list = []  # what the plan still expects of its checks (Expected), in order
         self.slot = None  # the slot it is open in, told when it starts or stops expecting
         self.owner = None  # the thread that opened it
-        self.running_chunk = None  # (request id, blocks): a running chunk whose threshold the pass asks next
+        # (request id, blocks): a running chunk whose threshold the pass asks next, answered with its own blocks (the
+        # pre-change running pass; a PD decode node's)
+        self.running_chunk = None
 
     @property
     def budget(self):

@@ -46,9 +46,7 @@ class DecodeNodeReserveMixin(PluginBase):
         if self._fdsched_decode_node:
             plan = self._fdsched_plans.current()
             if plan is not None:
-                # a running request the pass gives a prefill chunk (the host's running-pass test), else nothing
-                chunk = (request.status in self._fdsched_running_statuses
-                         and request.num_computed_tokens < request.need_prefill_tokens)
+                chunk = self._fdsched_is_running_prefill(request)
                 plan.running_chunk = (request.request_id, blocks) if chunk else None
         return blocks
 

@@ -237,12 +237,6 @@ class _BudgetedReserve(ReservationMixin):
             append(made)
         return views
 
-    def _fdsched_is_running_prefill(self, request) -> bool:
-        """Whether the host's running pass gives ``request`` a prefill chunk next: a running request (either running
-        status) that has not computed all it must prefill. A PD decode node's prefilled request is one: it is added
-        decoding, with one prefill token (the first token the prefill node sent) still to compute."""
-        return request.status in self._fdsched_running_statuses and request.num_computed_tokens < request.need_prefill_tokens
-
 
 def _no_slack(threshold: int) -> int:
     return threshold

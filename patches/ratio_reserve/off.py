@@ -26,7 +26,6 @@ class _PreChangePass(AdmissionBudget):
 
     def __init__(self, strategy, tally, slack):
         super().__init__(strategy, tally, slack)
-        self.running_chunk = None  # (request id, blocks): the next threshold is that running chunk's
         self.preemptions: list = []  # (the running chunk, its preempt tasks), in order
         self.closed = None  # the view the waiting queue is seen through while admission is closed for the pass
 
@@ -90,7 +89,8 @@ class PreChangeReserveMixin(_BudgetedReserve):
         return blocks
 
     def _fdsched_pre_change_running_chunk(self, budget: _PreChangePass, request, blocks) -> None:
-        budget.running_chunk = (request.request_id, blocks)  # before 7783 it needed only its own blocks
+        # before 7783 it needed only its own blocks: the threshold asked next for it is its own count
+        self._fdsched_plans.current().running_chunk = (request.request_id, blocks)
         if self.cache_manager.can_allocate_gpu_blocks(blocks):
             return
         preempted, tasks = [], self._fdsched_task_list()
@@ -106,11 +106,11 @@ class PreChangeReserveMixin(_BudgetedReserve):
             self._fdsched_plans.current().expect(REFUSE_RUNNING_CHUNK, blocks)
 
     def _get_can_schedule_prefill_threshold_block(self, num_chunk_new_block):
-        budget = self._fdsched_budget()
-        if budget is not None and budget.running_chunk is not None and budget.running_chunk[1] == num_chunk_new_block:
-            budget.running_chunk = None
+        plan = self._fdsched_plans.current()
+        if plan is not None and plan.running_chunk is not None and plan.running_chunk[1] == num_chunk_new_block:
+            plan.running_chunk = None
             # pre-change: a running chunk needed only its own blocks
-            self._fdsched_plans.current().expect(COUNT_REFUSAL, num_chunk_new_block)
+            plan.expect(COUNT_REFUSAL, num_chunk_new_block)
             return num_chunk_new_block
         return super()._get_can_schedule_prefill_threshold_block(num_chunk_new_block)
 
@@ -147,11 +147,11 @@ class PreChangeReserveMixin(_BudgetedReserve):
             # Before 7783 the preempt tasks went into the pass's list right before the chunk's own task.
             self._fdsched_insert_before(scheduled_reqs, chunk, tasks)
         budget.preemptions = []
-        if budget.running_chunk is not None:
+        if plan.running_chunk is not None:
             METRICS.signal_unconsumed(THRESHOLD_FOR_RUNNING_CHUNK, of=self)
             host_global(RM, "llm_logger").warning(
-                f"[fdsched] no threshold was computed for running chunk {budget.running_chunk[0]} "
-                f"({budget.running_chunk[1]} blocks) after its block count"
+                f"[fdsched] no threshold was computed for running chunk {plan.running_chunk[0]} "
+                f"({plan.running_chunk[1]} blocks) after its block count"
             )
         super()._fdsched_end_pass(plan, scheduled_reqs)
 
