@@ -178,10 +178,12 @@ class RunResult:
 # The host's engine tests build their configs on FD_ENGINE_QUEUE_PORT / FD_CACHE_QUEUE_PORT (default 6778 / 6779),
 # and FastDeploy's EngineArgs asserts each port it uses is free; a test with data_parallel_size > 1 uses the port + 21
 # + its rank instead (tests/engine/test_common_engine.py, _make_cfg). Each process gets a block of HOST_PORT_SPAN
-# ports for each: free, outside the kernel's ephemeral range (where any process's outgoing connection can land on
-# one: seen in CI, three DP tests failed on "engine_worker_queue_port ... is already in use"), and leased like a
-# served stack's ports, so no fdsched stack started meanwhile takes them.
+# ports for each, free, in HOST_PORT_RANGE: below the kernel's ephemeral range (where any process's outgoing
+# connection can land on one: seen in CI, three DP tests failed on "engine_worker_queue_port ... is already in use"),
+# apart from the served stacks' range, and leased (as a served stack leases its ports) so that two host-suite
+# processes never share one.
 HOST_PORT_SPAN = 24
+HOST_PORT_RANGE = (20000, 29999)
 
 
 @contextlib.contextmanager
@@ -191,7 +193,7 @@ def _host_test_ports():
 
     lease = PortLease()
     try:
-        block = free_ports(2 * HOST_PORT_SPAN, lease=lease)
+        block = free_ports(2 * HOST_PORT_SPAN, port_range=HOST_PORT_RANGE, lease=lease)
         yield block[0], block[HOST_PORT_SPAN]
     finally:
         lease.release()

@@ -34,10 +34,12 @@ def _stream_raw(url: str, max_tokens: int, out: dict, key: str) -> None:
 def test_two_stacks_on_one_port_then_a_drain():
     from fdsched.serve.config import EngineConfig, ServeError
     from fdsched.serve.launcher import ServedEngine
-    from fdsched.serve.ports import free_ports
+    from fdsched.serve.ports import PortLease, free_ports
 
-    port = free_ports(7)[0]  # a stack of one rank needs 6 ports; one spare
+    lease = PortLease()  # no other fdsched stack takes them until both stacks are made
+    port = free_ports(7, lease=lease)[0]  # a stack of one rank needs 6 ports; one spare
     stacks = [ServedEngine(EngineConfig(port=port, **SHAPE)) for _ in range(2)]
+    lease.release()
     outcome = {}
 
     def start(i):

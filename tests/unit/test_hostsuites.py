@@ -173,6 +173,7 @@ def test_each_host_suite_process_gets_its_own_engine_queue_ports(tmp_path, monke
     import socket
 
     from fdsched.serve.ports import PortLease
+    from fdsched.serve.config import PORT_RANGE
     from fdsched.tools.hostsuites import HOST_PORT_SPAN, _host_test_ports, _run_env
 
     monkeypatch.setenv("FD_ENGINE_QUEUE_PORT", "6778")
@@ -184,8 +185,9 @@ def test_each_host_suite_process_gets_its_own_engine_queue_ports(tmp_path, monke
         spans = [range(engine, engine + HOST_PORT_SPAN), range(cache, cache + HOST_PORT_SPAN)]
         assert not set(spans[0]) & set(spans[1]) and 6778 not in spans[0]
         assert HOST_PORT_SPAN > 22 and all(port < ephemeral_low for span in spans for port in span)
+        assert not any(PORT_RANGE[0] <= port <= PORT_RANGE[1] for span in spans for port in span)  # not a stack's
         other = PortLease()
-        assert other.take(engine + 21) is not None  # another stack cannot take a port of the span meanwhile
+        assert other.take(engine + 21) is not None  # another process cannot take a port of the span meanwhile
         for span in spans:
             for port in span:  # free now: FastDeploy's own check (bind with SO_REUSEADDR) passes
                 with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
