@@ -153,7 +153,7 @@ def host_config(shape: EngineShape, dp_rank: int = 0, dp_size: Optional[int] = N
     )
     # The scheduler names a machine-wide shared-memory signal after this port; processes that build
     # managers side by side (test runs, replays) would share one name and unlink each other's signal.
-    fd_config.parallel_config.local_engine_worker_queue_port = _private_signal_suffix(dp_rank)
+    _name_signals_privately(fd_config.parallel_config, dp_rank)
     fd_config.parallel_config.local_data_parallel_id = dp_rank
     if dp_size is not None:
         fd_config.parallel_config.data_parallel_size = dp_size
@@ -168,6 +168,18 @@ def _drop_cpu_v1_override() -> None:
     envs = sys.modules.get("fastdeploy.envs")
     if envs is not None and "__getattr__" in vars(envs) and "ENABLE_V1_KVCACHE_SCHEDULER" in vars(envs):
         delattr(envs, "ENABLE_V1_KVCACHE_SCHEDULER")
+
+
+def _name_signals_privately(parallel, dp_rank: int) -> None:
+    """The port the scheduler names its signal after, for ``dp_rank``: ``local_engine_worker_queue_port`` (2.5 and
+    later) and ``engine_worker_queue_port[dp_rank]`` (2.4), set to :func:`_private_signal_suffix`."""
+    private = _private_signal_suffix(dp_rank)
+    parallel.local_engine_worker_queue_port = private
+    ports = getattr(parallel, "engine_worker_queue_port", None)
+    if isinstance(ports, list):
+        ports = ports + [0] * max(0, dp_rank + 1 - len(ports))
+        ports[dp_rank] = private
+        parallel.engine_worker_queue_port = ports
 
 
 def _private_signal_suffix(dp_rank: int = 0) -> int:

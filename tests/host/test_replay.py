@@ -304,3 +304,23 @@ def test_cli_replay_dp_arms_splits_one_trace_across_one_scheduler_per_arm(replay
     assert figures["dp1:recommended"]["preemptions_prefill_victims"] == 0
     assert figures["dp0:baseline"]["requests_finished"] == len(shares[0].requests)
 
+
+
+@pytest.mark.parametrize("role", ["mixed", "prefill"])
+def test_a_replayed_scheduler_names_its_shared_memory_signal_after_this_process(replay_host, role):
+    """The host's scheduler creates a machine-wide shared-memory signal named after an engine port (2.4 reads
+    ``engine_worker_queue_port[rank]``, later lines ``local_engine_worker_queue_port``). Two processes replaying
+    at once (CI's two workers) must not share that name, or one unlinks the other's signal (seen on 2.4:
+    FileNotFoundError building a prefill node)."""
+    from fdsched.replay.engine import EngineShape, _private_signal_suffix, build_manager, close_manager
+
+    shape = EngineShape(block_size=16, num_gpu_blocks=96, max_num_seqs=4, max_num_batched_tokens=256,
+                        max_model_len=1024, splitwise_role=role)
+    manager = build_manager(shape)
+    try:
+        signal = getattr(manager, "need_block_num_signal", None)
+        if signal is None:
+            pytest.skip("this line's scheduler has no need_block_num_signal")
+        assert signal.shm.name.lstrip("/") == f"need_block_num_signal.{_private_signal_suffix(0)}"
+    finally:
+        close_manager(manager)
