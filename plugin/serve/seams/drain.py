@@ -31,8 +31,7 @@ class _GateState:
         self.draining = self.aborting = self.closed = False
         self._written = None
         self._abort_events = {}  # event loop -> asyncio.Event set when the launcher asks for the abort
-        self.see_drain()
-        self.aborting = self.draining and os.path.exists(os.path.join(self.dir, "abort"))
+        self._read_launcher()  # a gate made after the drain (or the abort) starts in it
         self._write()
         threading.Thread(target=self._poll, name="fdsched-serve-drain-gate", daemon=True).start()
 
@@ -69,16 +68,19 @@ class _GateState:
                 event.set()
         return event
 
+    def _read_launcher(self):
+        """Take up what the launcher asked for so far: the drain, then the abort (waking every loop's event)."""
+        if self.see_drain() and not self.aborting and os.path.exists(os.path.join(self.dir, "abort")):
+            self.aborting = True
+            for loop, event in list(self._abort_events.items()):
+                try:
+                    loop.call_soon_threadsafe(event.set)
+                except RuntimeError:  # that loop is closed
+                    pass
+
     def _poll(self):
         while not self.closed:
-            self.see_drain()
-            if self.draining and not self.aborting and os.path.exists(os.path.join(self.dir, "abort")):
-                self.aborting = True
-                for loop, event in list(self._abort_events.items()):
-                    try:
-                        loop.call_soon_threadsafe(event.set)
-                    except RuntimeError:  # that loop is closed
-                        pass
+            self._read_launcher()
             self._write()
             time.sleep(0.05)
 
