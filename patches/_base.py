@@ -22,8 +22,8 @@ comes from the constructor's arguments (``local_data_parallel_id``, else
 ``config.parallel_config.local_data_parallel_id``) and is kept as ``_fdsched_dp_rank``. The engine forks ranks
 1..N-1 after rank 0's scheduler is built, so nothing per process could tell the ranks apart; the choice is
 made once, per object, and no method asks again. ``EngineCacheQueue`` gets no rank (the engine builds its
-server without one): it is built as the server's class, and the client a cache manager stores takes that
-manager's arm class (:class:`ArmStamp`).
+server without one): it has one class, built with change 5 when any arm runs it, and the cache manager that stores
+a client hands it that manager's arm (:class:`QueueOwner`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ __all__ = [
     "PluginBase",
     "ArmChoice",
     "InitGuard",
-    "ArmStamp",
+    "QueueOwner",
     "InstanceAttribute",
     "RequestOutcomesMixin",
     "finished_ids",
@@ -267,17 +267,18 @@ class InstanceAttribute:
             raise AttributeError(self.name) from None
 
 
-class ArmStamp(InstanceAttribute):
+class QueueOwner(InstanceAttribute):
     """Data descriptor on a cache manager's class for the attribute holding the cache queue client it builds
-    (``cache_task_queue``): the stored client becomes an object of its owner's arm's queue class."""
+    (``cache_task_queue``), in an online A/B: the queue class is built without a rank, so the manager hands the
+    client it stores its own arm's decisions and settings (the client's ``fdsched_serve(impl, settings)``, where its
+    class has one)."""
 
     def __set__(self, obj, value):
         obj.__dict__[self.name] = value
-        front = getattr(type(value), "_fdsched_front", None)
-        rank = obj.__dict__.get("_fdsched_dp_rank")
-        if front is not None and rank is not None:
-            value.__class__ = front._fdsched_arm_classes.get(rank, front._fdsched_default_class)
-            value.__dict__["_fdsched_dp_rank"] = rank
+        serve = getattr(type(value), "fdsched_serve", None)
+        impl = getattr(obj, "_fdsched_impl", None)
+        if serve is not None and impl is not None:
+            serve(value, impl, obj._fdsched_settings)
 
 
 class RequestOutcomesMixin:
@@ -379,7 +380,7 @@ class ArmChoice:
         if InitGuard in cls.__mro__:
             return cls, None  # an arm's class itself (a copy, a stamped client): it stays what it is
         if cls._fdsched_target == "EngineCacheQueue":
-            return _on_top(cls, cls._fdsched_front._fdsched_server_class), None  # no rank here (see ArmStamp)
+            return _on_top(cls, cls._fdsched_front._fdsched_default_class), None  # no rank here (see QueueOwner)
         front = cls._fdsched_front
         rank = dp_rank_of(front._fdsched_init_signature, args, kwargs)
         chosen = front._fdsched_arm_classes.get(rank, front._fdsched_default_class)

@@ -121,6 +121,15 @@ class NonpollingCacheQueueMixin(PluginBase):
             host_global(ECQ, "logger").warning(f"[fdsched] {why}; this client polls as the host does")
             self._fdsched_take_done = self._fdsched_poll_as_the_host
 
+    def fdsched_serve(self, impl, settings) -> None:
+        """Told by the cache manager that stores this client, in an online A/B (:class:`fdsched.patches._base.
+        QueueOwner`): that manager's arm's decisions and settings. Where the arm does not run this change, the
+        client polls as the host does; where it does, it waits that arm's longest wait."""
+        if impl.get("nonpolling_transfer") != "plugin":
+            self._fdsched_take_done = self._fdsched_poll_as_the_host
+        else:
+            self._fdsched_wait = settings["tunables.transfer_wait_seconds"]
+
     def get_transfer_done_signal(self):
         return self._fdsched_take_done()
 

@@ -207,7 +207,7 @@ def _build(info, settings: Settings, decisions: dict, policies: Policies, arms: 
     """target -> its front class (what the host modules are rebound to), with one class per arm behind it
     (see :mod:`fdsched.patches._base`)."""
     from fdsched.patches import TARGETS
-    from fdsched.patches._base import ArmChoice, ArmStamp, init_signature, status_views
+    from fdsched.patches._base import ArmChoice, QueueOwner, init_signature, status_views
 
     arms = dict(arms or {})
     views, view_attributes = status_views(info)  # the host's RequestStatus shape: chosen here, once
@@ -245,19 +245,21 @@ def _build(info, settings: Settings, decisions: dict, policies: Policies, arms: 
             return cls
 
         front._fdsched_front = front
-        front._fdsched_default_class = class_of(default_arm, label=default_arm.label)
-        front._fdsched_arm_classes = {rank: class_of(arm, label=arm.label) for rank, arm in arms.items()}
         if target == "EngineCacheQueue":
-            # The queue *server* is built by each rank's engine without its rank: its done lists are waitable
-            # when any arm runs change 5 (a waitable list behaves as a plain list for a polling receiver).
-            # Each cache manager's own *client* takes its manager's arm class (ArmStamp).
-            server_impl = default_arm.impl
+            # The queue is built without a rank (the engine's server, each cache manager's client): one class for
+            # every rank, with change 5 when any arm runs it (a waitable done list behaves as a plain list for a
+            # polling receiver). The cache manager that stores a client hands it its arm (QueueOwner).
+            impl = default_arm.impl
             if any(arm.impl["nonpolling_transfer"] == "plugin" for arm in arms.values()):
-                server_impl = dict(server_impl, nonpolling_transfer="plugin")
-            front._fdsched_server_class = class_of(default_arm, server_impl, label=default_arm.label)
+                impl = dict(impl, nonpolling_transfer="plugin")
+            front._fdsched_default_class = class_of(default_arm, impl, label=default_arm.label)
+            front._fdsched_arm_classes = {}
+        else:
+            front._fdsched_default_class = class_of(default_arm, label=default_arm.label)
+            front._fdsched_arm_classes = {rank: class_of(arm, label=arm.label) for rank, arm in arms.items()}
         if target == "PrefixCacheManager" and arms:
             for _, cls in built:
-                cls.cache_task_queue = ArmStamp("cache_task_queue")
+                cls.cache_task_queue = QueueOwner("cache_task_queue")
         classes[target] = front
     return classes
 

@@ -59,7 +59,7 @@ class TargetExplanation:
     host_bases: list  # the host class's own bases below it (names)
     overrides: list  # [(method, [class names that define it, in the order they run])]
     changes: list = field(default_factory=list)  # [ChangeRow]
-    note: str = ""  # e.g. the queue server's class, when it differs from the arm's
+    note: str = ""  # e.g. why the queue class runs a change this arm does not
     steps: list = field(default_factory=list)  # [(step kind, ["module.Class.method", ...])]: schedule()'s steps
 
 
@@ -276,11 +276,10 @@ def explain_host(settings, arm_settings: dict, dp_rank: Optional[int] = None, in
             replaces[spec.change_id] = names
             change_mixins.append((spec.change_id, impl[spec.change_id], arm.decisions[spec.change_id].detail, mixin))
         explanation = explain_class(target, arm_cls, host_cls, change_mixins, replaces)
-        server = getattr(front, "_fdsched_server_class", None)
-        if server is not None and server is not arm_cls:
-            explanation.note = (f"The queue server (built by each rank's engine without a rank) is "
-                                f"`{class_name(server)}` here, whose done lists wait when any arm runs "
-                                "nonpolling_transfer.")
+        if target == "EngineCacheQueue" and impl["nonpolling_transfer"] != arm.impl["nonpolling_transfer"]:
+            explanation.note = ("The queue (built without a rank: the engine's server, each cache manager's client) has "
+                                "one class for every rank, with nonpolling_transfer because another arm runs it; the "
+                                "client this arm's cache manager stores polls as the host does.")
         targets.append(explanation)
     if dp_rank is not None and dp_rank in arms:
         where = f"dp rank {dp_rank}"

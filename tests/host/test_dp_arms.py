@@ -173,16 +173,19 @@ def test_the_cache_queue_a_manager_builds_takes_the_managers_arm(install_arms, b
     report = install_arms({0: "baseline", 1: "nonpolling_transfer"})
     rm1 = build(1)
     queue_cls = report.classes["EngineCacheQueue"]
-    # The server (built without a rank) has waitable done lists because some arm runs change 5.
-    assert queue_cls._fdsched_server_class._fdsched_impl["nonpolling_transfer"] == "plugin"
+    # The queue (built without a rank) has waitable done lists because some arm runs change 5.
+    assert queue_cls._fdsched_default_class._fdsched_impl["nonpolling_transfer"] == "plugin"
     client = queue_cls.__new__(queue_cls)
+    client._fdsched_take_done = client._fdsched_wait_for_done  # what __init__ chooses when its server can wait
     rm1.cache_manager.cache_task_queue = client  # what launch_cache_manager does
-    assert client._fdsched_arm == "nonpolling_transfer"
-    assert client._fdsched_impl == rm1.cache_manager._fdsched_impl
+    assert client._fdsched_take_done == client._fdsched_wait_for_done
+    assert client._fdsched_wait == rm1.cache_manager._fdsched_settings["tunables.transfer_wait_seconds"]
     rm0 = build(0)
     client0 = queue_cls.__new__(queue_cls)
+    client0._fdsched_take_done = client0._fdsched_wait_for_done
     rm0.cache_manager.cache_task_queue = client0
-    assert client0._fdsched_impl["nonpolling_transfer"] != "plugin"
+    assert client0._fdsched_take_done == client0._fdsched_poll_as_the_host
+    assert type(client0) is type(client)
 
 
 def test_an_arm_the_host_cannot_take_names_rank_and_profile_and_patches_nothing(tmp_path, host_info):

@@ -230,14 +230,20 @@ def test_instances_take_their_ranks_arm_and_the_class_keeps_the_single_profile()
     assert labels_of(rm1) == {"arm": "recommended", "dp_rank": "1"}
     pcm = classes["PrefixCacheManager"](_config(1), 1, "mixed", 1)
     assert pcm._fdsched_arm == "recommended"
-    queue = classes["EngineCacheQueue"](is_server=True)
-    # no rank: the server's class, every arm's union for change 5 (its done lists wait when any arm's receiver does)
-    assert type(queue) is classes["EngineCacheQueue"]._fdsched_server_class and "_fdsched_dp_rank" not in vars(queue)
-    assert type(queue)._fdsched_impl["nonpolling_transfer"] == "plugin"
-    assert classes["EngineCacheQueue"]._fdsched_impl["nonpolling_transfer"] == arms[0].impl["nonpolling_transfer"] == "host"
-    pcm.cache_task_queue = queue  # the manager's own client takes the manager's arm
-    assert queue._fdsched_arm == "recommended" and queue._fdsched_impl == pcm._fdsched_impl
-    assert type(queue) is classes["EngineCacheQueue"]._fdsched_arm_classes[1] and queue._fdsched_dp_rank == 1
+    queue_cls = classes["EngineCacheQueue"]
+    server, client1, client0 = (queue_cls(is_server=s) for s in (True, False, False))
+    # no rank: one class, every arm's union for change 5 (its done lists wait when any arm's receiver does)
+    assert type(server) is type(client1) is queue_cls._fdsched_default_class and queue_cls._fdsched_arm_classes == {}
+    assert "_fdsched_dp_rank" not in vars(server) and type(server)._fdsched_impl["nonpolling_transfer"] == "plugin"
+    assert queue_cls._fdsched_impl["nonpolling_transfer"] == arms[0].impl["nonpolling_transfer"] == "host"
+    # the manager that stores a client hands it its arm: rank 1 (recommended) waits, rank 0 (baseline) polls
+    waiting = client1._fdsched_take_done
+    pcm.cache_task_queue = client1
+    assert client1._fdsched_take_done == waiting == client1._fdsched_wait_for_done
+    assert client1._fdsched_wait == arms[1].settings["tunables.transfer_wait_seconds"]
+    pcm_of_rank0(classes).cache_task_queue = client0
+    assert client0._fdsched_take_done == client0._fdsched_poll_as_the_host
+    assert type(client0) is type(client1)  # nothing changed class
     # each arm's class holds only the mixins that arm applies
     # (which mixins each arm's class holds on a real host: tests/host/test_dp_arms.py; these fakes have no host
     # module globals, so change 1's mixin is left out of every arm here)
@@ -280,7 +286,7 @@ def test_a_single_profile_class_has_no_arms_and_instances_match_the_class():
     rm = classes["ResourceManagerV1"](8, _config(3), 1, "mixed", 3)
     assert classes["ResourceManagerV1"]._fdsched_arms == {}
     assert rm._fdsched_impl == classes["ResourceManagerV1"]._fdsched_impl and rm._fdsched_arm == "ratio_reserve"
-    assert "cache_task_queue" not in vars(classes["PrefixCacheManager"])  # no stamping without arms
+    assert "cache_task_queue" not in vars(classes["PrefixCacheManager"])  # no hand-over without arms
 
 
 def test_each_labelled_series_is_made_once_and_every_update_reaches_the_registry():
