@@ -123,8 +123,9 @@ def import_host() -> None:
 
 def _schedule_runs(variant: str, mode: str, running: int, waiting: int, steps: int, block_size: int,
                    workload: str = "spread") -> list:
-    """One timed run of one arm (``variant``: "host" or a profile) on a fresh scheduler: ``[(cpu seconds, admitted
-    a prefill chunk)]`` per step."""
+    """One timed run of one arm (``variant``: "host" or a profile) on a fresh scheduler: ``([(cpu seconds, admitted
+    a prefill chunk)] per step, [collections of generation 0, 1, 2 that ran while timed])`` (the driver's work is the
+    same for both arms: a difference in collections is the arm's)."""
     with scheduler_for(variant, running, waiting, block_size, workload) as (rm, driver):
         gc.collect()
 
@@ -134,8 +135,8 @@ def _schedule_runs(variant: str, mode: str, running: int, waiting: int, steps: i
             return [(record.schedule_cpu_seconds, bool(record.prefill_chunks))
                     for record in (driver.step() for _ in range(steps))]
 
-        _, per_step, _ = timed(run, {"on": True, "due": "due", "off": False}[mode])
-    return per_step
+        _, per_step, collections = timed(run, {"on": True, "due": "due", "off": False}[mode])
+    return per_step, collections
 
 
 def _arm_in_a_process(variant: str, repeat: int, gc_modes: tuple, shape: tuple, heap_objects: int) -> dict:
@@ -143,7 +144,7 @@ def _arm_in_a_process(variant: str, repeat: int, gc_modes: tuple, shape: tuple, 
     bench's own process grows it, then ``repeat`` runs of one arm per gc mode: ``{mode: [per-step records]}``."""
     import_host()
     grow_heap(heap_objects)
-    runs = {mode: [_schedule_runs(variant, mode, *shape) for _ in range(repeat)] for mode in gc_modes}
+    runs = {mode: [_schedule_runs(variant, mode, *shape) for _ in range(repeat)] for mode in gc_modes}  # (steps, collections)
     install_arm(None)
     return runs
 
@@ -197,9 +198,12 @@ def bench_schedule_isolated(processes: int, running: int, waiting: int, steps: i
 
 
 def summarise_runs(runs: dict) -> dict:
-    """``{(variant, mode): [per-step records of one run]}`` -> what :func:`bench_schedule` returns."""
+    """``{(variant, mode): [(per-step records of one run, its collections per generation)]}`` -> what
+    :func:`bench_schedule` returns (``collections``: per generation, the mean over the runs)."""
     result = {}
-    for key, per_run in runs.items():
+    for key, timed_runs in runs.items():
+        per_run = [records for records, _ in timed_runs]
+        counts = [collections for _, collections in timed_runs]
         flat = [seconds for records in per_run for seconds, _ in records]
         steps = len(per_run[0]) if per_run else 0
         result[key] = {
@@ -207,6 +211,7 @@ def summarise_runs(runs: dict) -> dict:
             "mean": statistics.fmean(flat),
             "minima": [min(records[i][0] for records in per_run) for i in range(steps)],
             "admitting": {i for records in per_run for i, (_, admitted) in enumerate(records) if admitted},
+            "collections": [statistics.fmean(c[g] for c in counts) if counts else 0.0 for g in range(3)],
         }
     return result
 
@@ -368,6 +373,10 @@ def _run_schedule(args) -> int:
         h, p = result[("host", mode)], result[("plugin", mode)]
         print(f"per-step minima, gc {mode}: host {statistics.fmean(h['minima']) * 1e6:.1f} us, "
               f"plugin {statistics.fmean(p['minima']) * 1e6:.1f} us a step")
+    for mode in (m for m in modes if m != "off"):
+        h, p = (" / ".join(f"{n:.1f}" for n in result[(v, mode)]["collections"]) for v in ("host", "plugin"))
+        print(f"collections while timed, gc {mode} (generations 0 / 1 / 2, mean per run of {args.steps} steps): "
+              f"host {h}, plugin {p}")
     from fdsched.tools.guardbench import bench_guard, print_guard
 
     guard = bench_guard(lambda: scheduler_for(args.profile, args.running, args.waiting, args.block_size, args.workload),

@@ -25,9 +25,11 @@ def test_a_part_without_steps_has_no_ratio():
 def test_runs_summarise_to_each_steps_least_time_and_every_runs_admitting_steps():
     from fdsched.tools.bench import summarise_runs
 
-    runs = {("host", "off"): [[(3.0, False), (5.0, True)], [(2.0, False), (6.0, False)]],
-            ("plugin", "off"): [[(4.0, True), (1.0, False)]]}
+    runs = {("host", "off"): [([(3.0, False), (5.0, True)], [4, 0, 0]), ([(2.0, False), (6.0, False)], [2, 1, 0])],
+            ("plugin", "off"): [([(4.0, True), (1.0, False)], [0, 0, 1])]}
     result = summarise_runs(runs)
+    assert result[("host", "off")]["collections"] == [3.0, 0.5, 0.0]
+    assert result[("plugin", "off")]["collections"] == [0.0, 0.0, 1.0]
     assert result[("host", "off")]["minima"] == [2.0, 5.0]
     assert result[("host", "off")]["admitting"] == {1}
     assert result[("host", "off")]["median"] == pytest.approx(4.0) and result[("host", "off")]["mean"] == 4.0
