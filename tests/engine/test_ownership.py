@@ -37,9 +37,11 @@ def test_two_stacks_on_one_port_then_a_drain():
     from fdsched.serve.ports import PortLease, free_ports
 
     lease = PortLease()  # no other fdsched stack takes them until both stacks are made
-    port = free_ports(7, lease=lease)[0]  # a stack of one rank needs 6 ports; one spare
-    stacks = [ServedEngine(EngineConfig(port=port, **SHAPE)) for _ in range(2)]
-    lease.release()
+    try:
+        port = free_ports(7, lease=lease)[0]  # a stack of one rank needs 6 ports; one spare
+        stacks = [ServedEngine(EngineConfig(port=port, **SHAPE)) for _ in range(2)]
+    finally:
+        lease.release()
     outcome = {}
 
     def start(i):

@@ -249,11 +249,13 @@ def test_port_in_use_is_one_clear_error():
     lease = PortLease()  # a port no other fdsched stack holds, until this socket has it
     port = free_ports(1, lease=lease)[0]
     with socket.socket() as s:
-        # as the launcher's own check does: a port an earlier test's stack just closed (TIME_WAIT) is free
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("0.0.0.0", port))
-        s.listen()
-        lease.release()
+        try:
+            # as the launcher's own check does: a port an earlier test's stack just closed (TIME_WAIT) is free
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("0.0.0.0", port))
+            s.listen()
+        finally:
+            lease.release()
         with pytest.raises(ServeError, match=f"--port {port}: port {port} is in use"):
             ServedEngine(EngineConfig(port=port)).__enter__()
         cli = subprocess.run([sys.executable, "-m", "fdsched.tools.cli", "serve", "--port", str(port)],

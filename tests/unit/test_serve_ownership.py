@@ -240,9 +240,11 @@ def test_a_port_in_use_is_found_before_start_up():
     lease = PortLease()  # ports no other fdsched stack takes meanwhile (the engine tier's run beside this one)
     port = free_ports(7, lease=lease)[0]
     with socket.socket() as s:
-        s.bind(("0.0.0.0", port + 3))
-        s.listen()
-        lease.release()
+        try:
+            s.bind(("0.0.0.0", port + 3))
+            s.listen()
+        finally:
+            lease.release()
         problems, _t, _c = check_serve_args(_serve_args("--port", str(port)))
     assert problems == [f"--port {port}: port {port + 3} is in use (the stack needs ports {port}-{port + 5}); "
                         "allowed: a first port whose 6 ports are free"]
