@@ -378,7 +378,7 @@ class ArmChoice:
     def _fdsched_class_for(cls, args, kwargs) -> tuple:
         """(the class to instantiate, the data-parallel rank or None) for a constructor call of ``cls``."""
         if InitGuard in cls.__mro__:
-            return cls, None  # an arm's class itself (a copy, a stamped client): it stays what it is
+            return cls, None  # an arm's class itself (e.g. a copy): it stays what it is
         if cls._fdsched_target == "EngineCacheQueue":
             return _on_top(cls, cls._fdsched_front._fdsched_default_class), None  # no rank here (see QueueOwner)
         front = cls._fdsched_front

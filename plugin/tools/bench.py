@@ -122,7 +122,7 @@ def import_host() -> None:
 
 
 def _schedule_runs(variant: str, mode: str, running: int, waiting: int, steps: int, block_size: int,
-                   workload: str = "spread") -> list:
+                   workload: str = "spread") -> tuple:
     """One timed run of one arm (``variant``: "host" or a profile) on a fresh scheduler: ``([(cpu seconds, admitted
     a prefill chunk)] per step, [collections of generation 0, 1, 2 that ran while timed])`` (the driver's work is the
     same for both arms: a difference in collections is the arm's)."""
@@ -141,10 +141,11 @@ def _schedule_runs(variant: str, mode: str, running: int, waiting: int, steps: i
 
 def _arm_in_a_process(variant: str, repeat: int, gc_modes: tuple, shape: tuple, heap_objects: int) -> dict:
     """In a fresh interpreter (:func:`bench_schedule_isolated`): the host made importable, the heap grown as the
-    bench's own process grows it, then ``repeat`` runs of one arm per gc mode: ``{mode: [per-step records]}``."""
+    bench's own process grows it, then ``repeat`` runs of one arm per gc mode: ``{mode: [(per-step records,
+    collections per generation)]}`` (:func:`_schedule_runs`)."""
     import_host()
     grow_heap(heap_objects)
-    runs = {mode: [_schedule_runs(variant, mode, *shape) for _ in range(repeat)] for mode in gc_modes}  # (steps, collections)
+    runs = {mode: [_schedule_runs(variant, mode, *shape) for _ in range(repeat)] for mode in gc_modes}
     install_arm(None)
     return runs
 
