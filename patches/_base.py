@@ -1,7 +1,8 @@
 """What every mixin may use: small views of host requests, and how an arm's class is picked (what a scheduler's
 pass hands its cache manager is :mod:`fdsched.patches._pass`).
 
-The installer builds, per host class it replaces (a "target"), one *front* class and one class per arm:
+The installer builds, for the scheduler and the cache manager (a "target"), one *front* class and one class per arm
+(the cache queue has one fixed class instead: :mod:`fdsched.patches._cache_queue`):
 
 * the front class, ``type(name, (ArmChoice, HostClass), attrs)``, is what the host modules are rebound to
   (``isinstance(x, ResourceManagerV1)`` holds for every plugin object). It carries the single profile's
@@ -22,7 +23,7 @@ comes from the constructor's arguments (``local_data_parallel_id``, else
 ``config.parallel_config.local_data_parallel_id``) and is kept as ``_fdsched_dp_rank``. The engine forks ranks
 1..N-1 after rank 0's scheduler is built, so nothing per process could tell the ranks apart; the choice is
 made once, per object, and no method asks again. ``EngineCacheQueue`` gets no rank (the engine builds its
-server without one): it has one class, built with change 5 when any arm runs it, and the cache manager that stores
+server without one): it has one fixed class (:mod:`fdsched.patches._cache_queue`), and the cache manager that stores
 a client hands it that manager's arm (:class:`QueueOwner`).
 """
 
@@ -379,8 +380,6 @@ class ArmChoice:
         """(the class to instantiate, the data-parallel rank or None) for a constructor call of ``cls``."""
         if InitGuard in cls.__mro__:
             return cls, None  # an arm's class itself (e.g. a copy): it stays what it is
-        if cls._fdsched_target == "EngineCacheQueue":
-            return _on_top(cls, cls._fdsched_front._fdsched_default_class), None  # no rank here (see QueueOwner)
         front = cls._fdsched_front
         rank = dp_rank_of(front._fdsched_init_signature, args, kwargs)
         chosen = front._fdsched_arm_classes.get(rank, front._fdsched_default_class)

@@ -5,10 +5,10 @@
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-__all__ = ["AlteredTest", "PatchSpec", "Reliance", "Variant", "Shapes", "shape_of", "format_shape", "override_problem", "call_problem", "uses_problem", "pick_shape"]
+__all__ = ["AlteredTest", "PatchSpec", "Reliance", "Variant", "Shapes", "shape_of", "format_shape", "override_problem", "strategy_problem", "call_problem", "uses_problem", "pick_shape"]
 
 
 # ---- host signatures: what the plugin checks before it patches -----------------------------------------------
@@ -78,6 +78,26 @@ def override_problem(mixin, host_cls) -> Optional[str]:
             return f"{host_cls.__name__}.{name} has no readable signature"
         if mine != theirs:
             return f"{host_cls.__name__}.{name}{format_shape(theirs)} differs from the {format_shape(mine)} the plugin handles"
+    return None
+
+
+def strategy_problem(strategy, host_cls) -> Optional[str]:
+    """Why ``strategy`` (a change's strategy object's class: its methods named as the host's take the host object
+    first, then the host method's own parameters) cannot serve ``host_cls``'s seams: :func:`override_problem` with
+    that first parameter left out. None when every method fits."""
+    for name, func in sorted(overridden_methods(strategy).items()):
+        mine = shape_of(func)
+        if mine is not None and any(kind in ("VAR_POSITIONAL", "VAR_KEYWORD") for _, kind, _ in mine):
+            continue  # a pass-through: takes whatever the host's takes
+        host = getattr(host_cls, name, None)
+        if host is None or not callable(host):
+            return f"{host_cls.__name__}.{name} is missing (the plugin serves it)"
+        theirs = shape_of(host)
+        if theirs is None:
+            return f"{host_cls.__name__}.{name} has no readable signature"
+        if mine is None or mine[2:] != theirs[1:]:
+            mine_text = format_shape(mine[:1] + mine[2:]) if mine else "(?)"
+            return f"{host_cls.__name__}.{name}{format_shape(theirs)} differs from the {mine_text} the plugin handles"
     return None
 
 
@@ -283,6 +303,9 @@ class PatchSpec:
     applies: tuple = ("plugin",)
     variants: Optional[dict] = None
     alters_tests: tuple = ()  # AlteredTest: the host's own tests this change alters on purpose (fdsched host test)
+    # Target -> {impl: strategy class}: for a target whose plugin class is one fixed class (no mixins), the
+    # strategy an instance under an arm with that impl uses (the catalogue's table; see patches/_cache_queue.py).
+    strategies: dict = field(default_factory=dict)
 
     def mixin_of(self, target: str, impl: str, host_has: bool = False, settings=None):
         """The mixin an arm whose decision for this change is ``impl`` gets for ``target``, or None
@@ -295,6 +318,9 @@ class PatchSpec:
     def classes(self, target: str) -> tuple:
         """Every mixin class this change may put into ``target``'s plugin classes (its base, variants, shapes)."""
         found = [self.mixins[target]] if target in self.mixins else []
+        for strategy in self.strategies.get(target, {}).values():
+            if strategy not in found:
+                found.append(strategy)
         for by_target in (self.variants or {}).values():
             chosen = by_target.get(target)
             for option in chosen.options if isinstance(chosen, Variant) else (chosen,) if chosen else ():
@@ -307,7 +333,11 @@ class PatchSpec:
                host_classes: Optional[dict] = None) -> tuple:
         """(the mixin this impl puts on ``host_cls`` or None, why it cannot or None): :meth:`mixin_of` with the
         host's shape picked (:class:`Shapes`, by overrides and, given ``host_classes``, declared uses) and every
-        override checked against the host's signature."""
+        override checked against the host's signature. For a target with :attr:`strategies`: (the strategy, why it
+        cannot serve the host's seams or None)."""
+        if target in self.strategies:
+            strategy = self.strategies[target].get(impl)
+            return strategy, None if strategy is None else strategy_problem(strategy, host_cls)
         return pick_shape(self.mixin_of(target, impl, host_has, settings), host_cls, target, host_classes)
 
     def shape_problem(self, host_classes: dict, impl: str, host_has: bool = False, settings=None) -> Optional[str]:

@@ -32,7 +32,7 @@ from __future__ import annotations
 import threading
 
 from fdsched.patches._spec import PatchSpec, Reliance
-from fdsched.patches._base import InstanceAttribute, PluginBase, host_global
+from fdsched.patches._base import InstanceAttribute, host_global
 
 ECQ = "fastdeploy.inter_communicator.engine_cache_queue"
 
@@ -94,55 +94,71 @@ class WaitableDoneList(list):
             return super().pop(index)
 
 
-class _WaitableDoneLists(InstanceAttribute):
-    """Data descriptor for the host's server-side done lists: wrap them when the host assigns them."""
+class WaitableDoneLists(InstanceAttribute):
+    """Data descriptor for the host's server-side done lists (``tansfer_done_queue_init``): wrapped as the host assigns
+    them, where the queue's class serves waiting receivers (``_fdsched_serves_waiting``); stored as they are
+    otherwise."""
 
     def __set__(self, obj, value):
-        obj.__dict__[self.name] = [WaitableDoneList(items) for items in value]
+        if type(obj)._fdsched_serves_waiting:
+            value = [WaitableDoneList(items) for items in value]
+        obj.__dict__[self.name] = value
 
 
-class NonpollingCacheQueueMixin(PluginBase):
-    tansfer_done_queue_init = _WaitableDoneLists()
+# ---- receivers: how a client takes the next transfer-done signal (one per client, chosen when it is built) -------
+class PollingReceiver:
+    """The host's own receiver: one poll of the server's list per call (an arm without this change, or a server
+    whose lists cannot wait)."""
+
+    name = "polls as the host does"
+    fdsched_host_role = "passes the call to the host's own method"
+
+    def __init__(self, host_take):
+        self._host_take = host_take  # the host's get_transfer_done_signal
+
+    def get_transfer_done_signal(self, queue, *args, **kwargs):
+        return self._host_take(queue, *args, **kwargs)
+
+
+class WaitingReceiver:
+    """One blocking RPC per call: the next result, or None after ``wait_seconds``; acknowledges the previous result
+    (see :class:`WaitableDoneList`)."""
+
+    name = "waits in the server"
     fdsched_globals = {ECQ: ("logger",)}
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._fdsched_wait = self._fdsched_settings["tunables.transfer_wait_seconds"]
-        self._fdsched_unacked = False  # the last result taken is being handled by the receiver
-        try:
-            waitable = self.tansfer_done_queue.count(WAITABLE_QUERY) == WAITABLE_ANSWER
-            why = "the cache queue server has no waitable done list (was it started without the plugin?)"
-        except Exception as exc:  # noqa: BLE001 - a server that cannot be asked is one this client polls
-            waitable = False
-            why = f"asking the cache queue server whether its done list can wait failed ({type(exc).__name__})"
-        if waitable:
-            self._fdsched_take_done = self._fdsched_wait_for_done
-        else:
-            host_global(ECQ, "logger").warning(f"[fdsched] {why}; this client polls as the host does")
-            self._fdsched_take_done = self._fdsched_poll_as_the_host
+    def __init__(self, wait_seconds: float):
+        self.wait_seconds = wait_seconds
+        self.unacked = False  # the last result taken is being handled by the receiver
 
-    def fdsched_serve(self, impl, settings) -> None:
-        """Told by the cache manager that stores this client, in an online A/B (:class:`fdsched.patches._base.
-        QueueOwner`): that manager's arm's decisions and settings. Where the arm does not run this change, the
-        client polls as the host does; where it does, it waits that arm's longest wait."""
-        if impl.get("nonpolling_transfer") != "plugin":
-            self._fdsched_take_done = self._fdsched_poll_as_the_host
-        else:
-            self._fdsched_wait = settings["tunables.transfer_wait_seconds"]
-
-    def get_transfer_done_signal(self):
-        return self._fdsched_take_done()
-
-    def _fdsched_poll_as_the_host(self):
-        return super().get_transfer_done_signal()
-
-    def _fdsched_wait_for_done(self):
-        """One blocking RPC: the next result, or None after the wait; acknowledges the previous result."""
-        data = self.tansfer_done_queue.pop(0, self._fdsched_wait, self._fdsched_unacked)
-        self._fdsched_unacked = data is not None
+    def get_transfer_done_signal(self, queue):
+        data = queue.tansfer_done_queue.pop(0, self.wait_seconds, self.unacked)
+        self.unacked = data is not None
         if data is not None:
             host_global(ECQ, "logger").info(f"[fdsched] transfer done signal for task {data[-1]} received")
         return data
+
+
+# The receiver of a client whose arm decided ``impl`` for this change (the catalogue's strategy table).
+RECEIVERS = {"plugin": WaitingReceiver, "host": PollingReceiver, "off": PollingReceiver}
+
+
+def receiver_for(queue, impl: str, settings, host_take):
+    """The receiver ``queue`` (a client, just built) uses under an arm that decided ``impl`` with ``settings``:
+    :data:`RECEIVERS`' entry, built from the settings; a waiting one only when the server's list can wait (asked
+    once, here), else the host's polling with a warning."""
+    if RECEIVERS[impl] is PollingReceiver:
+        return PollingReceiver(host_take)
+    try:
+        waitable = queue.tansfer_done_queue.count(WAITABLE_QUERY) == WAITABLE_ANSWER
+        why = "the cache queue server has no waitable done list (was it started without the plugin?)"
+    except Exception as exc:  # noqa: BLE001 - a server that cannot be asked is one this client polls
+        waitable = False
+        why = f"asking the cache queue server whether its done list can wait failed ({type(exc).__name__})"
+    if not waitable:
+        host_global(ECQ, "logger").warning(f"[fdsched] {why}; this client polls as the host does")
+        return PollingReceiver(host_take)
+    return WaitingReceiver(settings["tunables.transfer_wait_seconds"])
 
 
 def _uses_done_list(info):
@@ -172,7 +188,8 @@ SPEC = PatchSpec(
     hosts_needing="all 2.6 hosts",
     switch="FDSCHED_NONPOLLING_TRANSFER",
     delete_when="upstream ships a blocking transfer-done path",
-    mixins={"EngineCacheQueue": NonpollingCacheQueueMixin},
+    mixins={},
+    strategies={"EngineCacheQueue": RECEIVERS},
     host_has=lambda info: False,
     relies_on=(
         Reliance("done-list-attribute", "EngineCacheQueue.__init__ builds the server's done lists by assigning "

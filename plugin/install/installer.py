@@ -7,12 +7,13 @@ Order of work, so that nothing is ever half-patched:
 3. every change is decided (:func:`decide`); a change switched ``on`` (or ``off`` on a host that
    has it) that the host cannot take — a method or signature it needs, or an assumption about the
    host's control flow written in its module's "Relies on:" — is an error, raised here;
-4. only then are the three classes built and rebound; if rebinding one fails, those already rebound
+4. only then are the classes built and rebound; if rebinding one fails, those already rebound
    are restored before the error propagates.
 
 Online A/B (``FDSCHED_PROFILE_BY_DP_RANK``): steps 1 and 3 run for every arm too, and an error names the
-rank and its profile. Step 4 builds, per target, one class per arm holding only the mixins that arm applies
-(its decisions are made here, once) behind one front class that the host modules are rebound to;
+rank and its profile. Step 4 builds, for the scheduler and the cache manager, one class per arm holding only the
+mixins that arm applies (its decisions are made here, once) behind one front class that the host modules are rebound
+to; the cache queue has one fixed class whose clients each pick a strategy (:mod:`fdsched.patches._cache_queue`);
 constructing the front class builds the class of the instance's own data-parallel rank
 (``local_data_parallel_id``: the engine forks ranks 1..N-1 after rank 0's scheduler exists, so nothing per
 process can tell them apart); ranks not listed get ``FDSCHED_PROFILE``'s (or the defaults'). See
@@ -34,7 +35,7 @@ from fdsched.install.rebind import Rebinding
 from fdsched.core.schema import CHANGE_IDS
 from fdsched.core.settings import DP_PROFILE_ENV, Settings, load_arm_settings, load_settings
 
-__all__ = ["Arm", "Decision", "InstallReport", "InstallError", "effective_ratio_mode", "decide", "decide_arms", "install", "uninstall", "current"]
+__all__ = ["Arm", "Decision", "instance_class", "InstallReport", "InstallError", "effective_ratio_mode", "decide", "decide_arms", "install", "uninstall", "current"]
 
 
 class InstallError(RuntimeError):
@@ -204,9 +205,11 @@ def current() -> Optional[InstallReport]:
 
 
 def _build(info, settings: Settings, decisions: dict, policies: Policies, arms: Optional[dict] = None) -> dict:
-    """target -> its front class (what the host modules are rebound to), with one class per arm behind it
-    (see :mod:`fdsched.patches._base`)."""
+    """target -> the class the host module is rebound to: for the scheduler and the cache manager a front class with
+    one class per arm behind it (see :mod:`fdsched.patches._base`); for the cache queue its one fixed class
+    (:mod:`fdsched.patches._cache_queue`)."""
     from fdsched.patches import TARGETS
+    from fdsched.patches import _cache_queue as cache_queue
     from fdsched.patches._base import ArmChoice, QueueOwner, init_signature, status_views
 
     arms = dict(arms or {})
@@ -214,6 +217,12 @@ def _build(info, settings: Settings, decisions: dict, policies: Policies, arms: 
     default_arm = Arm(arm_label(settings), settings, decisions)
     classes = {}
     for target, host_cls in info.host_classes.items():
+        if target == "EngineCacheQueue":
+            # One fixed class (patches/_cache_queue.py): each client picks its receiver when it is built; the server's
+            # lists can wait when any arm's receiver does.
+            runs_it = [arm.impl["nonpolling_transfer"] == "plugin" for arm in (default_arm, *arms.values())]
+            classes[target] = cache_queue.over(host_cls, default_arm.impl, settings, any(runs_it))
+            continue
         common = {
             "__module__": __name__,
             "_fdsched_policies": policies,
@@ -235,8 +244,8 @@ def _build(info, settings: Settings, decisions: dict, policies: Policies, arms: 
         ))
         built: list = []  # (arm, class): one class per distinct arm
 
-        def class_of(arm: Arm, impl: Optional[dict] = None, label: Optional[str] = None):
-            impl = impl or arm.impl
+        def class_of(arm: Arm, label: str):
+            impl = arm.impl
             for other, cls in built:
                 if other.settings == arm.settings and cls._fdsched_impl == impl and cls._fdsched_arm == label:
                     return cls
@@ -245,18 +254,8 @@ def _build(info, settings: Settings, decisions: dict, policies: Policies, arms: 
             return cls
 
         front._fdsched_front = front
-        if target == "EngineCacheQueue":
-            # The queue is built without a rank (the engine's server, each cache manager's client): one class for
-            # every rank, with change 5 when any arm runs it (a waitable done list behaves as a plain list for a
-            # polling receiver). The cache manager that stores a client hands it its arm (QueueOwner).
-            impl = default_arm.impl
-            if any(arm.impl["nonpolling_transfer"] == "plugin" for arm in arms.values()):
-                impl = dict(impl, nonpolling_transfer="plugin")
-            front._fdsched_default_class = class_of(default_arm, impl, label=default_arm.label)
-            front._fdsched_arm_classes = {}
-        else:
-            front._fdsched_default_class = class_of(default_arm, label=default_arm.label)
-            front._fdsched_arm_classes = {rank: class_of(arm, label=arm.label) for rank, arm in arms.items()}
+        front._fdsched_default_class = class_of(default_arm, label=default_arm.label)
+        front._fdsched_arm_classes = {rank: class_of(arm, label=arm.label) for rank, arm in arms.items()}
         if target == "PrefixCacheManager" and arms:
             for _, cls in built:
                 cls.cache_task_queue = QueueOwner("cache_task_queue")
@@ -293,6 +292,15 @@ def _arm_class(front, target: str, host_cls, common: dict, arm: Arm, impl: dict,
         # the plugin's reservation code decides admissions here (it counts refusals; see InitGuard)
         _fdsched_counts_admissions=target == "ResourceManagerV1" and impl["ratio_reserve"] != "host",
     ))
+
+
+def instance_class(cls, dp_rank: Optional[int] = None):
+    """The class of what constructing ``cls`` (a class :func:`_build` returns) gives for data-parallel rank ``dp_rank``
+    (None: a rank without an arm of its own): the arm's class behind a front class, a fixed class itself."""
+    arm_classes = vars(cls).get("_fdsched_arm_classes")
+    if arm_classes is None:
+        return cls
+    return arm_classes.get(dp_rank, cls._fdsched_default_class)
 
 
 def install(

@@ -74,6 +74,8 @@ def class_name(cls: type) -> str:
 
 
 def _role(cls: type, arm_cls: type, host_cls: type) -> str:
+    if cls is arm_cls and getattr(cls, "_fdsched_front", None) is None:
+        return "the plugin's class (the host module's name is rebound to it; every arm constructs it)"
     if cls is arm_cls:
         return "the arm's class (what the engine constructs for this arm)"
     if cls is host_cls:
@@ -82,7 +84,7 @@ def _role(cls: type, arm_cls: type, host_cls: type) -> str:
         return "front class (the host module's name is rebound to it)"
     if cls.__module__.startswith("fdsched.patches."):
         change = cls.__module__[len("fdsched.patches."):].split(".", 1)[0]  # a change's module or package
-        return {"_base": "plugin base", "_guard": "the scheduler guard (every arm)",
+        return {"_base": "plugin base", "_cache_queue": "the cache queue's seams (each hands the call to a strategy)", "_guard": "the scheduler guard (every arm)",
                 "_step": "the one schedule() wrapper: the pass's plan, each change's steps (every arm)"}.get(
             change, f"mixin of {change}")
     return ""
@@ -126,7 +128,9 @@ def explain_class(target: str, arm_cls: type, host_cls: type, change_mixins: Seq
         methods = []
         for name in replaces.get(change_id, ()):
             implementer = None
-            if mixin is not None:
+            if mixin is not None and mixin not in plugin_part and not any(c in plugin_part for c in mixin.__mro__[1:]):
+                implementer = _served_by(name, mixin, plugin_part)  # a strategy object's class, not a mixin
+            elif mixin is not None:
                 implementer = next((class_name(c) for c in mixin.__mro__
                                     if c in plugin_part and c.__module__ != "fdsched.patches._base" and _defines(c, name)),
                                    None)
@@ -136,6 +140,17 @@ def explain_class(target: str, arm_cls: type, host_cls: type, change_mixins: Seq
         rows.append(ChangeRow(change_id, impl, detail, None if mixin is None else class_name(mixin), tuple(methods)))
     return TargetExplanation(target, f"{host_cls.__module__}.{host_cls.__qualname__}", chain, host_bases, overrides,
                              rows, steps=_steps(arm_cls, plugin_part))
+
+
+def _served_by(name: str, strategy: type, plugin_part) -> Optional[str]:
+    """Who implements host method ``name`` where a fixed class hands its seams to ``strategy``: the class that defines
+    the seam, and the strategy where it serves that method."""
+    from fdsched.patches._spec import overridden_methods
+
+    seam = next((class_name(c) for c in plugin_part if _defines(c, name)), None)
+    if seam is None:
+        return None
+    return f"{seam} -> {class_name(strategy)}" if name in overridden_methods(strategy) else seam
 
 
 def _steps(arm_cls: type, plugin_part) -> list:
@@ -264,8 +279,8 @@ def explain_host(settings, arm_settings: dict, dp_rank: Optional[int] = None, in
     targets = []
     for target, front in classes.items():
         host_cls = info.host_classes[target]
-        arm_cls = front._fdsched_arm_classes.get(dp_rank, front._fdsched_default_class)
-        impl = arm_cls._fdsched_impl
+        arm_cls = installer.instance_class(front, dp_rank)
+        impl = arm.impl if arm_cls is front else arm_cls._fdsched_impl  # a fixed class: the arm picks the strategy
         change_mixins, replaces = [], {}
         for spec in CATALOGUE:
             names = tuple(n.split(".", 1)[1] for n in spec.replaces if n.split(".", 1)[0] == target)
@@ -276,10 +291,11 @@ def explain_host(settings, arm_settings: dict, dp_rank: Optional[int] = None, in
             replaces[spec.change_id] = names
             change_mixins.append((spec.change_id, impl[spec.change_id], arm.decisions[spec.change_id].detail, mixin))
         explanation = explain_class(target, arm_cls, host_cls, change_mixins, replaces)
-        if target == "EngineCacheQueue" and impl["nonpolling_transfer"] != arm.impl["nonpolling_transfer"]:
+        if (target == "EngineCacheQueue" and getattr(front, "_fdsched_serves_waiting", False)
+                and impl["nonpolling_transfer"] != "plugin"):
             explanation.note = ("The queue (built without a rank: the engine's server, each cache manager's client) has "
-                                "one class for every rank, with nonpolling_transfer because another arm runs it; the "
-                                "client this arm's cache manager stores polls as the host does.")
+                                "one class for every rank; its server's done lists can wait because another arm's "
+                                "receiver does, and the client this arm's cache manager stores polls as the host does.")
         targets.append(explanation)
     if dp_rank is not None and dp_rank in arms:
         where = f"dp rank {dp_rank}"

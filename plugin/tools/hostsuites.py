@@ -105,8 +105,14 @@ def plugin_classes(info, run: str) -> Optional[frozenset]:
         return None
     policies = Policies(make_plugin_manager(environ={}, load_entry_points=False))
     found = set()
+    from fdsched.install.installer import instance_class
+    from fdsched.patches import CATALOGUE
+
     for target, front in _build(info, settings, decisions, policies).items():
-        for cls in front._fdsched_default_class.__mro__:
+        used = list(instance_class(front).__mro__)
+        used += [spec.strategies[target][decisions[spec.change_id].impl] for spec in CATALOGUE
+                 if target in spec.strategies]  # a fixed class's strategies for this run's decisions
+        for cls in used:
             if cls.__module__.startswith("fdsched.patches"):
                 found.add(f"{target}:{cls.__module__.rsplit('.', 1)[-1]}.{cls.__qualname__}")
     return frozenset(found)

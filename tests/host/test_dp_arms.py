@@ -16,6 +16,7 @@ import os
 import pytest
 
 from fdsched.core.metrics import METRICS
+from fdsched.patches.nonpolling_transfer import PollingReceiver, WaitingReceiver
 
 from .workloads import PREFILL_VICTIM_WORKLOAD, PRESSURE_SHAPE, drive_together, kv_pressure_requests
 ARMS = {0: "baseline", 1: "recommended"}
@@ -173,19 +174,26 @@ def test_the_cache_queue_a_manager_builds_takes_the_managers_arm(install_arms, b
     report = install_arms({0: "baseline", 1: "nonpolling_transfer"})
     rm1 = build(1)
     queue_cls = report.classes["EngineCacheQueue"]
-    # The queue (built without a rank) has waitable done lists because some arm runs change 5.
-    assert queue_cls._fdsched_default_class._fdsched_impl["nonpolling_transfer"] == "plugin"
-    client = queue_cls.__new__(queue_cls)
-    client._fdsched_take_done = client._fdsched_wait_for_done  # what __init__ chooses when its server can wait
+    # The queue (built without a rank) has one class; its server's done lists wait because an arm's receiver does.
+    assert queue_cls._fdsched_serves_waiting
+    client, client0 = _unconnected_client(queue_cls), _unconnected_client(queue_cls)
     rm1.cache_manager.cache_task_queue = client  # what launch_cache_manager does
-    assert client._fdsched_take_done == client._fdsched_wait_for_done
-    assert client._fdsched_wait == rm1.cache_manager._fdsched_settings["tunables.transfer_wait_seconds"]
+    assert type(client._fdsched_receiver) is WaitingReceiver
+    assert client._fdsched_receiver.wait_seconds == rm1.cache_manager._fdsched_settings["tunables.transfer_wait_seconds"]
     rm0 = build(0)
-    client0 = queue_cls.__new__(queue_cls)
-    client0._fdsched_take_done = client0._fdsched_wait_for_done
     rm0.cache_manager.cache_task_queue = client0
-    assert client0._fdsched_take_done == client0._fdsched_poll_as_the_host
-    assert type(client0) is type(client)
+    assert type(client0._fdsched_receiver) is PollingReceiver
+    assert type(client0) is type(client) is queue_cls
+
+
+def _unconnected_client(queue_cls):
+    """A client of ``queue_cls`` whose server's done list can wait (what its ``__init__`` finds connected to a
+    server built with the plugin), without a server process."""
+    from fdsched.patches.nonpolling_transfer import WaitableDoneList
+
+    client = queue_cls.__new__(queue_cls)
+    client.tansfer_done_queue = WaitableDoneList()
+    return client
 
 
 def test_an_arm_the_host_cannot_take_names_rank_and_profile_and_patches_nothing(tmp_path, host_info):

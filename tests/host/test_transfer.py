@@ -173,7 +173,9 @@ def test_client_falls_back_to_polling_against_a_host_server(install_profile):
         install_profile("nonpolling_transfer")
         receiver, producer = _client(port), _host_client(port)
         # decided when the client was built: it polls with the host's own method
-        assert receiver._fdsched_take_done.__name__ == "_fdsched_poll_as_the_host"
+        from fdsched.patches.nonpolling_transfer import PollingReceiver
+
+        assert type(receiver._fdsched_receiver) is PollingReceiver
         assert receiver.get_transfer_done_signal() is None
         producer.put_transfer_done_signal(_signal(2))
         assert receiver.get_transfer_done_signal()[1].startswith("task-2@")

@@ -14,7 +14,8 @@ import pytest
 
 import fdsched.patches
 from fdsched.patches import CATALOGUE, TARGETS, PatchSpec, Shapes, spec_for
-from fdsched.patches._spec import declared
+from fdsched.patches._cache_queue import CacheQueue
+from fdsched.patches._spec import declared, overridden_methods
 from fdsched.core.schema import CHANGE_IDS, HOST_FIXES, SCHEMA
 
 SCHEMA_BY_KEY = {s.key: s for s in SCHEMA}
@@ -23,6 +24,7 @@ PATCH_MODULES = sorted(
     info.name for info in pkgutil.iter_modules(fdsched.patches.__path__) if not info.name.startswith("_")
 )
 SPECS = {spec.change_id: spec for spec in CATALOGUE}
+FIXED_CLASSES = {"EngineCacheQueue": CacheQueue}  # a target with one fixed class: its seams
 
 
 def own_methods(cls) -> set:
@@ -54,9 +56,17 @@ def test_mixins_define_exactly_what_the_spec_replaces(change_id):
     for target_method in spec.replaces:
         target, method = target_method.split(".", 1)
         declared[target].add(method)
-    assert set(declared) <= set(spec.mixins), f"{change_id}: replaces a method of a target without a mixin"
+    assert set(declared) <= set(spec.mixins) | set(spec.strategies), (
+        f"{change_id}: replaces a method of a target without a mixin or a strategy")
     for target in spec.mixins:
         assert methods_of(spec, target) == declared[target], f"{change_id}: its {target} mixins drifted from SPEC.replaces"
+    for target in spec.strategies:
+        # a fixed class's seams: the class defines every replaced method, each strategy serves only replaced ones
+        seams = own_methods(FIXED_CLASSES[target])
+        assert declared[target] <= seams, f"{change_id}: {target}'s class lacks {sorted(declared[target] - seams)}"
+        for strategy in spec.strategies[target].values():
+            served = set(overridden_methods(strategy))
+            assert served <= declared[target], f"{change_id}: {strategy.__name__} serves {sorted(served)} not replaced"
 
 
 def methods_of(spec, target) -> set:
@@ -74,6 +84,9 @@ def test_each_impl_gets_only_its_own_mixins(change_id):
     """An arm's class holds a change's mixin only where that impl runs plugin code; none where the host's own
     code runs untouched (the classes decide once, no method asks which impl it is)."""
     spec = SPECS[change_id]
+    for target, table in spec.strategies.items():  # a fixed class: every impl has its strategy, the table's
+        assert set(table) == {"host", "plugin", "off"} and spec.mixin_of(target, "plugin") is None
+        assert all(spec.choose(target, impl, object)[0] is table[impl] for impl in table)
     for target in spec.mixins:
         chosen = {impl: spec.mixin_of(target, impl) for impl in ("host", "plugin", "off")}
         assert chosen["plugin"] is not None
@@ -177,7 +190,8 @@ def test_every_patch_module_is_referenced_by_exactly_one_spec():
     referenced = defaultdict(list)
     for spec in CATALOGUE:
         # a change's module, or the package that holds one module per implementation (ratio_reserve)
-        for module in {".".join(mixin.__module__.split(".")[:3]) for mixin in spec.mixins.values()}:
+        classes = [*spec.mixins.values(), *(s for table in spec.strategies.values() for s in table.values())]
+        for module in {".".join(cls.__module__.split(".")[:3]) for cls in classes}:
             referenced[module].append(spec.change_id)
     for name in PATCH_MODULES:
         module = importlib.import_module(f"fdsched.patches.{name}")

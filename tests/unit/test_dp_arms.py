@@ -9,6 +9,7 @@ import pytest
 from fdsched.install.installer import InstallError, decide_arms
 from fdsched.core.metrics import PluginMetrics, labels_of, request_latencies
 from fdsched.patches._base import dp_rank_of, init_signature
+from fdsched.patches.nonpolling_transfer import PollingReceiver, WaitingReceiver
 from fdsched.core.settings import DP_PROFILE_ENV, SettingsError, load_arm_settings, load_settings, parse_dp_arms
 
 WHERE = f"environment variable {DP_PROFILE_ENV}"
@@ -232,17 +233,17 @@ def test_instances_take_their_ranks_arm_and_the_class_keeps_the_single_profile()
     assert pcm._fdsched_arm == "recommended"
     queue_cls = classes["EngineCacheQueue"]
     server, client1, client0 = (queue_cls(is_server=s) for s in (True, False, False))
-    # no rank: one class, every arm's union for change 5 (its done lists wait when any arm's receiver does)
-    assert type(server) is type(client1) is queue_cls._fdsched_default_class and queue_cls._fdsched_arm_classes == {}
-    assert "_fdsched_dp_rank" not in vars(server) and type(server)._fdsched_impl["nonpolling_transfer"] == "plugin"
+    # no rank: one fixed class for every arm; the server's done lists wait because an arm's receiver does
+    assert type(server) is type(client1) is queue_cls and queue_cls._fdsched_serves_waiting
+    assert "_fdsched_dp_rank" not in vars(server)
     assert queue_cls._fdsched_impl["nonpolling_transfer"] == arms[0].impl["nonpolling_transfer"] == "host"
+    assert isinstance(client1._fdsched_receiver, PollingReceiver)  # the single profile's (ratio_reserve) to start
     # the manager that stores a client hands it its arm: rank 1 (recommended) waits, rank 0 (baseline) polls
-    waiting = client1._fdsched_take_done
     pcm.cache_task_queue = client1
-    assert client1._fdsched_take_done == waiting == client1._fdsched_wait_for_done
-    assert client1._fdsched_wait == arms[1].settings["tunables.transfer_wait_seconds"]
+    assert isinstance(client1._fdsched_receiver, WaitingReceiver)
+    assert client1._fdsched_receiver.wait_seconds == arms[1].settings["tunables.transfer_wait_seconds"]
     pcm_of_rank0(classes).cache_task_queue = client0
-    assert client0._fdsched_take_done == client0._fdsched_poll_as_the_host
+    assert isinstance(client0._fdsched_receiver, PollingReceiver)
     assert type(client0) is type(client1)  # nothing changed class
     # each arm's class holds only the mixins that arm applies
     # (which mixins each arm's class holds on a real host: tests/host/test_dp_arms.py; these fakes have no host
