@@ -15,7 +15,7 @@ import os
 
 import pytest
 
-from fdsched.core.metrics import METRICS
+from fdsched.core.metrics import METRICS, labels_of
 from fdsched.patches.nonpolling_transfer import PollingReceiver, WaitingReceiver
 
 from .workloads import PREFILL_VICTIM_WORKLOAD, PRESSURE_SHAPE, drive_together, kv_pressure_requests
@@ -59,6 +59,7 @@ def test_each_rank_runs_its_arm_side_by_side_in_one_process(install_arms, build,
     rm0, rm1, rm2 = build(0), build(1), build(2)  # rank 2 is not listed: the default arm (no profile)
     assert (rm0._fdsched_arm, rm1._fdsched_arm, rm2._fdsched_arm) == ("baseline", "recommended", "default")
     assert rm0._fdsched_impl == report.arms[0].impl and rm1._fdsched_impl == report.arms[1].impl
+    assert labels_of(rm1) == {"arm": "recommended", "dp_rank": "1"} and rm2._fdsched_dp_rank == 2
     assert rm0._fdsched_impl["decode_only_preempt"] == ("off" if host_info.has["decode_only_preempt"] else "host")
     assert rm1._fdsched_impl["decode_only_preempt"] in ("host", "plugin")  # the change runs (whose version: the profile's)
     # Each prefix cache follows its own scheduler's rank.
@@ -184,6 +185,17 @@ def test_the_cache_queue_a_manager_builds_takes_the_managers_arm(install_arms, b
     rm0.cache_manager.cache_task_queue = client0
     assert type(client0._fdsched_receiver) is PollingReceiver
     assert type(client0) is type(client) is queue_cls
+
+
+def test_a_single_profile_class_has_no_arms_and_instances_match_the_class(install_arms, build):
+    report = install_arms({}, profile="ratio_reserve")
+    cls = report.classes["ResourceManagerV1"]
+    rm = build(3)
+    assert cls._fdsched_arms == {} and cls._fdsched_arm_classes == {} and type(rm) is cls._fdsched_default_class
+    assert rm._fdsched_impl == cls._fdsched_impl and rm._fdsched_arm == "ratio_reserve"
+    pcm_cls = report.classes["PrefixCacheManager"]
+    assert all("cache_task_queue" not in vars(c) for c in type(rm.cache_manager).__mro__)  # no hand-over without arms
+    assert type(rm.cache_manager) is pcm_cls._fdsched_default_class
 
 
 def _unconnected_client(queue_cls):

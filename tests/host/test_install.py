@@ -323,3 +323,24 @@ def test_a_bad_variable_in_an_engine_ends_it_with_one_line(tmp_path, variable, v
     # the engine's own log has the line too
     logged = "".join(p.read_text(errors="replace") for p in tmp_path.glob("fastdeploy*.log*"))
     assert "[fdsched] the engine does not start" in logged
+
+
+def test_generated_classes_say_where_they_come_from(host_info):
+    """The classes the installer builds over the real host classes name their origin: the scheduler's and the cache
+    manager's front class and arm class by the installer, the cache queue's fixed class by its module."""
+    from fdsched.core.hooks import Policies, make_plugin_manager
+    from fdsched.core.settings import load_settings
+    from fdsched.install.installer import _build, decide, instance_class
+
+    settings = load_settings(environ={}, profile="baseline")
+    policies = Policies(make_plugin_manager(environ={}, load_entry_points=False))
+    classes = _build(host_info, settings, decide(settings, host_info), policies)
+    for target in ("ResourceManagerV1", "PrefixCacheManager"):
+        front = classes[target]
+        assert front.__module__ == "fdsched.install.installer" and front.__qualname__ == f"_build.<locals>.{target}"
+        arm = instance_class(front)
+        assert arm.__qualname__ == f"_build.<locals>.{target}[baseline]" and issubclass(arm, front)
+        assert issubclass(arm, host_info.host_classes[target]) and arm._fdsched_arm == "baseline"
+    queue = classes["EngineCacheQueue"]
+    assert (queue.__module__, queue.__qualname__) == ("fdsched.patches._cache_queue", "EngineCacheQueue")
+    assert instance_class(queue) is queue and queue.__bases__[1] is host_info.host_classes["EngineCacheQueue"]

@@ -121,29 +121,6 @@ def test_preemption_mixins_are_chosen_by_the_host_not_asked_per_call():
     assert "host_defines" not in vars(dop)  # no method asks which host it runs on
 
 
-def test_generated_classes_say_where_they_come_from():
-    import types
-
-    from fdsched.install.installer import Decision, _build
-    from fdsched.core.settings import load_settings
-
-    class Host:
-        def __init__(self, config=None, local_data_parallel_id=0):
-            self.built = True
-
-    targets = {t: type(t, (Host,), {}) for t in TARGETS}
-    info = types.SimpleNamespace(host_classes=targets, has={}, problems={})
-    settings = load_settings(environ={}, profile="baseline")
-    decisions = {cid: Decision(cid, "off", "host", "off", "off") for cid in CHANGE_IDS}
-    classes = _build(info, settings, decisions, policies=None)
-    front = classes["ResourceManagerV1"]
-    assert front.__module__ == "fdsched.install.installer" and front.__qualname__ == "_build.<locals>.ResourceManagerV1"
-    obj = front()
-    assert type(obj) is not front and isinstance(obj, front) and isinstance(obj, targets["ResourceManagerV1"])
-    assert type(obj).__qualname__ == "_build.<locals>.ResourceManagerV1[baseline]"
-    assert obj.built and obj._fdsched_dp_rank == 0 and obj._fdsched_arm == "baseline"
-
-
 @pytest.mark.parametrize("change_id", CHANGE_IDS)
 def test_targets_and_requirements_name_known_host_classes(change_id):
     spec = SPECS[change_id]

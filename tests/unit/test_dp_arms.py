@@ -9,7 +9,6 @@ import pytest
 from fdsched.install.installer import InstallError, decide_arms
 from fdsched.core.metrics import PluginMetrics, labels_of, request_latencies
 from fdsched.patches._base import dp_rank_of, init_signature
-from fdsched.patches.nonpolling_transfer import PollingReceiver, WaitingReceiver
 from fdsched.core.settings import DP_PROFILE_ENV, SettingsError, load_arm_settings, load_settings, parse_dp_arms
 
 WHERE = f"environment variable {DP_PROFILE_ENV}"
@@ -167,127 +166,6 @@ def test_plain_counters_keep_totals_and_split_by_arm():
     (ttft, tpot), = m.latencies[("recommended", "1")]
     assert ttft == pytest.approx(0.25) and tpot == pytest.approx(0.1)
     assert m.arm("nosuch") == {}
-
-
-# ---- per-instance arms on plugin classes built over plain host classes ---------------------------------------
-class _FakeRM:
-    def __init__(self, max_num_seqs, config, tensor_parallel_size, splitwise_role, local_data_parallel_id=0):
-        self.built_with = local_data_parallel_id
-        # what the mixins read when they are built (the node's role, whether a draft model runs)
-        self.config = types.SimpleNamespace(
-            scheduler_config=types.SimpleNamespace(splitwise_role=splitwise_role),
-            speculative_config=types.SimpleNamespace(method=None),
-        )
-
-
-class _FakePCM:
-    def __init__(self, config, tensor_parallel_size, splitwise_role="mixed", local_data_parallel_id=0):
-        self.cache_task_queue = None
-
-    # the shapes change 1 overrides (its arm class is built only on a class that has them)
-    def free_block_ids_async(self, need_block_num): ...
-
-    def free_nodes_directly(self, node): ...
-
-    def recycle_gpu_blocks(self, gpu_block_ids, req_id=None): ...
-
-    def _handle_free_gpu_node_without_cpu(self, node): ...
-
-
-class _FakeECQ:
-    def __init__(self, address=None, is_server=False, local_data_parallel_id=0):
-        from fdsched.patches.nonpolling_transfer import WaitableDoneList
-
-        # the done list a server built with the plugin gives (change 5's client asks it once whether it can wait)
-        self.tansfer_done_queue = WaitableDoneList()
-
-
-def _classes(arms):
-    from fdsched.core.hooks import Policies, make_plugin_manager
-    from fdsched.install.installer import _build, decide
-
-    info = types.SimpleNamespace(
-        has={}, problems={}, label="fake host", split_status=False, request_status=None,
-        host_classes={"ResourceManagerV1": _FakeRM, "PrefixCacheManager": _FakePCM, "EngineCacheQueue": _FakeECQ},
-    )
-    # Decided as a probe result without host classes (the fakes have none of the methods the changes check): this
-    # test is about which arm each instance takes, not about the host's shapes.
-    probed = types.SimpleNamespace(**{k: v for k, v in vars(info).items() if k != "host_classes"})
-    default = load_settings({}, profile="ratio_reserve")
-    decided = decide_arms({r: load_settings({}, profile=p) for r, p in arms.items()}, probed)
-    classes = _build(info, default, decide(default, probed), Policies(make_plugin_manager({}, load_entry_points=False)),
-                     decided)
-    return classes, decided
-
-
-def test_instances_take_their_ranks_arm_and_the_class_keeps_the_single_profile():
-    classes, arms = _classes({0: "baseline", 1: "recommended"})
-    rm_cls = classes["ResourceManagerV1"]
-    rm0, rm1, rm5 = (rm_cls(8, _config(r), 1, "mixed", r) for r in (0, 1, 5))
-    assert (rm0._fdsched_arm, rm1._fdsched_arm, rm5._fdsched_arm) == ("baseline", "recommended", "ratio_reserve")
-    assert rm0._fdsched_impl == arms[0].impl and rm1._fdsched_impl == arms[1].impl
-    assert rm0._fdsched_settings.profile == "baseline" and rm5._fdsched_dp_rank == 5
-    assert rm_cls._fdsched_settings.profile == "ratio_reserve" and rm_cls._fdsched_impl["decode_only_preempt"] == "host"
-    assert labels_of(rm1) == {"arm": "recommended", "dp_rank": "1"}
-    pcm = classes["PrefixCacheManager"](_config(1), 1, "mixed", 1)
-    assert pcm._fdsched_arm == "recommended"
-    queue_cls = classes["EngineCacheQueue"]
-    server, client1, client0 = (queue_cls(is_server=s) for s in (True, False, False))
-    # no rank: one fixed class for every arm; the server's done lists wait because an arm's receiver does
-    assert type(server) is type(client1) is queue_cls and queue_cls._fdsched_serves_waiting
-    assert "_fdsched_dp_rank" not in vars(server)
-    assert queue_cls._fdsched_impl["nonpolling_transfer"] == arms[0].impl["nonpolling_transfer"] == "host"
-    assert isinstance(client1._fdsched_receiver, PollingReceiver)  # the single profile's (ratio_reserve) to start
-    # the manager that stores a client hands it its arm: rank 1 (recommended) waits, rank 0 (baseline) polls
-    pcm.cache_task_queue = client1
-    assert isinstance(client1._fdsched_receiver, WaitingReceiver)
-    assert client1._fdsched_receiver.wait_seconds == arms[1].settings["tunables.transfer_wait_seconds"]
-    pcm_of_rank0(classes).cache_task_queue = client0
-    assert isinstance(client0._fdsched_receiver, PollingReceiver)
-    assert type(client0) is type(client1)  # nothing changed class
-    # each arm's class holds only the mixins that arm applies
-    # (which mixins each arm's class holds on a real host: tests/host/test_dp_arms.py; these fakes have no host
-    # module globals, so change 1's mixin is left out of every arm here)
-    assert type(pcm_of_rank0(classes)) is not type(pcm)
-    assert pcm_of_rank0(classes)._fdsched_impl["deferred_recycle"] == "host" and pcm._fdsched_impl["deferred_recycle"] == "plugin"
-
-
-def pcm_of_rank0(classes):
-    return classes["PrefixCacheManager"](_config(0), 1, "mixed", 0)
-
-
-def _forked_rank(cls, rank, conn):
-    import os
-
-    try:
-        rm = cls(8, _config(rank), 1, "mixed", rank)
-        conn.send((rm._fdsched_arm, rm._fdsched_impl["decode_only_preempt"]))
-    finally:
-        conn.close()
-        os._exit(0)
-
-
-def test_a_rank_forked_after_rank_0_was_built_takes_its_own_arm():
-    import multiprocessing
-
-    classes, arms = _classes({0: "baseline", 1: "recommended"})
-    rm0 = classes["ResourceManagerV1"](8, _config(0), 1, "mixed", 0)  # built before the fork, as the engine does
-    ctx = multiprocessing.get_context("fork")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_forked_rank, args=(classes["ResourceManagerV1"], 1, child))
-    proc.start()
-    child.close()
-    assert parent.recv() == ("recommended", arms[1].impl["decode_only_preempt"])
-    proc.join(30)
-    assert rm0._fdsched_arm == "baseline"
-
-
-def test_a_single_profile_class_has_no_arms_and_instances_match_the_class():
-    classes, _ = _classes({})
-    rm = classes["ResourceManagerV1"](8, _config(3), 1, "mixed", 3)
-    assert classes["ResourceManagerV1"]._fdsched_arms == {}
-    assert rm._fdsched_impl == classes["ResourceManagerV1"]._fdsched_impl and rm._fdsched_arm == "ratio_reserve"
-    assert "cache_task_queue" not in vars(classes["PrefixCacheManager"])  # no hand-over without arms
 
 
 def test_each_labelled_series_is_made_once_and_every_update_reaches_the_registry():
