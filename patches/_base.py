@@ -269,13 +269,15 @@ class InstanceAttribute:
 
 
 class QueueOwner(InstanceAttribute):
-    """Data descriptor on a cache manager's class for the attribute holding the cache queue client it builds
-    (``cache_task_queue``), in an online A/B: the queue class is built without a rank, so the manager hands the
-    client it stores its own arm's decisions and settings (the client's ``fdsched_serve(impl, settings)``, where its
-    class has one)."""
+    """Data descriptor on the cache manager's class for the attribute holding the cache queue client it builds
+    (``cache_task_queue``): in an online A/B (the owner's class has arms) the queue class is built without a rank, so
+    the manager hands the client it stores its own arm's decisions and settings (the client's
+    ``fdsched_serve(impl, settings)``, where its class has one)."""
 
     def __set__(self, obj, value):
         obj.__dict__[self.name] = value
+        if not getattr(obj, "_fdsched_arms", None):
+            return  # a single profile: the client started with it
         serve = getattr(type(value), "fdsched_serve", None)
         impl = getattr(obj, "_fdsched_impl", None)
         if serve is not None and impl is not None:

@@ -8,7 +8,7 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-__all__ = ["AlteredTest", "PatchSpec", "Reliance", "Variant", "Shapes", "shape_of", "format_shape", "override_problem", "strategy_problem", "call_problem", "uses_problem", "pick_shape"]
+__all__ = ["AlteredTest", "PatchSpec", "Reliance", "Variant", "Shapes", "shape_of", "format_shape", "override_problem", "served_methods", "strategy_problem", "call_problem", "uses_problem", "pick_shape"]
 
 
 # ---- host signatures: what the plugin checks before it patches -----------------------------------------------
@@ -81,11 +81,16 @@ def override_problem(mixin, host_cls) -> Optional[str]:
     return None
 
 
+def served_methods(strategy) -> dict:
+    """Host method name -> the strategy's function, for every seam a strategy class serves (its ``seams``)."""
+    return {name: getattr(strategy, name) for name in getattr(strategy, "seams", ())}
+
+
 def strategy_problem(strategy, host_cls) -> Optional[str]:
-    """Why ``strategy`` (a change's strategy object's class: its methods named as the host's take the host object
-    first, then the host method's own parameters) cannot serve ``host_cls``'s seams: :func:`override_problem` with
-    that first parameter left out. None when every method fits."""
-    for name, func in sorted(overridden_methods(strategy).items()):
+    """Why ``strategy`` (a change's strategy object's class: each method it serves, named in its ``seams``, takes the
+    host object first, then the host method's own parameters) cannot serve ``host_cls``'s seams:
+    :func:`override_problem` with that first parameter left out. None when every method fits."""
+    for name, func in sorted(served_methods(strategy).items()):
         mine = shape_of(func)
         if mine is not None and any(kind in ("VAR_POSITIONAL", "VAR_KEYWORD") for _, kind, _ in mine):
             continue  # a pass-through: takes whatever the host's takes
@@ -139,7 +144,7 @@ def uses_problem(mixin, target: str, host_classes: dict) -> Optional[str]:
     globals (:func:`fdsched.patches._base.host_global`)."""
     import sys
 
-    overridden = set(overridden_methods(mixin))
+    overridden = set(overridden_methods(mixin)) | set(getattr(mixin, "seams", ()))
     for target_method, args in sorted(declared(mixin, "fdsched_calls").items()):
         called, method = target_method.split(".", 1)
         host_cls = host_classes.get(called)
@@ -203,12 +208,14 @@ class Shapes(tuple):
     def __new__(cls, *mixins):
         return super().__new__(cls, mixins)
 
-    def pick(self, host_cls, target: Optional[str] = None, host_classes: Optional[dict] = None) -> tuple:
+    def pick(self, host_cls, target: Optional[str] = None, host_classes: Optional[dict] = None,
+             check: Callable = None) -> tuple:
         """(the mixin for ``host_cls``, None) or (None, why none fits): the first whose overrides match the host and,
-        given the ``target`` it is for and every target's ``host_classes``, whose declared uses the host has."""
+        given the ``target`` it is for and every target's ``host_classes``, whose declared uses the host has
+        (``check``: how a member is compared with the host's methods; a strategy's is :func:`strategy_problem`)."""
         shape_problems, use_problems = [], []
         for mixin in self:
-            problem = override_problem(mixin, host_cls)
+            problem = (check or override_problem)(mixin, host_cls)
             if problem is not None:
                 shape_problems.append(problem)
                 continue
@@ -220,13 +227,15 @@ class Shapes(tuple):
         return None, (use_problems or shape_problems)[0]
 
 
-def pick_shape(chosen, host_cls, target: Optional[str] = None, host_classes: Optional[dict] = None) -> tuple:
-    """(mixin or None, problem or None) for a chosen mixin, :class:`Shapes` or None on ``host_cls``."""
+def pick_shape(chosen, host_cls, target: Optional[str] = None, host_classes: Optional[dict] = None,
+               check: Callable = None) -> tuple:
+    """(mixin or None, problem or None) for a chosen mixin, :class:`Shapes` or None on ``host_cls`` (``check``: see
+    :meth:`Shapes.pick`)."""
     if chosen is None:
         return None, None
     if isinstance(chosen, Shapes):
-        return chosen.pick(host_cls, target, host_classes)
-    return chosen, override_problem(chosen, host_cls)
+        return chosen.pick(host_cls, target, host_classes, check)
+    return chosen, (check or override_problem)(chosen, host_cls)
 
 
 @dataclass(frozen=True)
@@ -318,9 +327,11 @@ class PatchSpec:
     def classes(self, target: str) -> tuple:
         """Every mixin class this change may put into ``target``'s plugin classes (its base, variants, shapes)."""
         found = [self.mixins[target]] if target in self.mixins else []
-        for strategy in self.strategies.get(target, {}).values():
-            if strategy not in found:
-                found.append(strategy)
+        for chosen in self.strategies.get(target, {}).values():
+            for option in chosen.options if isinstance(chosen, Variant) else (chosen,) if chosen else ():
+                for strategy in option if isinstance(option, Shapes) else (option,):
+                    if strategy not in found:
+                        found.append(strategy)
         for by_target in (self.variants or {}).values():
             chosen = by_target.get(target)
             for option in chosen.options if isinstance(chosen, Variant) else (chosen,) if chosen else ():
@@ -336,8 +347,10 @@ class PatchSpec:
         override checked against the host's signature. For a target with :attr:`strategies`: (the strategy, why it
         cannot serve the host's seams or None)."""
         if target in self.strategies:
-            strategy = self.strategies[target].get(impl)
-            return strategy, None if strategy is None else strategy_problem(strategy, host_cls)
+            chosen = self.strategies[target].get(impl)
+            if isinstance(chosen, Variant):
+                chosen = chosen.choose(host_has, settings)
+            return pick_shape(chosen, host_cls, target, host_classes, strategy_problem)
         return pick_shape(self.mixin_of(target, impl, host_has, settings), host_cls, target, host_classes)
 
     def shape_problem(self, host_classes: dict, impl: str, host_has: bool = False, settings=None) -> Optional[str]:

@@ -40,7 +40,7 @@ import time
 from fdsched.core.metrics import METRICS
 
 from fdsched.patches._spec import PatchSpec, Shapes
-from fdsched.patches._base import PluginBase, host_global
+from fdsched.patches._base import host_global
 
 PCM = "fastdeploy.cache_manager.prefix_cache_manager"
 # An eviction of at least len(heap) / KEYED_HEAP_MIN_SHARE blocks works on keyed tuples (one pass to
@@ -106,78 +106,81 @@ def merge_into_heap(heap: list, ids: list, heapify_min_batch: int) -> str:
     return "push"
 
 
-class DeferredRecycleMixin(PluginBase):
+class DeferredRecycle:
+    """The cache manager's eviction and recycling under this change (one per cache manager, made when it is built;
+    see :mod:`fdsched.patches._prefix_cache`). Each method named as the host's takes the cache manager first;
+    ``next`` has the host's own methods."""
+
+    seams = ("free_block_ids_async", "free_nodes_directly", "recycle_gpu_blocks", "_handle_free_gpu_node_without_cpu")
     fdsched_globals = {PCM: ("CacheStatus", "PrefixTreeStatus", "envs", "logger", "main_process_metrics")}
     fdsched_attributes = (
         "request_release_lock", "gpu_free_task_future", "gpu_lru_leaf_heap", "gpu_lru_leaf_set", "radix_tree_root",
         "node_id_pool", "node_map", "gpu_free_block_list", "num_gpu_blocks", "cache_config", "available_gpu_resource",
     )
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        settings = self._fdsched_settings
+    def __init__(self, cm, settings, next):
+        self.next = next
         # (the thread whose eviction is open, the ids it collects), or None: opened under request_release_lock only
-        self._fdsched_eviction = None
-        self._fdsched_heapify_min_batch = settings["tunables.recycle_heapify_min_batch"]
-        self._fdsched_deferred_path = (
-            self._fdsched_forced_direct if settings["tunables.transfer_force_direct_recycle"]
-            else self._fdsched_direct_without_cpu_room
+        self.eviction = None
+        self.heapify_min_batch = settings["tunables.recycle_heapify_min_batch"]
+        self.deferred_path = (
+            self.forced_direct if settings["tunables.transfer_force_direct_recycle"] else self.direct_without_cpu_room
         )
 
-    def free_block_ids_async(self, need_block_num):
-        if not self._fdsched_deferred_path(need_block_num):
-            return super().free_block_ids_async(need_block_num)
-        with self.request_release_lock:
-            if self.gpu_free_task_future is not None:
-                if not self.gpu_free_task_future.done():
+    def free_block_ids_async(self, cm, need_block_num):
+        if not self.deferred_path(cm, need_block_num):
+            return self.next.free_block_ids_async(cm, need_block_num)
+        with cm.request_release_lock:
+            if cm.gpu_free_task_future is not None:
+                if not cm.gpu_free_task_future.done():
                     return
-                self.gpu_free_task_future.result()
-                self.gpu_free_task_future = None
+                cm.gpu_free_task_future.result()
+                cm.gpu_free_task_future = None
             started = time.perf_counter()
-            with self._fdsched_batch() as freed:
+            with self.batch() as freed:
                 try:
-                    self._fdsched_evict_lru(need_block_num, freed)
-                    self.gpu_free_task_future = None
+                    self.evict_lru(cm, need_block_num, freed)
+                    cm.gpu_free_task_future = None
                 except Exception as exc:
-                    self._fdsched_eviction_error("free_block_ids_async", exc)
+                    self.eviction_error(cm, "free_block_ids_async", exc)
                 finally:
-                    self._fdsched_recycle_evicted(freed, started)
+                    self.recycle_evicted(cm, freed, started)
 
-    def free_nodes_directly(self, node):
-        with self.request_release_lock, self._fdsched_batch() as freed:
+    def free_nodes_directly(self, cm, node):
+        with cm.request_release_lock, self.batch() as freed:
             started = time.perf_counter()
             removed_from_heap = False
             try:
-                while node is not None and node is not self.radix_tree_root:
-                    if node in self.gpu_lru_leaf_set:
-                        self.gpu_lru_leaf_set.remove(node)
-                        self.gpu_lru_leaf_heap.remove(node)
+                while node is not None and node is not cm.radix_tree_root:
+                    if node in cm.gpu_lru_leaf_set:
+                        cm.gpu_lru_leaf_set.remove(node)
+                        cm.gpu_lru_leaf_heap.remove(node)
                         removed_from_heap = True
                     if node.shared_count != 0 or not node.is_gpu_leaf_node or node.is_persistent:
                         break
-                    self._handle_free_gpu_node_without_cpu(node)  # the host's per-node seam (collects, see below)
+                    cm._handle_free_gpu_node_without_cpu(node)  # the host's per-node seam (collects, see below)
                     parent = node.parent
                     if parent.children.get(node.hash_value) is node:
                         del parent.children[node.hash_value]
                     node = parent if not parent.children else None
             except Exception as exc:
-                self._fdsched_eviction_error("free_nodes_directly", exc)
+                self.eviction_error(cm, "free_nodes_directly", exc)
             finally:
                 if removed_from_heap:
-                    heapq.heapify(self.gpu_lru_leaf_heap)  # list.remove broke the heap order
-                self._fdsched_recycle_evicted(freed, started)
+                    heapq.heapify(cm.gpu_lru_leaf_heap)  # list.remove broke the heap order
+                self.recycle_evicted(cm, freed, started)
 
-    def _handle_free_gpu_node_without_cpu(self, node):
+    def _handle_free_gpu_node_without_cpu(self, cm, node):
         """The host's per-node eviction step: inside one of the plugin's evictions the node is detached as the host
         detaches it (status, node id, node map; its reserved decode ids cleared) but its ids are collected for
         the eviction's one recycle call instead of recycled one node at a time; anywhere else, the host's own."""
-        eviction = self._fdsched_eviction
+        eviction = self.eviction
         if eviction is None or eviction[0] != threading.get_ident():
-            return super()._handle_free_gpu_node_without_cpu(node)
+            return self.next._handle_free_gpu_node_without_cpu(cm, node)
         freed = eviction[1]
         node.cache_status = host_global(PCM, "CacheStatus").CPU  # see docs/internals.md, "deferred_recycle"
-        self.node_id_pool.append(node.node_id)
-        self.node_map.pop(node.node_id, None)
+        cm.node_id_pool.append(node.node_id)
+        cm.node_map.pop(node.node_id, None)
         if node.reverved_dec_block_ids:
             freed.extend(node.reverved_dec_block_ids)
             node.reverved_dec_block_ids = []
@@ -185,37 +188,37 @@ class DeferredRecycleMixin(PluginBase):
         return None
 
     @contextlib.contextmanager
-    def _fdsched_batch(self):
+    def batch(self):
         """The calling thread's eviction batch: the list the per-node seam collects into while it is open (on that
         thread only: a call on another thread gets the host's own step). Opened under ``request_release_lock``, as
         every host eviction that calls the seam is, so one is open at a time."""
-        outer, freed = self._fdsched_eviction, []
-        self._fdsched_eviction = (threading.get_ident(), freed)
+        outer, freed = self.eviction, []
+        self.eviction = (threading.get_ident(), freed)
         try:
             yield freed
         finally:
-            self._fdsched_eviction = outer
+            self.eviction = outer
 
-    def recycle_gpu_blocks(self, gpu_block_ids, req_id=None):
+    def recycle_gpu_blocks(self, cm, gpu_block_ids, req_id=None):
         """The host's seam for returning GPU blocks, same contract, one heap merge per call."""
         ids = gpu_block_ids if isinstance(gpu_block_ids, list) else [gpu_block_ids]
-        self._fdsched_recycle_batch(ids, req_id)
+        self.recycle_batch(cm, ids, req_id)
 
     # ---- pieces ---------------------------------------------------------------------------
-    def _fdsched_evict_lru(self, need_block_num: int, freed: list) -> int:
+    def evict_lru(self, cm, need_block_num: int, freed: list) -> int:
         """The LRU loop: pop leaves oldest first, detach them, collect their ids. The hot path.
 
         Same decisions as the host's loop, with its per-node work reduced to attribute tests: for a node
         without children ``is_gpu_leaf_node`` is just ``cache_status == GPU``. For a large eviction the
-        heap is worked on as keyed tuples (see ``_fdsched_lru_heap``): same pops, same pushes, same
+        heap is worked on as keyed tuples (see :meth:`lru_heap`): same pops, same pushes, same
         final heap as the host's, without a Python ``BlockNode.__lt__`` call per comparison.
         """
         gpu = host_global(PCM, "CacheStatus").GPU
-        in_heap, root = self.gpu_lru_leaf_set, self.radix_tree_root
-        handle = self._handle_free_gpu_node_without_cpu
+        in_heap, root = cm.gpu_lru_leaf_set, cm.radix_tree_root
+        handle = cm._handle_free_gpu_node_without_cpu
         pop, push = heapq.heappop, heapq.heappush
         evicted = 0
-        with self._fdsched_lru_heap(need_block_num) as (heap, keyed):
+        with self.lru_heap(cm, need_block_num) as (heap, keyed):
             while heap and evicted < need_block_num:
                 node = pop(heap)
                 if keyed:
@@ -242,7 +245,7 @@ class DeferredRecycleMixin(PluginBase):
         return evicted
 
     @contextlib.contextmanager
-    def _fdsched_lru_heap(self, need_block_num: int):
+    def lru_heap(self, cm, need_block_num: int):
         """Yield ``(heap, keyed)`` for one eviction: the host's ``gpu_lru_leaf_heap`` or its keyed mirror.
 
         ``BlockNode.__lt__`` orders by ``(last_used_time, -depth)``; a Python call per comparison is
@@ -255,7 +258,7 @@ class DeferredRecycleMixin(PluginBase):
         directly: building the mirror would cost more than the comparisons it saves. The mirror lives
         while collections are held off (:func:`collections_held`).
         """
-        heap = self.gpu_lru_leaf_heap
+        heap = cm.gpu_lru_leaf_heap
         if need_block_num * KEYED_HEAP_MIN_SHARE < len(heap):
             yield heap, False
             return
@@ -267,28 +270,28 @@ class DeferredRecycleMixin(PluginBase):
             finally:
                 heap[:] = [entry[2] for entry in keyed]
                 keyed.clear()  # the tuples die before collections resume: nothing was promoted, nothing is due
-        METRICS.gc_held(time.perf_counter() - held, of=self)  # the hold's length, for operators (docs/gc.md)
+        METRICS.gc_held(time.perf_counter() - held, of=cm)  # the hold's length, for operators (docs/gc.md)
 
-    def _fdsched_direct_without_cpu_room(self, need_block_num) -> bool:
+    def direct_without_cpu_room(self, cm, need_block_num) -> bool:
         """Whether this eviction takes the plugin's path: not where the host swaps to the CPU tier (change 5's path)."""
-        if self.cache_config.num_cpu_blocks >= need_block_num:
+        if cm.cache_config.num_cpu_blocks >= need_block_num:
             return False
-        return not self._fdsched_flush_only()
+        return not self.flush_only(cm)
 
-    def _fdsched_forced_direct(self, need_block_num) -> bool:
+    def forced_direct(self, cm, need_block_num) -> bool:
         """FDSCHED_TRANSFER_FORCE_DIRECT_RECYCLE=1: every eviction takes the plugin's path, CPU tier or not."""
-        return not self._fdsched_flush_only()
+        return not self.flush_only(cm)
 
-    def _fdsched_flush_only(self) -> bool:
+    def flush_only(self, cm) -> bool:
         # The host's own storage switches, read when the host reads them: flush-only storage mode collects per-node
         # flush info, which the host's loop does.
         return bool(getattr(host_global(PCM, "envs"), "FD_AS_ONLY_FLUSH", False)) and (
-            self.kvcache_storage_backend == "attention_store"
+            cm.kvcache_storage_backend == "attention_store"
         )
 
-    def _fdsched_eviction_error(self, where: str, exc: Exception) -> None:
+    def eviction_error(self, cm, where: str, exc: Exception) -> None:
         logger = host_global(PCM, "logger")
-        signal = getattr(self, "prefix_tree_status_signal", None)
+        signal = getattr(cm, "prefix_tree_status_signal", None)
         normal = host_global(PCM, "PrefixTreeStatus").NORMAL
         if signal is not None and signal.value[0] != normal:
             logger.warning(f"[fdsched] {where}: error while the prefix tree is not normal, ignored: {exc}")
@@ -296,42 +299,42 @@ class DeferredRecycleMixin(PluginBase):
         logger.error(f"[fdsched] {where}: error: {type(exc).__name__} {exc}")
         raise exc
 
-    def _fdsched_recycle_evicted(self, ids: list, started: float) -> None:
+    def recycle_evicted(self, cm, ids: list, started: float) -> None:
         """Hand an eviction's ids to the host's seam in one call; count the batch."""
         if not ids:
             return
-        self.recycle_gpu_blocks(ids)  # an instance attribute that replaces the method sees the batch too
-        METRICS.recycled(len(ids), time.perf_counter() - started, of=self)
+        cm.recycle_gpu_blocks(ids)  # an instance attribute that replaces the method sees the batch too
+        METRICS.recycled(len(ids), time.perf_counter() - started, of=cm)
 
-    def _fdsched_recycle_batch(self, ids: list, req_id) -> None:
+    def recycle_batch(self, cm, ids: list, req_id) -> None:
         """Return ``ids`` to the free heap: once, guarded like the host's recycle."""
         if not ids:
             return
         logger = host_global(PCM, "logger")
-        signal = getattr(self, "prefix_tree_status_signal", None)
+        signal = getattr(cm, "prefix_tree_status_signal", None)
         if signal is not None and signal.value[0] != host_global(PCM, "PrefixTreeStatus").NORMAL:
             logger.warning(f"[fdsched] prefix tree is not normal, skip recycling {len(ids)} gpu blocks")
             return
-        free = self.gpu_free_block_list
-        if len(free) + len(ids) > self.num_gpu_blocks:
-            ids = self._fdsched_drop_duplicates(ids)
-            if len(free) + len(ids) > self.num_gpu_blocks:
+        free = cm.gpu_free_block_list
+        if len(free) + len(ids) > cm.num_gpu_blocks:
+            ids = self.drop_duplicates(cm, ids)
+            if len(free) + len(ids) > cm.num_gpu_blocks:
                 logger.error(
                     f"[fdsched] {len(free)} free gpu blocks plus {len(ids)} recycled exceed the pool of "
-                    f"{self.num_gpu_blocks}: block accounting is broken, the batch is discarded: {ids}"
+                    f"{cm.num_gpu_blocks}: block accounting is broken, the batch is discarded: {ids}"
                 )
                 return
-        way = merge_into_heap(free, ids, self._fdsched_heapify_min_batch)
+        way = merge_into_heap(free, ids, self.heapify_min_batch)
         metrics = host_global(PCM, "main_process_metrics")
         metrics.free_gpu_block_num.set(len(free))
-        metrics.available_gpu_resource.set(self.available_gpu_resource)
-        logger.info(f"[fdsched] req_id:{req_id} recycled {len(ids)} gpu blocks ({way}), free {len(free)}/{self.num_gpu_blocks}")
+        metrics.available_gpu_resource.set(cm.available_gpu_resource)
+        logger.info(f"[fdsched] req_id:{req_id} recycled {len(ids)} gpu blocks ({way}), free {len(free)}/{cm.num_gpu_blocks}")
         if logger.isEnabledFor(logging.DEBUG):
             logger.debug(f"[fdsched] req_id:{req_id} recycled gpu block ids: {ids}")
 
-    def _fdsched_drop_duplicates(self, ids: list) -> list:
+    def drop_duplicates(self, cm, ids: list) -> list:
         logger = host_global(PCM, "logger")
-        already_free = set(self.gpu_free_block_list)
+        already_free = set(cm.gpu_free_block_list)
         seen, kept, dropped = set(), [], []
         for block_id in ids:
             if block_id in already_free or block_id in seen:
@@ -344,12 +347,12 @@ class DeferredRecycleMixin(PluginBase):
         return kept
 
 
-class DeferredRecycleNoReqIdMixin(DeferredRecycleMixin):
-    """:class:`DeferredRecycleMixin` on a host whose ``recycle_gpu_blocks`` takes the ids only (FastDeploy 2.4)."""
+class DeferredRecycleNoReqId(DeferredRecycle):
+    """:class:`DeferredRecycle` on a host whose ``recycle_gpu_blocks`` takes the ids only (FastDeploy 2.4)."""
 
-    def recycle_gpu_blocks(self, gpu_block_ids):
+    def recycle_gpu_blocks(self, cm, gpu_block_ids):
         ids = gpu_block_ids if isinstance(gpu_block_ids, list) else [gpu_block_ids]
-        self._fdsched_recycle_batch(ids, None)
+        self.recycle_batch(cm, ids, None)
 
 
 SPEC = PatchSpec(
@@ -372,7 +375,8 @@ SPEC = PatchSpec(
     hosts_needing="all 2.6 hosts (old e7c8dc2, new d38eeb8)",
     switch="FDSCHED_DEFERRED_RECYCLE",
     delete_when="upstream merges PR 7885/7886 into every supported host",
-    mixins={"PrefixCacheManager": DeferredRecycleMixin},
-    variants={"plugin": {"PrefixCacheManager": Shapes(DeferredRecycleMixin, DeferredRecycleNoReqIdMixin)}},
+    mixins={},
+    strategies={"PrefixCacheManager": {"plugin": Shapes(DeferredRecycle, DeferredRecycleNoReqId), "host": None,
+                                       "off": None}},
     host_has=lambda info: False,
 )

@@ -111,6 +111,7 @@ class PollingReceiver:
     whose lists cannot wait)."""
 
     name = "polls as the host does"
+    seams = ("get_transfer_done_signal",)
     fdsched_host_role = "passes the call to the host's own method"
 
     def __init__(self, host_take):
@@ -125,6 +126,7 @@ class WaitingReceiver:
     (see :class:`WaitableDoneList`)."""
 
     name = "waits in the server"
+    seams = ("get_transfer_done_signal",)
     fdsched_globals = {ECQ: ("logger",)}
 
     def __init__(self, wait_seconds: float):

@@ -33,7 +33,7 @@ them). A count at or above the cached count is passed on unchanged: every other 
 from __future__ import annotations
 
 from fdsched.patches._spec import PatchSpec, Reliance, Shapes
-from fdsched.patches._base import PluginBase, code_names, compares_locals
+from fdsched.patches._base import code_names, compares_locals
 
 
 def raised_record(num_computed_tokens: int, cached_tokens: int, block_size: int) -> int:
@@ -44,32 +44,35 @@ def raised_record(num_computed_tokens: int, cached_tokens: int, block_size: int)
     return num_computed_tokens
 
 
-class OneNodePerBlockMixin(PluginBase):
-    """The fix; each line's shape says where the prefix cache keeps its per-request record."""
+class RaisedRecord:
+    """The fix: one per cache manager; ``next`` records (the next change's gate, or the host's own). Each line's
+    shape (below) says where the prefix cache keeps its per-request record."""
 
-    def update_cache_blocks(self, task, block_size, num_computed_tokens):
-        record = self._fdsched_records().get(task.request_id)
+    seams = ("update_cache_blocks",)
+    records: str  # the cache manager's attribute holding the per-request record
+
+    def __init__(self, cm, settings, next):
+        self.next = next
+
+    def update_cache_blocks(self, cm, task, block_size, num_computed_tokens):
+        record = getattr(cm, self.records).get(task.request_id)
         if record is not None:
             num_computed_tokens = raised_record(num_computed_tokens, record[1], block_size)
-        return super().update_cache_blocks(task, block_size, num_computed_tokens)
-
-    def _fdsched_records(self) -> dict:
-        return self.req_to_radix_tree_info
+        return self.next.update_cache_blocks(cm, task, block_size, num_computed_tokens)
 
 
-class RadixTreeInfoRecordMixin(OneNodePerBlockMixin):
+class RaisedTreeInfoRecord(RaisedRecord):
     """Lines that keep the record as ``req_to_radix_tree_info[request_id] = [leaf, cached tokens]`` (2.5 on)."""
 
     fdsched_attributes = ("req_to_radix_tree_info",)
+    records = "req_to_radix_tree_info"
 
 
-class CacheInfoRecordMixin(OneNodePerBlockMixin):
+class RaisedCacheInfoRecord(RaisedRecord):
     """Lines that keep it as ``cache_info[request_id] = (leaf, cached tokens)`` (2.2, 2.4)."""
 
     fdsched_attributes = ("cache_info",)
-
-    def _fdsched_records(self) -> dict:
-        return self.cache_info
+    records = "cache_info"
 
 
 def _cached_count_record(info):
@@ -113,8 +116,9 @@ SPEC = PatchSpec(
     hosts_needing="lines whose update_cache_blocks records a count below the cached one (2.2 to 2.6 before the head)",
     switch="FDSCHED_ONE_NODE_PER_BLOCK",
     delete_when="FastDeploy leaves a request's record alone for a computed count below its cached count",
-    mixins={"PrefixCacheManager": OneNodePerBlockMixin},
-    variants={"plugin": {"PrefixCacheManager": Shapes(RadixTreeInfoRecordMixin, CacheInfoRecordMixin)}},
+    mixins={},
+    strategies={"PrefixCacheManager": {"plugin": Shapes(RaisedTreeInfoRecord, RaisedCacheInfoRecord), "host": None,
+                                       "off": None}},
     host_has=_skips_records_below_cached,
     relies_on=(
         Reliance(

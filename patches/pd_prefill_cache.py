@@ -38,49 +38,48 @@ PREALLOCATION, CHUNK = "preallocation", "chunk"
 
 
 def preallocating(cache_manager) -> set:
-    """Ids of the requests whose preallocation is under way on ``cache_manager``: the gate's own set, made when the
+    """Ids of the requests whose preallocation is under way on ``cache_manager``: its gate's own set, made when the
     cache manager was built (nothing is added to the cache manager later)."""
-    return cache_manager._fdsched_preallocating
+    return cache_manager.fdsched_gate.preallocating
 
 
 # ---- the prefix cache's gate: which of the host's own records pass, per behaviour -----------------------------
-class PdPrefillCacheManagerMixin(PluginBase):
-    """The gate on a prefill node; the base and the ``safe`` behaviour: none of the host's records pass."""
+class RecordGate:
+    """The gate on a prefill node (one per cache manager; ``next`` records: the host's own); the base and the
+    ``safe`` behaviour: none of the host's records pass. On every other role each record passes."""
 
-    _fdsched_allowed: frozenset = frozenset()  # the host's moments whose records pass
+    seams = ("update_cache_blocks",)
+    allowed: frozenset = frozenset()  # the host's moments whose records pass
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._fdsched_preallocating: set = set()  # marked by the scheduler for the duration of a preallocation
+    def __init__(self, cm, settings, next):
+        self.next = next
+        self.preallocating: set = set()  # marked by the scheduler for the duration of a preallocation
         # The role is fixed for the manager's life: only a prefill node's records go through the gate.
-        prefill_node = getattr(self, "splitwise_role", None) == "prefill"
-        self._fdsched_update = self._fdsched_gated_update if prefill_node else self.fdsched_record_blocks
+        self.prefill_node = getattr(cm, "splitwise_role", None) == "prefill"
 
-    def update_cache_blocks(self, task, block_size, num_computed_tokens):
-        return self._fdsched_update(task, block_size, num_computed_tokens)
+    def update_cache_blocks(self, cm, task, block_size, num_computed_tokens):
+        if self.prefill_node:
+            moment = PREALLOCATION if task.request_id in self.preallocating else CHUNK
+            if moment not in self.allowed:
+                return None  # these blocks' KV is not written yet under the selected behaviour
+        return self.next.update_cache_blocks(cm, task, block_size, num_computed_tokens)
 
-    def _fdsched_gated_update(self, task, block_size, num_computed_tokens):
-        moment = PREALLOCATION if task.request_id in preallocating(self) else CHUNK
-        if moment not in self._fdsched_allowed:
-            return None  # these blocks' KV is not written yet under the selected behaviour
-        return super().update_cache_blocks(task, block_size, num_computed_tokens)
-
-    def fdsched_record_blocks(self, task, block_size, num_computed_tokens):
+    def record_blocks(self, cm, task, block_size, num_computed_tokens):
         """The plugin's own record (past the gate): the host's recording of ``task``'s blocks up to
         ``num_computed_tokens``."""
-        return super().update_cache_blocks(task, block_size, num_computed_tokens)
+        return self.next.update_cache_blocks(cm, task, block_size, num_computed_tokens)
 
 
-class PdUpstreamCacheManagerMixin(PdPrefillCacheManagerMixin):
+class UpstreamRecordGate(RecordGate):
     """``upstream``: the host's preallocation record passes (the whole prompt, on a host that has the change)."""
 
-    _fdsched_allowed = frozenset({PREALLOCATION})
+    allowed = frozenset({PREALLOCATION})
 
 
-class PdPreChangeCacheManagerMixin(PdPrefillCacheManagerMixin):
+class PreChangeRecordGate(RecordGate):
     """``off`` on a host that has the change: the host's chunk records pass, as before it."""
 
-    _fdsched_allowed = frozenset({CHUNK})
+    allowed = frozenset({CHUNK})
 
 
 # ---- the scheduler's side: the marks the gate reads, and the plugin's own records -----------------------------
@@ -125,10 +124,10 @@ class PdPrefillCacheMixin(PluginBase):
             return
         block_size = self.config.cache_config.block_size
         if locked:  # the caller holds the scheduler lock already
-            self.cache_manager.fdsched_record_blocks(request, block_size, num_tokens)
+            self.cache_manager.fdsched_gate.record_blocks(self.cache_manager, request, block_size, num_tokens)
         else:
             with self.lock:
-                self.cache_manager.fdsched_record_blocks(request, block_size, num_tokens)
+                self.cache_manager.fdsched_gate.record_blocks(self.cache_manager, request, block_size, num_tokens)
 
 
 class PdUpstreamRecordMixin(PdPrefillCacheMixin):
@@ -195,7 +194,7 @@ def _plugin_recording(host_has: bool, settings):
 
 
 def _plugin_gate(host_has: bool, settings):
-    return PdPrefillCacheManagerMixin if _mode(settings) == "safe" else PdUpstreamCacheManagerMixin
+    return RecordGate if _mode(settings) == "safe" else UpstreamRecordGate
 
 
 def _has_pd_record(info) -> bool:
@@ -239,17 +238,18 @@ SPEC = PatchSpec(
     hosts_needing="2.6 before PR 7387 (e7c8dc2) for upstream; every host for safe",
     switch="FDSCHED_PD_PREFILL_CACHE",
     delete_when="every supported host records only computed blocks on prefill nodes",
-    mixins={"ResourceManagerV1": PdPrefillCacheMixin, "PrefixCacheManager": PdPrefillCacheManagerMixin},
+    mixins={"ResourceManagerV1": PdPrefillCacheMixin},
     host_has=_has_pd_record,
     host_has_as_selected=_as_selected,
     variants={
         "plugin": {
             "ResourceManagerV1": Variant(_plugin_recording, (PdPrefillCacheMixin, PdUpstreamRecordMixin, PdSafeMixin)),
-            "PrefixCacheManager": Variant(_plugin_gate, (PdPrefillCacheManagerMixin, PdUpstreamCacheManagerMixin)),
         },
         # only on a host that has the change (elsewhere off is the host's own code: impl "host")
-        "off": {"ResourceManagerV1": PdPreChangeMixin, "PrefixCacheManager": PdPreChangeCacheManagerMixin},
+        "off": {"ResourceManagerV1": PdPreChangeMixin},
     },
+    strategies={"PrefixCacheManager": {"plugin": Variant(_plugin_gate, (RecordGate, UpstreamRecordGate)),
+                                       "off": PreChangeRecordGate, "host": None}},
     relies_on=(
         Reliance("record-moments", "the host records blocks with update_cache_blocks only inside schedule() and "
                  "preallocate_resource_in_p (for the request it preallocates), and finish_requests frees through "

@@ -39,7 +39,7 @@ from fdsched.patches.ratio_reserve.budget import (  # noqa: F401
     COUNT_REFUSAL, DECLINE_PREEMPTION, REFUSE_RUNNING_CHUNK, RM, THRESHOLD_FOR_RUNNING_CHUNK, ReservationMixin,
     _BudgetedReserve,
 )
-from fdsched.patches.ratio_reserve.cache import CACHE_SHAPES, RatioReserveCacheMixin, RatioReserveCacheOneArgMixin  # noqa: F401
+from fdsched.patches.ratio_reserve.cache import CHECK_SHAPES, PlanCheck, PlanCheckOneArg  # noqa: F401
 from fdsched.patches.ratio_reserve.host import HOST_RESERVE_RESET_SHAPES, HostReserveMixin, HostReserveResetMixin  # noqa: F401
 from fdsched.patches.ratio_reserve.off import (  # noqa: F401
     ClosedWaitingQueue, PRE_CHANGE_SHAPES, PreChangeReserveBatchMixin, PreChangeReserveMixin,
@@ -124,7 +124,7 @@ SPEC = PatchSpec(
     hosts_needing="2.6 before PR 7783 (e7c8dc2)",
     switch="FDSCHED_RATIO_RESERVE",
     delete_when="every supported host carries 7783 and exposes the re-estimate term and cap as settings",
-    mixins={"ResourceManagerV1": ReservationMixin, "PrefixCacheManager": RatioReserveCacheMixin},
+    mixins={"ResourceManagerV1": ReservationMixin},
     host_has=_has_ratio_reserve,
     relies_on=(
         Reliance("running-chunk-check", "the running pass checks a running chunk's blocks right after "
@@ -146,9 +146,9 @@ SPEC = PatchSpec(
             "ResourceManagerV1": Variant(_plugin_variant, (
                 RatioReserveMixin, AdaptiveReserveMixin, RATIO_GUARD_SHAPES, ADAPTIVE_GUARD_SHAPES,
             )),
-            "PrefixCacheManager": CACHE_SHAPES,
         },
         # only on a host that has the change (elsewhere off is the host's own code: impl "host")
-        "off": {"ResourceManagerV1": PRE_CHANGE_SHAPES, "PrefixCacheManager": CACHE_SHAPES},
+        "off": {"ResourceManagerV1": PRE_CHANGE_SHAPES},
     },
+    strategies={"PrefixCacheManager": {"plugin": CHECK_SHAPES, "off": CHECK_SHAPES, "host": None}},
 )

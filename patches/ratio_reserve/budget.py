@@ -77,7 +77,7 @@ class _BudgetedReserve(ReservationMixin):
         self._fdsched_gauges = ArmGauges(self)  # where the strategy reports, labelled by this scheduler's arm
         # The slot of this scheduler's open plan (made by the step mixin), handed to its cache manager once, here:
         # nothing of a pass is ever stored in the cache manager.
-        self.cache_manager._fdsched_plans = self._fdsched_plans
+        self.cache_manager.fdsched_plans = self._fdsched_plans
         # A draft model (speculative decoding) needs one block more per chunk; fixed for the scheduler's life.
         self._fdsched_speculative_slack = self._fdsched_draft_slack if drafts(self) else _no_slack
         # the host module's request class (every FastDeploy 2.x has one; without it the reader reads afresh)

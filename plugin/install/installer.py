@@ -205,23 +205,19 @@ def current() -> Optional[InstallReport]:
 
 
 def _build(info, settings: Settings, decisions: dict, policies: Policies, arms: Optional[dict] = None) -> dict:
-    """target -> the class the host module is rebound to: for the scheduler and the cache manager a front class with
-    one class per arm behind it (see :mod:`fdsched.patches._base`); for the cache queue its one fixed class
-    (:mod:`fdsched.patches._cache_queue`)."""
+    """target -> the class the host module is rebound to: for the scheduler a front class with one class per arm
+    behind it (see :mod:`fdsched.patches._base`); for the cache manager and the cache queue their one fixed class
+    (:func:`_fixed_class`)."""
     from fdsched.patches import TARGETS
-    from fdsched.patches import _cache_queue as cache_queue
-    from fdsched.patches._base import ArmChoice, QueueOwner, init_signature, status_views
+    from fdsched.patches._base import ArmChoice, init_signature, status_views
 
     arms = dict(arms or {})
     views, view_attributes = status_views(info)  # the host's RequestStatus shape: chosen here, once
     default_arm = Arm(arm_label(settings), settings, decisions)
     classes = {}
     for target, host_cls in info.host_classes.items():
-        if target == "EngineCacheQueue":
-            # One fixed class (patches/_cache_queue.py): each client picks its receiver when it is built; the server's
-            # lists can wait when any arm's receiver does.
-            runs_it = [arm.impl["nonpolling_transfer"] == "plugin" for arm in (default_arm, *arms.values())]
-            classes[target] = cache_queue.over(host_cls, default_arm.impl, settings, any(runs_it))
+        if target != "ResourceManagerV1":
+            classes[target] = _fixed_class(target, host_cls, info, default_arm, arms, policies)
             continue
         common = {
             "__module__": __name__,
@@ -256,11 +252,36 @@ def _build(info, settings: Settings, decisions: dict, policies: Policies, arms: 
         front._fdsched_front = front
         front._fdsched_default_class = class_of(default_arm, label=default_arm.label)
         front._fdsched_arm_classes = {rank: class_of(arm, label=arm.label) for rank, arm in arms.items()}
-        if target == "PrefixCacheManager" and arms:
-            for _, cls in built:
-                cls.cache_task_queue = QueueOwner("cache_task_queue")
         classes[target] = front
     return classes
+
+
+def _fixed_class(target: str, host_cls, info, default_arm: Arm, arms: dict, policies):
+    """The one fixed class of the cache manager (:mod:`fdsched.patches._prefix_cache`: each instance builds its
+    rank's strategies from the table made here) or of the cache queue (:mod:`fdsched.patches._cache_queue`: each
+    client picks its receiver when it is built; the server's lists can wait when any arm's receiver does)."""
+    from fdsched.patches import _cache_queue, _prefix_cache
+
+    if target == "PrefixCacheManager":
+        rows = {rank: (arm, strategy_row(target, arm, info)) for rank, arm in arms.items()}
+        rows[None] = (default_arm, strategy_row(target, default_arm, info))
+        return _prefix_cache.over(host_cls, rows, arms, default_arm, policies, info)
+    runs_it = any(arm.impl["nonpolling_transfer"] == "plugin" for arm in (default_arm, *arms.values()))
+    return _cache_queue.over(host_cls, default_arm.impl, default_arm.settings, runs_it)
+
+
+def strategy_row(target: str, arm: Arm, info) -> dict:
+    """change id -> the strategy class ``arm`` runs for it on ``target``'s fixed class (None: the host's own code):
+    each change's ``SPEC.strategies`` entry for the arm's decision, with the host's shape picked."""
+    from fdsched.patches import CATALOGUE
+
+    row = {}
+    for spec in CATALOGUE:
+        if target in spec.strategies:
+            strategy, _problem = spec.choose(target, arm.impl[spec.change_id], info.host_classes[target],
+                                             bool(info.has.get(spec.change_id)), arm.settings, info.host_classes)
+            row[spec.change_id] = strategy  # a shape the host lacks was declined when the arm was decided
+    return row
 
 
 def _arm_class(front, target: str, host_cls, common: dict, arm: Arm, impl: dict, label: str):

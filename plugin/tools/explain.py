@@ -145,12 +145,12 @@ def explain_class(target: str, arm_cls: type, host_cls: type, change_mixins: Seq
 def _served_by(name: str, strategy: type, plugin_part) -> Optional[str]:
     """Who implements host method ``name`` where a fixed class hands its seams to ``strategy``: the class that defines
     the seam, and the strategy where it serves that method."""
-    from fdsched.patches._spec import overridden_methods
+    from fdsched.patches._spec import served_methods
 
     seam = next((class_name(c) for c in plugin_part if _defines(c, name)), None)
     if seam is None:
         return None
-    return f"{seam} -> {class_name(strategy)}" if name in overridden_methods(strategy) else seam
+    return f"{seam} -> {class_name(strategy)}" if name in served_methods(strategy) else seam
 
 
 def _steps(arm_cls: type, plugin_part) -> list:

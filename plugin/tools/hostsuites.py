@@ -105,13 +105,12 @@ def plugin_classes(info, run: str) -> Optional[frozenset]:
         return None
     policies = Policies(make_plugin_manager(environ={}, load_entry_points=False))
     found = set()
-    from fdsched.install.installer import instance_class
-    from fdsched.patches import CATALOGUE
+    from fdsched.install.installer import Arm, instance_class, strategy_row
 
+    arm = Arm(run, settings, decisions)
     for target, front in _build(info, settings, decisions, policies).items():
         used = list(instance_class(front).__mro__)
-        used += [spec.strategies[target][decisions[spec.change_id].impl] for spec in CATALOGUE
-                 if target in spec.strategies]  # a fixed class's strategies for this run's decisions
+        used += [c for c in strategy_row(target, arm, info).values() if c is not None]  # a fixed class's strategies
         for cls in used:
             if cls.__module__.startswith("fdsched.patches"):
                 found.add(f"{target}:{cls.__module__.rsplit('.', 1)[-1]}.{cls.__qualname__}")

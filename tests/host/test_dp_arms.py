@@ -72,9 +72,10 @@ def test_each_rank_runs_its_arm_side_by_side_in_one_process(install_arms, build,
     assert cls._fdsched_impl == {cid: d.impl for cid, d in report.decisions.items()}
     assert type(rm0) is cls._fdsched_arm_classes[0] and type(rm1) is cls._fdsched_arm_classes[1]
     assert isinstance(rm0, cls) and isinstance(rm1, cls)
-    dr = "DeferredRecycleMixin"
-    assert dr in {c.__name__ for c in type(rm1.cache_manager).__mro__}
-    assert dr not in {c.__name__ for c in type(rm0.cache_manager).__mro__}  # baseline: the host's own code, no mixin
+    # One cache manager class; each instance built its arm's strategies: baseline runs the host's own eviction.
+    assert type(rm0.cache_manager) is type(rm1.cache_manager) is report.classes["PrefixCacheManager"]
+    assert type(rm1.cache_manager._fdsched_recycle).__name__ == "DeferredRecycle"
+    assert type(rm0.cache_manager._fdsched_recycle).__name__ == "HostCode"
 
     victims = drive_together({0: rm0, 1: rm1}, kv_pressure_requests(**PREFILL_VICTIM_WORKLOAD))
     assert "prefill" in victims[0], "rank 0 (baseline) preempts as the pre-change host does, prefills included"
@@ -193,9 +194,11 @@ def test_a_single_profile_class_has_no_arms_and_instances_match_the_class(instal
     rm = build(3)
     assert cls._fdsched_arms == {} and cls._fdsched_arm_classes == {} and type(rm) is cls._fdsched_default_class
     assert rm._fdsched_impl == cls._fdsched_impl and rm._fdsched_arm == "ratio_reserve"
-    pcm_cls = report.classes["PrefixCacheManager"]
-    assert all("cache_task_queue" not in vars(c) for c in type(rm.cache_manager).__mro__)  # no hand-over without arms
-    assert type(rm.cache_manager) is pcm_cls._fdsched_default_class
+    assert type(rm.cache_manager) is report.classes["PrefixCacheManager"] and rm.cache_manager._fdsched_arms == {}
+    client = _unconnected_client(report.classes["EngineCacheQueue"])
+    client._fdsched_receiver = before = object()
+    rm.cache_manager.cache_task_queue = client  # no hand-over without arms: the client keeps what it chose
+    assert client._fdsched_receiver is before
 
 
 def _unconnected_client(queue_cls):

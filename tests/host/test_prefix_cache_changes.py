@@ -151,8 +151,8 @@ def test_recycle_seam_overridden_by_a_subclass_sees_the_batch(install_profile, m
         rm = make_manager(**SHAPE)
     finally:
         stacked.restore()
-    # built over the arm's class: the stacked override wraps the plugin's mixins
-    assert isinstance(rm.cache_manager, Observing) and type(rm.cache_manager).__mro__[1] is Observing
+    # the stacked class itself, over the plugin's one class: its override wraps the plugin's seams
+    assert type(rm.cache_manager) is Observing and type(rm.cache_manager).__mro__[1] is plugin_cls
     _fill_tree(rm, _prompts())
     cm = rm.cache_manager
     free_before = set(cm.gpu_free_block_list)

@@ -292,7 +292,7 @@ def test_a_second_thread_entering_schedule_mid_pass_does_not_take_the_open_pass_
             opened.append(plan.owner)
             return outer
 
-    rm._fdsched_plans = rm.cache_manager._fdsched_plans = RecordingSlot()  # as the scheduler hands it over
+    rm._fdsched_plans = rm.cache_manager.fdsched_plans = RecordingSlot()  # as the scheduler hands it over
 
     def wrapped(*args, **kwargs):
         if not other.is_alive() and other.ident is None:

@@ -75,6 +75,7 @@ def _fingerprint(records):
 
 def _run(profile, workload, stacked):
     from fdsched.install import installer
+    from fdsched.install.installer import instance_class
     from fdsched.core.metrics import METRICS
     from fdsched.install.rebind import Rebinding
     from fdsched.replay.engine import EngineShape, build_manager, close_manager, logical_clock
@@ -105,7 +106,10 @@ def _run(profile, workload, stacked):
                 if stacked:  # the second plugin's classes really sit on top of ours: theirs, then our arm's class
                     for obj, target in ((manager, "ResourceManagerV1"), (manager.cache_manager, "PrefixCacheManager")):
                         mro = type(obj).__mro__
-                        assert mro[1] is layers_by_target[target] and mro[2] is report.classes[target]._fdsched_default_class
+                        if instance_class(report.classes[target]) is report.classes[target]:  # a fixed class
+                            assert mro[0] is layers_by_target[target] and mro[1] is report.classes[target]
+                        else:  # the scheduler: theirs over the arm's class
+                            assert mro[1] is layers_by_target[target] and mro[2] is instance_class(report.classes[target])
                 records = run_workload(manager, requests)
             finally:
                 close_manager(manager)
@@ -127,13 +131,15 @@ def uninstall_after():
 
 def test_pass_through_layers_cover_every_hooked_method():
     from fdsched.patches import CATALOGUE
+    from fdsched.patches._spec import served_methods
 
     for target in ("ResourceManagerV1", "PrefixCacheManager"):
         methods = hooked_methods(target)
         assert methods, target
         for spec in CATALOGUE:
-            for mixin in spec.classes(target):  # its base and every variant
-                own = {n for n, v in vars(mixin).items() if callable(v) and not n.startswith(("_fdsched", "fdsched_"))}
+            for mixin in spec.classes(target):  # its base and every variant (or its strategies: the seams they serve)
+                own = ({n for n, v in vars(mixin).items() if callable(v) and not n.startswith(("_fdsched", "fdsched_"))}
+                       if not hasattr(mixin, "seams") else set(served_methods(mixin)))
                 assert own <= set(methods), (spec.change_id, own - set(methods))
 
 

@@ -156,11 +156,11 @@ def test_swap_branch_stays_reachable_and_direct_recycle_is_explicit(install_prof
     rm = make_manager(block_size=4, num_gpu_blocks=40, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64)
     cm = rm.cache_manager
     cm.cache_config.num_cpu_blocks = 100
-    assert cm._fdsched_deferred_path(10) is False, "with CPU room the host's GPU->CPU swap branch must run"
+    assert cm._fdsched_recycle.deferred_path(cm, 10) is False, "with CPU room the host's GPU->CPU swap branch must run"
     install_profile("recommended", FDSCHED_TRANSFER_FORCE_DIRECT_RECYCLE=1)
     rm = make_manager(block_size=4, num_gpu_blocks=40, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64)
     rm.cache_manager.cache_config.num_cpu_blocks = 100
-    assert rm.cache_manager._fdsched_deferred_path(10) is True
+    assert rm.cache_manager._fdsched_recycle.deferred_path(rm.cache_manager, 10) is True
 
 
 def test_client_falls_back_to_polling_against_a_host_server(install_profile):

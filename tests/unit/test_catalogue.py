@@ -15,7 +15,8 @@ import pytest
 import fdsched.patches
 from fdsched.patches import CATALOGUE, TARGETS, PatchSpec, Shapes, spec_for
 from fdsched.patches._cache_queue import CacheQueue
-from fdsched.patches._spec import declared, overridden_methods
+from fdsched.patches._prefix_cache import PrefixCache
+from fdsched.patches._spec import declared, served_methods
 from fdsched.core.schema import CHANGE_IDS, HOST_FIXES, SCHEMA
 
 SCHEMA_BY_KEY = {s.key: s for s in SCHEMA}
@@ -24,7 +25,7 @@ PATCH_MODULES = sorted(
     info.name for info in pkgutil.iter_modules(fdsched.patches.__path__) if not info.name.startswith("_")
 )
 SPECS = {spec.change_id: spec for spec in CATALOGUE}
-FIXED_CLASSES = {"EngineCacheQueue": CacheQueue}  # a target with one fixed class: its seams
+FIXED_CLASSES = {"EngineCacheQueue": CacheQueue, "PrefixCacheManager": PrefixCache}  # a fixed class's seams
 
 
 def own_methods(cls) -> set:
@@ -65,7 +66,7 @@ def test_mixins_define_exactly_what_the_spec_replaces(change_id):
         seams = own_methods(FIXED_CLASSES[target])
         assert declared[target] <= seams, f"{change_id}: {target}'s class lacks {sorted(declared[target] - seams)}"
         for strategy in spec.strategies[target].values():
-            served = set(overridden_methods(strategy))
+            served = set(served_methods(strategy))
             assert served <= declared[target], f"{change_id}: {strategy.__name__} serves {sorted(served)} not replaced"
 
 
@@ -84,9 +85,9 @@ def test_each_impl_gets_only_its_own_mixins(change_id):
     """An arm's class holds a change's mixin only where that impl runs plugin code; none where the host's own
     code runs untouched (the classes decide once, no method asks which impl it is)."""
     spec = SPECS[change_id]
-    for target, table in spec.strategies.items():  # a fixed class: every impl has its strategy, the table's
+    for target, table in spec.strategies.items():  # a fixed class: every impl has its entry in the table
         assert set(table) == {"host", "plugin", "off"} and spec.mixin_of(target, "plugin") is None
-        assert all(spec.choose(target, impl, object)[0] is table[impl] for impl in table)
+        assert table["plugin"] is not None and all(spec.mixin_of(target, impl) is None for impl in table)
     for target in spec.mixins:
         chosen = {impl: spec.mixin_of(target, impl) for impl in ("host", "plugin", "off")}
         assert chosen["plugin"] is not None
@@ -167,7 +168,7 @@ def test_every_patch_module_is_referenced_by_exactly_one_spec():
     referenced = defaultdict(list)
     for spec in CATALOGUE:
         # a change's module, or the package that holds one module per implementation (ratio_reserve)
-        classes = [*spec.mixins.values(), *(s for table in spec.strategies.values() for s in table.values())]
+        classes = [*spec.mixins.values(), *(c for target in spec.strategies for c in spec.classes(target))]
         for module in {".".join(cls.__module__.split(".")[:3]) for cls in classes}:
             referenced[module].append(spec.change_id)
     for name in PATCH_MODULES:
@@ -259,17 +260,6 @@ WRAP_ORDER = {
          "decode_only_preempt"),
         "each calls super().__init__() first, so the host's constructor has finished before any plugin state is set "
         "or any choice is bound; no mixin's state reads another's, so this order only fixes which exists first",
-    ),
-    ("PrefixCacheManager", "__init__"): (
-        ("pd_prefill_cache", "deferred_recycle"),
-        "each calls super().__init__() first and then binds its own choices (the node's role; the eviction path); "
-        "neither reads the other's",
-    ),
-    ("PrefixCacheManager", "update_cache_blocks"): (
-        ("one_node_per_block", "pd_prefill_cache"),
-        "one_node_per_block raises a record below the request's cached count before anything else sees it, so the "
-        "prefill node's gate decides on (and the host builds from) the corrected count; the gate's own records at "
-        "finish pass the whole prompt, which no fix changes",
     ),
     ("ResourceManagerV1", "_get_running_request_reserve_blocks"): (
         ("prefill_node_reserve", "ratio_reserve"),
@@ -400,16 +390,17 @@ def test_pd_recording_is_chosen_by_mode_and_host_not_read_per_call(mode):
 
     spec = SPECS["pd_prefill_cache"]
     settings = load_settings(environ={"FDSCHED_PD_PREFILL_CACHE_MODE": mode}, profile="baseline")
+    host_class = type("AnyRecorder", (), {"update_cache_blocks": lambda self, task, block_size, num_computed_tokens: None})
     for host_has in (False, True):
-        gate = spec.mixin_of("PrefixCacheManager", "plugin", host_has, settings)
+        gate, _ = spec.choose("PrefixCacheManager", "plugin", host_class, host_has, settings)
         scheduler = spec.mixin_of("ResourceManagerV1", "plugin", host_has, settings)
         if mode == "safe":
-            assert gate._fdsched_allowed == frozenset() and scheduler is pd.PdSafeMixin
+            assert gate.allowed == frozenset() and scheduler is pd.PdSafeMixin
         else:
-            assert gate._fdsched_allowed == {pd.PREALLOCATION}
+            assert gate.allowed == {pd.PREALLOCATION}
             # the host that has the change records at preallocation itself; the plugin records only where it lacks it
             assert scheduler is (pd.PdPrefillCacheMixin if host_has else pd.PdUpstreamRecordMixin)
-    assert spec.mixin_of("PrefixCacheManager", "off", True, settings)._fdsched_allowed == {pd.CHUNK}
+    assert spec.choose("PrefixCacheManager", "off", host_class, True, settings)[0].allowed == {pd.CHUNK}
     assert spec.mixin_of("ResourceManagerV1", "off", True, settings) is pd.PdPreChangeMixin
     source = inspect.getsource(pd)
     assert "_fdsched_settings" not in source and ".has[" not in source  # no call reads the mode or the host

@@ -1,0 +1,120 @@
+"""The plugin's ``PrefixCacheManager``: one class over the host's, whose seams hand each call to the strategies the
+instance chose when it was built.
+
+:class:`PrefixCache` is the whole class as it runs; :func:`over` puts it over the probed host class with one class
+statement, with the install's table as class attributes: per data-parallel rank, the arm and one strategy class (or
+None: the host's own code) per change, read from each change's ``SPEC.strategies`` (change × decision × host shape ×
+settings) when the plugin was installed. ``__init__`` reads the instance's rank from the constructor's arguments,
+as the scheduler's does, and builds that arm's strategies once, each over the next layer (``next``), which ends in
+the host's own methods (:class:`HostCode`):
+
+=============================  ===========================================================  ===========================
+seam                           layers, outermost first                                      change
+=============================  ===========================================================  ===========================
+``update_cache_blocks``        the record fix, then the prefill node's gate, then the host  one_node_per_block, then
+                                                                                            pd_prefill_cache
+``can_allocate_gpu_blocks``    the scheduler's plan, then the host                          ratio_reserve
+eviction and recycling (4)     the batched eviction, then the host                          deferred_recycle
+=============================  ===========================================================  ===========================
+
+The record fix comes first so that the gate decides on (and the host builds from) the corrected count; the gate's
+own records at finish (``fdsched_gate.record_blocks``) go to the host directly, which no fix changes.
+
+What the scheduler reads here: ``fdsched_gate`` (the PD change's marks and its own records) and ``fdsched_plans``
+(the slot of the scheduler's plan, handed over when the scheduler is built).
+"""
+
+from __future__ import annotations
+
+from fdsched.patches._base import HOST_INIT_RUNNING, QueueOwner, dp_rank_of
+from fdsched.patches._plan import NO_PLANS
+
+__all__ = ["HostCode", "PrefixCache", "over"]
+
+
+class HostCode:
+    """The last layer of every seam: the host's own method, called as ``host_method(cache_manager, *args)``."""
+
+    __slots__ = ("_host",)
+
+    def __init__(self, host_cls):
+        self._host = host_cls
+
+    def __getattr__(self, name):
+        return getattr(self._host, name)
+
+
+class PrefixCache:
+    """Seams of the plugin's ``PrefixCacheManager`` (its class attributes come from :func:`over`)."""
+
+    _fdsched_host_class: type  # the probed host class, the next class in the MRO
+    _fdsched_rows: dict  # data-parallel rank (None: every rank not listed) -> (Arm, {change id: strategy or None})
+    _fdsched_arms: dict  # data-parallel rank -> Arm (FDSCHED_PROFILE_BY_DP_RANK); empty for a single profile
+    _fdsched_init_signature: object  # the host's __init__ signature (where the rank is read)
+
+    fdsched_plans = NO_PLANS  # until a plugin scheduler built with this cache manager hands over its slot
+    cache_task_queue = QueueOwner("cache_task_queue")  # in an online A/B, the client it stores takes its arm
+
+    def __init__(self, *args, **kwargs):
+        if self.__dict__.get(HOST_INIT_RUNNING):  # the host's own super(HostName, self).__init__: past the host
+            super(self._fdsched_host_class, self).__init__(*args, **kwargs)
+            return
+        rank = dp_rank_of(self._fdsched_init_signature, args, kwargs)
+        arm, row = self._fdsched_rows.get(rank) or self._fdsched_rows[None]
+        self._fdsched_dp_rank = rank
+        self._fdsched_arm, self._fdsched_impl, self._fdsched_settings = arm.label, arm.impl, arm.settings
+        host = HostCode(self._fdsched_host_class)
+        # the host's own code while the host builds the object
+        self._fdsched_recycle = self._fdsched_check = self._fdsched_recording = self.fdsched_gate = host
+        self.__dict__[HOST_INIT_RUNNING] = True
+        try:
+            super().__init__(*args, **kwargs)
+        finally:
+            del self.__dict__[HOST_INIT_RUNNING]
+
+        def layer(change_id, next):
+            strategy = row.get(change_id)
+            return next if strategy is None else strategy(self, arm.settings, next)
+
+        self._fdsched_recycle = layer("deferred_recycle", host)
+        self._fdsched_check = layer("ratio_reserve", host)
+        self.fdsched_gate = layer("pd_prefill_cache", host)
+        self._fdsched_recording = layer("one_node_per_block", self.fdsched_gate)
+
+    def update_cache_blocks(self, *args, **kwargs):
+        return self._fdsched_recording.update_cache_blocks(self, *args, **kwargs)
+
+    def can_allocate_gpu_blocks(self, *args, **kwargs):
+        return self._fdsched_check.can_allocate_gpu_blocks(self, *args, **kwargs)
+
+    def free_block_ids_async(self, *args, **kwargs):
+        return self._fdsched_recycle.free_block_ids_async(self, *args, **kwargs)
+
+    def free_nodes_directly(self, *args, **kwargs):
+        return self._fdsched_recycle.free_nodes_directly(self, *args, **kwargs)
+
+    def recycle_gpu_blocks(self, *args, **kwargs):
+        return self._fdsched_recycle.recycle_gpu_blocks(self, *args, **kwargs)
+
+    def _handle_free_gpu_node_without_cpu(self, *args, **kwargs):
+        return self._fdsched_recycle._handle_free_gpu_node_without_cpu(self, *args, **kwargs)
+
+
+def over(host_cls: type, rows: dict, arms: dict, default_arm, policies, info) -> type:
+    """The plugin's class over ``host_cls`` (what the host module's ``PrefixCacheManager`` is rebound to)."""
+    from fdsched.patches._base import init_signature
+
+    class PrefixCacheManager(PrefixCache, host_cls):
+        __doc__ = f"fdsched's PrefixCacheManager over {host_cls.__module__}.{host_cls.__qualname__}: see PrefixCache."
+        __qualname__ = "PrefixCacheManager"
+        _fdsched_host_class = host_cls
+        _fdsched_rows = rows
+        _fdsched_arms = arms
+        _fdsched_default_arm = default_arm
+        _fdsched_impl = default_arm.impl  # the single profile's (an instance has its arm's)
+        _fdsched_settings = default_arm.settings
+        _fdsched_policies = policies
+        _fdsched_host = info
+        _fdsched_init_signature = init_signature(host_cls)
+
+    return PrefixCacheManager
