@@ -1,8 +1,8 @@
 """What every mixin may use: small views of host requests, and how an arm's class is picked (what a scheduler's
 pass hands its cache manager is :mod:`fdsched.patches._pass`).
 
-The installer builds, for the scheduler and the cache manager (a "target"), one *front* class and one class per arm
-(the cache queue has one fixed class instead: :mod:`fdsched.patches._cache_queue`):
+The installer builds, for the scheduler, one *front* class and one class per arm (the cache manager and the cache
+queue have one fixed class each instead: :mod:`fdsched.patches._prefix_cache`, :mod:`fdsched.patches._cache_queue`):
 
 * the front class, ``type(name, (ArmChoice, HostClass), attrs)``, is what the host modules are rebound to
   (``isinstance(x, ResourceManagerV1)`` holds for every plugin object). It carries the single profile's
@@ -22,9 +22,9 @@ Constructing the front class builds an instance of the rank's arm class (:meth:`
 comes from the constructor's arguments (``local_data_parallel_id``, else
 ``config.parallel_config.local_data_parallel_id``) and is kept as ``_fdsched_dp_rank``. The engine forks ranks
 1..N-1 after rank 0's scheduler is built, so nothing per process could tell the ranks apart; the choice is
-made once, per object, and no method asks again. ``EngineCacheQueue`` gets no rank (the engine builds its
-server without one): it has one fixed class (:mod:`fdsched.patches._cache_queue`), and the cache manager that stores
-a client hands it that manager's arm (:class:`QueueOwner`).
+made once, per object, and no method asks again. The cache manager's fixed class reads the rank the same way in its
+own ``__init__``; the cache queue gets no rank (the engine builds its server without one), and the cache manager that
+stores a client hands it that manager's arm (:class:`QueueOwner`).
 """
 
 from __future__ import annotations

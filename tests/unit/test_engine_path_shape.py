@@ -22,9 +22,9 @@ ENGINE_PATH = ("patches", "plugin/install")
 # Still made at run time ("path:function" -> why). Each is a composition step the static per-target class would
 # replace.
 CLASS_FACTORIES = {
-    "plugin/install/installer.py:_build": "the front class per target (what the host module is rebound to)",
-    "plugin/install/installer.py:_arm_class": "one class per arm: that arm's mixins over the front class",
-    "patches/_base.py:_on_top": "another plugin's class derived from the front class, over an arm's class",
+    "plugin/install/installer.py:_build": "the scheduler's front class (what the host module is rebound to)",
+    "plugin/install/installer.py:_arm_class": "the scheduler's class per arm: that arm's mixins over the front class",
+    "patches/_base.py:_on_top": "another plugin's class derived from the scheduler's front class, over an arm's class",
 }
 
 
