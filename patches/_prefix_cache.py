@@ -32,16 +32,18 @@ from fdsched.patches._plan import NO_PLANS
 __all__ = ["HostCode", "PrefixCache", "over"]
 
 
-class HostCode:
-    """The last layer of every seam: the host's own method, called as ``host_method(cache_manager, *args)``."""
+SEAMS = ("update_cache_blocks", "can_allocate_gpu_blocks", "free_block_ids_async", "free_nodes_directly",
+         "recycle_gpu_blocks", "_handle_free_gpu_node_without_cpu")
 
-    __slots__ = ("_host",)
+
+class HostCode:
+    """The last layer of every seam: the host's own method (a plain function, called as
+    ``host_method(cache_manager, *args)``); a seam the host lacks raises the AttributeError the host's object would."""
 
     def __init__(self, host_cls):
-        self._host = host_cls
-
-    def __getattr__(self, name):
-        return getattr(self._host, name)
+        for name in SEAMS:
+            if callable(getattr(host_cls, name, None)):
+                setattr(self, name, getattr(host_cls, name))
 
 
 class PrefixCache:
@@ -66,6 +68,7 @@ class PrefixCache:
         host = HostCode(self._fdsched_host_class)
         # the host's own code while the host builds the object
         self._fdsched_recycle = self._fdsched_check = self._fdsched_recording = self.fdsched_gate = host
+        self._fdsched_bind_seams()
         self.__dict__[HOST_INIT_RUNNING] = True
         try:
             super().__init__(*args, **kwargs)
@@ -78,26 +81,44 @@ class PrefixCache:
 
         self._fdsched_recycle = layer("deferred_recycle", host)
         self._fdsched_check = layer("ratio_reserve", host)
-        self.fdsched_gate = layer("pd_prefill_cache", host)
-        self._fdsched_recording = layer("one_node_per_block", self.fdsched_gate)
+        self.fdsched_gate = gate = layer("pd_prefill_cache", host)
+        # a gate that lets every record through here (not a prefill node) is left out of the recording chain
+        self._fdsched_recording = layer("one_node_per_block", host if getattr(gate, "passes_all", False) else gate)
+        self._fdsched_bind_seams()
+
+    def _fdsched_bind_seams(self) -> None:
+        """Each seam's first layer, bound once: a call costs the seam's frame and that layer's."""
+        first = {"update_cache_blocks": self._fdsched_recording, "can_allocate_gpu_blocks": self._fdsched_check}
+        for name in SEAMS:
+            layer = first.get(name, self._fdsched_recycle)
+            self.__dict__[f"_fdsched_{name.lstrip('_')}"] = getattr(layer, name, None) or _missing(self, name)
 
     def update_cache_blocks(self, *args, **kwargs):
-        return self._fdsched_recording.update_cache_blocks(self, *args, **kwargs)
+        return self._fdsched_update_cache_blocks(self, *args, **kwargs)
 
     def can_allocate_gpu_blocks(self, *args, **kwargs):
-        return self._fdsched_check.can_allocate_gpu_blocks(self, *args, **kwargs)
+        return self._fdsched_can_allocate_gpu_blocks(self, *args, **kwargs)
 
     def free_block_ids_async(self, *args, **kwargs):
-        return self._fdsched_recycle.free_block_ids_async(self, *args, **kwargs)
+        return self._fdsched_free_block_ids_async(self, *args, **kwargs)
 
     def free_nodes_directly(self, *args, **kwargs):
-        return self._fdsched_recycle.free_nodes_directly(self, *args, **kwargs)
+        return self._fdsched_free_nodes_directly(self, *args, **kwargs)
 
     def recycle_gpu_blocks(self, *args, **kwargs):
-        return self._fdsched_recycle.recycle_gpu_blocks(self, *args, **kwargs)
+        return self._fdsched_recycle_gpu_blocks(self, *args, **kwargs)
 
     def _handle_free_gpu_node_without_cpu(self, *args, **kwargs):
-        return self._fdsched_recycle._handle_free_gpu_node_without_cpu(self, *args, **kwargs)
+        return self._fdsched_handle_free_gpu_node_without_cpu(self, *args, **kwargs)
+
+
+def _missing(cm, name: str):
+    """A seam the host lacks: calling it raises what the host's object would raise."""
+
+    def missing(*args, **kwargs):
+        raise AttributeError(f"'{type(cm).__name__}' object has no attribute '{name}'")
+
+    return missing
 
 
 def over(host_cls: type, rows: dict, arms: dict, default_arm, policies, info) -> type:
