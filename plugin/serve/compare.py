@@ -9,7 +9,7 @@ receive the same requests at the same times. The served side is timed by the cli
 What is sent differs from the trace in one way, on both sides alike: every request's ``max_tokens`` is its true
 output length (``min(output_len, max_tokens)``). The served worker ends a request at ``max_tokens`` (it has no
 other way to know where the trace's request ends); a request sent without ``max_tokens`` would run to the
-engine's default, ``max_model_len - prompt_len`` (fastdeploy/input/base_processor.py ~438, new host). The
+engine's default, ``max_model_len - prompt_len`` (fastdeploy/input/base_processor.py ~438 at d38eeb8). The
 replay runs on the same rewritten trace, so both sides reserve for the same client ``max_tokens``.
 
 Imports the host only through the replay runner and the served engine.

@@ -134,7 +134,7 @@ def check_host_modules() -> str:
 def swap_space_gb(model_dir: str, block_size: int, num_cpu_blocks: int) -> float:
     """FastDeploy's --swap-space (GiB) that gives exactly ``num_cpu_blocks`` CPU blocks for the model directory:
     the host computes int(swap_space * 2**30 / bytes_per_block) with bytes_per_block = kv heads * head_dim *
-    2 bytes (bfloat16 cache) * 2 (K and V) * block_size * layers (CacheConfig, config.py ~1636-1652 new host).
+    2 bytes (bfloat16 cache) * 2 (K and V) * block_size * layers (CacheConfig, config.py ~1636-1652 at d38eeb8).
     Every factor is a power of two times a small integer here, so the float round trip is exact."""
     import json
 

@@ -4,13 +4,13 @@ whose KV pool is too small for all the answers at once, one stack per decode-nod
 
 Per run: how the burst ended on the client (completed at ``max_tokens``; answered ``pd_reschedule`` after the
 Router's last attempt; cut when a stalled run was stopped; preempted by the decode engine and answered an error, as
-on the old host, whose Router does not retry and whose decode api_server fails the preempted completion with HTTP
+on 2.6 commit e7c8dc2, whose Router does not retry and whose decode api_server fails the preempted completion with HTTP
 500; other errors), how many answers needed a retry, the decode engine's preemptions, E2E on the client's clock and TTFT as a streamed answer would have seen it (client send -> the prefill engine's first token of
 the attempt that completed, read from its log), and whether the run stalled.
 
 A stall is named, not waited out: when no answer arrives and the decode engine's state (running requests, free
 blocks) stays the same for ``stall_seconds``, the run ends with one line saying what the decode engine holds. The
-case seen on the new host: every running request is a prefilled request the decode engine has not stepped once
+case seen on 2.6 commit d38eeb8: every running request is a prefilled request the decode engine has not stepped once
 (its blocks allocated, its worker never handed it), because the host admits that first step as a prefill chunk,
 only with free blocks above its reservation for every running request, and with nothing else running nothing
 frees (docs/engine.md, "Decode-side preemption through the Router").

@@ -11,7 +11,7 @@ engine's IPC as the real one does:
   prefill engine's half of a task (``src_block_ids``, ``need_prefill_tokens``, the slot ``current_id``, the
   Router's ``disaggregate_info``: decode address and ports) and the decode engine's half (``dest_block_ids``,
   forwarded by the prefill engine's connector on ``cache_sync``); a task is ready when both halves are there. Where
-  the host waits for the messager to acknowledge a ready task (``put_finished_add_cache_task_req``, old host), it
+  the host waits for the messager to acknowledge a ready task (``put_finished_add_cache_task_req``, at e7c8dc2), it
   is acknowledged;
 - prefill role, the progress signals: on a GPU the attention kernels of the prefill worker report per layer how
   far each slot's prefill got (``get_output_kv_signal``, a compiled op). The simulated worker reports the same

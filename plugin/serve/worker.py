@@ -168,7 +168,7 @@ def _start_up(a, log, signal):
     deadline = time.monotonic() + 300
     waited = False
     # the engine's task queue: a unix socket in /dev/shm or TCP, as FD_ENGINE_TASK_QUEUE_WITH_SHM says
-    # (default 1 on the new host, 0 on the old one)
+    # (default 1 on 2.6 commit d38eeb8, 0 on e7c8dc2)
     from fastdeploy import envs
 
     address = (f"/dev/shm/fd_task_queue_{a.queue_port}.sock" if int(envs.FD_ENGINE_TASK_QUEUE_WITH_SHM)

@@ -47,3 +47,19 @@ def test_the_check_sees_an_age_name():
     tree = ast.parse("class PolicyPreemptOldHostMixin: pass\nnew_host = 1\ndef f(old_host): pass\n")
     assert sorted(name for _, name in _identifiers(tree) if AGE.search(name)) == [
         "PolicyPreemptOldHostMixin", "new_host", "old_host"]
+
+
+SPOKEN_AGE = re.compile(r"\b(old|new)[ _-]?host\b", re.IGNORECASE)
+
+
+def test_no_comment_or_string_in_the_code_names_a_host_by_age():
+    """Comments and messages in ``plugin/`` and ``patches/`` name a FastDeploy line, a commit or a capability: the next
+    line makes "the new host" wrong."""
+    found = []
+    for top in ("plugin", "patches"):
+        for path in sorted((ROOT / top).rglob("*.py")):
+            for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+                if SPOKEN_AGE.search(line):
+                    found.append(f"{path.relative_to(ROOT)}:{number}")
+    assert not found, f"a host named by its age: {found}"
+    assert SPOKEN_AGE.search("# seen on the new host") and not SPOKEN_AGE.search("renew hosting")

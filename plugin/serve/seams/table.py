@@ -103,7 +103,7 @@ SEAMS = (
         "token RUNNING_DECODE, then runs the host's method (hosts without RUNNING_DECODE: no change)",
         {NEW: "output/token_processor.py 341-(ZMQ path, no status change) vs 954-955 (get_output path sets it); "
               "resource_manager_v1.py 361 preempts only RUNNING_DECODE", OLD: "not applied (no split status)"},
-        "on the new host only the compiled get_output path moves a request to RUNNING_DECODE; on the ZMQ path no "
+        "on a host with the split running status only the compiled get_output path moves a request to RUNNING_DECODE; on the ZMQ path no "
         "request ever becomes preemptable and the scheduler logs 'no preemptable request can be found'. "
         "A host divergence between the two output paths, found by this harness",
         "yes (the output path)",
