@@ -16,6 +16,7 @@ receiver.
 
 from __future__ import annotations
 
+from fdsched.patches._host_code import host_method
 from fdsched.patches.nonpolling_transfer import WaitableDoneLists, receiver_for
 
 __all__ = ["CacheQueue", "over"]
@@ -44,14 +45,8 @@ class CacheQueue:
         self._fdsched_receiver = self._fdsched_receiver_for(impl, settings)
 
     def _fdsched_receiver_for(self, impl: dict, settings):
-        return receiver_for(self, impl["nonpolling_transfer"], settings, CacheQueue._fdsched_host_take)
-
-    def _fdsched_host_take(self, *args, **kwargs):
-        """The host's ``get_transfer_done_signal``; where the host has none, the error the host's object gives."""
-        take = getattr(self._fdsched_host_class, "get_transfer_done_signal", None)
-        if take is None:
-            raise AttributeError(f"'{type(self).__name__}' object has no attribute 'get_transfer_done_signal'")
-        return take(self, *args, **kwargs)
+        host_take = host_method(self._fdsched_host_class, "get_transfer_done_signal")
+        return receiver_for(self, impl["nonpolling_transfer"], settings, host_take)
 
 
 def over(host_cls: type, impl: dict, settings, serves_waiting: bool) -> type:

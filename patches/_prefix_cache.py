@@ -6,7 +6,7 @@ statement, with the install's table as class attributes: per data-parallel rank,
 None: the host's own code) per change, read from each change's ``SPEC.strategies`` (change × decision × host shape ×
 settings) when the plugin was installed. ``__init__`` reads the instance's rank from the constructor's arguments,
 as the scheduler's does, and builds that arm's strategies once, each over the next layer (``next``), which ends in
-the host's own methods (:class:`HostCode`):
+the host's own methods (:class:`fdsched.patches._host_code.HostCode`):
 
 =============================  ===========================================================  ===========================
 seam                           layers, outermost first                                      change
@@ -27,23 +27,14 @@ What the scheduler reads here: ``fdsched_gate`` (the PD change's marks and its o
 from __future__ import annotations
 
 from fdsched.patches._base import HOST_INIT_RUNNING, QueueOwner, dp_rank_of
+from fdsched.patches._host_code import HostCode
 from fdsched.patches._plan import NO_PLANS
 
-__all__ = ["HostCode", "PrefixCache", "over"]
+__all__ = ["PrefixCache", "over"]
 
 
 SEAMS = ("update_cache_blocks", "can_allocate_gpu_blocks", "free_block_ids_async", "free_nodes_directly",
          "recycle_gpu_blocks", "_handle_free_gpu_node_without_cpu")
-
-
-class HostCode:
-    """The last layer of every seam: the host's own method (a plain function, called as
-    ``host_method(cache_manager, *args)``); a seam the host lacks raises the AttributeError the host's object would."""
-
-    def __init__(self, host_cls):
-        for name in SEAMS:
-            if callable(getattr(host_cls, name, None)):
-                setattr(self, name, getattr(host_cls, name))
 
 
 class PrefixCache:
@@ -65,7 +56,7 @@ class PrefixCache:
         arm, row = self._fdsched_rows.get(rank) or self._fdsched_rows[None]
         self._fdsched_dp_rank = rank
         self._fdsched_arm, self._fdsched_impl, self._fdsched_settings = arm.label, arm.impl, arm.settings
-        host = HostCode(self._fdsched_host_class)
+        host = HostCode(self._fdsched_host_class, SEAMS)
         # the host's own code while the host builds the object
         self._fdsched_recycle = self._fdsched_check = self._fdsched_recording = self.fdsched_gate = host
         self._fdsched_bind_seams()
@@ -91,7 +82,7 @@ class PrefixCache:
         first = {"update_cache_blocks": self._fdsched_recording, "can_allocate_gpu_blocks": self._fdsched_check}
         for name in SEAMS:
             layer = first.get(name, self._fdsched_recycle)
-            self.__dict__[f"_fdsched_{name.lstrip('_')}"] = getattr(layer, name, None) or _missing(self, name)
+            self.__dict__[f"_fdsched_{name.lstrip('_')}"] = getattr(layer, name)
 
     def update_cache_blocks(self, *args, **kwargs):
         return self._fdsched_update_cache_blocks(self, *args, **kwargs)
@@ -110,15 +101,6 @@ class PrefixCache:
 
     def _handle_free_gpu_node_without_cpu(self, *args, **kwargs):
         return self._fdsched_handle_free_gpu_node_without_cpu(self, *args, **kwargs)
-
-
-def _missing(cm, name: str):
-    """A seam the host lacks: calling it raises what the host's object would raise."""
-
-    def missing(*args, **kwargs):
-        raise AttributeError(f"'{type(cm).__name__}' object has no attribute '{name}'")
-
-    return missing
 
 
 def over(host_cls: type, rows: dict, arms: dict, default_arm, policies, info) -> type:

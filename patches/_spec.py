@@ -66,19 +66,7 @@ def override_problem(mixin, host_cls) -> Optional[str]:
     differs from the one the plugin's override was written for (names, order, kinds, defaults). The host calls
     the override as it calls its own method, and the override calls the host's with its own parameters, so
     the two must be the same. None when every override matches."""
-    for name, func in sorted(overridden_methods(mixin).items()):
-        mine = shape_of(func)
-        if mine is not None and any(kind in ("VAR_POSITIONAL", "VAR_KEYWORD") for _, kind, _ in mine):
-            continue  # a pass-through wrapper: takes whatever the host's takes
-        host = getattr(host_cls, name, None)
-        if host is None or not callable(host):
-            return f"{host_cls.__name__}.{name} is missing (the plugin overrides it)"
-        theirs = shape_of(host)
-        if theirs is None:
-            return f"{host_cls.__name__}.{name} has no readable signature"
-        if mine != theirs:
-            return f"{host_cls.__name__}.{name}{format_shape(theirs)} differs from the {format_shape(mine)} the plugin handles"
-    return None
+    return _methods_problem(overridden_methods(mixin), host_cls, "overrides")
 
 
 def served_methods(strategy) -> dict:
@@ -90,18 +78,27 @@ def strategy_problem(strategy, host_cls) -> Optional[str]:
     """Why ``strategy`` (a change's strategy object's class: each method it serves, named in its ``seams``, takes the
     host object first, then the host method's own parameters) cannot serve ``host_cls``'s seams:
     :func:`override_problem` with that first parameter left out. None when every method fits."""
-    for name, func in sorted(served_methods(strategy).items()):
+    return _methods_problem(served_methods(strategy), host_cls, "serves", takes_host_object=True)
+
+
+def _methods_problem(methods: dict, host_cls, verb: str, takes_host_object: bool = False) -> Optional[str]:
+    """The first of ``methods`` (host method name -> the plugin's function) whose shape the host's method does not
+    have, in words; a ``*args, **kwargs`` pass-through takes whatever the host's takes. ``takes_host_object``: each
+    function takes the host object after its own ``self`` (a strategy's), left out of the comparison."""
+    for name, func in sorted(methods.items()):
         mine = shape_of(func)
+        if mine is not None and takes_host_object:
+            mine = mine[:1] + mine[2:]
         if mine is not None and any(kind in ("VAR_POSITIONAL", "VAR_KEYWORD") for _, kind, _ in mine):
             continue  # a pass-through: takes whatever the host's takes
         host = getattr(host_cls, name, None)
         if host is None or not callable(host):
-            return f"{host_cls.__name__}.{name} is missing (the plugin serves it)"
+            return f"{host_cls.__name__}.{name} is missing (the plugin {verb} it)"
         theirs = shape_of(host)
         if theirs is None:
             return f"{host_cls.__name__}.{name} has no readable signature"
-        if mine is None or mine[2:] != theirs[1:]:
-            mine_text = format_shape(mine[:1] + mine[2:]) if mine else "(?)"
+        if mine != theirs:
+            mine_text = format_shape(mine) if mine is not None else "(?)"
             return f"{host_cls.__name__}.{name}{format_shape(theirs)} differs from the {mine_text} the plugin handles"
     return None
 
@@ -312,8 +309,9 @@ class PatchSpec:
     applies: tuple = ("plugin",)
     variants: Optional[dict] = None
     alters_tests: tuple = ()  # AlteredTest: the host's own tests this change alters on purpose (fdsched host test)
-    # Target -> {impl: strategy class}: for a target whose plugin class is one fixed class (no mixins), the
-    # strategy an instance under an arm with that impl uses (the catalogue's table; see patches/_cache_queue.py).
+    # Target -> {impl: strategy class, Shapes or Variant of them, or None}: for a target whose plugin class is one
+    # fixed class (no mixins), the strategy an instance under an arm with that impl uses (None: the host's own
+    # code runs); the catalogue's table (patches/_prefix_cache.py, patches/_cache_queue.py).
     strategies: dict = field(default_factory=dict)
 
     def mixin_of(self, target: str, impl: str, host_has: bool = False, settings=None):

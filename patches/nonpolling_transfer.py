@@ -110,7 +110,6 @@ class PollingReceiver:
     """The host's own receiver: one poll of the server's list per call (an arm without this change, or a server
     whose lists cannot wait)."""
 
-    name = "polls as the host does"
     seams = ("get_transfer_done_signal",)
     fdsched_host_role = "passes the call to the host's own method"
 
@@ -125,7 +124,6 @@ class WaitingReceiver:
     """One blocking RPC per call: the next result, or None after ``wait_seconds``; acknowledges the previous result
     (see :class:`WaitableDoneList`)."""
 
-    name = "waits in the server"
     seams = ("get_transfer_done_signal",)
     fdsched_globals = {ECQ: ("logger",)}
 

@@ -56,7 +56,11 @@ class RecordGate:
         self.preallocating: set = set()  # marked by the scheduler for the duration of a preallocation
         # The role is fixed for the manager's life: only a prefill node's records go through the gate.
         self.prefill_node = getattr(cm, "splitwise_role", None) == "prefill"
-        self.passes_all = not self.prefill_node  # the cache manager then leaves the gate out of its recording
+
+    @property
+    def passes_all(self) -> bool:
+        """Every record passes (not a prefill node): the cache manager leaves the gate out of its recording."""
+        return not self.prefill_node
 
     def update_cache_blocks(self, cm, task, block_size, num_computed_tokens):
         if self.prefill_node:

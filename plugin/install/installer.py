@@ -11,10 +11,10 @@ Order of work, so that nothing is ever half-patched:
    are restored before the error propagates.
 
 Online A/B (``FDSCHED_PROFILE_BY_DP_RANK``): steps 1 and 3 run for every arm too, and an error names the
-rank and its profile. Step 4 builds, for the scheduler and the cache manager, one class per arm holding only the
-mixins that arm applies (its decisions are made here, once) behind one front class that the host modules are rebound
-to; the cache queue has one fixed class whose clients each pick a strategy (:mod:`fdsched.patches._cache_queue`);
-constructing the front class builds the class of the instance's own data-parallel rank
+rank and its profile. Step 4 builds, for the scheduler, one class per arm holding only the mixins that arm applies
+(its decisions are made here, once) behind one front class that the host module is rebound to; the cache manager
+and the cache queue have one fixed class each, whose instances build their arm's strategies from a table made here
+(:func:`_fixed_class`); constructing the front class builds the class of the instance's own data-parallel rank
 (``local_data_parallel_id``: the engine forks ranks 1..N-1 after rank 0's scheduler exists, so nothing per
 process can tell them apart); ranks not listed get ``FDSCHED_PROFILE``'s (or the defaults'). See
 :mod:`fdsched.patches._base`. The front class's ``_fdsched_impl`` / ``_fdsched_settings`` are those of the

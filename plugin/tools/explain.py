@@ -84,7 +84,9 @@ def _role(cls: type, arm_cls: type, host_cls: type) -> str:
         return "front class (the host module's name is rebound to it)"
     if cls.__module__.startswith("fdsched.patches."):
         change = cls.__module__[len("fdsched.patches."):].split(".", 1)[0]  # a change's module or package
-        return {"_base": "plugin base", "_cache_queue": "the cache queue's seams (each hands the call to a strategy)", "_guard": "the scheduler guard (every arm)",
+        return {"_base": "plugin base", "_guard": "the scheduler guard (every arm)",
+                "_cache_queue": "the cache queue's seams (each hands the call to a strategy)",
+                "_prefix_cache": "the prefix cache's seams (each hands the call to its strategies)",
                 "_step": "the one schedule() wrapper: the pass's plan, each change's steps (every arm)"}.get(
             change, f"mixin of {change}")
     return ""
@@ -128,8 +130,8 @@ def explain_class(target: str, arm_cls: type, host_cls: type, change_mixins: Seq
         methods = []
         for name in replaces.get(change_id, ()):
             implementer = None
-            if mixin is not None and mixin not in plugin_part and not any(c in plugin_part for c in mixin.__mro__[1:]):
-                implementer = _served_by(name, mixin, plugin_part)  # a strategy object's class, not a mixin
+            if mixin is not None and hasattr(mixin, "seams"):  # a strategy object's class, not a mixin
+                implementer = _served_by(name, mixin, plugin_part)
             elif mixin is not None:
                 implementer = next((class_name(c) for c in mixin.__mro__
                                     if c in plugin_part and c.__module__ != "fdsched.patches._base" and _defines(c, name)),

@@ -96,7 +96,7 @@ def plugin_classes(info, run: str) -> Optional[frozenset]:
     ``default``) builds on the probed host ``info``, as ``target:module.Class``; None where the host refuses it."""
     from fdsched.core.hooks import Policies, make_plugin_manager
     from fdsched.core.settings import load_settings
-    from fdsched.install.installer import InstallError, _build, decide
+    from fdsched.install.installer import Arm, InstallError, _build, decide, instance_class, strategy_row
 
     settings = load_settings({}, profile=None if run == DEFAULT_RUN else run)
     try:
@@ -105,8 +105,6 @@ def plugin_classes(info, run: str) -> Optional[frozenset]:
         return None
     policies = Policies(make_plugin_manager(environ={}, load_entry_points=False))
     found = set()
-    from fdsched.install.installer import Arm, instance_class, strategy_row
-
     arm = Arm(run, settings, decisions)
     for target, front in _build(info, settings, decisions, policies).items():
         used = list(instance_class(front).__mro__)

@@ -1,0 +1,27 @@
+"""The host's own methods as the last layer of a fixed class's seams (:mod:`fdsched.patches._prefix_cache`,
+:mod:`fdsched.patches._cache_queue`)."""
+
+from __future__ import annotations
+
+__all__ = ["HostCode", "host_method"]
+
+
+def host_method(host_cls, name: str):
+    """``host_cls``'s own function ``name`` (called as ``function(host_object, *args)``), or, where the host has none,
+    one that raises the AttributeError an object of the host class would raise."""
+    function = getattr(host_cls, name, None)
+    if callable(function):
+        return function
+
+    def missing(*args, **kwargs):
+        raise AttributeError(f"'{host_cls.__name__}' object has no attribute '{name}'")
+
+    return missing
+
+
+class HostCode:
+    """The last layer of every seam in ``seams``: the host's own method, as :func:`host_method` gives it."""
+
+    def __init__(self, host_cls, seams):
+        for name in seams:
+            setattr(self, name, host_method(host_cls, name))
