@@ -1,6 +1,6 @@
 """The scheduler guard: a watch after every ``schedule()`` call, in every arm class of ``ResourceManagerV1`` while the
-plugin is loaded (every profile, every line; it changes no decision). The step mixin
-(:mod:`fdsched.patches._step`) calls it.
+plugin is loaded (every profile, every line; it changes no decision). The scheduler's one ``schedule()``
+(:mod:`fdsched.patches._scheduler`) calls it.
 
 * **Stalled admission.** A pass that schedules nothing while requests wait, nothing runs and blocks are free is
   watched (:class:`fdsched.core.policies.StallWatch`); an episode that lasts 100 passes and 30 s is reported once.
@@ -44,11 +44,11 @@ def nothing_scheduled(result) -> bool:
 
 
 class SchedulerGuard:
-    """The guard's part of the step mixin (:class:`fdsched.patches._step.StepPlanMixin`), which calls
+    """The guard's part of the plugin's scheduler (:class:`fdsched.patches._scheduler.Scheduler`), which calls
     :meth:`_fdsched_guard` after each whole ``schedule()`` call (see the module docstring)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def _fdsched_start_guard(self) -> None:
+        """The guard's state, made when the scheduler is built."""
         self._fdsched_stall_watch = StallWatch()
         self._fdsched_block_audit = BlockAudit(AUDIT_INTERVAL_S)
 

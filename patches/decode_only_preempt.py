@@ -2,8 +2,8 @@
 
 Replaces:  ResourceManagerV1._select_preempt_candidate (the seam of a host with 7783: which request its
            preemption loop takes next), ResourceManagerV1._trigger_preempt (a host without that seam:
-           the loop, paraphrased; with the seam the host's own loop runs), ResourceManagerV1.__init__ (its state);
-           a step after each ``schedule()`` pass ends the no-victim warning episode
+           the loop, paraphrased; with the seam the host's own loop runs); a step after each ``schedule()`` pass
+           ends the no-victim warning episode
 Why:       the host preempts the last running request whatever its phase, so a long prompt that is
            half prefilled can be thrown away and recomputed while decoders hold their blocks.
 Upstream:  PR 7444, 2.6 cherry-pick 7783 (merged; in d38eeb8).
@@ -27,16 +27,16 @@ change 3 owns). Without the seam the plugin runs the loop itself; with no victim
 caller then stops the running pass) and warns once per episode. Reservation state, the host's or the
 plugin's, is change 3's business on both hosts: this module never touches it.
 
-The arm's class holds one mixin per impl and host (``SPEC.variants``), chosen once when the class is built; no
+Each scheduler holds one strategy per impl and host (``SPEC.strategies``), chosen once when it is built; no
 method asks which host it runs on:
 
 =============  ==============================================  ===========================================
 impl           host with the seam (has the change)             host without it
 =============  ==============================================  ===========================================
-host           ``HostPreemptMixin`` (counts the seam's picks)  ``HostPreemptLoopMixin`` (counts the
+host           ``HostPreempt`` (counts the seam's picks)       ``HostPreemptLoop`` (counts the
                                                                host loop's victims)
-plugin         ``PolicyPreemptMixin`` (answers the seam)       ``PolicyPreemptLoopMixin`` (the loop)
-off            ``PreChangePreemptMixin`` (any phase)           (the host's own code: impl ``host``)
+plugin         ``PolicyPreempt`` (answers the seam)            ``PolicyPreemptLoop`` (the loop)
+off            ``PreChangePreempt`` (any phase)                (the host's own code: impl ``host``)
 =============  ==============================================  ===========================================
 """
 
@@ -48,90 +48,95 @@ from fdsched.core.metrics import METRICS
 from fdsched.core.policies import NoVictimWarning, VictimCandidate
 
 from fdsched.patches._spec import AlteredTest, PatchSpec, Reliance, Shapes, Variant
-from fdsched.patches._base import PluginBase, host_global, node_role
+from fdsched.patches._base import host_global, node_role
 
 RM = "fastdeploy.engine.sched.resource_manager_v1"
 
 
-class DecodeOnlyPreemptMixin(PluginBase):
+class PreemptCount:
+    """What every strategy of this change shares (one per scheduler, made when it is built; see
+    :mod:`fdsched.patches._scheduler`): the no-victim warning's episode, ended after every pass, and the victims
+    counted by phase. Each method named as the host's takes the scheduler first; ``next`` has the layer below."""
+
+    seams: tuple = ()
     fdsched_attributes = ("running",)
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._fdsched_no_victim = NoVictimWarning()
+    def __init__(self, rm, settings, next):
+        self.next = next
+        self.no_victim = NoVictimWarning()
 
-    fdsched_pass_end = "_fdsched_end_victim_episode"  # a step of the one schedule() wrapper (fdsched.patches._step)
-
-    def _fdsched_end_victim_episode(self, plan, result) -> None:
+    def pass_end(self, rm, plan, result) -> None:
         """After every pass: the no-victim warning's pass ends (it warns once per episode)."""
-        self._fdsched_no_victim.end_pass()
+        self.no_victim.end_pass()
 
-    # ---- helpers --------------------------------------------------------------------------
-    def _fdsched_count_victim(self, victim, decoding: bool) -> None:
+    def count_victim(self, rm, victim, decoding: bool) -> None:
         # the host's loop preempts what the seam returns (its computed tokens are still set)
-        METRICS.preempted("decode" if decoding else "prefill", of=self, recomputed_tokens=_computed(victim))
+        METRICS.preempted("decode" if decoding else "prefill", of=rm, recomputed_tokens=_computed(victim))
 
-    def _fdsched_candidates(self) -> list:
-        return [
-            VictimCandidate(r.request_id, self._fdsched_is_decoding(r), bool(r.use_extend_tables)) for r in self.running
-        ]
+    def candidates(self, rm) -> list:
+        is_decoding = rm._fdsched_is_decoding
+        return [VictimCandidate(r.request_id, is_decoding(r), bool(r.use_extend_tables)) for r in rm.running]
 
 
-class HostPreemptMixin(DecodeOnlyPreemptMixin):
+class HostPreempt(PreemptCount):
     """impl ``host`` on a host with the seam: the host's own victim choice, its victims counted by phase for the
     metrics (the host's own loop asks this seam for each victim)."""
 
+    seams = ("_select_preempt_candidate",)
     fdsched_host_role = "counts the host's preemption victims by phase for its metrics; the host's own code picks them"
 
-    def _select_preempt_candidate(self):
+    def _select_preempt_candidate(self, rm):
         """The host's victim seam: ``(victim, its index in running)``, or ``(None, -1)`` when none qualifies."""
-        victim, index = super()._select_preempt_candidate()
+        victim, index = self.next._select_preempt_candidate(rm)
         if victim is not None:
-            self._fdsched_count_victim(victim, self._fdsched_is_decoding(victim))
+            self.count_victim(rm, victim, rm._fdsched_is_decoding(victim))
         return victim, index
 
 
-class HostPreemptLoopMixin(DecodeOnlyPreemptMixin):
+class HostPreemptLoop(PreemptCount):
     """impl ``host`` on a host without the seam: the host's own preemption, its victims counted by phase."""
 
-    fdsched_host_role = HostPreemptMixin.fdsched_host_role
+    seams = ("_trigger_preempt",)
+    fdsched_host_role = HostPreempt.fdsched_host_role
 
-    def _trigger_preempt(self, request, num_new_blocks, preempted_reqs, scheduled_reqs):
-        phase_before = {r.request_id: self._fdsched_is_decoding(r) for r in self.running}
-        computed_before = {r.request_id: _computed(r) for r in self.running}
+    def _trigger_preempt(self, rm, request, num_new_blocks, preempted_reqs, scheduled_reqs):
+        phase_before = {r.request_id: rm._fdsched_is_decoding(r) for r in rm.running}
+        computed_before = {r.request_id: _computed(r) for r in rm.running}
         already = len(preempted_reqs)
-        result = super()._trigger_preempt(request, num_new_blocks, preempted_reqs, scheduled_reqs)
+        result = self.next._trigger_preempt(rm, request, num_new_blocks, preempted_reqs, scheduled_reqs)
         for victim in preempted_reqs[already:]:
             METRICS.preempted(
                 "decode" if phase_before.get(victim.request_id) else "prefill",
-                of=self,
+                of=rm,
                 recomputed_tokens=computed_before.get(victim.request_id, 0),
             )
         return result
 
 
-class PolicyPreemptMixin(DecodeOnlyPreemptMixin):
-    """impl ``plugin`` (decode-only) and, through :class:`PreChangePreemptMixin`, ``off`` (any phase, the
-    pre-change choice) on a host with the seam: the victim from the policy (hook
-    ``fdsched_select_preemption_victim``); the host's own loop preempts it."""
+class PolicyPreempt(PreemptCount):
+    """impl ``plugin`` (decode-only) and, through :class:`PreChangePreempt`, ``off`` (any phase, the pre-change
+    choice) on a host with the seam: the victim from the policy (hook ``fdsched_select_preemption_victim``); the
+    host's own loop preempts it."""
 
-    _fdsched_decode_only = True
+    seams = ("_select_preempt_candidate",)
+    decode_only = True
 
-    def _select_preempt_candidate(self):
+    def _select_preempt_candidate(self, rm):
         """The host's victim seam: ``(victim, its index in running)``, or ``(None, -1)`` when none qualifies."""
-        candidates = self._fdsched_candidates()
-        chosen = self._fdsched_policies.select_victim(candidates, self._fdsched_decode_only)
+        candidates = self.candidates(rm)
+        chosen = rm._fdsched_policies.select_victim(candidates, self.decode_only)
         if chosen is None:
             return None, -1
-        victim = self.running[chosen]
-        self._fdsched_count_victim(victim, candidates[chosen].decoding)
+        victim = rm.running[chosen]
+        self.count_victim(rm, victim, candidates[chosen].decoding)
         return victim, chosen
 
 
-class PolicyPreemptLoopMixin(DecodeOnlyPreemptMixin):
+class PolicyPreemptLoop(PreemptCount):
     """impl ``plugin`` on a host without the seam: the host's loop, paraphrased, with the decoding victim from the
     policy (hook ``fdsched_select_preemption_victim``)."""
 
+    seams = ("_trigger_preempt",)
     # What the paraphrased loop uses of the host (checked before anything is patched: fdsched.patches._spec)
     fdsched_calls = {
         "PrefixCacheManager.can_allocate_gpu_blocks": ("num_blocks",),
@@ -146,91 +151,91 @@ class PolicyPreemptLoopMixin(DecodeOnlyPreemptMixin):
     fdsched_attributes = ("cache_manager", "config", "tasks_list", "stop_flags", "requests", "req_dict",
                           "to_be_rescheduled_request_id_set")
 
-    def _trigger_preempt(self, request, num_new_blocks, preempted_reqs, scheduled_reqs):
-        while not self.cache_manager.can_allocate_gpu_blocks(num_new_blocks):
-            candidates = self._fdsched_candidates()
-            index = self._fdsched_policies.select_victim(candidates, True)
+    def __init__(self, rm, settings, next):
+        super().__init__(rm, settings, next)
+        # A decode node cannot recompute a victim's prompt: there the victim leaves the node (fixed for its life).
+        self.release_victim = self.drop_victim if node_role(rm) == "decode" else self.requeue_victim
+
+    def _trigger_preempt(self, rm, request, num_new_blocks, preempted_reqs, scheduled_reqs):
+        while not rm.cache_manager.can_allocate_gpu_blocks(num_new_blocks):
+            candidates = self.candidates(rm)
+            index = rm._fdsched_policies.select_victim(candidates, True)
             if index is None:
-                if self._fdsched_no_victim.should_warn():
+                if self.no_victim.should_warn():
                     host_global(RM, "llm_logger").warning(
                         "[fdsched] Preemption is triggered while no preemptable (decoding) request can be "
                         f"found, scheduler may be hung! Waiting for {num_new_blocks} blocks for request "
-                        f"{request.request_id}; running: {[r.request_id for r in self.running]}"
+                        f"{request.request_id}; running: {[r.request_id for r in rm.running]}"
                     )
                 return False
-            victim = self.running.pop(index)
+            victim = rm.running.pop(index)
             computed = _computed(victim)  # before the reset below
-            self._fdsched_preempt_request(victim, preempted_reqs, scheduled_reqs)
-            METRICS.preempted("decode" if candidates[index].decoding else "prefill", of=self, recomputed_tokens=computed)
+            self.preempt_request(rm, victim, preempted_reqs, scheduled_reqs)
+            METRICS.preempted("decode" if candidates[index].decoding else "prefill", of=rm, recomputed_tokens=computed)
             if victim is request:
                 return False
         return True
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        # A decode node cannot recompute a victim's prompt: there the victim leaves the node (fixed for its life).
-        decode_node = node_role(self) == "decode"
-        self._fdsched_release_victim = self._fdsched_drop_victim if decode_node else self._fdsched_requeue_victim
-
-    def _fdsched_preempt_request(self, victim, preempted_reqs, scheduled_reqs):
+    def preempt_request(self, rm, victim, preempted_reqs, scheduled_reqs):
         """Reset a victim and requeue it (or drop it on a decode node), as a seamless host's own loop does."""
         logger = host_global(RM, "llm_logger")
-        victim.status = self._fdsched_statuses.PREEMPTED
+        victim.status = rm._fdsched_statuses.PREEMPTED
         victim.num_computed_tokens = 0
-        self._fdsched_release_victim(victim)
+        self.release_victim(rm, victim)
         logger.info(f"Preemption is triggered! Preempted request id: {victim.request_id}")
         preempted_reqs.append(victim)
-        scheduled_reqs.append(self._prepare_preempt_task(victim))
+        scheduled_reqs.append(rm._prepare_preempt_task(victim))
         if logger.isEnabledFor(logging.DEBUG):
-            logger.debug(f"[fdsched] preempted {victim.request_id} at idx {victim.idx}; {self.info()}")
-            self._info_each_block()
+            logger.debug(f"[fdsched] preempted {victim.request_id} at idx {victim.idx}; {rm.info()}")
+            rm._info_each_block()
 
-    def _fdsched_saves_output(self):
+    @staticmethod
+    def saves_output(rm):
         # the host reads its env switch at call time; so does the paraphrase
-        return host_global(RM, "envs").FD_SAVE_OUTPUT_CACHE_FOR_PREEMPTED_REQUEST and self.config.cache_config.kvcache_storage_backend
+        return host_global(RM, "envs").FD_SAVE_OUTPUT_CACHE_FOR_PREEMPTED_REQUEST and rm.config.cache_config.kvcache_storage_backend
 
-    def _fdsched_drop_victim(self, victim) -> None:
+    def drop_victim(self, rm, victim) -> None:
         """A decode node's victim leaves the node (its output cache saved first where the host saves it)."""
-        self.tasks_list[victim.idx] = None
-        self.stop_flags[victim.idx] = True
-        self.requests.pop(victim.request_id, None)
-        self.req_dict.pop(victim.request_id, None)
-        if self._fdsched_saves_output():
-            self._fdsched_save_decode_victim(victim)
-        self._free_blocks(victim)
+        rm.tasks_list[victim.idx] = None
+        rm.stop_flags[victim.idx] = True
+        rm.requests.pop(victim.request_id, None)
+        rm.req_dict.pop(victim.request_id, None)
+        if self.saves_output(rm):
+            self.save_decode_victim(rm, victim)
+        rm._free_blocks(victim)
 
-    def _fdsched_requeue_victim(self, victim) -> None:
+    def requeue_victim(self, rm, victim) -> None:
         """Any other node's victim goes back to be recomputed."""
-        if self._fdsched_saves_output():
-            self.cache_manager.write_cache_to_storage(victim)
-        self._free_blocks(victim)
+        if self.saves_output(rm):
+            rm.cache_manager.write_cache_to_storage(victim)
+        rm._free_blocks(victim)
         victim.num_cached_blocks = 0
-        self.to_be_rescheduled_request_id_set.add(victim.request_id)
+        rm.to_be_rescheduled_request_id_set.add(victim.request_id)
         host_global(RM, "trace_print")(
             host_global(RM, "LoggingEventName").PREEMPTED, victim.request_id, getattr(victim, "user", "")
         )
 
-    def _fdsched_save_decode_victim(self, victim) -> None:
-        self.cache_manager.write_cache_to_storage_decode(victim)
+    def save_decode_victim(self, rm, victim) -> None:
+        rm.cache_manager.write_cache_to_storage_decode(victim)
 
 
-class PolicyPreemptNoDecodeSaveMixin(PolicyPreemptLoopMixin):
-    """:class:`PolicyPreemptLoopMixin` on a host whose loop drops a decode node's victim without saving its output
-    cache to storage (FastDeploy 2.5: no ``write_cache_to_storage_decode``)."""
+class PolicyPreemptNoDecodeSave(PolicyPreemptLoop):
+    """:class:`PolicyPreemptLoop` on a host whose loop drops a decode node's victim without saving its output cache
+    to storage (FastDeploy 2.5: no ``write_cache_to_storage_decode``)."""
 
     fdsched_calls = {"PrefixCacheManager.write_cache_to_storage_decode": None}
 
-    def _fdsched_save_decode_victim(self, victim) -> None:
+    def save_decode_victim(self, rm, victim) -> None:
         """Nothing: this host's own loop saves nothing for a decode node's victim."""
 
 
-PREEMPT_LOOP_SHAPES = Shapes(PolicyPreemptLoopMixin, PolicyPreemptNoDecodeSaveMixin)
+PREEMPT_LOOP_SHAPES = Shapes(PolicyPreemptLoop, PolicyPreemptNoDecodeSave)
 
 
-class PreChangePreemptMixin(PolicyPreemptMixin):
+class PreChangePreempt(PolicyPreempt):
     """impl ``off`` on a host that has the change: any running request may be the victim, as before it."""
 
-    _fdsched_decode_only = False
+    decode_only = False
 
 
 def _computed(request) -> int:
@@ -260,7 +265,6 @@ SPEC = PatchSpec(
     upstream_prs=(7444, 7783),
     upstream_state="merged",
     replaces=(
-        "ResourceManagerV1.__init__",
         "ResourceManagerV1._select_preempt_candidate",
         "ResourceManagerV1._trigger_preempt",
     ),
@@ -270,15 +274,15 @@ SPEC = PatchSpec(
     hosts_needing="2.6 before PR 7783 (e7c8dc2)",
     switch="FDSCHED_DECODE_ONLY_PREEMPT",
     delete_when="every supported host carries 7783 and the pre-change choice is no longer A/B tested",
-    mixins={"ResourceManagerV1": DecodeOnlyPreemptMixin},
+    mixins={},
     # The host's preemption seam and its split running status came together (7783): a host that has the change
-    # has the seam; one that lacks it gets the loop paraphrased, which needs no seam (chosen once, by the class).
-    variants={
-        "host": {"ResourceManagerV1": Variant.by_host(HostPreemptMixin, HostPreemptLoopMixin)},
-        "plugin": {"ResourceManagerV1": Variant.by_host(PolicyPreemptMixin, PREEMPT_LOOP_SHAPES)},
+    # has the seam; one that lacks it gets the loop paraphrased, which needs no seam (chosen once, per scheduler).
+    strategies={"ResourceManagerV1": {
+        "host": Variant.by_host(HostPreempt, HostPreemptLoop),
+        "plugin": Variant.by_host(PolicyPreempt, PREEMPT_LOOP_SHAPES),
         # only on a host that has the change (elsewhere off is the host's own code: impl "host")
-        "off": {"ResourceManagerV1": PreChangePreemptMixin},
-    },
+        "off": PreChangePreempt,
+    }},
     host_has=_has_decode_only,
     alters_tests=(
         AlteredTest(

@@ -208,8 +208,9 @@ def _build(info, settings: Settings, decisions: dict, policies: Policies, arms: 
     """target -> the class the host module is rebound to: for the scheduler a front class with one class per arm
     behind it (see :mod:`fdsched.patches._base`); for the cache manager and the cache queue their one fixed class
     (:func:`_fixed_class`)."""
-    from fdsched.patches import TARGETS
-    from fdsched.patches._base import ArmChoice, init_signature, status_views
+    from fdsched.patches import CATALOGUE
+    from fdsched.patches import _scheduler
+    from fdsched.patches._base import status_views
 
     arms = dict(arms or {})
     views, view_attributes = status_views(info)  # the host's RequestStatus shape: chosen here, once
@@ -220,24 +221,18 @@ def _build(info, settings: Settings, decisions: dict, policies: Policies, arms: 
             classes[target] = _fixed_class(target, host_cls, info, default_arm, arms, policies)
             continue
         common = {
-            "__module__": __name__,
             "_fdsched_policies": policies,
             "_fdsched_host": info,
-            "_fdsched_host_class": host_cls,
             "_fdsched_target": target,
             "_fdsched_arms": arms,
             "_fdsched_default_arm": default_arm,
-            "_fdsched_init_signature": init_signature(host_cls),
             "_fdsched_status_views": views,
             **view_attributes,
         }
-        front = type(host_cls.__name__, (ArmChoice, host_cls), dict(
-            common,
-            __qualname__=f"_build.<locals>.{host_cls.__name__}",
-            __doc__=f"fdsched's front class for {TARGETS[target]}: constructing it builds the rank's arm class.",
-            _fdsched_impl=default_arm.impl,
-            _fdsched_settings=settings,
-        ))
+        rows = {rank: (arm, strategy_row(target, arm, info)) for rank, arm in arms.items()}
+        rows[None] = (default_arm, strategy_row(target, default_arm, info))
+        front = _scheduler.over(host_cls, rows, order=tuple(spec.change_id for spec in CATALOGUE), attributes=dict(
+            common, _fdsched_impl=default_arm.impl, _fdsched_settings=settings))
         built: list = []  # (arm, class): one class per distinct arm
 
         def class_of(arm: Arm, label: str):
@@ -288,22 +283,18 @@ def _arm_class(front, target: str, host_cls, common: dict, arm: Arm, impl: dict,
     """The class of one arm for one target: only the mixins that arm applies, its settings and decisions."""
     from fdsched.patches import TARGETS, mixins_for
     from fdsched.patches._base import InitGuard, RequestOutcomesMixin
-    from fdsched.patches._step import StepPlanMixin
     from fdsched.patches._spec import override_problem
 
     info = common["_fdsched_host"]
     mixins = mixins_for(target, impl, info.has, arm.settings, host_cls, info.host_classes)  # outermost first; tests/unit/test_catalogue.py pins the order and why
     if target == "ResourceManagerV1" and override_problem(RequestOutcomesMixin, host_cls) is None:
         mixins = (RequestOutcomesMixin,) + mixins  # measurement only (every arm, every profile); without the seam: none
-    if target == "ResourceManagerV1":
-        # the one schedule() wrapper (outermost, on every arm): the pass's plan, each change's steps, the guard. It
-        # passes schedule()'s arguments through, whatever their shape (every V1 scheduler has schedule()).
-        mixins = (StepPlanMixin,) + mixins
     changes = ", ".join(m.__name__ for m in mixins) or "none: the host's own code"
     # the request views for the host's RequestStatus shape (the scheduler's mixins read requests; the others do not)
     views = (common["_fdsched_status_views"],) if target == "ResourceManagerV1" else ()
     return type(host_cls.__name__, (InitGuard,) + mixins + views + (front,), dict(
         common,
+        __module__=__name__,
         __qualname__=f"_build.<locals>.{host_cls.__name__}[{label}]",
         __doc__=f"fdsched subclass of {TARGETS[target]} for arm {label} (mixins: {changes}).",
         _fdsched_impl=impl,

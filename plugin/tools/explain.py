@@ -87,7 +87,7 @@ def _role(cls: type, arm_cls: type, host_cls: type) -> str:
         return {"_base": "plugin base", "_guard": "the scheduler guard (every arm)",
                 "_cache_queue": "the cache queue's seams (each hands the call to a strategy)",
                 "_prefix_cache": "the prefix cache's seams (each hands the call to its strategies)",
-                "_step": "the one schedule() wrapper: the pass's plan, each change's steps (every arm)"}.get(
+                "_scheduler": "the scheduler's seams and its one schedule(): the pass's plan, each change's steps"}.get(
             change, f"mixin of {change}")
     return ""
 
@@ -141,7 +141,7 @@ def explain_class(target: str, arm_cls: type, host_cls: type, change_mixins: Seq
             detail = host_impl_detail(detail, mixin)
         rows.append(ChangeRow(change_id, impl, detail, None if mixin is None else class_name(mixin), tuple(methods)))
     return TargetExplanation(target, f"{host_cls.__module__}.{host_cls.__qualname__}", chain, host_bases, overrides,
-                             rows, steps=_steps(arm_cls, plugin_part))
+                             rows, steps=_steps(arm_cls, plugin_part, change_mixins))
 
 
 def _served_by(name: str, strategy: type, plugin_part) -> Optional[str]:
@@ -155,18 +155,20 @@ def _served_by(name: str, strategy: type, plugin_part) -> Optional[str]:
     return f"{seam} -> {class_name(strategy)}" if name in served_methods(strategy) else seam
 
 
-def _steps(arm_cls: type, plugin_part) -> list:
-    """The steps of the arm's one ``schedule()`` wrapper, per kind in the order they run (none for a class
-    without it)."""
-    from fdsched.patches._step import STEP_KINDS
+def _steps(arm_cls: type, plugin_part, change_mixins) -> list:
+    """The steps of the scheduler's one ``schedule()``, per kind in the order they run: the strategies' (catalogue
+    order), then the mixins' declared ones; none for a class without it."""
+    from fdsched.patches._scheduler import STEP_KINDS, Scheduler, declared_steps
 
+    if Scheduler not in arm_cls.__mro__:
+        return []
     steps = []
-    for kind, collected in STEP_KINDS.items():
-        names = getattr(arm_cls, collected, None)
-        if names is None:  # not the scheduler's class: no step mixin
-            continue
-        owners = [next((f"{class_name(c)}.{name}" for c in plugin_part if _defines(c, name)), name) for name in names]
-        steps.append((kind, owners))
+    for attribute, method in STEP_KINDS:
+        owners = [f"{class_name(strategy)}.{method}" for _, _, _, strategy in change_mixins
+                  if strategy is not None and hasattr(strategy, "seams") and hasattr(strategy, method)]
+        owners += [next((f"{class_name(c)}.{name}" for c in plugin_part if _defines(c, name)), name)
+                   for name in declared_steps(arm_cls, attribute)]
+        steps.append((method, owners))
     return steps
 
 

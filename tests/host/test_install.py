@@ -326,8 +326,8 @@ def test_a_bad_variable_in_an_engine_ends_it_with_one_line(tmp_path, variable, v
 
 
 def test_generated_classes_say_where_they_come_from(host_info):
-    """The classes the installer builds over the real host classes name their origin: the scheduler's front class and
-    arm class by the installer, the cache manager's and the cache queue's fixed class by its module."""
+    """The classes the installer builds over the real host classes name their origin: each target's fixed class by its
+    module, the scheduler's class per arm (its changes still written as mixins) by the installer."""
     from fdsched.core.hooks import Policies, make_plugin_manager
     from fdsched.core.settings import load_settings
     from fdsched.install.installer import _build, decide, instance_class
@@ -336,10 +336,11 @@ def test_generated_classes_say_where_they_come_from(host_info):
     policies = Policies(make_plugin_manager(environ={}, load_entry_points=False))
     classes = _build(host_info, settings, decide(settings, host_info), policies)
     front = classes["ResourceManagerV1"]
-    assert front.__module__ == "fdsched.install.installer" and front.__qualname__ == "_build.<locals>.ResourceManagerV1"
+    assert (front.__module__, front.__qualname__) == ("fdsched.patches._scheduler", "ResourceManagerV1")
     arm = instance_class(front)
     assert arm.__qualname__ == "_build.<locals>.ResourceManagerV1[baseline]" and issubclass(arm, front)
     assert issubclass(arm, host_info.host_classes["ResourceManagerV1"]) and arm._fdsched_arm == "baseline"
+    assert front.__bases__[1] is host_info.host_classes["ResourceManagerV1"]
     for target, module in (("PrefixCacheManager", "_prefix_cache"), ("EngineCacheQueue", "_cache_queue")):
         fixed = classes[target]
         assert (fixed.__module__, fixed.__qualname__) == (f"fdsched.patches.{module}", target)

@@ -108,10 +108,10 @@ def test_all_prefilling_means_no_victim_and_a_warning(rm_with, caplog):
             assert rm._trigger_preempt(first, 2, preempted, []) is False
             assert rm._trigger_preempt(first, 2, preempted, []) is False  # same pass: no second warning
             assert preempted == [] and len(rm.running) == 2
-            rm._fdsched_no_victim.end_pass()  # a pass that hit the state: episode goes on
+            rm._fdsched_strategies["decode_only_preempt"].no_victim.end_pass()  # a pass that hit the state: episode goes on
             rm._trigger_preempt(first, 2, [], [])
-            rm._fdsched_no_victim.end_pass()
-            rm._fdsched_no_victim.end_pass()  # a clean pass ends the episode
+            rm._fdsched_strategies["decode_only_preempt"].no_victim.end_pass()
+            rm._fdsched_strategies["decode_only_preempt"].no_victim.end_pass()  # a clean pass ends the episode
             rm._trigger_preempt(first, 2, [], [])
     finally:
         llm_logger.propagate = saved

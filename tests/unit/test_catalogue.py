@@ -13,9 +13,10 @@ from collections import defaultdict
 import pytest
 
 import fdsched.patches
-from fdsched.patches import CATALOGUE, TARGETS, PatchSpec, Shapes, spec_for
+from fdsched.patches import CATALOGUE, TARGETS, PatchSpec, Shapes, Variant, spec_for
 from fdsched.patches._cache_queue import CacheQueue
 from fdsched.patches._prefix_cache import PrefixCache
+from fdsched.patches._scheduler import STEP_KINDS, Scheduler, declared_steps
 from fdsched.patches._spec import declared, served_methods
 from fdsched.core.schema import CHANGE_IDS, HOST_FIXES, SCHEMA
 
@@ -25,7 +26,7 @@ PATCH_MODULES = sorted(
     info.name for info in pkgutil.iter_modules(fdsched.patches.__path__) if not info.name.startswith("_")
 )
 SPECS = {spec.change_id: spec for spec in CATALOGUE}
-FIXED_CLASSES = {"EngineCacheQueue": CacheQueue, "PrefixCacheManager": PrefixCache}  # a fixed class's seams
+FIXED_CLASSES = {"EngineCacheQueue": CacheQueue, "PrefixCacheManager": PrefixCache, "ResourceManagerV1": Scheduler}
 
 
 def own_methods(cls) -> set:
@@ -97,36 +98,34 @@ def test_each_impl_gets_only_its_own_mixins(change_id):
     assert SPECS["deferred_recycle"].mixin_of("PrefixCacheManager", "host") is None
     assert SPECS["nonpolling_transfer"].mixin_of("EngineCacheQueue", "host") is None
     assert SPECS["pd_prefill_cache"].mixin_of("ResourceManagerV1", "host") is None
-    dop = SPECS["decode_only_preempt"]
-    assert dop.mixin_of("ResourceManagerV1", "plugin", host_has=True)._fdsched_decode_only is True
-    assert dop.mixin_of("ResourceManagerV1", "off", host_has=True)._fdsched_decode_only is False
+    table = SPECS["decode_only_preempt"].strategies["ResourceManagerV1"]
+    assert table["plugin"].choose(True, None).decode_only is True
+    assert table["off"].decode_only is False
 
 
-def test_preemption_mixins_are_chosen_by_the_host_not_asked_per_call():
-    """Change 2's class for a host with the preemption seam answers the seam and leaves the host's loop alone; for a
-    host without it, it runs the loop and defines no seam the host would not call (chosen once, by the class)."""
+def test_preemption_strategies_are_chosen_by_the_host_not_asked_per_call():
+    """Change 2's strategy for a host with the preemption seam answers the seam and leaves the host's loop alone; for a
+    host without it, it runs the loop and serves no seam the host would not call (chosen once, per scheduler)."""
     from fdsched.patches import decode_only_preempt as dop
 
-    spec = SPECS["decode_only_preempt"]
+    table = SPECS["decode_only_preempt"].strategies["ResourceManagerV1"]
     for impl in ("host", "plugin"):
-        with_seam = spec.mixin_of("ResourceManagerV1", impl, host_has=True)
-        without = spec.mixin_of("ResourceManagerV1", impl, host_has=False)
+        with_seam, without = table[impl].choose(True, None), table[impl].choose(False, None)
         assert with_seam is not without
-        defined = lambda cls: {n for k in cls.__mro__ if k.__module__ == dop.__name__ for n in vars(k)}  # noqa: E731
-        assert "_select_preempt_candidate" in defined(with_seam) and "_trigger_preempt" not in defined(with_seam)
+        assert with_seam.seams == ("_select_preempt_candidate",)
         for shape in without if isinstance(without, Shapes) else (without,):
-            assert "_trigger_preempt" in defined(shape) and "_select_preempt_candidate" not in defined(shape)
+            assert shape.seams == ("_trigger_preempt",)
     # a host without the seam: the loop, with or without the decode node's output-cache save (2.5 has none)
-    assert spec.mixin_of("ResourceManagerV1", "plugin", host_has=False) == (
-        dop.PolicyPreemptLoopMixin, dop.PolicyPreemptNoDecodeSaveMixin)
+    assert table["plugin"].choose(False, None) == (dop.PolicyPreemptLoop, dop.PolicyPreemptNoDecodeSave)
     assert "host_defines" not in vars(dop)  # no method asks which host it runs on
 
 
 @pytest.mark.parametrize("change_id", CHANGE_IDS)
 def test_targets_and_requirements_name_known_host_classes(change_id):
     spec = SPECS[change_id]
-    assert set(spec.mixins) <= set(TARGETS)
-    calls = [name for target in spec.mixins for mixin in spec.classes(target) for name in declared(mixin, "fdsched_calls")]
+    assert set(spec.mixins) | set(spec.strategies) <= set(TARGETS)
+    calls = [name for target in {*spec.mixins, *spec.strategies} for mixin in spec.classes(target)
+             for name in declared(mixin, "fdsched_calls")]
     for name in list(spec.replaces) + calls:
         target, method = name.split(".", 1)
         assert target in TARGETS and method.isidentifier(), name
@@ -252,12 +251,17 @@ def test_relies_on_section_lists_exactly_the_spec_reliances(change_id):
         assert reliance.text.strip() and callable(reliance.check)
 
 
-# ---- the order in which mixins wrap the methods they share -------------------------------------------------
-# method -> (outermost first) change ids whose mixins override it, and why that order is the right one.
+# ---- the order in which changes wrap the methods they share ------------------------------------------------
+# method -> (outermost first) change ids whose mixins override it or whose strategies serve it, and why that order is
+# the right one.
 WRAP_ORDER = {
+    ("PrefixCacheManager", "update_cache_blocks"): (
+        ("one_node_per_block", "pd_prefill_cache"),
+        "the record fix corrects the count first, so the prefill node's gate decides on (and the host builds from) the "
+        "corrected count; the gate's own records at finish go to the host directly",
+    ),
     ("ResourceManagerV1", "__init__"): (
-        ("decode_node_reserve", "preempted_seat_resume", "prefill_node_reserve", "pd_prefill_cache", "ratio_reserve",
-         "decode_only_preempt"),
+        ("decode_node_reserve", "preempted_seat_resume", "prefill_node_reserve", "pd_prefill_cache", "ratio_reserve"),
         "each calls super().__init__() first, so the host's constructor has finished before any plugin state is set "
         "or any choice is bound; no mixin's state reads another's, so this order only fixes which exists first",
     ),
@@ -289,8 +293,8 @@ WRAP_ORDER = {
 }
 
 
-# The steps of the one schedule() wrapper (fdsched.patches._step), per kind: the changes that declare one, in the order
-# they run (innermost class first), and why.
+# The steps of the one schedule() (fdsched.patches._scheduler), per kind: the changes that take part, in the order they
+# run (innermost first), and why.
 STEP_ORDER = {
     "fdsched_pass_end": (
         ("decode_only_preempt", "ratio_reserve"),
@@ -311,33 +315,49 @@ STEP_ORDER = {
 }
 
 
-def _declaring(kind: str) -> tuple:
-    """The changes whose ResourceManagerV1 classes declare a step of ``kind``, in catalogue order (innermost first)."""
-    from fdsched.patches._step import declared_steps
+def _step_owners(kind: str, impl=None) -> tuple:
+    """The changes whose ResourceManagerV1 classes take part in ``kind`` of step, in the order the scheduler runs them:
+    strategies innermost (catalogue order) first, then the mixins' declared steps (the mixins wrap every strategy).
+    ``impl``: only what an arm with that impl for every change holds."""
+    attribute, method = kind, dict(STEP_KINDS)[kind]
+    owners = [spec.change_id for spec in CATALOGUE for cls in _strategies(spec, impl) if hasattr(cls, method)]
+    if impl is None:
+        owners += [spec.change_id for spec in CATALOGUE if "ResourceManagerV1" not in spec.strategies
+                   and any(declared_steps(cls, attribute) for cls in spec.classes("ResourceManagerV1"))]
+        return tuple(dict.fromkeys(owners))
+    mixins = fdsched.patches.mixins_for("ResourceManagerV1", {cid: impl for cid in CHANGE_IDS})
+    if mixins:
+        arm = type("Arm", mixins, {})
+        owners += [spec.change_id for name in declared_steps(arm, attribute) for spec in CATALOGUE
+                   for cls in spec.classes("ResourceManagerV1") if cls.__dict__.get(attribute) == name]
+    return tuple(dict.fromkeys(owners))
 
-    return tuple(spec.change_id for spec in CATALOGUE
-                 if any(declared_steps(cls, kind) for cls in spec.classes("ResourceManagerV1")))
+
+def _strategies(spec, impl=None) -> tuple:
+    """The change's ResourceManagerV1 strategy classes (every option; ``impl``: that impl's options only)."""
+    table = spec.strategies.get("ResourceManagerV1", {})
+    if impl is None:
+        return spec.classes("ResourceManagerV1") if table else ()
+    chosen = table.get(impl)
+    found = []
+    for option in chosen.options if isinstance(chosen, Variant) else (chosen,) if chosen else ():
+        found.extend(option if isinstance(option, Shapes) else (option,))
+    return tuple(found)
 
 
 @pytest.mark.parametrize("kind", sorted(STEP_ORDER))
 def test_steps_run_in_the_pinned_order(kind):
-    from fdsched.patches._step import STEP_KINDS, StepPlanMixin
-
-    assert set(STEP_ORDER) == set(STEP_KINDS)
+    assert set(STEP_ORDER) == {attribute for attribute, _ in STEP_KINDS}
     expected, why = STEP_ORDER[kind]
-    assert why and _declaring(kind) == expected
-    # and so in an arm's class built over every change's plugin (or pre-change) classes
+    assert why and _step_owners(kind) == expected
+    # and so in a scheduler running every change's plugin (or pre-change) code
     for impl in ("plugin", "off"):
-        mixins = fdsched.patches.mixins_for("ResourceManagerV1", {cid: impl for cid in CHANGE_IDS})
-        arm = type("Arm", (StepPlanMixin,) + mixins, {})
-        owners = [spec.change_id for name in getattr(arm, STEP_KINDS[kind])
-                  for spec in CATALOGUE for cls in spec.classes("ResourceManagerV1") if cls.__dict__.get(kind) == name]
-        assert tuple(dict.fromkeys(owners)) == tuple(c for c in expected if c in owners)
+        owners = _step_owners(kind, impl)
+        assert owners == tuple(c for c in expected if c in owners)
 
 
 def test_one_schedule_wrapper_under_patches():
-    """Every change acts at a pass through a declared step; the only ``schedule()`` the plugin defines is the step
-    mixin's."""
+    """Every change acts at a pass through a step; the only ``schedule()`` the plugin defines is the scheduler's."""
     import ast
     from pathlib import Path
 
@@ -345,40 +365,56 @@ def test_one_schedule_wrapper_under_patches():
     found = [f"{path.relative_to(root)}:{node.lineno}" for path in sorted(root.rglob("*.py"))
              for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
              if isinstance(node, ast.FunctionDef) and node.name == "schedule"]
-    assert len(found) == 1 and found[0].startswith("_step.py:"), found
+    assert len(found) == 1 and found[0].startswith("_scheduler.py:"), found
+
+
+def _layers(target: str, impl=None) -> list:
+    """(change id, class) outermost first for ``target``: the mixins (later catalogue entries outside), then the
+    strategies the fixed class builds (later catalogue entries outside too). Without ``impl``, every class each change
+    has for ``target``; with it, what an arm with that impl for every change holds."""
+    if impl is None:
+        mixins = [(spec.change_id, cls) for spec in reversed(CATALOGUE) if target not in spec.strategies
+                  for cls in spec.classes(target)]
+    else:
+        chosen = fdsched.patches.mixins_for(target, {cid: impl for cid in CHANGE_IDS})
+        mixins = [(spec.change_id, mixin) for mixin in chosen for spec in CATALOGUE if mixin in spec.classes(target)]
+    strategies = [(spec.change_id, cls) for spec in reversed(CATALOGUE) if target in spec.strategies
+                  for cls in (spec.classes(target) if impl is None or target != "ResourceManagerV1"
+                              else _strategies(spec, impl))]
+    return mixins + strategies
+
+
+def _serves(cls, method: str) -> bool:
+    """Whether a strategy serves ``method`` (its ``seams``), or a mixin (or a plugin class it derives from) defines it."""
+    if hasattr(cls, "seams"):
+        return method in cls.seams
+    return any(method in vars(k) for k in cls.__mro__ if k.__module__.startswith("fdsched.patches"))
 
 
 def test_every_shared_method_has_a_pinned_wrap_order():
-    overriders = defaultdict(list)
+    overriders = defaultdict(set)
     for target in TARGETS:
-        for spec in CATALOGUE:
-            if target in spec.mixins:
-                for method in methods_of(spec, target):
-                    overriders[(target, method)].append(spec.change_id)
-    shared = {key for key, mixins in overriders.items() if len(mixins) > 1}
+        for change_id, cls in _layers(target):
+            methods = cls.seams if hasattr(cls, "seams") else {
+                m for k in cls.__mro__ if k.__module__.startswith("fdsched.patches") for m in own_methods(k)
+                if m == "__init__" or not m.startswith("__")}
+            for method in methods:
+                overriders[(target, method)].add(change_id)
+    shared = {key for key, changes in overriders.items() if len(changes) > 1}
     assert shared == set(WRAP_ORDER), "a method two changes override needs its order pinned (and explained) here"
 
 
 @pytest.mark.parametrize("key", sorted(WRAP_ORDER))
-def test_mixins_wrap_shared_methods_in_the_pinned_order(key):
+def test_changes_wrap_shared_methods_in_the_pinned_order(key):
     target, method = key
     expected, why = WRAP_ORDER[key]
     assert why
-    order = tuple(
-        spec.change_id
-        for mixin in fdsched.patches.mixins_for(target)
-        for spec in CATALOGUE
-        if spec.mixins.get(target) is mixin and method in methods_of(spec, target)
-    )
+    order = tuple(dict.fromkeys(cid for cid, cls in _layers(target) if _serves(cls, method)))
     assert order == expected
-    # and so in every arm's class: whatever each change's impl, the changes that are in it keep that order
+    # and so for every arm: whatever each change's impl, the changes that are in it keep that order
     for impl in ("host", "plugin", "off"):
-        chosen = fdsched.patches.mixins_for(target, {cid: impl for cid in CHANGE_IDS})
-        in_class = tuple(
-            spec.change_id for mixin in chosen for spec in CATALOGUE
-            if mixin in spec.classes(target) and method in methods_of(spec, target)
-        )
-        assert in_class == tuple(cid for cid in expected if cid in in_class)
+        in_arm = tuple(dict.fromkeys(cid for cid, cls in _layers(target, impl) if _serves(cls, method)))
+        assert in_arm == tuple(cid for cid in expected if cid in in_arm)
 
 
 @pytest.mark.parametrize("mode", ["safe", "upstream"])

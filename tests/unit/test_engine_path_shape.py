@@ -22,7 +22,6 @@ ENGINE_PATH = ("patches", "plugin/install")
 # Still made at run time ("path:function" -> why). Each is a composition step the static per-target class would
 # replace.
 CLASS_FACTORIES = {
-    "plugin/install/installer.py:_build": "the scheduler's front class (what the host module is rebound to)",
     "plugin/install/installer.py:_arm_class": "the scheduler's class per arm: that arm's mixins over the front class",
     "patches/_base.py:_on_top": "another plugin's class derived from the scheduler's front class, over an arm's class",
 }
@@ -108,6 +107,7 @@ def test_classes_made_at_run_time_are_only_the_listed_ones():
 FIXED_CLASSES = {
     "patches/_cache_queue.py:over": "EngineCacheQueue: CacheQueue's seams over the host's class",
     "patches/_prefix_cache.py:over": "PrefixCacheManager: PrefixCache's seams over the host's class",
+    "patches/_scheduler.py:over": "ResourceManagerV1: Scheduler's seams over the host's class",
 }
 
 
