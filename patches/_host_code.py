@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-__all__ = ["HostCode", "host_method"]
+__all__ = ["HostCode", "host_method", "Absent", "hide_absent"]
 
 
 def host_method(host_cls, name: str):
@@ -25,3 +25,21 @@ class HostCode:
     def __init__(self, host_cls, seams):
         for name in seams:
             setattr(self, name, host_method(host_cls, name))
+
+
+class Absent:
+    """A fixed class's seam the host class does not have: reading it raises the AttributeError an object of the host
+    class would raise, so ``hasattr`` and ``getattr(obj, name, default)`` answer as on the host's own object."""
+
+    def __init__(self, host_cls, name: str) -> None:
+        self.message = f"'{host_cls.__name__}' object has no attribute '{name}'"
+
+    def __get__(self, obj, owner=None):
+        raise AttributeError(self.message)
+
+
+def hide_absent(cls, host_cls, seams) -> None:
+    """Put :class:`Absent` on ``cls`` (a fixed class over ``host_cls``) for every seam ``host_cls`` lacks."""
+    for name in seams:
+        if not callable(getattr(host_cls, name, None)):
+            setattr(cls, name, Absent(host_cls, name))

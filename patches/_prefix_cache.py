@@ -27,7 +27,7 @@ What the scheduler reads here: ``fdsched_gate`` (the PD change's marks and its o
 from __future__ import annotations
 
 from fdsched.patches._base import HOST_INIT_RUNNING, QueueOwner, dp_rank_of
-from fdsched.patches._host_code import HostCode
+from fdsched.patches._host_code import HostCode, hide_absent
 from fdsched.patches._plan import NO_PLANS
 
 __all__ = ["PrefixCache", "over"]
@@ -120,4 +120,5 @@ def over(host_cls: type, rows: dict, arms: dict, default_arm, policies, info) ->
         _fdsched_host = info
         _fdsched_init_signature = init_signature(host_cls)
 
+    hide_absent(PrefixCacheManager, host_cls, SEAMS)  # a seam this host lacks stays missing
     return PrefixCacheManager

@@ -9,7 +9,8 @@ strategies once, innermost first, each over the layer below it (``next``), which
 (:class:`fdsched.patches._host_code.HostCode`). Later catalogue entries wrap earlier ones, so where two changes serve
 one seam the catalogue's order decides who sees whose calls (``tests/unit/test_catalogue.py`` pins it, and why).
 
-A strategy serves the seams it names in ``seams`` (each method takes the scheduler first, then the host method's own
+A strategy that lets every call through on this scheduler (``passes_all``: e.g. the PD change on a node that is not a
+prefill node) is left out, steps and all. A strategy serves the seams it names in ``seams`` (each method takes the scheduler first, then the host method's own
 parameters) and may take part in the pass's steps by defining them:
 
 1. ``pass_end(scheduler, plan, result)`` after every pass, also one that raised (``result`` None then);
@@ -32,13 +33,15 @@ import sys
 
 from fdsched.patches._base import HOST_INIT_RUNNING, _dp_size, _on_top, dp_rank_of, init_signature
 from fdsched.patches._guard import SchedulerGuard, nothing_scheduled
-from fdsched.patches._host_code import HostCode
+from fdsched.patches._host_code import HostCode, hide_absent
 from fdsched.patches._plan import PlanSlot, StepPlan
 
 __all__ = ["Scheduler", "over", "SEAMS", "STEP_KINDS", "declared_steps"]
 
 # The host methods a strategy may serve.
-SEAMS = ("_select_preempt_candidate", "_trigger_preempt", "preallocate_resource_in_p", "_free_blocks")
+SEAMS = ("get_new_block_nums", "_get_can_schedule_prefill_threshold_block", "_get_running_request_reserve_blocks",
+         "_reset_reserve_on_preemption", "_select_preempt_candidate", "_trigger_preempt", "preallocate_resource_in_p",
+         "_free_blocks", "finish_requests")
 
 # (a mixin's class attribute naming its step, the strategy method of the same kind), in the order the kinds run
 STEP_KINDS = (("fdsched_pass_end", "pass_end"), ("fdsched_pass_result", "pass_result"),
@@ -91,17 +94,21 @@ class Scheduler(SchedulerGuard):
         below = host
         for change_id in self._fdsched_order:
             strategy = row.get(change_id)
-            if strategy is not None:
-                built[change_id] = layer = strategy(self, arm.settings, below)
-                below = _Layers(layer, below)
+            if strategy is None:
+                continue
+            layer = strategy(self, arm.settings, below)
+            if getattr(layer, "passes_all", False):
+                continue  # it lets every call through on this scheduler (e.g. not a prefill node): left out
+            built[change_id] = layer
+            below = _Layers(layer, below)
         self._fdsched_bind_seams(below)
         self._fdsched_steps = {
             method: tuple(partial(getattr(s, method), self) for s in built.values() if hasattr(s, method))
             + tuple(getattr(self, name) for name in declared_steps(type(self), attribute))
             for attribute, method in STEP_KINDS
         }
-        # the reservation's budget maker where the arm has the plugin's reservation, else None: fixed for life
-        self._fdsched_plan_budget = getattr(self, "_fdsched_new_budget", None)
+        # the pass's admission budget maker, where a strategy has one (the plugin's reservation), else None
+        self._fdsched_plan_budget = next((s.new_budget for s in built.values() if hasattr(s, "new_budget")), None)
 
     def _fdsched_bind_seams(self, layers) -> None:
         """Each seam's first layer, bound once: a call costs the seam's frame and that layer's."""
@@ -133,7 +140,23 @@ class Scheduler(SchedulerGuard):
                 step(result)
         return result
 
+    def fdsched_strategy(self, change_id: str):
+        """This scheduler's strategy for ``change_id``, or None (the host's own code runs it here)."""
+        return self._fdsched_strategies.get(change_id)
+
     # ---- seams -----------------------------------------------------------------------------------------------
+    def get_new_block_nums(self, *args, **kwargs):
+        return self._fdsched_seam_get_new_block_nums(self, *args, **kwargs)
+
+    def _get_can_schedule_prefill_threshold_block(self, *args, **kwargs):
+        return self._fdsched_seam_get_can_schedule_prefill_threshold_block(self, *args, **kwargs)
+
+    def _get_running_request_reserve_blocks(self, *args, **kwargs):
+        return self._fdsched_seam_get_running_request_reserve_blocks(self, *args, **kwargs)
+
+    def _reset_reserve_on_preemption(self, *args, **kwargs):
+        return self._fdsched_seam_reset_reserve_on_preemption(self, *args, **kwargs)
+
     def _select_preempt_candidate(self, *args, **kwargs):
         return self._fdsched_seam_select_preempt_candidate(self, *args, **kwargs)
 
@@ -145,6 +168,9 @@ class Scheduler(SchedulerGuard):
 
     def _free_blocks(self, *args, **kwargs):
         return self._fdsched_seam_free_blocks(self, *args, **kwargs)
+
+    def finish_requests(self, *args, **kwargs):
+        return self._fdsched_seam_finish_requests(self, *args, **kwargs)
 
     # ---- the arm of a constructor call (while some changes are still mixins on a class per arm) --------------
     @classmethod
@@ -197,5 +223,6 @@ def over(host_cls: type, rows: dict, order: tuple, attributes: dict) -> type:
 
     for name, value in attributes.items():
         setattr(ResourceManagerV1, name, value)
+    hide_absent(ResourceManagerV1, host_cls, SEAMS)  # a seam this host lacks stays missing
     return ResourceManagerV1
 

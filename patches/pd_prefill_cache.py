@@ -1,8 +1,8 @@
 """Change 4 — PD disaggregation: a prefill node records its blocks in the radix tree.
 
 Replaces:  ResourceManagerV1.preallocate_resource_in_p, ResourceManagerV1._free_blocks (wrapper),
-           PrefixCacheManager.update_cache_blocks (gate), ResourceManagerV1.__init__ and PrefixCacheManager.__init__
-           (bind what the node's role does, once); ``off``: a step after each ``schedule()`` pass records its chunks
+           PrefixCacheManager.update_cache_blocks (gate), PrefixCacheManager.__init__ (the gate, once); ``off``: a
+           step after each ``schedule()`` pass records its chunks
 Why:       with splitwise_role == "prefill" the prefix hit rate was low: blocks a prefill node
            computed did not reliably end up in its radix tree.
 Upstream:  PR 7364, 2.6 cherry-pick 7387 (merged; in d38eeb8). Upstream records the
@@ -25,14 +25,14 @@ per scheduled chunk, when the prefill is done); ``off`` records the cache hit an
 whole prompt at preallocation, ``safe`` the cache hit and then the whole prompt at finish. The prefix cache's gate
 tells the host's two moments apart by the request (one whose preallocation is under way), not by the caller, and
 lets a record through only when the selected behaviour records then; the plugin's own record at finish calls the
-host's recording directly. The arm's class holds one mixin pair per behaviour and host (``SPEC.variants``), chosen
-once. The table of moments and of mixins: docs/internals.md, "pd_prefill_cache".
+host's recording directly. Each scheduler and cache manager holds one strategy pair per behaviour and host
+(``SPEC.strategies``), chosen once. The table of moments and of strategies: docs/internals.md, "pd_prefill_cache".
 """
 
 from __future__ import annotations
 
 from fdsched.patches._spec import PatchSpec, Reliance, Variant
-from fdsched.patches._base import PluginBase, node_role
+from fdsched.patches._base import node_role
 
 PREALLOCATION, CHUNK = "preallocation", "chunk"
 
@@ -88,104 +88,76 @@ class PreChangeRecordGate(RecordGate):
 
 
 # ---- the scheduler's side: the marks the gate reads, and the plugin's own records -----------------------------
-class PdPrefillCacheMixin(PluginBase):
+class PdRecording:
     """The base, and ``upstream`` on a host that has the change (the host records; the plugin only marks each
-    preallocation for the gate). On every role but prefill each override is the host's method, bound in
-    ``__init__`` (the role is fixed for the scheduler's life)."""
+    preallocation for the gate). One per scheduler; on every role but prefill it lets every call through and the
+    scheduler leaves it out (``passes_all``: the role is fixed for the scheduler's life)."""
 
+    seams = ("preallocate_resource_in_p",)
     fdsched_calls = {"PrefixCacheManager.update_cache_blocks": ("task", "block_size", "num_computed_tokens")}
     fdsched_attributes = ("config", "cache_manager", "lock")
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._fdsched_bind_role(node_role(self) == "prefill")
+    def __init__(self, rm, settings, next):
+        self.next = next
+        self.passes_all = node_role(rm) != "prefill"
 
-    def _fdsched_bind_role(self, prefill_node: bool) -> None:
-        """Bind what this behaviour does on this node (``__init__`` only)."""
-        self._fdsched_preallocate = self._fdsched_marked_preallocation if prefill_node else self._fdsched_host_preallocation
-
-    def preallocate_resource_in_p(self, request):
-        return self._fdsched_preallocate(request)
-
-    def _fdsched_host_preallocation(self, request):
-        return super().preallocate_resource_in_p(request)
-
-    def _fdsched_marked_preallocation(self, request):
-        marks = preallocating(self.cache_manager)
+    def preallocate_resource_in_p(self, rm, request):
+        marks = preallocating(rm.cache_manager)
         marks.add(request.request_id)
         try:
-            allocated = super().preallocate_resource_in_p(request)
+            allocated = self.next.preallocate_resource_in_p(rm, request)
         finally:
             marks.discard(request.request_id)
         if allocated:
-            self._fdsched_preallocated(request)
+            self.preallocated(rm, request)
         return allocated
 
-    def _fdsched_preallocated(self, request) -> None:
+    def preallocated(self, rm, request) -> None:
         """After a successful preallocation on a prefill node: what this behaviour records itself (nothing)."""
 
-    def _fdsched_record(self, request, num_tokens, locked=False):
-        if not self.config.cache_config.enable_prefix_caching:  # the host's own flag, read when the host reads it
+    @staticmethod
+    def record(rm, request, num_tokens, locked=False):
+        if not rm.config.cache_config.enable_prefix_caching:  # the host's own flag, read when the host reads it
             return
-        block_size = self.config.cache_config.block_size
+        block_size = rm.config.cache_config.block_size
+        gate = rm.cache_manager.fdsched_gate
         if locked:  # the caller holds the scheduler lock already
-            self.cache_manager.fdsched_gate.record_blocks(self.cache_manager, request, block_size, num_tokens)
+            gate.record_blocks(rm.cache_manager, request, block_size, num_tokens)
         else:
-            with self.lock:
-                self.cache_manager.fdsched_gate.record_blocks(self.cache_manager, request, block_size, num_tokens)
+            with rm.lock:
+                gate.record_blocks(rm.cache_manager, request, block_size, num_tokens)
 
 
-class PdUpstreamRecordMixin(PdPrefillCacheMixin):
+class PdUpstreamRecord(PdRecording):
     """``upstream`` on a host without the change: the whole prompt recorded right after preallocation."""
 
-    def _fdsched_preallocated(self, request) -> None:
-        self._fdsched_record(request, request.need_prefill_tokens)
+    def preallocated(self, rm, request) -> None:
+        self.record(rm, request, request.need_prefill_tokens)
 
 
-class PdSafeMixin(PdPrefillCacheMixin):
+class PdSafe(PdRecording):
     """``safe``: the whole prompt recorded once the prefill has run (its first token came back), before the
     host releases the blocks."""
 
-    def _fdsched_bind_role(self, prefill_node: bool) -> None:
-        super()._fdsched_bind_role(prefill_node)
-        self._fdsched_free = self._fdsched_record_then_free if prefill_node else self._fdsched_host_free
+    seams = ("preallocate_resource_in_p", "_free_blocks")
 
-    def _free_blocks(self, request):
-        return self._fdsched_free(request)
-
-    def _fdsched_host_free(self, request):
-        return super()._free_blocks(request)
-
-    def _fdsched_record_then_free(self, request):
-        if request.status == self._fdsched_statuses.FINISHED and request.num_computed_tokens >= request.need_prefill_tokens:
-            self._fdsched_record(request, request.need_prefill_tokens, locked=True)
-        return super()._free_blocks(request)
+    def _free_blocks(self, rm, request):
+        if request.status == rm._fdsched_statuses.FINISHED and request.num_computed_tokens >= request.need_prefill_tokens:
+            self.record(rm, request, request.need_prefill_tokens, locked=True)
+        return self.next._free_blocks(rm, request)
 
 
-class PdPreChangeMixin(PdPrefillCacheMixin):
+class PdPreChange(PdRecording):
     """``off`` on a host that has the change: the pre-change recording, which also recorded every running
     chunk of a prefill node (a host with the change records only a new request's first chunk there)."""
 
-    def _fdsched_bind_role(self, prefill_node: bool) -> None:
-        super()._fdsched_bind_role(prefill_node)
-        self._fdsched_after_pass = self._fdsched_record_chunks if prefill_node else _nothing_to_record
-
-    fdsched_pass_result = "_fdsched_record_pass"  # a step of the one schedule() wrapper (fdsched.patches._step)
-
-    def _fdsched_record_pass(self, result) -> None:
-        """After a pass that returned: its final task list's chunks recorded (on a prefill node)."""
-        self._fdsched_after_pass(result[0])
-
-    def _fdsched_record_chunks(self, tasks) -> None:
+    def pass_result(self, rm, result) -> None:
+        """After a pass that returned: its final task list's chunks recorded."""
         from fastdeploy.engine.request import Request
 
-        for task in tasks:
+        for task in result[0]:
             if isinstance(task, Request):
-                self._fdsched_record(task, task.num_computed_tokens)
-
-
-def _nothing_to_record(tasks) -> None:
-    """Not a prefill node: the host's own recording is the pre-change one."""
+                self.record(rm, task, task.num_computed_tokens)
 
 
 def _mode(settings) -> str:
@@ -194,8 +166,8 @@ def _mode(settings) -> str:
 
 def _plugin_recording(host_has: bool, settings):
     if _mode(settings) == "safe":
-        return PdSafeMixin
-    return PdPrefillCacheMixin if host_has else PdUpstreamRecordMixin
+        return PdSafe
+    return PdRecording if host_has else PdUpstreamRecord
 
 
 def _plugin_gate(host_has: bool, settings):
@@ -231,7 +203,6 @@ SPEC = PatchSpec(
     upstream_prs=(7364, 7387),
     upstream_state="merged",
     replaces=(
-        "ResourceManagerV1.__init__",
         "PrefixCacheManager.__init__",
         "ResourceManagerV1.preallocate_resource_in_p",
         "ResourceManagerV1._free_blocks",
@@ -243,18 +214,14 @@ SPEC = PatchSpec(
     hosts_needing="2.6 before PR 7387 (e7c8dc2) for upstream; every host for safe",
     switch="FDSCHED_PD_PREFILL_CACHE",
     delete_when="every supported host records only computed blocks on prefill nodes",
-    mixins={"ResourceManagerV1": PdPrefillCacheMixin},
+    mixins={},
     host_has=_has_pd_record,
     host_has_as_selected=_as_selected,
-    variants={
-        "plugin": {
-            "ResourceManagerV1": Variant(_plugin_recording, (PdPrefillCacheMixin, PdUpstreamRecordMixin, PdSafeMixin)),
-        },
-        # only on a host that has the change (elsewhere off is the host's own code: impl "host")
-        "off": {"ResourceManagerV1": PdPreChangeMixin},
-    },
+    # off: only on a host that has the change (elsewhere off is the host's own code: impl "host")
     strategies={"PrefixCacheManager": {"plugin": Variant(_plugin_gate, (RecordGate, UpstreamRecordGate)),
-                                       "off": PreChangeRecordGate, "host": None}},
+                                       "off": PreChangeRecordGate, "host": None},
+                "ResourceManagerV1": {"plugin": Variant(_plugin_recording, (PdRecording, PdUpstreamRecord, PdSafe)),
+                                      "off": PdPreChange, "host": None}},
     relies_on=(
         Reliance("record-moments", "the host records blocks with update_cache_blocks only inside schedule() and "
                  "preallocate_resource_in_p (for the request it preallocates), and finish_requests frees through "

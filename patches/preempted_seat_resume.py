@@ -1,8 +1,8 @@
 """Host fix — a preempted request resumes on the seat it holds: the admission loop never locks every seat for good.
 
-Replaces:  ResourceManagerV1.__init__ (reads once whether the resume path matches the prefix cache); a step after the
-           ``schedule()`` pass: after a pass that scheduled nothing while every seat is held by preempted requests and
-           nothing runs, the first of them resumes on its own seat and the pass runs again
+Replaces:  no host method; a step after the ``schedule()`` passes: after a pass that scheduled nothing while every seat
+           is held by preempted requests and nothing runs, the first of them resumes on its own seat and the pass runs
+           again
 Why:       FastDeploy's admission loop counts the preempted requests waiting to resume against ``max_num_seqs`` before
            it admits anything, those requests included (slot accounting, PR 7141 / 7181). Once ``max_num_seqs``
            requests sit preempted with nothing running, every pass stops at that first check: no request is admitted
@@ -34,7 +34,7 @@ resume as seats free, through the host's own loop. Each time it acts it logs one
 ``fdsched_guard_events_total{event="seats_resumed"}``.
 
 What else stalls, and KV blocks with two owners, the scheduler guard watches (:mod:`fdsched.patches._guard`, in
-every arm class while the plugin is loaded).
+every scheduler while the plugin is loaded).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ import sys
 from fdsched.core.metrics import METRICS
 from fdsched.patches._guard import nothing_scheduled
 from fdsched.patches._spec import PatchSpec, Reliance
-from fdsched.patches._base import PluginBase, code_names, code_objects, host_global, node_role
+from fdsched.patches._base import code_names, code_objects, host_global, node_role
 
 RM = "fastdeploy.engine.sched.resource_manager_v1"
 
@@ -55,67 +55,67 @@ def seats_locked(running: int, in_flight: int, head_preempted: bool, preempted_w
     return running == 0 and in_flight == 0 and head_preempted and preempted_waiting >= seats
 
 
-class PreemptedSeatResumeMixin(PluginBase):
+class SeatResume:
+    """The fix, one per scheduler (see :mod:`fdsched.patches._scheduler`): it serves no seam of the host's; it takes
+    part in the pass's steps once the passes are done."""
+
+    seams: tuple = ()
     fdsched_attributes = ("running", "waiting", "lock", "to_be_rescheduled_request_id_set", "to_be_aborted_req_id_set",
                           "max_num_seqs", "cache_manager", "config")
     fdsched_calls = {"ResourceManagerV1.get_prefix_cached_blocks": ("request",),
                      "ResourceManagerV1._free_blocks": ("request",)}
     fdsched_globals = {RM: ("llm_logger",)}  # the lines go beside the scheduler's own
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, rm, settings, next):
         # the host's resume path matches the prefix cache except on a decode node or without prefix caching: read once
-        cache_config = getattr(getattr(self, "config", None), "cache_config", None)
-        self._fdsched_match_on_resume = bool(getattr(cache_config, "enable_prefix_caching", False)) and (
-            node_role(self) != "decode")
+        cache_config = getattr(getattr(rm, "config", None), "cache_config", None)
+        self.match_on_resume = bool(getattr(cache_config, "enable_prefix_caching", False)) and node_role(rm) != "decode"
 
-    fdsched_after_passes = "_fdsched_resume_seat"  # a step of the one schedule() wrapper (fdsched.patches._step)
-
-    def _fdsched_resume_seat(self, result, run_pass):
+    def after_passes(self, rm, result, run_pass):
         """After a pass that scheduled nothing with the seats locked: the preempted head resumes on its seat and one
         more pass runs (``run_pass``); the result is the second pass's tasks with both passes' error lists."""
-        if nothing_scheduled(result) and self._fdsched_resume_locked_head():
+        if nothing_scheduled(result) and self.resume_locked_head(rm):
             again = run_pass()
             result = (again[0], list(result[1]) + list(again[1])) + tuple(again[2:])
         return result
 
-    def _fdsched_resume_locked_head(self) -> bool:
+    def resume_locked_head(self, rm) -> bool:
         """Under the scheduler's lock: move the preempted head of the waiting queue to running when the seats are
         locked; True when it moved."""
-        preempted = self._fdsched_statuses.PREEMPTED
-        with self.lock:
-            waiting = self.waiting
+        preempted = rm._fdsched_statuses.PREEMPTED
+        with rm.lock:
+            waiting = rm.waiting
             head_preempted = bool(waiting) and waiting[0].status == preempted
-            in_flight = len(self.to_be_rescheduled_request_id_set) + len(self.to_be_aborted_req_id_set)
-            if not seats_locked(len(self.running), in_flight, head_preempted,
-                                sum(1 for r in waiting if r.status == preempted), self.max_num_seqs):
+            in_flight = len(rm.to_be_rescheduled_request_id_set) + len(rm.to_be_aborted_req_id_set)
+            if not seats_locked(len(rm.running), in_flight, head_preempted,
+                                sum(1 for r in waiting if r.status == preempted), rm.max_num_seqs):
                 return False
             request = waiting[0]
-            if not self._fdsched_match_prefix(request):
+            if not self.match_prefix(rm, request):
                 return False
             waiting.popleft()
-            request.status = self._fdsched_prefill_status
-            self.running.append(request)
-        METRICS.guard_event("seats_resumed", of=self)
+            request.status = rm._fdsched_prefill_status
+            rm.running.append(request)
+        METRICS.guard_event("seats_resumed", of=rm)
         log = host_global(RM, "llm_logger")
         log.warning("fdsched: every seat was held by a preempted request and nothing ran; request %s resumes on the "
                     "seat it holds (host fix preempted_seat_resume)", request.request_id)
         return True
 
-    def _fdsched_match_prefix(self, request) -> bool:
+    def match_prefix(self, rm, request) -> bool:
         """What the host's resume path does before it allocates: the request recomputes every token it holds, matched
         against the prefix cache first (a failed match frees what it took, and the request stays waiting)."""
         request.need_prefill_tokens = request.num_total_tokens
-        if not self._fdsched_match_on_resume:
+        if not self.match_on_resume:
             return True
-        cache_config = self.config.cache_config
-        if self.cache_manager.num_cpu_blocks > 0 or getattr(cache_config, "kvcache_storage_backend", None):
+        cache_config = rm.config.cache_config
+        if rm.cache_manager.num_cpu_blocks > 0 or getattr(cache_config, "kvcache_storage_backend", None):
             needed = -(-request.need_prefill_tokens // cache_config.block_size)
-            if not self.cache_manager.can_allocate_gpu_blocks(needed):
+            if not rm.cache_manager.can_allocate_gpu_blocks(needed):
                 return False  # as the host: a match that swaps in from the CPU tier needs room first
-        if self.get_prefix_cached_blocks(request):
+        if rm.get_prefix_cached_blocks(request):
             return True
-        self._free_blocks(request)
+        rm._free_blocks(request)
         return False
 
 
@@ -151,7 +151,7 @@ SPEC = PatchSpec(
     title="A preempted request resumes on the seat it holds",
     upstream_prs=(),
     upstream_state="none",
-    replaces=("ResourceManagerV1.__init__",),
+    replaces=(),
     why=(
         "The admission loop counts preempted requests waiting to resume against max_num_seqs before admitting any, "
         "those included: once max_num_seqs requests sit preempted and nothing runs, nothing is admitted again."
@@ -161,7 +161,8 @@ SPEC = PatchSpec(
     hosts_needing="lines that count preempted requests against max_num_seqs (2.6 with PR 7181, develop)",
     switch="FDSCHED_PREEMPTED_SEAT_RESUME",
     delete_when="FastDeploy lets a preempted request at the head of the queue resume on its own seat",
-    mixins={"ResourceManagerV1": PreemptedSeatResumeMixin},
+    mixins={},
+    strategies={"ResourceManagerV1": {"plugin": SeatResume, "host": None, "off": None}},
     host_has=_no_preempted_seat_count,
     relies_on=(
         Reliance(

@@ -23,8 +23,8 @@ Relies on: (each probed at install: ``on``, or ``off`` on a host with the change
   * finish-seam: (adaptive) every finished request goes through ``finish_requests``, still running.
 
 How: one admission budget per ``schedule()`` pass (:class:`fdsched.core.admission.AdmissionBudget`), asked at the
-host's threshold seam; the arm's class holds one mixin per impl, host shape and estimator (``SPEC.variants``),
-chosen once when the class is built. Modules: ``host``, ``ratio``, ``adaptive``, ``off`` (one per impl) and
+host's threshold seam; each scheduler holds one strategy per impl, host shape and estimator (``SPEC.strategies``),
+chosen once when it is built. Modules: ``host``, ``ratio``, ``adaptive``, ``off`` (one per impl) and
 ``budget``, ``reader``, ``cache`` (shared). The rest (the running-chunk guard, ``off``'s running pass, the pass
 object, the adaptive estimator, what an admission costs, prefill nodes): docs/internals.md, "ratio_reserve".
 """
@@ -33,28 +33,26 @@ from __future__ import annotations
 
 from fdsched.patches._spec import PatchSpec, Reliance, Variant
 from fdsched.patches.ratio_reserve.adaptive import (  # noqa: F401  (the change's classes, by their catalogue path)
-    ADAPTIVE_GUARD_SHAPES, AdaptiveReserveMixin, AdaptiveReserveGuardMixin, AdaptiveReserveRequestArgMixin,
+    ADAPTIVE_GUARD_SHAPES, AdaptiveGuard, AdaptiveGuardRequestArg, AdaptiveSeams,
 )
 from fdsched.patches.ratio_reserve.budget import (  # noqa: F401
-    COUNT_REFUSAL, DECLINE_PREEMPTION, REFUSE_RUNNING_CHUNK, RM, THRESHOLD_FOR_RUNNING_CHUNK, ReservationMixin,
-    _BudgetedReserve,
+    COUNT_REFUSAL, DECLINE_PREEMPTION, REFUSE_RUNNING_CHUNK, RM, THRESHOLD_FOR_RUNNING_CHUNK, BudgetedReserve,
 )
 from fdsched.patches.ratio_reserve.cache import CHECK_SHAPES, PlanCheck, PlanCheckOneArg  # noqa: F401
-from fdsched.patches.ratio_reserve.host import HOST_RESERVE_RESET_SHAPES, HostReserveMixin, HostReserveResetMixin  # noqa: F401
+from fdsched.patches.ratio_reserve.host import HOST_RESERVE_RESET_SHAPES, HostReserve, HostReserveReset  # noqa: F401
 from fdsched.patches.ratio_reserve.off import (  # noqa: F401
-    ClosedWaitingQueue, PRE_CHANGE_SHAPES, PreChangeReserveBatchMixin, PreChangeReserveMixin,
+    ClosedWaitingQueue, PRE_CHANGE_SHAPES, PreChangeReserve, PreChangeReserveBatch,
 )
 from fdsched.patches.ratio_reserve.ratio import (  # noqa: F401
-    RATIO_GUARD_SHAPES, RatioReserveMixin, RatioReserveGuardMixin, RatioReserveRequestArgMixin,
+    RATIO_GUARD_SHAPES, RatioGuard, RatioGuardRequestArg, RatioSeams,
 )
 
 
 def _plugin_variant(host_has: bool, settings):
     adaptive = settings is not None and settings["tunables.reserve_estimator"] == "adaptive"
     if host_has:
-        return AdaptiveReserveMixin if adaptive else RatioReserveMixin
+        return AdaptiveSeams if adaptive else RatioSeams
     return ADAPTIVE_GUARD_SHAPES if adaptive else RATIO_GUARD_SHAPES
-
 
 
 def _has_ratio_reserve(info) -> bool:
@@ -124,7 +122,7 @@ SPEC = PatchSpec(
     hosts_needing="2.6 before PR 7783 (e7c8dc2)",
     switch="FDSCHED_RATIO_RESERVE",
     delete_when="every supported host carries 7783 and exposes the re-estimate term and cap as settings",
-    mixins={"ResourceManagerV1": ReservationMixin},
+    mixins={},
     host_has=_has_ratio_reserve,
     relies_on=(
         Reliance("running-chunk-check", "the running pass checks a running chunk's blocks right after "
@@ -140,15 +138,13 @@ SPEC = PatchSpec(
                  _finish_seam, when=("plugin",)),
     ),
     host_has_as_selected=_as_selected,
-    variants={
-        "host": {"ResourceManagerV1": Variant.by_host(HostReserveMixin, HOST_RESERVE_RESET_SHAPES)},
-        "plugin": {
-            "ResourceManagerV1": Variant(_plugin_variant, (
-                RatioReserveMixin, AdaptiveReserveMixin, RATIO_GUARD_SHAPES, ADAPTIVE_GUARD_SHAPES,
-            )),
+    strategies={
+        "ResourceManagerV1": {
+            "host": Variant.by_host(HostReserve, HOST_RESERVE_RESET_SHAPES),
+            "plugin": Variant(_plugin_variant, (RatioSeams, AdaptiveSeams, RATIO_GUARD_SHAPES, ADAPTIVE_GUARD_SHAPES)),
+            # only on a host that has the change (elsewhere off is the host's own code: impl "host")
+            "off": PRE_CHANGE_SHAPES,
         },
-        # only on a host that has the change (elsewhere off is the host's own code: impl "host")
-        "off": {"ResourceManagerV1": PRE_CHANGE_SHAPES},
+        "PrefixCacheManager": {"plugin": CHECK_SHAPES, "off": CHECK_SHAPES, "host": None},
     },
-    strategies={"PrefixCacheManager": {"plugin": CHECK_SHAPES, "off": CHECK_SHAPES, "host": None}},
 )

@@ -1,7 +1,8 @@
 """Change 3, what the plugin's reservation shares (impls ``plugin`` and ``off``): the pass's admission budget and
-the host-shape adapters of the plugin's version (the reserve seams, the running-chunk guard, a threshold seam that
-takes the request); what it reads of the running requests is :mod:`fdsched.patches.ratio_reserve.reader`. The
-catalogue entry, with what the change replaces and relies on, is :mod:`fdsched.patches.ratio_reserve`.
+the host-shape parts of the plugin's version (the reserve seams, the running-chunk guard, a threshold seam that takes
+the request), each combined with an estimator class into one strategy class per host shape; what it reads of the
+running requests is :mod:`fdsched.patches.ratio_reserve.reader`. The catalogue entry, with what the change replaces
+and relies on, is :mod:`fdsched.patches.ratio_reserve`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from fdsched.core.adaptive import client_bound
 from fdsched.core.metrics import METRICS
 from fdsched.core.policies import FixedBlockReserve, NewTokenRatio, max_new_tokens_of
 
-from fdsched.patches._base import PluginBase, drafts, host_global
+from fdsched.patches._base import drafts, host_global
 from fdsched.patches._plan import StepPlan
 from fdsched.patches.ratio_reserve.reader import free_blocks_of, reader_for
 
@@ -49,193 +50,192 @@ class ArmGauges:
         METRICS.adaptive_decision(expected_tokens, margin_tokens, k, fallbacks, of=self._of)
 
 
-class ReservationMixin(PluginBase):
-    """Base of change 3's scheduler mixins (one per impl, host version and estimator: see ``SPEC.variants``)."""
-
-
 # ---- what the plugin's reservation (impls "plugin" and "off") shares -----------------------------------
-class _BudgetedReserve(ReservationMixin):
-    """One :class:`fdsched.core.admission.AdmissionBudget` per ``schedule()`` pass, with this arm's strategy
-    behind it: made by the pass the ``schedule`` wrapper opens, at its first need, asked at the host's threshold
-    seam (and by the running-chunk guard), closed when the pass ends. The budget belongs to the thread that opened
-    it: a threshold asked on another thread while the pass is open (PD preallocation, no reserve seams) gets a budget
-    of its own."""
+class BudgetedReserve:
+    """One :class:`fdsched.core.admission.AdmissionBudget` per ``schedule()`` pass, with this arm's reservation
+    strategy (:mod:`fdsched.core.strategies`) behind it: made by the pass the scheduler opens (:meth:`new_budget`, at
+    its first need), asked at the host's threshold seam (and by the running-chunk guard), closed when the pass ends
+    (:meth:`pass_end`). The budget belongs to the thread that opened it: a threshold asked on another thread while the
+    pass is open (PD preallocation, no reserve seams) gets a budget of its own. One per scheduler (see
+    :mod:`fdsched.patches._scheduler`); each method named as the host's takes the scheduler first."""
 
+    seams = ("get_new_block_nums", "_get_can_schedule_prefill_threshold_block")
     fdsched_globals = {RM: ("llm_logger",)}
     fdsched_attributes = ("config", "running", "lock", "cache_manager")
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        s = self._fdsched_settings
-        self._fdsched_ratio = NewTokenRatio(
-            s["host_tunables.FD_INIT_NEW_TOKEN_RATIO"],
-            s["host_tunables.FD_MIN_NEW_TOKEN_RATIO"],
-            s["host_tunables.FD_NEW_TOKEN_RATIO_DECAY"],
-            s.reestimate_cap,
+    def __init__(self, rm, settings, next):
+        self.next, self.rm, self.settings = next, rm, settings
+        self.ratio = NewTokenRatio(
+            settings["host_tunables.FD_INIT_NEW_TOKEN_RATIO"],
+            settings["host_tunables.FD_MIN_NEW_TOKEN_RATIO"],
+            settings["host_tunables.FD_NEW_TOKEN_RATIO_DECAY"],
+            settings.reestimate_cap,
         )
-        self._fdsched_fixed = FixedBlockReserve(*(s[key] for key in _FIXED))
-        self._fdsched_gauges = ArmGauges(self)  # where the strategy reports, labelled by this scheduler's arm
-        # The slot of this scheduler's open plan (made by the step mixin), handed to its cache manager once, here:
-        # nothing of a pass is ever stored in the cache manager.
-        self.cache_manager.fdsched_plans = self._fdsched_plans
+        self.fixed = FixedBlockReserve(*(settings[key] for key in _FIXED))
+        self.gauges = ArmGauges(rm)  # where the strategy reports, labelled by this scheduler's arm
+        self.plans = rm._fdsched_plans
+        # The slot of this scheduler's open plan, handed to its cache manager once, here: nothing of a pass is ever
+        # stored in the cache manager.
+        rm.cache_manager.fdsched_plans = self.plans
         # A draft model (speculative decoding) needs one block more per chunk; fixed for the scheduler's life.
-        self._fdsched_speculative_slack = self._fdsched_draft_slack if drafts(self) else _no_slack
+        self.speculative_slack = self.draft_slack if drafts(rm) else _no_slack
         # the host module's request class (every FastDeploy 2.x has one; without it the reader reads afresh)
-        self._fdsched_reader = reader_for(self, getattr(sys.modules.get(RM), "Request", None))
+        self.reader = reader_for(rm, getattr(sys.modules.get(RM), "Request", None),
+                                 functools.partial(running_views, rm), self.most_of)
         # The pool's free blocks, where the host's block check compares the count with its free list and takes
         # nothing when the list covers it: a pass's budget may then settle an ask by a bound (AdmissionBudget).
-        self._fdsched_free_blocks = free_blocks_of(self.cache_manager)
-        self._fdsched_most_tally = _most_tally if self._fdsched_free_blocks is not None else _no_bound
+        self.free_blocks = free_blocks_of(rm.cache_manager)
+        self.most_tally = _most_tally if self.free_blocks is not None else _no_bound
 
     @functools.cached_property
-    def _fdsched_strategy(self):
-        """This arm's strategy (built on first use: it reads the host's config). The reader asks it for each request's
-        most from then on (before, through :meth:`_fdsched_most_of`, which makes it)."""
-        strategy = self._fdsched_make_strategy()
-        self._fdsched_reader.most = strategy.most_blocks
+    def strategy(self):
+        """This arm's reservation strategy (built on first use: it reads the host's config). The reader asks it for
+        each request's most from then on (before, through :meth:`most_of`, which makes it)."""
+        strategy = self.make_strategy()
+        self.reader.most = strategy.most_blocks
         return strategy
 
-    def _fdsched_make_strategy(self):
+    def make_strategy(self):
         raise NotImplementedError
 
-    def _fdsched_new_budget(self) -> AdmissionBudget:
-        strategy, reader = self._fdsched_strategy, self._fdsched_reader
+    def new_budget(self) -> AdmissionBudget:
+        """The pass's budget (the scheduler's plan makes it at the pass's first need: most passes never ask)."""
+        strategy, reader = self.strategy, self.reader
         # How this pass counts the running set is the strategy's choice, made here, once per pass.
-        most = self._fdsched_most_tally(strategy, reader)
-        return AdmissionBudget(strategy, strategy.tally(reader), self._fdsched_speculative_slack, most,
-                               self._fdsched_free_blocks if most is not None else None)
+        most = self.most_tally(strategy, reader)
+        return AdmissionBudget(strategy, strategy.tally(reader), self.speculative_slack, most,
+                               self.free_blocks if most is not None else None)
 
-    def _fdsched_most_of(self, budget: int) -> int:
+    def most_of(self, budget: int) -> int:
         """The most a running request with output budget ``budget`` can ever keep free (the reader keeps it with
         the request's other terms)."""
-        return self._fdsched_strategy.most_blocks(budget)
+        return self.strategy.most_blocks(budget)
 
-    def _fdsched_budget(self):
+    def budget(self):
         """The budget of the pass this thread has open (made now if it had none yet), else None."""
-        plan = self._fdsched_plans.current()
+        plan = self.plans.current()
         return plan.budget if plan is not None else None
 
-    def _fdsched_made_budget(self):
+    def made_budget(self):
         """The budget of the pass this thread has open if the pass made one yet, else None (nothing is made)."""
-        plan = self._fdsched_plans.current()
+        plan = self.plans.current()
         return plan.made if plan is not None else None
 
     # ---- the pass ---------------------------------------------------------------------------------
-    # The step mixin (fdsched.patches._step) opens one plan per pass with this class's budget maker (the budget is
-    # made at the pass's first need of it: most passes never ask) and calls this when the pass ends.
-    fdsched_pass_end = "_fdsched_close_plan"
-
-    def _fdsched_close_plan(self, plan: StepPlan, result) -> None:
-        """Under the host's lock: what the pass left (:meth:`_fdsched_end_pass`), and the end of the strategy's pass
-        (None: the host's pass raised, the ratio stays)."""
-        with self.lock:
+    def pass_end(self, rm, plan: StepPlan, result) -> None:
+        """Under the host's lock: what the pass left (:meth:`end_pass`), and the end of the strategy's pass (None: the
+        host's pass raised, the ratio stays)."""
+        with rm.lock:
             budget = plan.made
             if budget is not None or plan.expected:  # most passes: nothing was asked or is left
-                self._fdsched_end_pass(plan, result[0] if result else None)
-            self._fdsched_strategy.pass_ended(None if result is None else bool(result[0]), budget is not None,
-                                              self._fdsched_gauges)
+                self.end_pass(rm, plan, result[0] if result else None)
+            self.strategy.pass_ended(None if result is None else bool(result[0]), budget is not None, self.gauges)
 
-    def _fdsched_end_pass(self, plan: StepPlan, scheduled_reqs) -> None:
+    def end_pass(self, rm, plan: StepPlan, scheduled_reqs) -> None:
         """What a pass that asked, or left something expected, leaves: its figures to the metrics, and what nobody
         consumed logged and counted."""
         budget = plan.made
         if budget is not None:
-            self._fdsched_report(budget)
+            self.report(budget)
             for request_id in sorted(budget.close()):
-                METRICS.signal_unconsumed(DECLINE_PREEMPTION, of=self)
+                METRICS.signal_unconsumed(DECLINE_PREEMPTION, of=rm)
                 host_global(RM, "llm_logger").warning(
                     f"[fdsched] the guard refused running chunk {request_id} but no preemption call followed"
                 )
         if plan.expecting():  # something left unconsumed: logged and counted (the logger looked up here)
-            plan.close(host_global(RM, "llm_logger"), of=self)
+            plan.close(host_global(RM, "llm_logger"), of=rm)
 
     # ---- the admission threshold ---------------------------------------------------------------------
-    def get_new_block_nums(self, request, num_new_tokens):
+    def get_new_block_nums(self, rm, request, num_new_tokens):
         # The host asks for a request's block count right before that request's block checks.
-        plan = self._fdsched_plans.current()
+        plan = self.plans.current()
         if plan is not None:
             plan.focus(request.request_id)
-        return super().get_new_block_nums(request, num_new_tokens)
+        return self.next.get_new_block_nums(rm, request, num_new_tokens)
 
-    def _fdsched_threshold_seam(self, num_chunk_new_block: int) -> int:
-        """The answer at the host's threshold seam, whichever shape the host gives it (it is the seam itself where the
-        host passes the count only: a pass asks it once per admission)."""
-        plan = self._fdsched_plans.current()
+    def _get_can_schedule_prefill_threshold_block(self, rm, num_chunk_new_block):
+        """The answer at the host's threshold seam (where the host passes the count only: a pass asks it once per
+        admission)."""
+        plan = self.plans.current()
         if plan is not None:
-            # The pass's figures go to the metrics once, when it ends (_fdsched_end_pass): a pass may ask once
-            # per admission, and the gauges' updates cost a fair part of an ask.
+            # The pass's figures go to the metrics once, when it ends (end_pass): a pass may ask once per admission,
+            # and the gauges' updates cost a fair part of an ask.
             budget = plan.made
             if budget is None:
                 budget = plan.budget
-            threshold = budget.threshold(num_chunk_new_block, self.running)
+            threshold = budget.threshold(num_chunk_new_block, rm.running)
             if budget.settled:  # the free blocks cover it: the check that follows answers True, nothing to count
                 return threshold
         else:  # asked outside a pass (PD preallocation, no reserve seams): a budget and a question of its own
-            budget = self._fdsched_new_budget()
-            threshold = budget.threshold(num_chunk_new_block, self.running)
-            self._fdsched_report(budget)
+            budget = self.new_budget()
+            threshold = budget.threshold(num_chunk_new_block, rm.running)
+            self.report(budget)
             plan = StepPlan(None)
-            self._fdsched_plans.ask_outside_a_pass(plan)
+            self.plans.ask_outside_a_pass(plan)
         # Its caller checks the threshold with can_allocate_gpu_blocks next: count that check's refusal.
         plan.expect(COUNT_REFUSAL, threshold)
         return threshold
 
-    _get_can_schedule_prefill_threshold_block = _fdsched_threshold_seam
-
-    def _fdsched_report(self, budget: AdmissionBudget) -> None:
+    def report(self, budget: AdmissionBudget) -> None:
         """The running set's blocks at ``budget``'s last ask that counted them, and the strategy's decision then, to
         the metrics (nothing when no ask counted: every one was settled by the bound, or none came)."""
         if budget.reserved is not None:
-            METRICS.reserved(budget.reserved, of=self)
-            self._fdsched_strategy.report_decision(self._fdsched_gauges)
+            METRICS.reserved(budget.reserved, of=self.rm)
+            self.strategy.report_decision(self.gauges)
 
-    def fdsched_running_reserve(self) -> int:
+    def running_reserve(self) -> int:
         """The blocks the running set keeps free now (what an admission's threshold adds to its chunk); the
         decision's figures go to the metrics as an admission's do."""
-        blocks = self._fdsched_strategy.set_blocks(self._fdsched_views())
-        self._fdsched_strategy.report_decision(self._fdsched_gauges)
+        blocks = self.strategy.set_blocks(running_views(self.rm))
+        self.strategy.report_decision(self.gauges)
         return blocks
 
-    def _fdsched_draft_slack(self, threshold: int) -> int:
-        return min(threshold + 1, self.config.cache_config.max_block_num_per_seq)
+    def draft_slack(self, threshold: int) -> int:
+        return min(threshold + 1, self.rm.config.cache_config.max_block_num_per_seq)
 
-    def _fdsched_views(self, requests=None, with_phase: bool = False, kept: dict = None) -> list:
-        """``requests`` (default: the running ones) as the strategy sees them (``with_phase``: whether each is
-        decoding, asked only where it is used: the hook may be a third party's).
+    def adaptive_state(self):
+        """The adaptive estimator's state (:meth:`fdsched.core.adaptive.AdaptiveReserve.state`), or None when this
+        scheduler does not run it."""
+        return None
 
-        ``kept``: a pass's views by request id (the adaptive estimator's tally keeps them for its pass): a
-        request found there, the same object with as many output tokens, is seen as it was at the pass's last
-        ask (its client bound and prompt do not change while the scheduler holds its lock; its output grows
-        when the token processor appends, and then it is seen afresh). Not with ``with_phase``.
-        """
-        # Built for every running request at every admission decision: names are bound once per call.
-        max_model_len = self.config.model_config.max_model_len
-        is_decoding = self._fdsched_is_decoding if with_phase else None
-        if with_phase:
-            kept = None
-        view, budget_of, bound_of = RunningView, max_new_tokens_of, client_bound
-        views = []
-        append = views.append
-        for r in self.running if requests is None else requests:
-            generated = len(r.output_token_ids)
-            if kept is not None:
-                seen = kept.get(r.request_id)
-                if seen is not None and seen[0] is r and seen[1] == generated:
-                    append(seen[2])
-                    continue
-            max_tokens = getattr(r.sampling_params, "max_tokens", None)
-            prompt_len = r.prompt_token_ids_len
-            made = view(
-                r.request_id,
-                budget_of(max_tokens, max_model_len, prompt_len),
-                generated,
-                bound_of(max_tokens, max_model_len, prompt_len),
-                is_decoding(r) if with_phase else None,
-            )
-            if kept is not None:
-                kept[r.request_id] = (r, generated, made)
-            append(made)
-        return views
+
+def running_views(rm, requests=None, with_phase: bool = False, kept: dict = None) -> list:
+    """``requests`` (default: ``rm``'s running ones) as a reservation strategy sees them (``with_phase``: whether each
+    is decoding, asked only where it is used: the hook may be a third party's).
+
+    ``kept``: a pass's views by request id (the adaptive estimator's tally keeps them for its pass): a request found
+    there, the same object with as many output tokens, is seen as it was at the pass's last ask (its client bound and
+    prompt do not change while the scheduler holds its lock; its output grows when the token processor appends, and
+    then it is seen afresh). Not with ``with_phase``.
+    """
+    # Built for every running request at every admission decision: names are bound once per call.
+    max_model_len = rm.config.model_config.max_model_len
+    is_decoding = rm._fdsched_is_decoding if with_phase else None
+    if with_phase:
+        kept = None
+    view, budget_of, bound_of = RunningView, max_new_tokens_of, client_bound
+    views = []
+    append = views.append
+    for r in rm.running if requests is None else requests:
+        generated = len(r.output_token_ids)
+        if kept is not None:
+            seen = kept.get(r.request_id)
+            if seen is not None and seen[0] is r and seen[1] == generated:
+                append(seen[2])
+                continue
+        max_tokens = getattr(r.sampling_params, "max_tokens", None)
+        prompt_len = r.prompt_token_ids_len
+        made = view(
+            r.request_id,
+            budget_of(max_tokens, max_model_len, prompt_len),
+            generated,
+            bound_of(max_tokens, max_model_len, prompt_len),
+            is_decoding(r) if with_phase else None,
+        )
+        if kept is not None:
+            kept[r.request_id] = (r, generated, made)
+        append(made)
+    return views
 
 
 def _no_slack(threshold: int) -> int:
@@ -251,45 +251,49 @@ def _no_bound(strategy, reader):
 
 
 # ---- the host's shapes of the plugin's version ------------------------------------------------------------
-class _ReserveSeams(ReservationMixin):
-    """The seams a host with 7783 calls: one running request's reserve, and the re-estimate after a preemption."""
+class ReserveSeams:
+    """The seams a host with 7783 calls: one running request's reserve, and the re-estimate after a preemption (with
+    a :class:`BudgetedReserve` estimator class)."""
 
-    def _get_running_request_reserve_blocks(self, request) -> int:
-        (view,) = self._fdsched_views((request,))
-        return self._fdsched_strategy.request_blocks(view)
+    seams = ("_get_running_request_reserve_blocks", "_reset_reserve_on_preemption")
 
-    def _reset_reserve_on_preemption(self):
-        self._fdsched_reestimate()
+    def _get_running_request_reserve_blocks(self, rm, request) -> int:
+        (view,) = running_views(rm, (request,))
+        return self.strategy.request_blocks(view)
+
+    def _reset_reserve_on_preemption(self, rm):
+        self.reestimate()
 
 
-class _RunningChunkGuard(_BudgetedReserve):
-    """A host without reserve seams checks a running chunk against its own blocks only, and has no per-preemption seam: the
-    budget is asked for the chunk in ``get_new_block_nums``; a refused chunk's check is refused and its preemption
-    call declined (both read the pass's one decision); the ratio is re-estimated after a ``_trigger_preempt`` call that
-    preempted."""
+class RunningChunkGuard:
+    """A host without reserve seams checks a running chunk against its own blocks only, and has no per-preemption
+    seam: the budget is asked for the chunk in ``get_new_block_nums``; a refused chunk's check is refused and its
+    preemption call declined (both read the pass's one decision); the ratio is re-estimated after a
+    ``_trigger_preempt`` call that preempted (with a :class:`BudgetedReserve` estimator class)."""
 
+    seams = ("_trigger_preempt",)
     fdsched_calls = {"PrefixCacheManager.can_allocate_gpu_blocks": ("num_blocks",)}
 
-    def get_new_block_nums(self, request, num_new_tokens):
-        blocks = super().get_new_block_nums(request, num_new_tokens)
-        if not self._fdsched_is_running_prefill(request):
+    def get_new_block_nums(self, rm, request, num_new_tokens):
+        blocks = super().get_new_block_nums(rm, request, num_new_tokens)
+        if not rm._fdsched_is_running_prefill(request):
             return blocks
-        plan = self._fdsched_plans.current()
+        plan = self.plans.current()
         if plan is None:  # outside a pass the host's own check stands
             return blocks
         budget = plan.budget
-        threshold = budget.threshold(blocks, self.running)
+        threshold = budget.threshold(blocks, rm.running)
         # settled by the bound: the free blocks cover the threshold, and the pool's check would answer True
-        if budget.settled or self.cache_manager.can_allocate_gpu_blocks(threshold):
+        if budget.settled or rm.cache_manager.can_allocate_gpu_blocks(threshold):
             return blocks
-        METRICS.admission_blocked(of=self)
+        METRICS.admission_blocked(of=rm)
         # The pass's one decision for this chunk: its block check is refused and its preemption call declined.
         plan.expect(REFUSE_RUNNING_CHUNK, blocks)
         budget.declined.add(request.request_id)
         return blocks
 
-    def _trigger_preempt(self, request, num_new_blocks, preempted_reqs, scheduled_reqs):
-        budget = self._fdsched_made_budget()  # a decline is recorded in a budget the pass made
+    def _trigger_preempt(self, rm, request, num_new_blocks, preempted_reqs, scheduled_reqs):
+        budget = self.made_budget()  # a decline is recorded in a budget the pass made
         if budget is not None and request.request_id in budget.declined:
             # The guard refused this running chunk. Decline without preempting; a non-empty list makes the
             # host skip its waiting pass, as upstream does after a refused chunk.
@@ -297,15 +301,15 @@ class _RunningChunkGuard(_BudgetedReserve):
             preempted_reqs.append(request)
             return False
         already = len(preempted_reqs)
-        result = super()._trigger_preempt(request, num_new_blocks, preempted_reqs, scheduled_reqs)
+        result = self.next._trigger_preempt(rm, request, num_new_blocks, preempted_reqs, scheduled_reqs)
         if len(preempted_reqs) > already:
-            self._fdsched_reestimate(len(preempted_reqs) - already)
+            self.reestimate(len(preempted_reqs) - already)
         return result
 
 
-class _ThresholdTakesRequest(ReservationMixin):
+class ThresholdTakesRequest:
     """The threshold seam where the host passes the request too, ``(request, num_chunk_new_block)`` (FastDeploy
     2.4 and 2.5): the same answer; the request is not needed for it."""
 
-    def _get_can_schedule_prefill_threshold_block(self, request, num_chunk_new_block):
-        return self._fdsched_threshold_seam(num_chunk_new_block)
+    def _get_can_schedule_prefill_threshold_block(self, rm, request, num_chunk_new_block):
+        return super()._get_can_schedule_prefill_threshold_block(rm, num_chunk_new_block)

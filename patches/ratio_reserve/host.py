@@ -5,7 +5,6 @@
 from __future__ import annotations
 
 from fdsched.patches._spec import Shapes
-from fdsched.patches.ratio_reserve.budget import ReservationMixin
 
 # Host attributes the host's own ratio / fixed-block code reads, and the settings that feed them.
 _HOST_ATTRS = {
@@ -20,39 +19,41 @@ _HOST_ATTRS = {
 
 
 # ---- impl "host": the host's own code, fed the profile's values ----------------------------------------
-class HostReserveMixin(ReservationMixin):
-    """The host's own reservation code runs; a profile may set the values it reads."""
+class HostReserve:
+    """The host's own reservation code runs; a profile may set the values it reads (once, when the scheduler is
+    built). One per scheduler; it serves no seam."""
 
+    seams: tuple = ()
     fdsched_host_role = "sets the values the host's reservation reads from the profile; the host's own code reserves"
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        s = self._fdsched_settings
+    def __init__(self, rm, settings, next):
+        self.next = next
         for attr, key in _HOST_ATTRS.items():
-            if hasattr(self, attr):
-                setattr(self, attr, s[key])
-        if hasattr(self, "new_token_ratio"):
-            self.new_token_ratio = self.init_new_token_ratio
-        if hasattr(self, "current_reserve_output_block_num"):
-            self.current_reserve_output_block_num = self.init_reserve_output_block_num
-            self.current_reserve_output_block_num_float = float(self.init_reserve_output_block_num)
+            if hasattr(rm, attr):
+                setattr(rm, attr, settings[key])
+        if hasattr(rm, "new_token_ratio"):
+            rm.new_token_ratio = rm.init_new_token_ratio
+        if hasattr(rm, "current_reserve_output_block_num"):
+            rm.current_reserve_output_block_num = rm.init_reserve_output_block_num
+            rm.current_reserve_output_block_num_float = float(rm.init_reserve_output_block_num)
 
 
-class HostReserveResetMixin(HostReserveMixin):
-    """A fixed-block host whose preemption loop resets the reservation at the end of every
-    ``_trigger_preempt`` call; done here too, so it still happens when change 2 replaced that loop. Only on a host
-    that keeps that reservation (:data:`HOST_RESERVE_RESET_SHAPES`; elsewhere :class:`HostReserveMixin`)."""
+class HostReserveReset(HostReserve):
+    """A fixed-block host whose preemption loop resets the reservation at the end of every ``_trigger_preempt`` call;
+    done here too, so it still happens when change 2 replaced that loop. Only on a host that keeps that reservation
+    (:data:`HOST_RESERVE_RESET_SHAPES`; elsewhere :class:`HostReserve`)."""
 
+    seams = ("_trigger_preempt",)
     fdsched_attributes = ("init_reserve_output_block_num",)
-    fdsched_host_role = (HostReserveMixin.fdsched_host_role + ", and its reservation is reset after each "
+    fdsched_host_role = (HostReserve.fdsched_host_role + ", and its reservation is reset after each "
                          "preemption, as the host's own loop resets it")
 
-    def _trigger_preempt(self, request, num_new_blocks, preempted_reqs, scheduled_reqs):
-        result = super()._trigger_preempt(request, num_new_blocks, preempted_reqs, scheduled_reqs)
-        self.current_reserve_output_block_num = self.init_reserve_output_block_num
-        self.current_reserve_output_block_num_float = self.init_reserve_output_block_num
-        self.can_relax_prefill_strategy = False
+    def _trigger_preempt(self, rm, request, num_new_blocks, preempted_reqs, scheduled_reqs):
+        result = self.next._trigger_preempt(rm, request, num_new_blocks, preempted_reqs, scheduled_reqs)
+        rm.current_reserve_output_block_num = rm.init_reserve_output_block_num
+        rm.current_reserve_output_block_num_float = rm.init_reserve_output_block_num
+        rm.can_relax_prefill_strategy = False
         return result
 
 
-HOST_RESERVE_RESET_SHAPES = Shapes(HostReserveResetMixin, HostReserveMixin)
+HOST_RESERVE_RESET_SHAPES = Shapes(HostReserveReset, HostReserve)

@@ -13,7 +13,7 @@ from fdsched.patches._spec import Shapes
 from fdsched.patches._base import host_global
 from fdsched.patches._plan import StepPlan
 from fdsched.patches.ratio_reserve.budget import (
-    COUNT_REFUSAL, REFUSE_RUNNING_CHUNK, RM, THRESHOLD_FOR_RUNNING_CHUNK, _BudgetedReserve,
+    COUNT_REFUSAL, REFUSE_RUNNING_CHUNK, RM, THRESHOLD_FOR_RUNNING_CHUNK, BudgetedReserve,
 )
 
 
@@ -65,114 +65,116 @@ class ClosedWaitingQueue:
         return f"ClosedWaitingQueue({self.queue!r})"
 
 
-class PreChangeReserveMixin(_BudgetedReserve):
+class PreChangeReserve(BudgetedReserve):
     """``off`` on a host that has 7783: the fixed-block policy (:class:`FixedBlockStrategy`) and the pre-change
     running pass (a running chunk short of blocks preempts instead of waiting). The pass ends where the host's
-    ``schedule()`` returns: the pass's end (``_fdsched_close_plan``) gives it back what the plugin held, under the host's lock."""
+    ``schedule()`` returns: the pass's end (:meth:`pass_end`) gives it back what the plugin held, under the host's
+    lock."""
 
+    seams = BudgetedReserve.seams + ("_trigger_preempt", "_reset_reserve_on_preemption")
     fdsched_calls = {"PrefixCacheManager.can_allocate_gpu_blocks": ("num_blocks",)}
     fdsched_attributes = ("waiting",)
 
-    def _fdsched_make_strategy(self):
-        return FixedBlockStrategy(self._fdsched_fixed)
+    def make_strategy(self):
+        return FixedBlockStrategy(self.fixed)
 
-    def _fdsched_new_budget(self) -> AdmissionBudget:
-        strategy = self._fdsched_strategy
-        return _PreChangePass(strategy, strategy.tally(self._fdsched_reader), self._fdsched_speculative_slack)
+    def new_budget(self) -> AdmissionBudget:
+        strategy = self.strategy
+        return _PreChangePass(strategy, strategy.tally(self.reader), self.speculative_slack)
 
-    def get_new_block_nums(self, request, num_new_tokens):
-        blocks = super().get_new_block_nums(request, num_new_tokens)
-        if self._fdsched_is_running_prefill(request):
-            budget = self._fdsched_budget()
+    def get_new_block_nums(self, rm, request, num_new_tokens):
+        blocks = super().get_new_block_nums(rm, request, num_new_tokens)
+        if rm._fdsched_is_running_prefill(request):
+            budget = self.budget()
             if budget is not None:
-                self._fdsched_pre_change_running_chunk(budget, request, blocks)
+                self.pre_change_running_chunk(rm, budget, request, blocks)
         return blocks
 
-    def _fdsched_pre_change_running_chunk(self, budget: _PreChangePass, request, blocks) -> None:
+    def pre_change_running_chunk(self, rm, budget: _PreChangePass, request, blocks) -> None:
         # before 7783 it needed only its own blocks: the threshold asked next for it is its own count
-        self._fdsched_plans.current().running_chunk = (request.request_id, blocks)
-        if self.cache_manager.can_allocate_gpu_blocks(blocks):
+        self.plans.current().running_chunk = (request.request_id, blocks)
+        if rm.cache_manager.can_allocate_gpu_blocks(blocks):
             return
-        preempted, tasks = [], self._fdsched_task_list()
-        can_schedule = self._trigger_preempt(request, blocks, preempted, tasks)
+        preempted, tasks = [], self.task_list()
+        can_schedule = rm._trigger_preempt(request, blocks, preempted, tasks)
         if len(tasks):
             budget.preemptions.append((request, tasks))
         if preempted and budget.closed is None:
             # Before 7783 a pass that preempted admitted nobody: close admission until the pass ends. The
             # scheduler lock is held for the whole pass, so nothing else reads or fills the queue meanwhile.
-            budget.closed = self.waiting = ClosedWaitingQueue(self.waiting)
+            budget.closed = rm.waiting = ClosedWaitingQueue(rm.waiting)
         if not can_schedule:
             # The host then stops its running pass (and, as before 7783, admits nobody in this step).
-            self._fdsched_plans.current().expect(REFUSE_RUNNING_CHUNK, blocks)
+            self.plans.current().expect(REFUSE_RUNNING_CHUNK, blocks)
 
-    def _get_can_schedule_prefill_threshold_block(self, num_chunk_new_block):
-        plan = self._fdsched_plans.current()
+    def _get_can_schedule_prefill_threshold_block(self, rm, num_chunk_new_block):
+        plan = self.plans.current()
         if plan is not None and plan.running_chunk is not None and plan.running_chunk[1] == num_chunk_new_block:
             plan.running_chunk = None
             # pre-change: a running chunk needed only its own blocks
             plan.expect(COUNT_REFUSAL, num_chunk_new_block)
             return num_chunk_new_block
-        return super()._get_can_schedule_prefill_threshold_block(num_chunk_new_block)
+        return super()._get_can_schedule_prefill_threshold_block(rm, num_chunk_new_block)
 
-    def _trigger_preempt(self, request, num_new_blocks, preempted_reqs, scheduled_reqs):
-        result = super()._trigger_preempt(request, num_new_blocks, preempted_reqs, scheduled_reqs)
-        self._fdsched_strategy.on_preemption()  # pre-change: at the end of every call, as a host with no reserve seams does
+    def _trigger_preempt(self, rm, request, num_new_blocks, preempted_reqs, scheduled_reqs):
+        result = self.next._trigger_preempt(rm, request, num_new_blocks, preempted_reqs, scheduled_reqs)
+        self.strategy.on_preemption()  # pre-change: at the end of every call, as a host with no reserve seams does
         return result
 
-    def _reset_reserve_on_preemption(self):
+    def _reset_reserve_on_preemption(self, rm):
         """Nothing: before 7783 the reservation was reset at the end of the ``_trigger_preempt`` call."""
 
-    def _fdsched_task_list(self):
+    def task_list(self):
         """An empty container of the kind the host's ``_trigger_preempt`` appends preempt tasks to (a list)."""
         return []
 
-    def _fdsched_insert_before(self, scheduled_reqs, chunk, tasks) -> None:
+    def insert_before(self, scheduled_reqs, chunk, tasks) -> None:
         at = next((i for i, task in enumerate(scheduled_reqs) if task is chunk), len(scheduled_reqs))
         scheduled_reqs[at:at] = tasks
 
-    def _fdsched_end_pass(self, plan: StepPlan, scheduled_reqs) -> None:
+    def end_pass(self, rm, plan: StepPlan, scheduled_reqs) -> None:
         """Give the pass back what the plugin held for it (under the host's lock): the waiting queue, every request
         that arrived meanwhile in its place, and its preempt tasks in order."""
         budget: _PreChangePass = plan.made
         if budget is None:  # the pass needed none: the plugin held nothing for it
-            super()._fdsched_end_pass(plan, scheduled_reqs)
+            super().end_pass(rm, plan, scheduled_reqs)
             return
         if budget.closed is not None:
-            if self.waiting is budget.closed:  # else the host replaced the queue during the pass: it stays
-                self.waiting = budget.closed.queue
+            if rm.waiting is budget.closed:  # else the host replaced the queue during the pass: it stays
+                rm.waiting = budget.closed.queue
             budget.closed = None
         if scheduled_reqs is None:  # the host's pass raised: its tasks are gone, and so are the plugin's
-            scheduled_reqs = self._fdsched_task_list()
+            scheduled_reqs = self.task_list()
         for chunk, tasks in budget.preemptions:
             # Before 7783 the preempt tasks went into the pass's list right before the chunk's own task.
-            self._fdsched_insert_before(scheduled_reqs, chunk, tasks)
+            self.insert_before(scheduled_reqs, chunk, tasks)
         budget.preemptions = []
         if plan.running_chunk is not None:
-            METRICS.signal_unconsumed(THRESHOLD_FOR_RUNNING_CHUNK, of=self)
+            METRICS.signal_unconsumed(THRESHOLD_FOR_RUNNING_CHUNK, of=rm)
             host_global(RM, "llm_logger").warning(
                 f"[fdsched] no threshold was computed for running chunk {plan.running_chunk[0]} "
                 f"({plan.running_chunk[1]} blocks) after its block count"
             )
-        super()._fdsched_end_pass(plan, scheduled_reqs)
+        super().end_pass(rm, plan, scheduled_reqs)
 
 
-class PreChangeReserveBatchMixin(PreChangeReserveMixin):
-    """:class:`PreChangeReserveMixin` on a host whose pass collects its tasks in a ``BatchRequest`` (develop:
+class PreChangeReserveBatch(PreChangeReserve):
+    """:class:`PreChangeReserve` on a host whose pass collects its tasks in a ``BatchRequest`` (develop:
     ``_trigger_preempt(..., batch_request)``): the plugin's own preemptions go into a ``BatchRequest`` of their
     own, and at the pass's end into the pass's, right before the chunk's task, with any swap / evict metadata
     they carry."""
 
     fdsched_globals = {RM: ("llm_logger", "BatchRequest")}
 
-    def _trigger_preempt(self, request, num_new_blocks, preempted_reqs, batch_request):
-        result = super(PreChangeReserveMixin, self)._trigger_preempt(request, num_new_blocks, preempted_reqs, batch_request)
-        self._fdsched_strategy.on_preemption()  # pre-change: at the end of every call, as a host with no reserve seams does
+    def _trigger_preempt(self, rm, request, num_new_blocks, preempted_reqs, batch_request):
+        result = self.next._trigger_preempt(rm, request, num_new_blocks, preempted_reqs, batch_request)
+        self.strategy.on_preemption()  # pre-change: at the end of every call, as a host with no reserve seams does
         return result
 
-    def _fdsched_task_list(self):
+    def task_list(self):
         return host_global(RM, "BatchRequest")()
 
-    def _fdsched_insert_before(self, batch_request, chunk, tasks) -> None:
+    def insert_before(self, batch_request, chunk, tasks) -> None:
         requests = batch_request.requests
         at = next((i for i, task in enumerate(requests) if task is chunk), len(requests))
         requests[at:at] = tasks.requests
@@ -182,4 +184,4 @@ class PreChangeReserveBatchMixin(PreChangeReserveMixin):
             batch_request.append_evict_metadata([tasks.cache_evict_metadata])
 
 
-PRE_CHANGE_SHAPES = Shapes(PreChangeReserveMixin, PreChangeReserveBatchMixin)
+PRE_CHANGE_SHAPES = Shapes(PreChangeReserve, PreChangeReserveBatch)

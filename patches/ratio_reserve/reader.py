@@ -67,14 +67,15 @@ class _RunningReader:
     """What a strategy reads of a scheduler's running requests (:class:`fdsched.core.admission.RunningReader`),
     read afresh from each request every time."""
 
-    __slots__ = ("scheduler", "most")
+    __slots__ = ("scheduler", "_views", "most")
 
-    def __init__(self, scheduler, most) -> None:
+    def __init__(self, scheduler, views, most) -> None:
         self.scheduler = scheduler
+        self._views = views  # the scheduler's views of requests (fdsched.patches.ratio_reserve.budget.running_views)
         self.most = most  # a request's most possible reservation, from its output budget
 
     def views(self, requests, kept=None) -> list:
-        return self.scheduler._fdsched_views(requests, kept=kept)
+        return self._views(requests, kept=kept)
 
     def terms(self, request) -> tuple:
         """``(budget, client bound)`` of ``request``: its output budget
@@ -140,8 +141,8 @@ class _KeptTermsReader(_RunningReader):
 
     __slots__ = ("_terms", "_mosts", "_refs", "_gone", "_last")
 
-    def __init__(self, scheduler, most) -> None:
-        super().__init__(scheduler, most)
+    def __init__(self, scheduler, views, most) -> None:
+        super().__init__(scheduler, views, most)
         terms: dict = {}  # id(request) -> (budget, client bound, the bound as a float), while the request lives
         mosts: dict = {}  # id(request) -> its most possible reservation (apart: a bound reads nothing else)
         refs: dict = {}  # id(request) -> its _Gone reference (which must live as long as the entry)
@@ -227,9 +228,10 @@ def _outputs(requests):
     return np.fromiter(map(len, map(_OUTPUT, requests)), np.int64, len(requests))
 
 
-def reader_for(scheduler, request_class) -> _RunningReader:
+def reader_for(scheduler, request_class, views, most) -> _RunningReader:
     """The reader for a scheduler whose running requests are ``request_class`` objects: one that keeps their terms
     where the class allows a weak reference to its objects (every FastDeploy 2.x does), else one that reads
-    afresh."""
+    afresh. ``views(requests, kept=None)``: the scheduler's views of requests; ``most(budget)``: a request's most
+    possible reservation."""
     kind = _KeptTermsReader if getattr(request_class, "__weakrefoffset__", 0) else _RunningReader
-    return kind(scheduler, scheduler._fdsched_most_of)
+    return kind(scheduler, views, most)

@@ -255,7 +255,8 @@ def _record_plugin_state(run: ProfileRun, manager, report, host_only: bool) -> N
     does not run) and the admissions the ratio reservation refused (None where the host's code decided)."""
     from fdsched.core.metrics import METRICS
 
-    adaptive_state = getattr(manager, "fdsched_adaptive_state", None)
+    reservation = manager.fdsched_strategy("ratio_reserve") if hasattr(manager, "fdsched_strategy") else None
+    adaptive_state = getattr(reservation, "adaptive_state", None)
     if adaptive_state is not None:
         run.estimator = adaptive_state()  # the engine path's estimator (profile adaptive); None when it does not run
     ratio_impl = "host" if host_only else report.decisions["ratio_reserve"].impl

@@ -35,11 +35,11 @@ def _finish(rm, rid, prompt_len, generated, max_tokens=None):
 
 def test_finished_running_requests_are_samples_and_the_set_shares_one_margin(adaptive_rm):
     rm = adaptive_rm(FDSCHED_ADAPTIVE_MARGIN_K="1")
-    assert rm.fdsched_adaptive_state() is not None
+    assert rm.fdsched_strategy("ratio_reserve").adaptive_state() is not None
     lengths = [2, 4, 30, 40]  # all above the first bucket: the tail statistics at g = 0 are exact
     for i, length in enumerate(lengths):
         _finish(rm, f"f{i}", 8, generated=length)
-    state = rm.fdsched_adaptive_state()
+    state = rm.fdsched_strategy("ratio_reserve").adaptive_state()
     assert state["absolute_tokens"]["samples"] == 4 and state["absolute_tokens"]["learned"]
     assert METRICS.adaptive["absolute_samples"] == 4 and METRICS.adaptive["absolute_learned"] is True
     # Worked by hand: E[L] = 76 / 4 = 19 tokens, Var[L] = 2520 / 4 - 19^2 = 269. Three running requests with
@@ -47,7 +47,7 @@ def test_finished_running_requests_are_samples_and_the_set_shares_one_margin(ada
     # = 85.4 -> 86 tokens -> 22 blocks; upstream's ratio (0.7 x 56 = 39 tokens -> 10 blocks each, 30) caps above.
     for rid in "abc":
         _place(rm, rid, 8, generated=0, computed=8, max_tokens=None)
-    assert rm.fdsched_running_reserve() == 22
+    assert rm.fdsched_strategy("ratio_reserve").running_reserve() == 22
     # A margin per request would keep 3 x ceil(ceil(19 + sqrt(269)) / 4) = 3 x 9 = 27 blocks.
     assert 22 < 3 * math.ceil(math.ceil(19 + math.sqrt(269)) / 4) == 27
     assert METRICS.adaptive["expected_tokens"] == pytest.approx(57)
@@ -59,20 +59,20 @@ def test_a_preempted_request_is_not_a_sample_and_a_preemption_widens_the_margin(
     a = _place(rm, "a", 8, generated=5, max_tokens=None)
     _place(rm, "b", 8, generated=3, max_tokens=None)
     _drain_pool(rm)
-    k_before = rm.fdsched_adaptive_state()["k"]
+    k_before = rm.fdsched_strategy("ratio_reserve").adaptive_state()["k"]
     rm._trigger_preempt(a, 1, [], [])  # b, the last decoder, is preempted
-    after = rm.fdsched_adaptive_state()
+    after = rm.fdsched_strategy("ratio_reserve").adaptive_state()
     assert after["preemptions_seen"] == 1 and after["k"] == k_before + 0.5  # K_STEP
     assert "b" in rm.to_be_rescheduled_request_id_set
     rm.finish_requests(["b"])  # finished while preempted: its length is not known to be complete
-    assert rm.fdsched_adaptive_state()["finished_seen"] == 0
+    assert rm.fdsched_strategy("ratio_reserve").adaptive_state()["finished_seen"] == 0
 
 
 def test_warm_up_unbounded_requests_use_the_legacy_fixed_blocks(adaptive_rm):
     rm = adaptive_rm()
     _place(rm, "a", 8, generated=2, max_tokens=None)
     _place(rm, "b", 8, generated=2, max_tokens=None)
-    assert rm.fdsched_running_reserve() == 0  # the legacy reservation is relaxed until a preemption
+    assert rm.fdsched_strategy("ratio_reserve").running_reserve() == 0  # the legacy reservation is relaxed until a preemption
     assert METRICS.adaptive["fallback_requests"] == 2
     _drain_pool(rm)
     rm._trigger_preempt(rm.running[0], 1, [], [])
@@ -80,17 +80,17 @@ def test_warm_up_unbounded_requests_use_the_legacy_fixed_blocks(adaptive_rm):
     # more than upstream's formula would (a: budget 64 - 8 = 56, 2 generated, at the re-estimated ratio).
     from fdsched.core.policies import reserve_blocks_for_request
 
-    fixed = rm._fdsched_fixed.current
-    by_ratio = reserve_blocks_for_request(56, 2, rm._fdsched_ratio.value, 4096, 4)
+    fixed = rm.fdsched_strategy("ratio_reserve").fixed.current
+    by_ratio = reserve_blocks_for_request(56, 2, rm.fdsched_strategy("ratio_reserve").ratio.value, 4096, 4)
     assert fixed == 16 and [r.request_id for r in rm.running] == ["a"]
-    assert rm.fdsched_running_reserve() == min(fixed, by_ratio) > 0
+    assert rm.fdsched_strategy("ratio_reserve").running_reserve() == min(fixed, by_ratio) > 0
 
 
 def test_a_bounded_client_is_learned_relative_to_its_max_tokens(adaptive_rm):
     rm = adaptive_rm()
     for i in range(4):
         _finish(rm, f"f{i}", 8, generated=10, max_tokens=20)  # half of max_tokens, every time
-    state = rm.fdsched_adaptive_state()
+    state = rm.fdsched_strategy("ratio_reserve").adaptive_state()
     assert state["relative_to_max_tokens"]["samples"] == 4 and state["absolute_tokens"]["samples"] == 0
     assert state["relative_to_max_tokens"]["mean"] == pytest.approx(0.5, abs=0.03)
 
@@ -109,7 +109,7 @@ def test_a_third_party_hook_still_answers_first(adaptive_rm):
     try:
         _place(rm, "mine", 8, generated=2, max_tokens=None)
         _place(rm, "other", 8, generated=2, max_tokens=None)
-        assert rm.fdsched_running_reserve() == 3 + 0  # "other": warm-up fallback, legacy relaxed
+        assert rm.fdsched_strategy("ratio_reserve").running_reserve() == 3 + 0  # "other": warm-up fallback, legacy relaxed
     finally:
         policies.pm.unregister(name="three")
         policies.refresh()
@@ -133,7 +133,7 @@ def test_the_running_sets_reservation_does_not_depend_on_the_order_of_running(ad
     try:
         for order in itertools.permutations(original):
             rm.running[:] = list(order)
-            answers.add(rm.fdsched_running_reserve())
+            answers.add(rm.fdsched_strategy("ratio_reserve").running_reserve())
     finally:
         rm.running[:] = original
     assert len(answers) == 1, f"the set's reservation depends on the order of running: {answers}"
@@ -152,8 +152,8 @@ def test_an_admission_the_free_blocks_cover_at_the_bound_is_decided_without_a_co
     assert free_of is not None and free_of() == len(free_list)
     _place(rm, "a", 8, generated=3, max_tokens=None)
     _place(rm, "b", 8, generated=0, computed=8, max_tokens=20)
-    strategy = rm._fdsched_strategy
-    top = rm._fdsched_ratio.top
+    strategy = rm.fdsched_strategy("ratio_reserve").strategy
+    top = rm.fdsched_strategy("ratio_reserve").ratio.top
     most = sum(reserve_blocks_for_request(budget, 0, top, strategy.clip, SHAPE["block_size"]) for budget in (56, 20))
     assert 2 + most <= len(free_list)  # the pool covers the bound
     METRICS.reserved(-1, of=rm)  # a mark: an answer by the bound leaves the gauge as it was
@@ -163,5 +163,5 @@ def test_an_admission_the_free_blocks_cover_at_the_bound_is_decided_without_a_co
     assert rm.cache_manager.can_allocate_gpu_blocks(threshold) and len(free_list) == before  # nothing taken
     _drain_pool(rm, keep=2 + most - 1)  # one block short of the bound: the ask counts
     threshold = rm._get_can_schedule_prefill_threshold_block(2)
-    counted = rm.fdsched_running_reserve()
+    counted = rm.fdsched_strategy("ratio_reserve").running_reserve()
     assert threshold == 2 + counted and METRICS.reserved_blocks == counted < most

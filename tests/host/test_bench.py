@@ -45,7 +45,7 @@ def test_the_spread_workload_has_its_own_budgets_and_a_learned_estimator_and_not
         for workload in ("spread", "uniform"):
             with scheduler_for("adaptive", 64, 2, 64, workload) as (rm, driver):
                 budgets = {r.request_id: r.sampling_params.max_tokens for r in rm.running}
-                learned = rm._fdsched_adaptive.state()
+                learned = rm.fdsched_strategy("ratio_reserve").adaptive.state()
                 for _ in range(200):  # the bench's default steps
                     driver.step()
                 running = {r.request_id for r in rm.running}

@@ -144,7 +144,7 @@ def test_reserve_estimate_max_tokens_none_remaining_negative_and_clip(rm_with):
     _place(rm, "over", 8, generated=12, max_tokens=10)
     # plain: (30 - 4) * 0.5 = 13 tokens -> ceil(13 / 4) = 4 blocks
     _place(rm, "plain", 8, generated=4, max_tokens=30)
-    assert rm.fdsched_running_reserve() == 5 + 0 + 4
+    assert rm.fdsched_strategy("ratio_reserve").running_reserve() == 5 + 0 + 4
     # Where the free blocks cover the chunk at every request's most (their whole budgets: 5 + 2 + 4), the threshold
     # is that bound (any threshold the free list covers is checked alike); below it the ask counts the set.
     assert rm._get_can_schedule_prefill_threshold_block(3) == 3 + 11
@@ -164,7 +164,7 @@ def test_ratio_is_reestimated_after_a_preemption(rm_with):
     rm._trigger_preempt(a, 1, [], [])
     # b (last decoder) is gone; running: a (decoding, 5 of 40), c (prefill, budget 64 - 12 = 52)
     expected = min((5 + 16 * 4 * 1) / (40 + 52 + 1), 0.7)
-    assert rm._fdsched_ratio.value == pytest.approx(expected)
+    assert rm.fdsched_strategy("ratio_reserve").ratio.value == pytest.approx(expected)
     assert METRICS.new_token_ratio == pytest.approx(expected)
 
 
@@ -174,16 +174,16 @@ def test_reestimate_term_and_cap_are_tunable(rm_with):
     _place(rm, "b", 8, generated=3, max_tokens=20)
     _drain_pool(rm)
     rm._trigger_preempt(a, 1, [], [])
-    assert rm._fdsched_ratio.value == pytest.approx(min(30 / 33, 0.9))
+    assert rm.fdsched_strategy("ratio_reserve").ratio.value == pytest.approx(min(30 / 33, 0.9))
 
 
 def test_ratio_resets_to_init_when_nothing_runs(rm_with):
     rm = rm_with("recommended")
     a = _place(rm, "a", 8, generated=5)
-    rm._fdsched_ratio.value = 0.2
+    rm.fdsched_strategy("ratio_reserve").ratio.value = 0.2
     _drain_pool(rm)
     rm._trigger_preempt(a, 1, [], [])  # a preempts itself, nothing runs afterwards
-    assert rm.running == [] and rm._fdsched_ratio.value == pytest.approx(0.7)
+    assert rm.running == [] and rm.fdsched_strategy("ratio_reserve").ratio.value == pytest.approx(0.7)
 
 
 def test_ratio_decays_after_passes_that_schedule_and_stops_at_the_floor(rm_with):
@@ -191,14 +191,14 @@ def test_ratio_decays_after_passes_that_schedule_and_stops_at_the_floor(rm_with)
 
     rm = rm_with("recommended", FD_NEW_TOKEN_RATIO_DECAY=0.25, FD_MIN_NEW_TOKEN_RATIO=0.1)
     assert rm.schedule()[0] == []
-    assert rm._fdsched_ratio.value == pytest.approx(0.7)  # nothing scheduled: no decay
+    assert rm.fdsched_strategy("ratio_reserve").ratio.value == pytest.approx(0.7)  # nothing scheduled: no decay
     for value in (0.45, 0.2, 0.1, 0.1):
         request = make_request(f"w{value}", [1, 2, 3, 4], 4)
         rm.add_request(request)
         for future in request.async_process_futures:
             future.result()
         assert rm.schedule()[0], "expected the new request to be scheduled"
-        assert rm._fdsched_ratio.value == pytest.approx(value)
+        assert rm.fdsched_strategy("ratio_reserve").ratio.value == pytest.approx(value)
 
 
 # ---- the chunked-prefill guard -------------------------------------------------------------------------
@@ -269,7 +269,7 @@ def test_a_block_check_from_another_thread_mid_pass_neither_takes_nor_is_bent_by
     assert METRICS.unconsumed_signals == {}, "every signal was taken by the check it was for"
 
 
-def test_a_second_thread_entering_schedule_mid_pass_does_not_take_the_open_pass_budget(rm_with):
+def test_a_second_thread_entering_schedule_mid_pass_does_not_take_the_open_pass_budget(rm_with, monkeypatch):
     """The pass's admission budget belongs to the thread that opened it: another thread that calls schedule()
     while a pass is open (it then waits for the host's lock) must not replace the budget the open pass's
     admissions ask (on the old host the guard needs it to refuse the running chunk)."""
@@ -284,15 +284,15 @@ def test_a_second_thread_entering_schedule_mid_pass_does_not_take_the_open_pass_
     real = rm.get_new_block_nums
     opened = []
 
-    class RecordingSlot(PlanSlot):
-        __slots__ = ()
+    real_open = PlanSlot.open
 
-        def open(self, plan):
-            outer = super().open(plan)
+    def recording_open(slot, plan):
+        outer = real_open(slot, plan)
+        if slot is rm._fdsched_plans:
             opened.append(plan.owner)
-            return outer
+        return outer
 
-    rm._fdsched_plans = rm.cache_manager.fdsched_plans = RecordingSlot()  # as the scheduler hands it over
+    monkeypatch.setattr(PlanSlot, "open", recording_open)  # the slot the scheduler made and handed over, as it is
 
     def wrapped(*args, **kwargs):
         if not other.is_alive() and other.ident is None:

@@ -261,7 +261,7 @@ WRAP_ORDER = {
         "corrected count; the gate's own records at finish go to the host directly",
     ),
     ("ResourceManagerV1", "__init__"): (
-        ("decode_node_reserve", "preempted_seat_resume", "prefill_node_reserve", "pd_prefill_cache", "ratio_reserve"),
+        ("decode_node_reserve", "prefill_node_reserve"),
         "each calls super().__init__() first, so the host's constructor has finished before any plugin state is set "
         "or any choice is bound; no mixin's state reads another's, so this order only fixes which exists first",
     ),
@@ -419,7 +419,7 @@ def test_changes_wrap_shared_methods_in_the_pinned_order(key):
 
 @pytest.mark.parametrize("mode", ["safe", "upstream"])
 def test_pd_recording_is_chosen_by_mode_and_host_not_read_per_call(mode):
-    """Change 4's class pair follows the arm's mode and the host once, when the class is built: the gate lets through
+    """Change 4's strategy pair follows the arm's mode and the host once, when it is chosen: the gate lets through
     only that behaviour's moments, and only the behaviour that records itself carries the method that does."""
     from fdsched.core.settings import load_settings
     from fdsched.patches import pd_prefill_cache as pd
@@ -429,14 +429,14 @@ def test_pd_recording_is_chosen_by_mode_and_host_not_read_per_call(mode):
     host_class = type("AnyRecorder", (), {"update_cache_blocks": lambda self, task, block_size, num_computed_tokens: None})
     for host_has in (False, True):
         gate, _ = spec.choose("PrefixCacheManager", "plugin", host_class, host_has, settings)
-        scheduler = spec.mixin_of("ResourceManagerV1", "plugin", host_has, settings)
+        scheduler = spec.strategies["ResourceManagerV1"]["plugin"].choose(host_has, settings)
         if mode == "safe":
-            assert gate.allowed == frozenset() and scheduler is pd.PdSafeMixin
+            assert gate.allowed == frozenset() and scheduler is pd.PdSafe
         else:
             assert gate.allowed == {pd.PREALLOCATION}
             # the host that has the change records at preallocation itself; the plugin records only where it lacks it
-            assert scheduler is (pd.PdPrefillCacheMixin if host_has else pd.PdUpstreamRecordMixin)
+            assert scheduler is (pd.PdRecording if host_has else pd.PdUpstreamRecord)
     assert spec.choose("PrefixCacheManager", "off", host_class, True, settings)[0].allowed == {pd.CHUNK}
-    assert spec.mixin_of("ResourceManagerV1", "off", True, settings) is pd.PdPreChangeMixin
+    assert spec.strategies["ResourceManagerV1"]["off"] is pd.PdPreChange
     source = inspect.getsource(pd)
     assert "_fdsched_settings" not in source and ".has[" not in source  # no call reads the mode or the host

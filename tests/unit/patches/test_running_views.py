@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from fdsched.patches.ratio_reserve import _BudgetedReserve
+from fdsched.patches.ratio_reserve.budget import running_views
 
 
 def _scheduler(running, max_model_len=2048):
@@ -17,7 +17,6 @@ def _scheduler(running, max_model_len=2048):
         config=SimpleNamespace(model_config=SimpleNamespace(max_model_len=max_model_len)),
         running=running,
         _fdsched_is_decoding=lambda request: len(request.output_token_ids) > 0,
-        _fdsched_most_of=_most,
     )
 
 
@@ -42,7 +41,12 @@ def _request(rid, prompt_len, generated, max_tokens):
 
 
 def _views(scheduler, **kw):
-    return _BudgetedReserve._fdsched_views(scheduler, **kw)
+    return running_views(scheduler, **kw)
+
+
+def _views_of(scheduler):
+    """The views function a reader gets for ``scheduler``."""
+    return lambda requests=None, kept=None: _views(scheduler, requests=requests, kept=kept)
 
 
 def test_a_view_is_the_budget_generated_and_client_bound_of_its_request():
@@ -83,8 +87,7 @@ def test_the_readers_lefts_and_keys_are_what_the_views_say():
         _request("float", 16, 2, 100.0),
     ]
     scheduler = _scheduler(requests)
-    scheduler._fdsched_views = lambda requests=None, kept=None: _views(scheduler, requests=requests, kept=kept)
-    reader = _RunningReader(scheduler, _no_most)
+    reader = _RunningReader(scheduler, _views_of(scheduler), _no_most)
     views = _views(scheduler)
     assert reader.lefts(requests) == [v.budget - v.generated for v in views]
     assert reader.keys(requests) == [(v.max_tokens, v.budget, v.generated) for v in views]
@@ -116,8 +119,7 @@ def _kept_reader(requests):
     from fdsched.patches.ratio_reserve.reader import reader_for
 
     scheduler = _scheduler(requests)
-    scheduler._fdsched_views = lambda requests=None, kept=None: _views(scheduler, requests=requests, kept=kept)
-    return scheduler, reader_for(scheduler, _Request)
+    return scheduler, reader_for(scheduler, _Request, _views_of(scheduler), _most)
 
 
 def test_the_kept_terms_reader_answers_as_the_views_for_every_kind_of_request():
@@ -145,7 +147,7 @@ def test_both_readers_give_the_keys_as_the_arrays_the_estimator_reads():
     requests = [_Request("bounded", 16, 3, 512), _Request("unset", 48, 7, None), _Request("zero", 16, 0, 0),
                 _Request("over-budget", 16, 600, 512), _Request("float", 16, 2, 100.0)]
     scheduler, kept = _kept_reader(requests)
-    fresh = _RunningReader(scheduler, _no_most)
+    fresh = _RunningReader(scheduler, _views_of(scheduler), _no_most)
     late = _Request("late", 16, 9, 64)
     for reader in (kept, fresh):
         for _ in range(2):  # kept: first read, then from the table (and one request it has not seen yet)
@@ -206,9 +208,10 @@ def test_requests_no_weak_reference_can_point_to_are_read_afresh():
     from fdsched.patches.ratio_reserve.reader import _KeptTermsReader, _RunningReader, reader_for
 
     scheduler = _scheduler([])
-    assert type(reader_for(scheduler, SimpleNamespace)) is _RunningReader  # its objects take no weak reference
-    assert type(reader_for(scheduler, None)) is _RunningReader  # the host module has no request class
-    assert type(reader_for(scheduler, _Request)) is _KeptTermsReader
+    views = _views_of(scheduler)
+    assert type(reader_for(scheduler, SimpleNamespace, views, _most)) is _RunningReader  # objects take no weak reference
+    assert type(reader_for(scheduler, None, views, _most)) is _RunningReader  # the host module has no request class
+    assert type(reader_for(scheduler, _Request, views, _most)) is _KeptTermsReader
 
 
 def test_the_kept_reader_reuses_the_last_arrays_only_where_the_running_list_begins_as_it_did():
@@ -254,7 +257,7 @@ def test_both_readers_give_the_requests_mosts_together_kept_or_not():
 
     requests = [_Request(f"r{i}", 16 + i, i % 5, [None, 64, 512, 3000][i % 4]) for i in range(40)]
     scheduler, kept = _kept_reader(requests)
-    fresh = _RunningReader(scheduler, _most)
+    fresh = _RunningReader(scheduler, _views_of(scheduler), _most)
     expected = sum(_most(budget) for budget, _ in map(fresh.terms, requests))
     assert fresh.mosts(requests) == expected
     kept.keys(requests[5:9])  # a few kept already, in the middle; the rest are kept by the count itself
