@@ -1,30 +1,8 @@
-"""What every mixin may use: small views of host requests, and how an arm's class is picked (what a scheduler's
-pass hands its cache manager is :mod:`fdsched.patches._pass`).
-
-The installer builds, for the scheduler, one *front* class and one class per arm (the cache manager and the cache
-queue have one fixed class each instead: :mod:`fdsched.patches._prefix_cache`, :mod:`fdsched.patches._cache_queue`):
-
-* the front class, ``type(name, (ArmChoice, HostClass), attrs)``, is what the host modules are rebound to
-  (``isinstance(x, ResourceManagerV1)`` holds for every plugin object). It carries the single profile's
-  ``_fdsched_impl`` / ``_fdsched_settings`` / ``_fdsched_default_arm``, ``_fdsched_arms`` (data-parallel
-  rank -> :class:`fdsched.install.installer.Arm`, from ``FDSCHED_PROFILE_BY_DP_RANK``), ``_fdsched_arm_classes``
-  (rank -> that arm's class) and ``_fdsched_default_class`` (every other rank);
-* an arm's class, ``type(name, (InitGuard, <that arm's mixins, later catalogue entries first>, Front), attrs)``, holds
-  only the mixins the arm applies (:meth:`fdsched.patches.PatchSpec.mixin_of`: a change whose impl there is
-  the host's own code gets none, or a variant for that impl), and as class attributes that arm's
-  ``_fdsched_impl`` (change id -> ``"host"`` / ``"plugin"`` / ``"off"``), ``_fdsched_settings`` and
-  ``_fdsched_arm`` (its label). Its MRO is ``ArmClass -> InitGuard -> mixins ... -> PluginBase -> Front ->
-  ArmChoice -> HostClass``. A class another plugin derives from the front class is built over the arm's class
-  (``type(name, (TheirClass, ArmClass))``), so its overrides wrap the arm's mixins. Every class also has ``_fdsched_policies``, ``_fdsched_host`` (:class:`fdsched.install.probe.HostInfo`)
-  and ``_fdsched_host_class``.
-
-Constructing the front class builds an instance of the rank's arm class (:meth:`InitGuard.__new__`): the rank
-comes from the constructor's arguments (``local_data_parallel_id``, else
-``config.parallel_config.local_data_parallel_id``) and is kept as ``_fdsched_dp_rank``. The engine forks ranks
-1..N-1 after rank 0's scheduler is built, so nothing per process could tell the ranks apart; the choice is
-made once, per object, and no method asks again. The cache manager's fixed class reads the rank the same way in its
-own ``__init__``; the cache queue gets no rank (the engine builds its server without one), and the cache manager that
-stores a client hands it that manager's arm (:class:`QueueOwner`).
+"""What every change's strategies may use: the node's role, the host's request views, the rank a constructor call is
+for, and small readers of the host's code. The fixed classes are :mod:`fdsched.patches._scheduler`,
+:mod:`fdsched.patches._prefix_cache` and :mod:`fdsched.patches._cache_queue`; each reads its instance's data-parallel
+rank from the constructor's arguments (:func:`dp_rank_of`) and builds that rank's strategies when it is built (the
+engine forks ranks 1..N-1 after rank 0's scheduler is built, so nothing per process could tell the ranks apart).
 """
 
 from __future__ import annotations
@@ -32,16 +10,10 @@ from __future__ import annotations
 import inspect
 import sys
 
-from fdsched.core.metrics import METRICS
-
 __all__ = [
     "code_names",
-    "PluginBase",
-    "ArmChoice",
-    "InitGuard",
     "QueueOwner",
     "InstanceAttribute",
-    "RequestOutcomesMixin",
     "finished_ids",
     "host_global",
     "init_signature",
@@ -54,7 +26,8 @@ __all__ = [
 ]
 
 
-# Set in an object's __dict__ while the host's own __init__ runs on it (see ArmChoice).
+# Set in an object's __dict__ while the host's own __init__ runs on it: the host's explicit super(HostName, self)
+# .__init__ re-enters the fixed class's __init__, which then continues past the host class.
 HOST_INIT_RUNNING = "_fdsched_in_host_init"
 
 
@@ -139,31 +112,35 @@ def host_global(module_name: str, name: str):
     return getattr(sys.modules[module_name], name)
 
 
-class PluginBase:
-    """Base of every mixin. The attributes it reads (``_fdsched_impl``, ``_fdsched_settings``,
-    ``_fdsched_policies``, ``_fdsched_host``, ``_fdsched_host_class``) are the arm class's (see above); the request
-    views (``_fdsched_is_decoding``, ``_fdsched_statuses``, ...) come from the host's :func:`status_views` class."""
-
-
-# ---- request views, one class per shape of the host's RequestStatus (chosen when the classes are built) -------
+# ---- request views, one class per shape of the host's RequestStatus (chosen when the plugin is installed) ------
 class _RequestViews:
-    """What both shapes read the same way."""
+    """What both shapes read the same way (one object per install, shared by every scheduler)."""
 
-    def _fdsched_is_running_prefill(self, request) -> bool:
+    def __init__(self, statuses, policies, running: tuple, prefill) -> None:
+        self.statuses, self.policies = statuses, policies
+        self.running_statuses = running  # every status a running request has
+        self.prefill_status = prefill  # the status of a running request that may still be prefilling
+
+    def is_running_prefill(self, request) -> bool:
         """Whether the host's running pass gives ``request`` a prefill chunk next: a running request (any running
         status) that has not computed all it must prefill. A PD decode node's prefilled request is one: it is added
         decoding, with one prefill token (the first token the prefill node sent) still to compute."""
-        return request.status in self._fdsched_running_statuses and request.num_computed_tokens < request.need_prefill_tokens
+        return request.status in self.running_statuses and request.num_computed_tokens < request.need_prefill_tokens
 
 
 class SplitStatusViews(_RequestViews):
     """Request views on a host whose running status is split (``RUNNING_PREFILL`` / ``RUNNING_DECODE``, PR 7783)."""
 
-    def _fdsched_is_decoding(self, request) -> bool:
+    def __init__(self, statuses, policies) -> None:
+        super().__init__(statuses, policies, (statuses.RUNNING_PREFILL, statuses.RUNNING_DECODE),
+                         statuses.RUNNING_PREFILL)
+        self.decode_status = statuses.RUNNING_DECODE
+
+    def is_decoding(self, request) -> bool:
         """The one decode test (victim choice, ratio estimate, metrics), through the hook."""
-        return self._fdsched_policies.is_decoding(
+        return self.policies.is_decoding(
             request.request_id,
-            request.status == self._fdsched_decode_status,
+            request.status == self.decode_status,
             request.num_total_tokens,
             request.need_prefill_tokens,
         )
@@ -172,30 +149,28 @@ class SplitStatusViews(_RequestViews):
 class SingleStatusViews(_RequestViews):
     """Request views on a host with one ``RUNNING`` status: the status cannot tell a decoding request apart."""
 
-    def _fdsched_is_decoding(self, request) -> bool:
+    def __init__(self, statuses, policies) -> None:
+        running = getattr(statuses, "RUNNING", None)
+        super().__init__(statuses, policies, (running,), running)
+
+    def is_decoding(self, request) -> bool:
         """The one decode test (victim choice, ratio estimate, metrics), through the hook."""
-        return self._fdsched_policies.is_decoding(
-            request.request_id, None, request.num_total_tokens, request.need_prefill_tokens
-        )
+        return self.policies.is_decoding(request.request_id, None, request.num_total_tokens, request.need_prefill_tokens)
 
 
-def status_views(info) -> tuple:
-    """(the request-views class for the probed host, its class attributes): chosen once, when the plugin's classes are
-    built. ``_fdsched_statuses`` is the host's ``RequestStatus``; ``_fdsched_running_statuses`` every status a running
-    request has; ``_fdsched_prefill_status`` the status of a running request that may still be prefilling."""
+def status_views(info, policies) -> dict:
+    """The scheduler's class attributes for the probed host's ``RequestStatus`` shape, chosen once, when the plugin is
+    installed: ``_fdsched_statuses`` (the host's ``RequestStatus``), ``_fdsched_running_statuses``,
+    ``_fdsched_prefill_status``, and the views ``_fdsched_is_decoding(request)`` and
+    ``_fdsched_is_running_prefill(request)`` (bound methods of one views object)."""
     statuses = getattr(info, "request_status", None)
-    if getattr(info, "split_status", False):
-        return SplitStatusViews, {
-            "_fdsched_statuses": statuses,
-            "_fdsched_running_statuses": (statuses.RUNNING_PREFILL, statuses.RUNNING_DECODE),
-            "_fdsched_prefill_status": statuses.RUNNING_PREFILL,
-            "_fdsched_decode_status": statuses.RUNNING_DECODE,
-        }
-    running = getattr(statuses, "RUNNING", None)
-    return SingleStatusViews, {
+    views = (SplitStatusViews if getattr(info, "split_status", False) else SingleStatusViews)(statuses, policies)
+    return {
         "_fdsched_statuses": statuses,
-        "_fdsched_running_statuses": (running,),
-        "_fdsched_prefill_status": running,
+        "_fdsched_running_statuses": views.running_statuses,
+        "_fdsched_prefill_status": views.prefill_status,
+        "_fdsched_is_decoding": views.is_decoding,
+        "_fdsched_is_running_prefill": views.is_running_prefill,
     }
 
 
@@ -282,157 +257,6 @@ class QueueOwner(InstanceAttribute):
         impl = getattr(obj, "_fdsched_impl", None)
         if serve is not None and impl is not None:
             serve(value, impl, obj._fdsched_settings)
-
-
-class RequestOutcomesMixin:
-    """Per-arm request outcomes, recorded where a request finishes in the scheduler process; and no request
-    finished twice.
-
-    ``finish_requests`` runs the host's own and then, for every request that the host's call removed from
-    ``self.requests``, records requests finished, output tokens, TTFT (``engine_recv_first_token_time -
-    arrival_time``, what the host's own TTFT histogram uses) and TPOT (``(engine_recv_latest_token_time -
-    engine_recv_first_token_time) / (output tokens - 1)``) from the request's own timestamps, labelled by this
-    scheduler's arm (:func:`fdsched.core.metrics.labels_of`). Relies on: ``finish_requests(request_ids)`` is where
-    the host removes a finished request from ``self.requests`` (also when called through ``finish_requests_async``).
-
-    Finished twice (every arm, ``baseline`` included): the host runs a finish later on a thread pool, so a request
-    whose last token is out can still be preempted, and the output reader puts it back into ``waiting`` (its slot is
-    absent from the next batch) before the finish runs. The host's ``finish_requests`` then logs "scheduled into
-    waiting list, after finished" and leaves it there, to be prefilled and finished a second time. Here such a
-    request -- in ``waiting``, still ``PREEMPTED`` (not scheduled again) -- is taken out of ``waiting`` first and
-    finished as the host finishes a preempted request: its blocks went back at the preemption and its slot was
-    cleared then (the slot may hold another request by now, so it is left alone).
-    """
-
-    def finish_requests(self, request_ids):
-        request_ids, ids = finished_ids(request_ids)
-        requests = getattr(self, "requests", None)
-        before = [(rid, requests.get(rid)) for rid in ids] if isinstance(requests, dict) else []
-        ended = self._fdsched_end_preempted_in_waiting(before) if before else set()
-        if ended:  # the host would log each as an invalid id
-            request_ids = [rid for rid in ids if rid not in ended]
-        result = super().finish_requests(request_ids)
-        for rid, request in before:  # the host's and the ones ended above alike: gone from self.requests
-            if request is not None and rid not in self.requests:
-                METRICS.request_finished(request, of=self)
-        return result
-
-    def _fdsched_end_preempted_in_waiting(self, found) -> set:
-        """End (as above) each of ``found`` (request id, request) that is back in ``waiting`` after a preemption;
-        the ids ended."""
-        ended = set()
-        status = self._fdsched_statuses  # the host's RequestStatus (fdsched.patches._base.status_views)
-        preempted, finished = getattr(status, "PREEMPTED", None), getattr(status, "FINISHED", None)
-        lock, waiting = getattr(self, "lock", None), getattr(self, "waiting", None)
-        if preempted is None or finished is None or lock is None or waiting is None:
-            return ended
-        with lock:
-            for rid, request in found:
-                if request is None or request.status != preempted or self.requests.get(rid) is not request:
-                    continue
-                try:
-                    waiting.remove(request)
-                except ValueError:  # not put back yet: the host's own branch for a preempted request ends it
-                    continue
-                request.status = finished
-                del self.requests[rid]
-                getattr(self, "req_dict", {}).pop(rid, None)
-                for name in ("to_be_rescheduled_request_id_set", "waiting_abort_req_id_set",
-                             "to_be_aborted_req_id_set"):
-                    getattr(self, name, set()).discard(rid)
-                ended.add(rid)
-        if ended:
-            logger = getattr(sys.modules.get(self._fdsched_host_class.__module__), "llm_logger", None)
-            if logger is not None:
-                logger.info(f"[fdsched] finished while their preemption was in flight, ended instead of run "
-                            f"again: {sorted(ended)}")
-        return ended
-
-
-class ArmChoice:
-    """Base of every front class (the class the host modules are rebound to): constructing it builds an object
-    of the rank's arm class, and the host's explicit ``super(HostName, self)`` keeps working.
-
-    ``ResourceManagerV1.__init__`` calls ``super(ResourceManagerV1, self).__init__``. Once ``ResourceManagerV1``
-    names the front class (or a class another plugin stacked on it), that call re-enters the plugin's chain: this
-    class's ``__init__`` (right after the front class) or :class:`InitGuard` (where a stacked class sits above
-    ours). One mark says the host's ``__init__`` is running (:data:`HOST_INIT_RUNNING`, set here around it): a
-    re-entry that finds it continues past the host class.
-    """
-
-    def __new__(cls, *args, **kwargs):
-        chosen, rank = cls._fdsched_class_for(args, kwargs)
-        obj = object.__new__(chosen)
-        if rank is not None:
-            obj.__dict__["_fdsched_dp_rank"] = rank
-        return obj
-
-    def __init__(self, *args, **kwargs):
-        if self.__dict__.get(HOST_INIT_RUNNING):  # the host's own super(HostName, self).__init__: past the host class
-            super(self._fdsched_host_class, self).__init__(*args, **kwargs)
-            return
-        self.__dict__[HOST_INIT_RUNNING] = True
-        try:
-            super().__init__(*args, **kwargs)  # the host's __init__
-        finally:
-            del self.__dict__[HOST_INIT_RUNNING]
-
-    @classmethod
-    def _fdsched_class_for(cls, args, kwargs) -> tuple:
-        """(the class to instantiate, the data-parallel rank or None) for a constructor call of ``cls``."""
-        if InitGuard in cls.__mro__:
-            return cls, None  # an arm's class itself (e.g. a copy): it stays what it is
-        front = cls._fdsched_front
-        rank = dp_rank_of(front._fdsched_init_signature, args, kwargs)
-        chosen = front._fdsched_arm_classes.get(rank, front._fdsched_default_class)
-        arms = front._fdsched_arms
-        if arms and cls._fdsched_target == "ResourceManagerV1":
-            logger = getattr(sys.modules.get(cls._fdsched_host_class.__module__), "llm_logger", None)
-            if logger is not None:
-                arm = arms.get(rank, front._fdsched_default_arm)
-                logger.info(f"[fdsched] data-parallel rank {rank} runs arm {arm.label}: {arm.line()}")
-                size = _dp_size(args, kwargs, front)
-                beyond = sorted(r for r in arms if size is not None and r >= size)
-                if beyond:
-                    logger.warning(
-                        f"[fdsched] FDSCHED_PROFILE_BY_DP_RANK names rank(s) {beyond} but the deployment has "
-                        f"{size} data-parallel rank(s): those arms get no traffic"
-                    )
-        return _on_top(cls, chosen), rank
-
-
-def _on_top(cls, arm_class):
-    """``arm_class``, or for a class another plugin derived from the front class, that class over the arm's:
-    ``type(name, (cls, arm_class))`` (made once per pair), so its overrides wrap the arm's mixins."""
-    if cls is cls._fdsched_front:
-        return arm_class
-    combined = cls.__dict__.get("_fdsched_on_arms")
-    if combined is None:
-        combined = {}
-        type.__setattr__(cls, "_fdsched_on_arms", combined)
-    if arm_class not in combined:
-        combined[arm_class] = type(cls.__name__, (cls, arm_class), {
-            "__module__": __name__,
-            "__qualname__": f"_on_top.<locals>.{cls.__qualname__}[{arm_class._fdsched_arm}]",
-            "__doc__": f"{cls.__module__}.{cls.__qualname__} over fdsched's class for arm {arm_class._fdsched_arm}.",
-        })
-    return combined[arm_class]
-
-
-class InitGuard:
-    """First base of every arm class: where a class another plugin stacked on the front class sits above ours, the
-    host's ``super(HostName, self).__init__`` re-enters here while the host's ``__init__`` runs (see
-    :class:`ArmChoice`), and continues past the host class."""
-
-    def __init__(self, *args, **kwargs):
-        if self.__dict__.get(HOST_INIT_RUNNING):
-            super(self._fdsched_host_class, self).__init__(*args, **kwargs)
-            return
-        super().__init__(*args, **kwargs)
-        if self._fdsched_counts_admissions:
-            # Refusals are counted only where the plugin's reservation code decides: declare the series there (at
-            # 0), so a scrape tells "none refused" from "not counted" (the host's own code runs).
-            METRICS.admission_counting(of=self)
 
 
 def _dp_size(args, kwargs, cls):

@@ -5,7 +5,7 @@ instance chose when it was built.
 server's done lists); :func:`over` puts it over the probed host class with one class statement and the install's
 context as class attributes. What an instance does is chosen once, in ``__init__``, from the catalogue's strategy
 table (:data:`fdsched.patches.nonpolling_transfer.RECEIVERS`: the arm's decision for the change -> the receiver,
-built from the arm's settings): no class per arm, no mixins.
+built from the arm's settings): no class per arm.
 
 The queue is built without a data-parallel rank (the engine's server serves every rank; each cache manager builds a
 client with rank 0), so a client starts with the single profile's receiver, and the cache manager that stores it

@@ -1,4 +1,4 @@
-"""The scheduler guard: a watch after every ``schedule()`` call, in every arm class of ``ResourceManagerV1`` while the
+"""The scheduler guard: a watch after every ``schedule()`` call, in every ``ResourceManagerV1`` while the
 plugin is loaded (every profile, every line; it changes no decision). The scheduler's one ``schedule()``
 (:mod:`fdsched.patches._scheduler`) calls it.
 

@@ -124,9 +124,9 @@ class PlanSlot:
     """Where a scheduler's cache manager finds the scheduler's open plan: one plan and one question at a time, each
     with the thread that opened it.
 
-    The slot's :attr:`turn` makes the passes take turns: the step mixin holds it from opening a plan to the end of the
-    pass's steps, so a second thread calling ``schedule()`` waits for the open pass to end, as it would on the host's
-    lock (re-entrant: a pass that calls ``schedule()`` again on its own thread nests). A plan opened here without the
+    The slot's :attr:`turn` makes the passes take turns: the scheduler's ``schedule()`` holds it from opening a plan to
+    the end of the pass's steps, so a second thread calling ``schedule()`` waits for the open pass to end, as on the
+    host's lock (re-entrant: a pass that calls ``schedule()`` again on its own thread nests). A plan opened here without the
     turn while another thread's is open is not found through the slot: its thresholds are asked as outside a pass.
     Only the owner of a plan changes it.
     """
@@ -134,7 +134,7 @@ class PlanSlot:
     __slots__ = ("plan", "question", "waiting", "turn")
 
     def __init__(self) -> None:
-        self.turn = threading.RLock()  # held by the step mixin for one pass, plan open to the pass's last step
+        self.turn = threading.RLock()  # held by the scheduler for one pass, plan open to the pass's last step
         self.plan = None  # the open pass's plan
         self.question = None  # a threshold's plan asked with no pass open, until the next such question
         # Whether the open plan or the question expects something of a check: the cache manager's check reads this

@@ -103,8 +103,9 @@ class PrefixCache:
         return self._fdsched_handle_free_gpu_node_without_cpu(self, *args, **kwargs)
 
 
-def over(host_cls: type, rows: dict, arms: dict, default_arm, policies, info) -> type:
-    """The plugin's class over ``host_cls`` (what the host module's ``PrefixCacheManager`` is rebound to)."""
+def over(host_cls: type, rows: dict, attributes: dict) -> type:
+    """The plugin's class over ``host_cls`` (what the host module's ``PrefixCacheManager`` is rebound to);
+    ``attributes``: the install's other class attributes (arms, the single profile's decisions and settings)."""
     from fdsched.patches._base import init_signature
 
     class PrefixCacheManager(PrefixCache, host_cls):
@@ -112,13 +113,9 @@ def over(host_cls: type, rows: dict, arms: dict, default_arm, policies, info) ->
         __qualname__ = "PrefixCacheManager"
         _fdsched_host_class = host_cls
         _fdsched_rows = rows
-        _fdsched_arms = arms
-        _fdsched_default_arm = default_arm
-        _fdsched_impl = default_arm.impl  # the single profile's (an instance has its arm's)
-        _fdsched_settings = default_arm.settings
-        _fdsched_policies = policies
-        _fdsched_host = info
         _fdsched_init_signature = init_signature(host_cls)
 
+    for name, value in attributes.items():
+        setattr(PrefixCacheManager, name, value)
     hide_absent(PrefixCacheManager, host_cls, SEAMS)  # a seam this host lacks stays missing
     return PrefixCacheManager

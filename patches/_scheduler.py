@@ -6,12 +6,13 @@ with the install's table as class attributes: per data-parallel rank, the arm an
 host's own code) per change, read from each change's ``SPEC.strategies`` when the plugin was installed. ``__init__``
 reads the instance's rank from the constructor's arguments, lets the host build the object, then builds that arm's
 strategies once, innermost first, each over the layer below it (``next``), which ends in the host's own methods
-(:class:`fdsched.patches._host_code.HostCode`). Later catalogue entries wrap earlier ones, so where two changes serve
-one seam the catalogue's order decides who sees whose calls (``tests/unit/test_catalogue.py`` pins it, and why).
+(:class:`fdsched.patches._host_code.HostCode`); the request outcomes (:mod:`fdsched.patches._outcomes`) are the
+outermost layer of ``finish_requests`` on every arm. Later catalogue entries wrap earlier ones, so where two changes
+serve one seam the catalogue's order decides who sees whose calls (``tests/unit/test_catalogue.py`` pins it, and why).
 
-A strategy that lets every call through on this scheduler (``passes_all``: e.g. the PD change on a node that is not a
-prefill node) is left out, steps and all. A strategy serves the seams it names in ``seams`` (each method takes the scheduler first, then the host method's own
-parameters) and may take part in the pass's steps by defining them:
+A strategy serves the seams it names in ``seams`` (each method takes the scheduler first, then the host method's own
+parameters); one that lets every call through on this scheduler (``passes_all``: e.g. the PD change on a node that is
+not a prefill node) is left out. A strategy may take part in the pass's steps by defining them:
 
 1. ``pass_end(scheduler, plan, result)`` after every pass, also one that raised (``result`` None then);
 2. ``pass_result(scheduler, result)`` after a pass that returned;
@@ -19,44 +20,33 @@ parameters) and may take part in the pass's steps by defining them:
    ``run_pass()``, steps 1 and 2 included);
 
 each kind innermost first, then the guard (:class:`fdsched.patches._guard.SchedulerGuard`) reads the final result.
+One that defines ``new_budget()`` makes the pass's admission budget (:class:`fdsched.patches._plan.StepPlan`).
 
-The changes not yet written as strategies are mixins on a class per arm built over this one
-(:mod:`fdsched.patches._base`); their steps are named in class attributes (``fdsched_pass_end = "<method>"``, ...)
-and run after the strategies' of the same kind (the mixins wrap every strategy).
+Each seam's first layer is bound once per scheduler: on the instance itself where no class below it overrides the
+seam (the host's own calls then cost what they cost without the plugin, plus the strategies' own frames), else
+through the class's seam method (a class another plugin derives from this one wraps every layer).
 """
 
 from __future__ import annotations
 
+import sys
 from functools import partial
 
-import sys
-
-from fdsched.patches._base import HOST_INIT_RUNNING, _dp_size, _on_top, dp_rank_of, init_signature
+from fdsched.core.metrics import METRICS
+from fdsched.patches._base import HOST_INIT_RUNNING, _dp_size, dp_rank_of, init_signature
 from fdsched.patches._guard import SchedulerGuard, nothing_scheduled
 from fdsched.patches._host_code import HostCode, hide_absent
 from fdsched.patches._plan import PlanSlot, StepPlan
 
-__all__ = ["Scheduler", "over", "SEAMS", "STEP_KINDS", "declared_steps"]
+__all__ = ["Scheduler", "over", "SEAMS", "STEPS"]
 
 # The host methods a strategy may serve.
 SEAMS = ("get_new_block_nums", "_get_can_schedule_prefill_threshold_block", "_get_running_request_reserve_blocks",
          "_reset_reserve_on_preemption", "_select_preempt_candidate", "_trigger_preempt", "preallocate_resource_in_p",
          "_free_blocks", "finish_requests")
+_SEAM_ATTRIBUTE = {name: f"_fdsched_seam_{name.lstrip('_')}" for name in SEAMS}  # where each seam's first layer is
 
-# (a mixin's class attribute naming its step, the strategy method of the same kind), in the order the kinds run
-STEP_KINDS = (("fdsched_pass_end", "pass_end"), ("fdsched_pass_result", "pass_result"),
-              ("fdsched_after_passes", "after_passes"))
-
-
-def declared_steps(cls, kind: str) -> tuple:
-    """The method names ``cls``'s classes declare for ``kind`` (a mixin's class attribute), innermost first, once
-    each."""
-    names: list = []
-    for klass in reversed(cls.__mro__):
-        name = klass.__dict__.get(kind)
-        if name and name not in names:
-            names.append(name)
-    return tuple(names)
+STEPS = ("pass_end", "pass_result", "after_passes")  # the kinds of step, in the order they run
 
 
 class Scheduler(SchedulerGuard):
@@ -65,13 +55,9 @@ class Scheduler(SchedulerGuard):
     _fdsched_host_class: type  # the probed host class, the next class in the MRO
     _fdsched_rows: dict  # data-parallel rank (None: every rank not listed) -> (Arm, {change id: strategy or None})
     _fdsched_order: tuple  # change ids, innermost first: the order strategies are built and steps run in
-
-    def __new__(cls, *args, **kwargs):
-        chosen, rank = cls._fdsched_class_for(args, kwargs)
-        obj = object.__new__(chosen)
-        if rank is not None:
-            obj.__dict__["_fdsched_dp_rank"] = rank
-        return obj
+    _fdsched_outermost: tuple  # layers over every change's on each arm (the request outcomes, where the host fits)
+    _fdsched_arms: dict  # data-parallel rank -> Arm (FDSCHED_PROFILE_BY_DP_RANK); empty for a single profile
+    _fdsched_init_signature: object  # the host's __init__ signature (where the rank is read)
 
     def __init__(self, *args, **kwargs):
         if self.__dict__.get(HOST_INIT_RUNNING):  # the host's own super(HostName, self).__init__: past the host
@@ -79,11 +65,15 @@ class Scheduler(SchedulerGuard):
             return
         rank = dp_rank_of(self._fdsched_init_signature, args, kwargs)
         arm, row = self._fdsched_rows.get(rank) or self._fdsched_rows[None]
+        self._fdsched_dp_rank = rank
+        self._fdsched_arm, self._fdsched_impl, self._fdsched_settings = arm.label, arm.impl, arm.settings
+        if self._fdsched_arms:
+            self._fdsched_log_arm(rank, arm, args, kwargs)
         # One pass at a time, plan open to the pass's last step (the slot's turn); made before the host's constructor
-        # runs, so that a change can hand it to the cache manager the host builds.
+        # runs, so that a strategy can hand it to the cache manager the host builds.
         self._fdsched_plans = PlanSlot()
         host = HostCode(self._fdsched_host_class, SEAMS)
-        self._fdsched_bind_seams(host)  # the host's own code while the host builds the object
+        self._fdsched_bind_seams(host, host)  # the host's own code while the host builds the object
         self.__dict__[HOST_INIT_RUNNING] = True
         try:
             super().__init__(*args, **kwargs)  # the host's
@@ -92,28 +82,38 @@ class Scheduler(SchedulerGuard):
         self._fdsched_start_guard()
         self._fdsched_strategies = built = {}
         below = host
-        for change_id in self._fdsched_order:
-            strategy = row.get(change_id)
+        for change_id, strategy in [(c, row.get(c)) for c in self._fdsched_order] + [
+                (None, extra) for extra in self._fdsched_outermost]:
             if strategy is None:
                 continue
             layer = strategy(self, arm.settings, below)
             if getattr(layer, "passes_all", False):
                 continue  # it lets every call through on this scheduler (e.g. not a prefill node): left out
-            built[change_id] = layer
+            built[change_id or type(layer).__name__] = layer
             below = _Layers(layer, below)
-        self._fdsched_bind_seams(below)
-        self._fdsched_steps = {
-            method: tuple(partial(getattr(s, method), self) for s in built.values() if hasattr(s, method))
-            + tuple(getattr(self, name) for name in declared_steps(type(self), attribute))
-            for attribute, method in STEP_KINDS
-        }
+        self._fdsched_bind_seams(below, host)
+        self._fdsched_steps = {kind: tuple(partial(getattr(s, kind), self) for s in built.values() if hasattr(s, kind))
+                               for kind in STEPS}
         # the pass's admission budget maker, where a strategy has one (the plugin's reservation), else None
         self._fdsched_plan_budget = next((s.new_budget for s in built.values() if hasattr(s, "new_budget")), None)
+        if any(getattr(s, "counts_admissions", False) for s in built.values()):
+            # Refusals are counted only where the plugin's reservation code decides: declare the series there (at 0),
+            # so a scrape tells "none refused" from "not counted" (the host's own code runs).
+            METRICS.admission_counting(of=self)
 
-    def _fdsched_bind_seams(self, layers) -> None:
-        """Each seam's first layer, bound once: a call costs the seam's frame and that layer's."""
+    def _fdsched_bind_seams(self, layers, host) -> None:
+        """Each seam's first layer, bound once (see the module docstring)."""
+        own = self.__dict__
         for name in SEAMS:
-            self.__dict__[f"_fdsched_seam_{name.lstrip('_')}"] = getattr(layers, name)
+            first = getattr(layers, name)
+            own[_SEAM_ATTRIBUTE[name]] = first
+            if not self._fdsched_host_has[name] or _defined_by(type(self), name) is not Scheduler:
+                continue  # missing on the host, or a class over this one overrides it: the class's seam runs
+            own[name] = first.__get__(self) if first is getattr(host, name) else partial(first, self)
+
+    def fdsched_strategy(self, change_id: str):
+        """This scheduler's strategy for ``change_id``, or None (the host's own code runs it here)."""
+        return self._fdsched_strategies.get(change_id)
 
     # ---- the one schedule() ----------------------------------------------------------------------------------
     def schedule(self, *args, **kwargs):
@@ -140,11 +140,7 @@ class Scheduler(SchedulerGuard):
                 step(result)
         return result
 
-    def fdsched_strategy(self, change_id: str):
-        """This scheduler's strategy for ``change_id``, or None (the host's own code runs it here)."""
-        return self._fdsched_strategies.get(change_id)
-
-    # ---- seams -----------------------------------------------------------------------------------------------
+    # ---- seams (for a class over this one; an instance of this class has them bound on itself) ---------------
     def get_new_block_nums(self, *args, **kwargs):
         return self._fdsched_seam_get_new_block_nums(self, *args, **kwargs)
 
@@ -172,31 +168,22 @@ class Scheduler(SchedulerGuard):
     def finish_requests(self, *args, **kwargs):
         return self._fdsched_seam_finish_requests(self, *args, **kwargs)
 
-    # ---- the arm of a constructor call (while some changes are still mixins on a class per arm) --------------
-    @classmethod
-    def _fdsched_class_for(cls, args, kwargs) -> tuple:
-        """(the class to instantiate, the data-parallel rank or None) for a constructor call of ``cls``."""
-        from fdsched.patches._base import InitGuard
+    # ---- an online A/B: which arm this rank runs, in the scheduler's own log --------------------------------
+    def _fdsched_log_arm(self, rank: int, arm, args, kwargs) -> None:
+        logger = getattr(sys.modules.get(self._fdsched_host_class.__module__), "llm_logger", None)
+        if logger is None:
+            return
+        logger.info(f"[fdsched] data-parallel rank {rank} runs arm {arm.label}: {arm.line()}")
+        size = _dp_size(args, kwargs, type(self))
+        beyond = sorted(r for r in self._fdsched_arms if size is not None and r >= size)
+        if beyond:
+            logger.warning(f"[fdsched] FDSCHED_PROFILE_BY_DP_RANK names rank(s) {beyond} but the deployment has {size} "
+                           "data-parallel rank(s): those arms get no traffic")
 
-        if InitGuard in cls.__mro__:
-            return cls, None  # an arm's class itself (e.g. a copy): it stays what it is
-        front = cls._fdsched_front
-        rank = dp_rank_of(front._fdsched_init_signature, args, kwargs)
-        chosen = front._fdsched_arm_classes.get(rank, front._fdsched_default_class)
-        arms = front._fdsched_arms
-        if arms:
-            logger = getattr(sys.modules.get(cls._fdsched_host_class.__module__), "llm_logger", None)
-            if logger is not None:
-                arm = arms.get(rank, front._fdsched_default_arm)
-                logger.info(f"[fdsched] data-parallel rank {rank} runs arm {arm.label}: {arm.line()}")
-                size = _dp_size(args, kwargs, front)
-                beyond = sorted(r for r in arms if size is not None and r >= size)
-                if beyond:
-                    logger.warning(
-                        f"[fdsched] FDSCHED_PROFILE_BY_DP_RANK names rank(s) {beyond} but the deployment has "
-                        f"{size} data-parallel rank(s): those arms get no traffic"
-                    )
-        return _on_top(cls, chosen), rank
+
+def _defined_by(cls, name: str):
+    """The class along ``cls``'s MRO whose own ``name`` an instance finds."""
+    return next((klass for klass in cls.__mro__ if name in vars(klass)), None)
 
 
 class _Layers:
@@ -209,9 +196,9 @@ class _Layers:
             setattr(self, name, getattr(layer, name) if name in served else getattr(below, name))
 
 
-def over(host_cls: type, rows: dict, order: tuple, attributes: dict) -> type:
+def over(host_cls: type, rows: dict, order: tuple, outermost: tuple, attributes: dict) -> type:
     """The plugin's class over ``host_cls`` (what the host module's ``ResourceManagerV1`` is rebound to);
-    ``attributes``: the install's other class attributes (arms, policies, the host's request statuses)."""
+    ``attributes``: the install's other class attributes (arms, policies, the host's request views)."""
 
     class ResourceManagerV1(Scheduler, host_cls):
         __doc__ = f"fdsched's ResourceManagerV1 over {host_cls.__module__}.{host_cls.__qualname__}: see Scheduler."
@@ -219,10 +206,11 @@ def over(host_cls: type, rows: dict, order: tuple, attributes: dict) -> type:
         _fdsched_host_class = host_cls
         _fdsched_rows = rows
         _fdsched_order = order
+        _fdsched_outermost = outermost
         _fdsched_init_signature = init_signature(host_cls)
+        _fdsched_host_has = {name: callable(getattr(host_cls, name, None)) for name in SEAMS}
 
     for name, value in attributes.items():
         setattr(ResourceManagerV1, name, value)
     hide_absent(ResourceManagerV1, host_cls, SEAMS)  # a seam this host lacks stays missing
     return ResourceManagerV1
-

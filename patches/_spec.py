@@ -8,7 +8,8 @@ import inspect
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-__all__ = ["AlteredTest", "PatchSpec", "Reliance", "Variant", "Shapes", "shape_of", "format_shape", "override_problem", "served_methods", "strategy_problem", "call_problem", "uses_problem", "pick_shape"]
+__all__ = ["AlteredTest", "PatchSpec", "Reliance", "Variant", "Shapes", "shape_of", "format_shape", "served_methods",
+           "strategy_problem", "call_problem", "uses_problem", "pick_shape"]
 
 
 # ---- host signatures: what the plugin checks before it patches -----------------------------------------------
@@ -46,29 +47,6 @@ def _is_plugin_class(cls) -> bool:
     return cls.__module__.split(".", 1)[0] == "fdsched"
 
 
-def overridden_methods(mixin) -> dict:
-    """Host method name -> the plugin's function, for every method ``mixin`` (and the plugin classes it derives
-    from) defines in the host's name: not ``__init__`` (every mixin takes ``*args, **kwargs`` there and passes
-    them on), not the plugin's own ``_fdsched*`` / ``fdsched_*`` names, not dunders."""
-    found = {}
-    for cls in mixin.__mro__:  # the first definition along the MRO is the one that runs
-        if not _is_plugin_class(cls):
-            continue
-        for name, value in vars(cls).items():
-            if name.startswith(("_fdsched", "fdsched_", "__")) or not inspect.isfunction(value):
-                continue
-            found.setdefault(name, value)
-    return found
-
-
-def override_problem(mixin, host_cls) -> Optional[str]:
-    """Why ``mixin`` cannot sit on ``host_cls``: a method it overrides that the host lacks, or whose signature
-    differs from the one the plugin's override was written for (names, order, kinds, defaults). The host calls
-    the override as it calls its own method, and the override calls the host's with its own parameters, so
-    the two must be the same. None when every override matches."""
-    return _methods_problem(overridden_methods(mixin), host_cls, "overrides")
-
-
 def served_methods(strategy) -> dict:
     """Host method name -> the strategy's function, for every seam a strategy class serves (its ``seams``)."""
     return {name: getattr(strategy, name) for name in getattr(strategy, "seams", ())}
@@ -76,8 +54,10 @@ def served_methods(strategy) -> dict:
 
 def strategy_problem(strategy, host_cls) -> Optional[str]:
     """Why ``strategy`` (a change's strategy object's class: each method it serves, named in its ``seams``, takes the
-    host object first, then the host method's own parameters) cannot serve ``host_cls``'s seams:
-    :func:`override_problem` with that first parameter left out. None when every method fits."""
+    host object first, then the host method's own parameters) cannot serve ``host_cls``'s seams: a seam the host
+    lacks, or whose signature differs from the one the strategy was written for (names, order, kinds, defaults; the
+    host object left out). The host calls the seam as it calls its own method, and the strategy calls the host's with
+    its own parameters, so the two must be the same. None when every method fits."""
     return _methods_problem(served_methods(strategy), host_cls, "serves", takes_host_object=True)
 
 
@@ -121,28 +101,28 @@ def call_problem(host_cls, method: str, args: tuple) -> Optional[str]:
     return None
 
 
-def declared(mixin, attr: str) -> dict:
-    """A mixin's ``fdsched_calls`` / ``fdsched_globals`` merged over the plugin classes it derives from (a subclass
-    entry of None removes an inherited one)."""
+def declared(strategy, attr: str) -> dict:
+    """A strategy class's ``fdsched_calls`` / ``fdsched_globals`` merged over the plugin classes it derives from (a
+    subclass entry of None removes an inherited one)."""
     merged: dict = {}
-    for cls in reversed(mixin.__mro__):
+    for cls in reversed(strategy.__mro__):
         if _is_plugin_class(cls):
             merged.update(vars(cls).get(attr, {}))
     return {key: value for key, value in merged.items() if value is not None}  # None: a subclass no longer uses it
 
 
-def uses_problem(mixin, target: str, host_classes: dict) -> Optional[str]:
-    """What ``mixin`` (written for ``target``) declares it uses of the host and the host lacks, or None.
+def uses_problem(strategy, target: str, host_classes: dict) -> Optional[str]:
+    """What ``strategy`` (written for ``target``) declares it uses of the host and the host lacks, or None.
 
     ``fdsched_calls``: ``"Target.method" -> the parameter names the plugin passes, by position`` for every host
-    method the mixin calls without overriding it (:func:`call_problem`; a method the mixin overrides is checked
-    as an override). ``fdsched_attributes``: the attributes of the host object the mixin reads (set by the host's
-    ``__init__``, or on its class). ``fdsched_globals``: ``module -> names`` the mixin reads from the host module's
-    globals (:func:`fdsched.patches._base.host_global`)."""
+    method the strategy calls without serving it (:func:`call_problem`; a seam it serves is checked by
+    :func:`strategy_problem`). ``fdsched_attributes``: the attributes of the host object it reads (set by the host's
+    ``__init__``, or on its class). ``fdsched_globals``: ``module -> names`` it reads from the host module's globals
+    (:func:`fdsched.patches._base.host_global`)."""
     import sys
 
-    overridden = set(overridden_methods(mixin)) | set(getattr(mixin, "seams", ()))
-    for target_method, args in sorted(declared(mixin, "fdsched_calls").items()):
+    overridden = set(getattr(strategy, "seams", ()))
+    for target_method, args in sorted(declared(strategy, "fdsched_calls").items()):
         called, method = target_method.split(".", 1)
         host_cls = host_classes.get(called)
         if host_cls is None or (called == target and method in overridden):
@@ -150,10 +130,10 @@ def uses_problem(mixin, target: str, host_classes: dict) -> Optional[str]:
         problem = call_problem(host_cls, method, tuple(args))
         if problem:
             return problem
-    missing = [name for name in attributes_of(mixin) if not host_sets(host_classes.get(target), name)]
+    missing = [name for name in attributes_of(strategy) if not host_sets(host_classes.get(target), name)]
     if missing:
         return f"{host_classes[target].__name__} sets no {', '.join(missing)} (the plugin reads it)"
-    for module_name, names in sorted(declared(mixin, "fdsched_globals").items()):
+    for module_name, names in sorted(declared(strategy, "fdsched_globals").items()):
         module = sys.modules.get(module_name)
         missing = [name for name in names if module is None or not hasattr(module, name)]
         if missing:
@@ -161,11 +141,11 @@ def uses_problem(mixin, target: str, host_classes: dict) -> Optional[str]:
     return None
 
 
-def attributes_of(mixin) -> tuple:
-    """The host instance attributes a mixin reads (its ``fdsched_attributes``, over the plugin classes it derives
-    from), in order, once each."""
+def attributes_of(strategy) -> tuple:
+    """The host instance attributes a strategy class reads (its ``fdsched_attributes``, over the plugin classes it
+    derives from), in order, once each."""
     found: list = []
-    for cls in reversed(mixin.__mro__):
+    for cls in reversed(strategy.__mro__):
         if _is_plugin_class(cls):
             for name in vars(cls).get("fdsched_attributes", ()):
                 if name not in found:
@@ -199,54 +179,50 @@ def _assigns(code, name: str) -> bool:
 
 class Shapes(tuple):
     """One behaviour written for several shapes of the host's methods (e.g. a threshold seam that takes the
-    request too): the installer takes the first mixin whose overrides all match the host
-    (:func:`override_problem`); when none does, the change is declined with the first one's difference."""
+    request too): the installer takes the first strategy whose seams all match the host (:func:`strategy_problem`);
+    when none does, the change is declined with the first one's difference."""
 
-    def __new__(cls, *mixins):
-        return super().__new__(cls, mixins)
+    def __new__(cls, *strategies):
+        return super().__new__(cls, strategies)
 
-    def pick(self, host_cls, target: Optional[str] = None, host_classes: Optional[dict] = None,
-             check: Callable = None) -> tuple:
-        """(the mixin for ``host_cls``, None) or (None, why none fits): the first whose overrides match the host and,
-        given the ``target`` it is for and every target's ``host_classes``, whose declared uses the host has
-        (``check``: how a member is compared with the host's methods; a strategy's is :func:`strategy_problem`)."""
+    def pick(self, host_cls, target: Optional[str] = None, host_classes: Optional[dict] = None) -> tuple:
+        """(the strategy for ``host_cls``, None) or (None, why none fits): the first whose seams match the host and,
+        given the ``target`` it is for and every target's ``host_classes``, whose declared uses the host has."""
         shape_problems, use_problems = [], []
-        for mixin in self:
-            problem = (check or override_problem)(mixin, host_cls)
+        for strategy in self:
+            problem = strategy_problem(strategy, host_cls)
             if problem is not None:
                 shape_problems.append(problem)
                 continue
-            problem = uses_problem(mixin, target, host_classes) if host_classes is not None else None
+            problem = uses_problem(strategy, target, host_classes) if host_classes is not None else None
             if problem is None:
-                return mixin, None
+                return strategy, None
             use_problems.append(problem)
         # the closest miss: a shape that matched the host's methods but uses something the host lacks
         return None, (use_problems or shape_problems)[0]
 
 
-def pick_shape(chosen, host_cls, target: Optional[str] = None, host_classes: Optional[dict] = None,
-               check: Callable = None) -> tuple:
-    """(mixin or None, problem or None) for a chosen mixin, :class:`Shapes` or None on ``host_cls`` (``check``: see
-    :meth:`Shapes.pick`)."""
+def pick_shape(chosen, host_cls, target: Optional[str] = None, host_classes: Optional[dict] = None) -> tuple:
+    """(strategy or None, problem or None) for a chosen strategy, :class:`Shapes` or None on ``host_cls``."""
     if chosen is None:
         return None, None
     if isinstance(chosen, Shapes):
-        return chosen.pick(host_cls, target, host_classes, check)
-    return chosen, (check or override_problem)(chosen, host_cls)
+        return chosen.pick(host_cls, target, host_classes)
+    return chosen, strategy_problem(chosen, host_cls)
 
 
 @dataclass(frozen=True)
 class Variant:
-    """A change's mixin for one impl that also depends on the host or the arm's settings, chosen once when the
-    arm's class is built: ``choose(host_has, settings)`` returns one of ``options`` (``host_has``: the host
-    carries the change; ``settings``: the arm's :class:`fdsched.core.settings.Settings`)."""
+    """A change's strategy for one impl that also depends on the host or the arm's settings, chosen once when the
+    plugin is installed: ``choose(host_has, settings)`` returns one of ``options`` (``host_has``: the host carries the
+    change; ``settings``: the arm's :class:`fdsched.core.settings.Settings`)."""
 
     choose: Callable
     options: tuple
 
     @classmethod
     def by_host(cls, with_change, without_change) -> "Variant":
-        """The mixin ``with_change`` on a host that carries the change, else ``without_change``."""
+        """The strategy ``with_change`` on a host that carries the change, else ``without_change``."""
         return cls(lambda host_has, settings: with_change if host_has else without_change, (with_change, without_change))
 
 
@@ -290,80 +266,56 @@ class PatchSpec:
     title: str
     upstream_prs: tuple  # PR numbers: (main PR, 2.6 cherry-pick, ...)
     upstream_state: str  # merged / open / closed
-    replaces: tuple  # "Target.method" for every host method a mixin of this change overrides
+    replaces: tuple  # "Target.method" for every host method a strategy of this change serves
     why: str
     how: str
     hosts_needing: str  # which host versions need it
     switch: str  # environment variable (also `changes.<id>` in a profile)
     delete_when: str
-    mixins: dict  # Target -> mixin class (with ``variants``: the base its variants share)
     host_has: Callable  # HostInfo -> bool: the host already carries the change
     relies_on: tuple = ()  # Reliance, one per "Relies on:" item of the module docstring
     # (settings, host_has) -> bool: whether the host has the change *as the settings select it*
     # (the PD change: a host with 7387 has upstream's behaviour, never the safe one).
     host_has_as_selected: Optional[Callable] = None
-    # Which mixins an arm's class gets, by the change's impl there (see :meth:`mixin_of`): ``applies`` lists
-    # the impls that get ``mixins`` (every other impl: none, the host's code runs untouched); ``variants``
-    # (impl -> {Target: mixin or Variant}) instead names a mixin per impl, where the impls differ in what they
-    # do (a Variant where it also differs by host or by the arm's settings).
-    applies: tuple = ("plugin",)
-    variants: Optional[dict] = None
     alters_tests: tuple = ()  # AlteredTest: the host's own tests this change alters on purpose (fdsched host test)
-    # Target -> {impl: strategy class, Shapes or Variant of them, or None}: for a target whose plugin class is one
-    # fixed class (no mixins), the strategy an instance under an arm with that impl uses (None: the host's own
-    # code runs); the catalogue's table (patches/_prefix_cache.py, patches/_cache_queue.py).
+    # Target -> {impl: strategy class, Shapes or Variant of them, or None}: the strategy an instance of the target's
+    # fixed class uses under an arm with that impl (None: the host's own code runs); the catalogue's table
+    # (patches/_scheduler.py, patches/_prefix_cache.py, patches/_cache_queue.py).
     strategies: dict = field(default_factory=dict)
 
-    def mixin_of(self, target: str, impl: str, host_has: bool = False, settings=None):
-        """The mixin an arm whose decision for this change is ``impl`` gets for ``target``, or None
-        (``host_has`` and ``settings`` choose among a :class:`Variant`'s options)."""
-        if self.variants is not None:
-            chosen = self.variants.get(impl, {}).get(target)
-            return chosen.choose(host_has, settings) if isinstance(chosen, Variant) else chosen
-        return self.mixins.get(target) if impl in self.applies else None
-
     def classes(self, target: str) -> tuple:
-        """Every mixin class this change may put into ``target``'s plugin classes (its base, variants, shapes)."""
-        found = [self.mixins[target]] if target in self.mixins else []
+        """Every strategy class this change may use on ``target`` (every impl's, every variant and shape)."""
+        found = []
         for chosen in self.strategies.get(target, {}).values():
             for option in chosen.options if isinstance(chosen, Variant) else (chosen,) if chosen else ():
                 for strategy in option if isinstance(option, Shapes) else (option,):
                     if strategy not in found:
                         found.append(strategy)
-        for by_target in (self.variants or {}).values():
-            chosen = by_target.get(target)
-            for option in chosen.options if isinstance(chosen, Variant) else (chosen,) if chosen else ():
-                for mixin in option if isinstance(option, Shapes) else (option,):
-                    if mixin not in found:
-                        found.append(mixin)
         return tuple(found)
 
     def choose(self, target: str, impl: str, host_cls, host_has: bool = False, settings=None,
                host_classes: Optional[dict] = None) -> tuple:
-        """(the mixin this impl puts on ``host_cls`` or None, why it cannot or None): :meth:`mixin_of` with the
-        host's shape picked (:class:`Shapes`, by overrides and, given ``host_classes``, declared uses) and every
-        override checked against the host's signature. For a target with :attr:`strategies`: (the strategy, why it
-        cannot serve the host's seams or None)."""
-        if target in self.strategies:
-            chosen = self.strategies[target].get(impl)
-            if isinstance(chosen, Variant):
-                chosen = chosen.choose(host_has, settings)
-            return pick_shape(chosen, host_cls, target, host_classes, strategy_problem)
-        return pick_shape(self.mixin_of(target, impl, host_has, settings), host_cls, target, host_classes)
+        """(the strategy this impl uses on ``host_cls`` or None, why it cannot or None): the table's entry, a
+        :class:`Variant` chosen by ``host_has`` and ``settings``, a :class:`Shapes` picked by the host's seams and,
+        given ``host_classes``, declared uses."""
+        chosen = self.strategies.get(target, {}).get(impl)
+        if isinstance(chosen, Variant):
+            chosen = chosen.choose(host_has, settings)
+        return pick_shape(chosen, host_cls, target, host_classes)
 
     def shape_problem(self, host_classes: dict, impl: str, host_has: bool = False, settings=None) -> Optional[str]:
-        """Why this impl cannot run on the host, or None: every target's mixin checked (:meth:`choose`: the
-        methods it overrides), then what the chosen mixins declare they use of the host
+        """Why this impl cannot run on the host, or None: every target's strategy checked (:meth:`choose`: the
+        seams it serves), then what the chosen strategies declare they use of the host
         (:func:`uses_problem`: the host methods they call, the host module globals they read)."""
         chosen = []
         for target, host_cls in host_classes.items():
-            mixin, problem = self.choose(target, impl, host_cls, host_has, settings, host_classes)
+            strategy, problem = self.choose(target, impl, host_cls, host_has, settings, host_classes)
             if problem:
                 return problem
-            if mixin is not None:
-                chosen.append((target, mixin))
-        for target, mixin in chosen:
-            problem = uses_problem(mixin, target, host_classes)
+            if strategy is not None:
+                chosen.append((target, strategy))
+        for target, strategy in chosen:
+            problem = uses_problem(strategy, target, host_classes)
             if problem:
                 return problem
         return None

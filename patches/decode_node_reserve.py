@@ -1,8 +1,8 @@
 """Host fix — a PD decode node admits a running request's prefill chunk on its own blocks.
 
 Replaces:  ResourceManagerV1.get_new_block_nums (notes a running chunk's block count),
-           ResourceManagerV1._get_can_schedule_prefill_threshold_block (that chunk's threshold is its own blocks),
-           ResourceManagerV1.__init__ (binds the node's role, once)
+           ResourceManagerV1._get_can_schedule_prefill_threshold_block (that chunk's threshold is its own blocks); on a
+           decode node only (the role is read once, when the scheduler is built)
 Why:       a decode node adds each prefilled request to ``running`` with one prefill token left (the first token
            the prefill node sent). Upstream's running pass (PR 7444/7783) admits that one-token chunk only if the
            free blocks cover the reservation of every running request, although the chunk needs no new block. A
@@ -33,30 +33,33 @@ request) is the host's, or the reservation change's.
 from __future__ import annotations
 
 from fdsched.patches._spec import PatchSpec, Reliance, Variant
-from fdsched.patches._base import PluginBase, code_names, node_role
+from fdsched.patches._base import code_names, node_role
 
 
-class DecodeNodeReserveMixin(PluginBase):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._fdsched_decode_node = node_role(self) == "decode"
+class DecodeNodeReserve:
+    """The fix, one per scheduler (see :mod:`fdsched.patches._scheduler`); on every role but decode it lets every call
+    through and the scheduler leaves it out (``passes_all``: the role is fixed for the scheduler's life)."""
 
-    def get_new_block_nums(self, request, num_new_tokens):
-        blocks = super().get_new_block_nums(request, num_new_tokens)
-        if self._fdsched_decode_node:
-            plan = self._fdsched_plans.current()
-            if plan is not None:
-                chunk = self._fdsched_is_running_prefill(request)
-                plan.running_chunk = (request.request_id, blocks) if chunk else None
+    seams = ("get_new_block_nums", "_get_can_schedule_prefill_threshold_block")
+
+    def __init__(self, rm, settings, next):
+        self.next, self.plans = next, rm._fdsched_plans
+        self.passes_all = node_role(rm) != "decode"
+
+    def get_new_block_nums(self, rm, request, num_new_tokens):
+        blocks = self.next.get_new_block_nums(rm, request, num_new_tokens)
+        plan = self.plans.current()
+        if plan is not None:
+            chunk = rm._fdsched_is_running_prefill(request)
+            plan.running_chunk = (request.request_id, blocks) if chunk else None
         return blocks
 
-    def _get_can_schedule_prefill_threshold_block(self, num_chunk_new_block):
-        if self._fdsched_decode_node:
-            plan = self._fdsched_plans.current()
-            if plan is not None and plan.running_chunk is not None and plan.running_chunk[1] == num_chunk_new_block:
-                plan.running_chunk = None
-                return num_chunk_new_block  # a running chunk on a decode node: its own blocks, no reservation
-        return super()._get_can_schedule_prefill_threshold_block(num_chunk_new_block)
+    def _get_can_schedule_prefill_threshold_block(self, rm, num_chunk_new_block):
+        plan = self.plans.current()
+        if plan is not None and plan.running_chunk is not None and plan.running_chunk[1] == num_chunk_new_block:
+            plan.running_chunk = None
+            return num_chunk_new_block  # a running chunk on a decode node: its own blocks, no reservation
+        return self.next._get_can_schedule_prefill_threshold_block(rm, num_chunk_new_block)
 
 
 def _running_pass_asks_the_threshold(info) -> bool:
@@ -90,11 +93,11 @@ def _running_chunk_threshold(info):
 
 
 def _where_a_running_chunk_is_reserved(host_has: bool, settings):
-    """The mixin where a running chunk's threshold carries a reservation: FastDeploy's own (``ratio_reserve``
+    """The strategy where a running chunk's threshold carries a reservation: FastDeploy's own (``ratio_reserve``
     ``auto``) or the plugin's (``on``); the pre-change reservation (``off``) admits it on its own blocks."""
     if settings is not None and settings.change_mode("ratio_reserve") == "off":
         return None
-    return DecodeNodeReserveMixin
+    return DecodeNodeReserve
 
 
 SPEC = PatchSpec(
@@ -102,8 +105,7 @@ SPEC = PatchSpec(
     title="A running prefill chunk on a PD decode node needs only its own blocks (upstream's ratio reservation)",
     upstream_prs=(),
     upstream_state="none",
-    replaces=("ResourceManagerV1.__init__", "ResourceManagerV1.get_new_block_nums",
-              "ResourceManagerV1._get_can_schedule_prefill_threshold_block"),
+    replaces=("ResourceManagerV1.get_new_block_nums", "ResourceManagerV1._get_can_schedule_prefill_threshold_block"),
     why=(
         "A decode node adds a prefilled request with one prefill token left; upstream's running pass admits that "
         "chunk only above every running request's reservation, so a preallocated burst stalls the node for good."
@@ -112,8 +114,8 @@ SPEC = PatchSpec(
     hosts_needing="lines whose running pass asks the reservation for a running chunk (2.6 with 7783, develop)",
     switch="FDSCHED_DECODE_NODE_RESERVE",
     delete_when="every supported line has upstream's fix (PR 8022)",
-    mixins={"ResourceManagerV1": DecodeNodeReserveMixin},
-    variants={"plugin": {"ResourceManagerV1": Variant(_where_a_running_chunk_is_reserved, (DecodeNodeReserveMixin,))}},
+    strategies={"ResourceManagerV1": {"plugin": Variant(_where_a_running_chunk_is_reserved, (DecodeNodeReserve,)),
+                                      "host": None, "off": None}},
     host_has=_host_skips_it,
     relies_on=(
         Reliance(

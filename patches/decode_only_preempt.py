@@ -274,7 +274,6 @@ SPEC = PatchSpec(
     hosts_needing="2.6 before PR 7783 (e7c8dc2)",
     switch="FDSCHED_DECODE_ONLY_PREEMPT",
     delete_when="every supported host carries 7783 and the pre-change choice is no longer A/B tested",
-    mixins={},
     # The host's preemption seam and its split running status came together (7783): a host that has the change
     # has the seam; one that lacks it gets the loop paraphrased, which needs no seam (chosen once, per scheduler).
     strategies={"ResourceManagerV1": {

@@ -375,7 +375,6 @@ SPEC = PatchSpec(
     hosts_needing="all 2.6 hosts (old e7c8dc2, new d38eeb8)",
     switch="FDSCHED_DEFERRED_RECYCLE",
     delete_when="upstream merges PR 7885/7886 into every supported host",
-    mixins={},
     strategies={"PrefixCacheManager": {"plugin": Shapes(DeferredRecycle, DeferredRecycleNoReqId), "host": None,
                                        "off": None}},
     host_has=lambda info: False,

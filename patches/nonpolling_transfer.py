@@ -188,7 +188,6 @@ SPEC = PatchSpec(
     hosts_needing="all 2.6 hosts",
     switch="FDSCHED_NONPOLLING_TRANSFER",
     delete_when="upstream ships a blocking transfer-done path",
-    mixins={},
     strategies={"EngineCacheQueue": RECEIVERS},
     host_has=lambda info: False,
     relies_on=(

@@ -116,7 +116,6 @@ SPEC = PatchSpec(
     hosts_needing="lines whose update_cache_blocks records a count below the cached one (2.2 to 2.6 before the head)",
     switch="FDSCHED_ONE_NODE_PER_BLOCK",
     delete_when="FastDeploy leaves a request's record alone for a computed count below its cached count",
-    mixins={},
     strategies={"PrefixCacheManager": {"plugin": Shapes(RaisedTreeInfoRecord, RaisedCacheInfoRecord), "host": None,
                                        "off": None}},
     host_has=_skips_records_below_cached,

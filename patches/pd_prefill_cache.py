@@ -214,7 +214,6 @@ SPEC = PatchSpec(
     hosts_needing="2.6 before PR 7387 (e7c8dc2) for upstream; every host for safe",
     switch="FDSCHED_PD_PREFILL_CACHE",
     delete_when="every supported host records only computed blocks on prefill nodes",
-    mixins={},
     host_has=_has_pd_record,
     host_has_as_selected=_as_selected,
     # off: only on a host that has the change (elsewhere off is the host's own code: impl "host")

@@ -161,7 +161,6 @@ SPEC = PatchSpec(
     hosts_needing="lines that count preempted requests against max_num_seqs (2.6 with PR 7181, develop)",
     switch="FDSCHED_PREEMPTED_SEAT_RESUME",
     delete_when="FastDeploy lets a preempted request at the head of the queue resume on its own seat",
-    mixins={},
     strategies={"ResourceManagerV1": {"plugin": SeatResume, "host": None, "off": None}},
     host_has=_no_preempted_seat_count,
     relies_on=(

@@ -1,7 +1,7 @@
 """Host fix — a PD prefill node reserves no decode blocks for its running requests.
 
-Replaces:  ResourceManagerV1._get_running_request_reserve_blocks (0 on a prefill node), ResourceManagerV1.__init__
-           (binds the node's role, once)
+Replaces:  ResourceManagerV1._get_running_request_reserve_blocks (0 on a prefill node; the role is read once, when
+           the scheduler is built)
 Why:       upstream's new_token_ratio reservation (PR 7444/7783, as merged) reserves, before a running request's next
            prefill chunk, every running request's future decode tokens, although a prefill node never decodes. On a
            prefill node ``preallocate_resource_in_p`` fills the pool without that check, a running prefill that needs
@@ -27,18 +27,20 @@ request's reserve is 0, so a running chunk needs only its own new blocks; every 
 from __future__ import annotations
 
 from fdsched.patches._spec import PatchSpec, Reliance, Variant
-from fdsched.patches._base import PluginBase, code_names, node_role, stores_constant
+from fdsched.patches._base import code_names, node_role, stores_constant
 
 
-class PrefillNodeReserveMixin(PluginBase):
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._fdsched_prefill_node = node_role(self) == "prefill"
+class PrefillNodeReserve:
+    """The fix, one per scheduler (see :mod:`fdsched.patches._scheduler`); on every role but prefill it lets every
+    call through and the scheduler leaves it out (``passes_all``: the role is fixed for the scheduler's life)."""
 
-    def _get_running_request_reserve_blocks(self, request) -> int:
-        if self._fdsched_prefill_node:
-            return 0  # a prefill node never decodes: nothing to reserve for a running request's output
-        return super()._get_running_request_reserve_blocks(request)
+    seams = ("_get_running_request_reserve_blocks",)
+
+    def __init__(self, rm, settings, next):
+        self.passes_all = node_role(rm) != "prefill"
+
+    def _get_running_request_reserve_blocks(self, rm, request) -> int:
+        return 0  # a prefill node never decodes: nothing to reserve for a running request's output
 
 
 def _has_no_ratio_reservation(info) -> bool:
@@ -68,11 +70,11 @@ def _reserve_per_running_request(info):
 
 
 def _where_the_host_reserves(host_has: bool, settings):
-    """The mixin where FastDeploy's own ratio reservation runs (``ratio_reserve`` ``auto``); the plugin's own
+    """The strategy where FastDeploy's own ratio reservation runs (``ratio_reserve`` ``auto``); the plugin's own
     reservation (``on``) and the pre-change one (``off``) do not ask this seam for a prefill node's decode tokens."""
     if settings is not None and settings.change_mode("ratio_reserve") != "auto":
         return None
-    return PrefillNodeReserveMixin
+    return PrefillNodeReserve
 
 
 SPEC = PatchSpec(
@@ -80,7 +82,7 @@ SPEC = PatchSpec(
     title="No decode reservation on a PD prefill node (upstream's ratio reservation)",
     upstream_prs=(),
     upstream_state="none",
-    replaces=("ResourceManagerV1.__init__", "ResourceManagerV1._get_running_request_reserve_blocks"),
+    replaces=("ResourceManagerV1._get_running_request_reserve_blocks",),
     why=(
         "Upstream's ratio reservation reserves running requests' future decode tokens on a prefill node, which never "
         "decodes; with the pool filled by preallocation a running prefill needing 0 blocks is refused for good."
@@ -89,8 +91,8 @@ SPEC = PatchSpec(
     hosts_needing="lines with upstream's ratio reservation (2.6 with 7783, develop)",
     switch="FDSCHED_PREFILL_NODE_RESERVE",
     delete_when="FastDeploy reserves nothing for running requests on a prefill node on every supported line",
-    mixins={"ResourceManagerV1": PrefillNodeReserveMixin},
-    variants={"plugin": {"ResourceManagerV1": Variant(_where_the_host_reserves, (PrefillNodeReserveMixin,))}},
+    strategies={"ResourceManagerV1": {"plugin": Variant(_where_the_host_reserves, (PrefillNodeReserve,)), "host": None,
+                                      "off": None}},
     host_has=_host_skips_it,
     relies_on=(
         Reliance(

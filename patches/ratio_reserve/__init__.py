@@ -122,7 +122,6 @@ SPEC = PatchSpec(
     hosts_needing="2.6 before PR 7783 (e7c8dc2)",
     switch="FDSCHED_RATIO_RESERVE",
     delete_when="every supported host carries 7783 and exposes the re-estimate term and cap as settings",
-    mixins={},
     host_has=_has_ratio_reserve,
     relies_on=(
         Reliance("running-chunk-check", "the running pass checks a running chunk's blocks right after "

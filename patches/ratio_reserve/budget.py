@@ -60,6 +60,7 @@ class BudgetedReserve:
     :mod:`fdsched.patches._scheduler`); each method named as the host's takes the scheduler first."""
 
     seams = ("get_new_block_nums", "_get_can_schedule_prefill_threshold_block")
+    counts_admissions = True  # the plugin's code decides admissions here: the scheduler declares the refusals' series
     fdsched_globals = {RM: ("llm_logger",)}
     fdsched_attributes = ("config", "running", "lock", "cache_manager")
 

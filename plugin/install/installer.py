@@ -11,14 +11,12 @@ Order of work, so that nothing is ever half-patched:
    are restored before the error propagates.
 
 Online A/B (``FDSCHED_PROFILE_BY_DP_RANK``): steps 1 and 3 run for every arm too, and an error names the
-rank and its profile. Step 4 builds, for the scheduler, one class per arm holding only the mixins that arm applies
-(its decisions are made here, once) behind one front class that the host module is rebound to; the cache manager
-and the cache queue have one fixed class each, whose instances build their arm's strategies from a table made here
-(:func:`_fixed_class`); constructing the front class builds the class of the instance's own data-parallel rank
-(``local_data_parallel_id``: the engine forks ranks 1..N-1 after rank 0's scheduler exists, so nothing per
-process can tell them apart); ranks not listed get ``FDSCHED_PROFILE``'s (or the defaults'). See
-:mod:`fdsched.patches._base`. The front class's ``_fdsched_impl`` / ``_fdsched_settings`` are those of the
-single profile.
+rank and its profile. Step 4 builds one fixed class per target, over the host class, that the host module is rebound
+to, with a table made here (:func:`strategy_row`: per rank, each change's strategy for that arm's decision); each
+instance reads its own data-parallel rank when it is built (``local_data_parallel_id``: the engine forks ranks
+1..N-1 after rank 0's scheduler exists, so nothing per process can tell them apart) and builds that arm's
+strategies; ranks not listed get ``FDSCHED_PROFILE``'s (or the defaults'). The class's ``_fdsched_impl`` /
+``_fdsched_settings`` are those of the single profile; an instance has its arm's.
 
 :func:`install` is idempotent and cheap on a second call. :func:`uninstall` restores exactly.
 """
@@ -35,7 +33,7 @@ from fdsched.install.rebind import Rebinding
 from fdsched.core.schema import CHANGE_IDS
 from fdsched.core.settings import DP_PROFILE_ENV, Settings, load_arm_settings, load_settings
 
-__all__ = ["Arm", "Decision", "instance_class", "InstallReport", "InstallError", "effective_ratio_mode", "decide", "decide_arms", "install", "uninstall", "current"]
+__all__ = ["Arm", "Decision", "InstallReport", "InstallError", "effective_ratio_mode", "decide", "decide_arms", "install", "uninstall", "current"]
 
 
 class InstallError(RuntimeError):
@@ -205,64 +203,40 @@ def current() -> Optional[InstallReport]:
 
 
 def _build(info, settings: Settings, decisions: dict, policies: Policies, arms: Optional[dict] = None) -> dict:
-    """target -> the class the host module is rebound to: for the scheduler a front class with one class per arm
-    behind it (see :mod:`fdsched.patches._base`); for the cache manager and the cache queue their one fixed class
-    (:func:`_fixed_class`)."""
-    from fdsched.patches import CATALOGUE
-    from fdsched.patches import _scheduler
+    """target -> the plugin's one fixed class over the host class, which the host module is rebound to: each instance
+    builds its rank's strategies from the table made here (:func:`strategy_row`)."""
+    from fdsched.patches import CATALOGUE, _cache_queue, _prefix_cache, _scheduler
     from fdsched.patches._base import status_views
+    from fdsched.patches._outcomes import RequestOutcomes
+    from fdsched.patches._spec import strategy_problem
 
     arms = dict(arms or {})
-    views, view_attributes = status_views(info)  # the host's RequestStatus shape: chosen here, once
     default_arm = Arm(arm_label(settings), settings, decisions)
+    common = {
+        "_fdsched_arms": arms,
+        "_fdsched_default_arm": default_arm,
+        "_fdsched_impl": default_arm.impl,  # the single profile's (an instance has its arm's)
+        "_fdsched_settings": default_arm.settings,
+        "_fdsched_policies": policies,
+        "_fdsched_host": info,
+    }
     classes = {}
     for target, host_cls in info.host_classes.items():
-        if target != "ResourceManagerV1":
-            classes[target] = _fixed_class(target, host_cls, info, default_arm, arms, policies)
+        if target == "EngineCacheQueue":
+            # each client picks its receiver when it is built; the server's lists can wait when any arm's receiver does
+            runs_it = any(arm.impl["nonpolling_transfer"] == "plugin" for arm in (default_arm, *arms.values()))
+            classes[target] = _cache_queue.over(host_cls, default_arm.impl, default_arm.settings, runs_it)
             continue
-        common = {
-            "_fdsched_policies": policies,
-            "_fdsched_host": info,
-            "_fdsched_target": target,
-            "_fdsched_arms": arms,
-            "_fdsched_default_arm": default_arm,
-            "_fdsched_status_views": views,
-            **view_attributes,
-        }
         rows = {rank: (arm, strategy_row(target, arm, info)) for rank, arm in arms.items()}
         rows[None] = (default_arm, strategy_row(target, default_arm, info))
-        front = _scheduler.over(host_cls, rows, order=tuple(spec.change_id for spec in CATALOGUE), attributes=dict(
-            common, _fdsched_impl=default_arm.impl, _fdsched_settings=settings))
-        built: list = []  # (arm, class): one class per distinct arm
-
-        def class_of(arm: Arm, label: str):
-            impl = arm.impl
-            for other, cls in built:
-                if other.settings == arm.settings and cls._fdsched_impl == impl and cls._fdsched_arm == label:
-                    return cls
-            cls = _arm_class(front, target, host_cls, common, arm, impl, label)
-            built.append((arm, cls))
-            return cls
-
-        front._fdsched_front = front
-        front._fdsched_default_class = class_of(default_arm, label=default_arm.label)
-        front._fdsched_arm_classes = {rank: class_of(arm, label=arm.label) for rank, arm in arms.items()}
-        classes[target] = front
+        if target == "PrefixCacheManager":
+            classes[target] = _prefix_cache.over(host_cls, rows, common)
+            continue
+        # measurement only (every arm, every profile), where the host's finish_requests has the shape it is written for
+        outermost = (RequestOutcomes,) if strategy_problem(RequestOutcomes, host_cls) is None else ()
+        order = tuple(spec.change_id for spec in CATALOGUE)  # innermost first
+        classes[target] = _scheduler.over(host_cls, rows, order, outermost, dict(common, **status_views(info, policies)))
     return classes
-
-
-def _fixed_class(target: str, host_cls, info, default_arm: Arm, arms: dict, policies):
-    """The one fixed class of the cache manager (:mod:`fdsched.patches._prefix_cache`: each instance builds its
-    rank's strategies from the table made here) or of the cache queue (:mod:`fdsched.patches._cache_queue`: each
-    client picks its receiver when it is built; the server's lists can wait when any arm's receiver does)."""
-    from fdsched.patches import _cache_queue, _prefix_cache
-
-    if target == "PrefixCacheManager":
-        rows = {rank: (arm, strategy_row(target, arm, info)) for rank, arm in arms.items()}
-        rows[None] = (default_arm, strategy_row(target, default_arm, info))
-        return _prefix_cache.over(host_cls, rows, arms, default_arm, policies, info)
-    runs_it = any(arm.impl["nonpolling_transfer"] == "plugin" for arm in (default_arm, *arms.values()))
-    return _cache_queue.over(host_cls, default_arm.impl, default_arm.settings, runs_it)
 
 
 def strategy_row(target: str, arm: Arm, info) -> dict:
@@ -277,42 +251,6 @@ def strategy_row(target: str, arm: Arm, info) -> dict:
                                              bool(info.has.get(spec.change_id)), arm.settings, info.host_classes)
             row[spec.change_id] = strategy  # a shape the host lacks was declined when the arm was decided
     return row
-
-
-def _arm_class(front, target: str, host_cls, common: dict, arm: Arm, impl: dict, label: str):
-    """The class of one arm for one target: only the mixins that arm applies, its settings and decisions."""
-    from fdsched.patches import TARGETS, mixins_for
-    from fdsched.patches._base import InitGuard, RequestOutcomesMixin
-    from fdsched.patches._spec import override_problem
-
-    info = common["_fdsched_host"]
-    mixins = mixins_for(target, impl, info.has, arm.settings, host_cls, info.host_classes)  # outermost first; tests/unit/test_catalogue.py pins the order and why
-    if target == "ResourceManagerV1" and override_problem(RequestOutcomesMixin, host_cls) is None:
-        mixins = (RequestOutcomesMixin,) + mixins  # measurement only (every arm, every profile); without the seam: none
-    changes = ", ".join(m.__name__ for m in mixins) or "none: the host's own code"
-    # the request views for the host's RequestStatus shape (the scheduler's mixins read requests; the others do not)
-    views = (common["_fdsched_status_views"],) if target == "ResourceManagerV1" else ()
-    return type(host_cls.__name__, (InitGuard,) + mixins + views + (front,), dict(
-        common,
-        __module__=__name__,
-        __qualname__=f"_build.<locals>.{host_cls.__name__}[{label}]",
-        __doc__=f"fdsched subclass of {TARGETS[target]} for arm {label} (mixins: {changes}).",
-        _fdsched_impl=impl,
-        _fdsched_settings=arm.settings,
-        _fdsched_arm=label,
-        _fdsched_front=front,
-        # the plugin's reservation code decides admissions here (it counts refusals; see InitGuard)
-        _fdsched_counts_admissions=target == "ResourceManagerV1" and impl["ratio_reserve"] != "host",
-    ))
-
-
-def instance_class(cls, dp_rank: Optional[int] = None):
-    """The class of what constructing ``cls`` (a class :func:`_build` returns) gives for data-parallel rank ``dp_rank``
-    (None: a rank without an arm of its own): the arm's class behind a front class, a fixed class itself."""
-    arm_classes = vars(cls).get("_fdsched_arm_classes")
-    if arm_classes is None:
-        return cls
-    return arm_classes.get(dp_rank, cls._fdsched_default_class)
 
 
 def install(

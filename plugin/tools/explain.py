@@ -1,11 +1,13 @@
 """``fdsched explain``: which classes run on this host, for one arm.
 
 For each host class the plugin replaces (a *target*: ``ResourceManagerV1``, ``PrefixCacheManager``,
-``EngineCacheQueue``) it shows the class chain (the method resolution order) that the installer builds for the
-arm on this host, every host method or attribute the chain overrides with the classes that define it in the
-order they run, and, per change, which of the change's host methods it overrides here and which mixin
-implements each. Nothing is re-derived: the classes are the installer's own (:func:`fdsched.install.installer._build`,
-which picks each arm's mixins with :func:`fdsched.patches.mixins_for`), built without rebinding anything.
+``EngineCacheQueue``) it shows the fixed class's chain (the method resolution order) down to the host class, every
+host method or attribute the chain overrides with the classes that define it in the order they run, the layers each
+seam hands a call through for the arm (its strategies, outermost first, then the host's own method), and, per change,
+the table's row: the arm's decision, the strategy it gets on this host and which of the change's host methods it
+serves. Nothing is re-derived: the classes and the table are the installer's own
+(:func:`fdsched.install.installer._build`, :func:`fdsched.install.installer.strategy_row`), built without rebinding
+anything.
 
 The collection (:func:`explain_class`) and the formatting (:func:`format_explanation`) work on plain classes
 and values; only :func:`explain_host` needs the host. ``docs/explain.md`` is this command's output for the
@@ -40,14 +42,13 @@ _NOT_OVERRIDES = frozenset({
 
 @dataclass(frozen=True)
 class ChangeRow:
-    """One change on one target: its decision for the arm, the mixin it gets there (None: the host's own code
-    runs), and per host method it names (``replaces``), the class that implements it for this arm (None:
-    the host's own)."""
+    """One change on one target: its decision for the arm, the strategy it gets there (None: the host's own code
+    runs), and per host method it names (``replaces``), what implements it for this arm (None: the host's own)."""
 
     change_id: str
     impl: str
     detail: str
-    mixin: Optional[str]
+    strategy: Optional[str]
     methods: tuple  # ((method, implementing class name or None), ...)
 
 
@@ -61,10 +62,11 @@ class TargetExplanation:
     changes: list = field(default_factory=list)  # [ChangeRow]
     note: str = ""  # e.g. why the queue class runs a change this arm does not
     steps: list = field(default_factory=list)  # [(step kind, ["module.Class.method", ...])]: schedule()'s steps
+    layers: list = field(default_factory=list)  # [(seam, ["module.Class", ..., "host"])]: outermost first
 
 
 def class_name(cls: type) -> str:
-    """A class as the page shows it: ``module.Qualname``, a mixin as ``<patch module>.Qualname`` (in
+    """A class as the page shows it: ``module.Qualname``, a strategy as ``<patch module>.Qualname`` (in
     ``patches/``), the installer's classes by their plain name (the arm's with its label)."""
     if cls.__module__ == "fdsched.install.installer":
         return cls.__qualname__.split("<locals>.", 1)[-1]
@@ -73,22 +75,18 @@ def class_name(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
 
 
-def _role(cls: type, arm_cls: type, host_cls: type) -> str:
-    if cls is arm_cls and getattr(cls, "_fdsched_front", None) is None:
+def _role(cls: type, fixed: type, host_cls: type) -> str:
+    if cls is fixed:
         return "the plugin's class (the host module's name is rebound to it; every arm constructs it)"
-    if cls is arm_cls:
-        return "the arm's class (what the engine constructs for this arm)"
     if cls is host_cls:
         return "the host's class"
-    if getattr(cls, "_fdsched_front", None) is cls:
-        return "front class (the host module's name is rebound to it)"
     if cls.__module__.startswith("fdsched.patches."):
-        change = cls.__module__[len("fdsched.patches."):].split(".", 1)[0]  # a change's module or package
-        return {"_base": "plugin base", "_guard": "the scheduler guard (every arm)",
+        module = cls.__module__[len("fdsched.patches."):].split(".", 1)[0]
+        return {"_guard": "the scheduler guard (every arm)",
                 "_cache_queue": "the cache queue's seams (each hands the call to a strategy)",
                 "_prefix_cache": "the prefix cache's seams (each hands the call to its strategies)",
-                "_scheduler": "the scheduler's seams and its one schedule(): the pass's plan, each change's steps"}.get(
-            change, f"mixin of {change}")
+                "_scheduler": "the scheduler's seams (each hands the call to its strategies) and its one schedule(): "
+                              "the pass's plan, each change's steps"}.get(module, "plugin base")
     return ""
 
 
@@ -96,18 +94,18 @@ def _defines(cls: type, name: str) -> bool:
     return name in vars(cls)
 
 
-def explain_class(target: str, arm_cls: type, host_cls: type, change_mixins: Sequence[tuple],
+def explain_class(target: str, fixed: type, host_cls: type, change_strategies: Sequence[tuple],
                   replaces: dict) -> TargetExplanation:
-    """Explain one arm's class for one target.
+    """Explain one arm on one target's fixed class.
 
-    ``change_mixins``: per change, ``(change_id, impl, detail, mixin or None)`` (the mixin the arm's class got for
-    it); ``replaces``: change id -> the names of the target's host methods the change may override. Works on any
-    class whose MRO contains ``host_cls``."""
-    mro = arm_cls.__mro__
+    ``change_strategies``: per change in catalogue order, ``(change_id, impl, detail, strategy class or None)`` (the
+    table's row for the arm); ``replaces``: change id -> the names of the target's host methods the change may serve.
+    Works on any class whose MRO contains ``host_cls``."""
+    mro = fixed.__mro__
     cut = mro.index(host_cls)
     plugin_part = mro[:cut]
-    chain = [(class_name(c), _role(c, arm_cls, host_cls)) for c in plugin_part]
-    chain.append((f"{host_cls.__module__}.{host_cls.__qualname__}", _role(host_cls, arm_cls, host_cls)))
+    chain = [(class_name(c), _role(c, fixed, host_cls)) for c in plugin_part]
+    chain.append((f"{host_cls.__module__}.{host_cls.__qualname__}", _role(host_cls, fixed, host_cls)))
     host_bases = [c.__qualname__ if c is object else f"{c.__module__}.{c.__qualname__}" for c in mro[cut + 1:]]
 
     names = []
@@ -126,56 +124,52 @@ def explain_class(target: str, arm_cls: type, host_cls: type, change_mixins: Seq
         overrides.append((name, definers))
 
     rows = []
-    for change_id, impl, detail, mixin in change_mixins:
-        methods = []
-        for name in replaces.get(change_id, ()):
-            implementer = None
-            if mixin is not None and hasattr(mixin, "seams"):  # a strategy object's class, not a mixin
-                implementer = _served_by(name, mixin, plugin_part)
-            elif mixin is not None:
-                implementer = next((class_name(c) for c in mixin.__mro__
-                                    if c in plugin_part and c.__module__ != "fdsched.patches._base" and _defines(c, name)),
-                                   None)
-            methods.append((name, implementer))
-        if impl == "host" and any(implementer for _, implementer in methods):
-            detail = host_impl_detail(detail, mixin)
-        rows.append(ChangeRow(change_id, impl, detail, None if mixin is None else class_name(mixin), tuple(methods)))
+    for change_id, impl, detail, strategy in change_strategies:
+        methods = tuple((name, _served_by(name, strategy, plugin_part) if strategy is not None else None)
+                        for name in replaces.get(change_id, ()))
+        if impl == "host" and strategy is not None:
+            detail = host_impl_detail(detail, strategy)
+        rows.append(ChangeRow(change_id, impl, detail, None if strategy is None else class_name(strategy), methods))
+    outermost = tuple(getattr(fixed, "_fdsched_outermost", ()))
+    strategies = [s for *_, s in change_strategies if s is not None]
     return TargetExplanation(target, f"{host_cls.__module__}.{host_cls.__qualname__}", chain, host_bases, overrides,
-                             rows, steps=_steps(arm_cls, plugin_part, change_mixins))
+                             rows, steps=_steps(fixed, strategies), layers=_layers(host_cls, outermost, strategies))
+
+
+def _layers(host_cls: type, outermost: tuple, strategies: list) -> list:
+    """Per host method some strategy serves: the strategies a call goes through, outermost first (``outermost``, then
+    later catalogue entries first), ending in the host's own method."""
+    order = list(outermost) + list(reversed(strategies))
+    seams = sorted({name for s in order for name in getattr(s, "seams", ())})
+    return [(name, [class_name(s) for s in order if name in s.seams] + [f"host: {host_cls.__qualname__}"])
+            for name in seams]
 
 
 def _served_by(name: str, strategy: type, plugin_part) -> Optional[str]:
     """Who implements host method ``name`` where a fixed class hands its seams to ``strategy``: the class that defines
-    the seam, and the strategy where it serves that method."""
+    the seam, and the strategy where it serves that method (None where the host has no such method: no seam)."""
     from fdsched.patches._spec import served_methods
 
-    seam = next((class_name(c) for c in plugin_part if _defines(c, name)), None)
+    seam = next((class_name(c) for c in plugin_part if _defines(c, name) and callable(vars(c)[name])), None)
     if seam is None:
         return None
     return f"{seam} -> {class_name(strategy)}" if name in served_methods(strategy) else seam
 
 
-def _steps(arm_cls: type, plugin_part, change_mixins) -> list:
-    """The steps of the scheduler's one ``schedule()``, per kind in the order they run: the strategies' (catalogue
-    order), then the mixins' declared ones; none for a class without it."""
-    from fdsched.patches._scheduler import STEP_KINDS, Scheduler, declared_steps
+def _steps(fixed: type, strategies: list) -> list:
+    """The steps of the scheduler's one ``schedule()``, per kind in the order they run (strategies in catalogue
+    order); none for a class without it."""
+    from fdsched.patches._scheduler import STEPS, Scheduler
 
-    if Scheduler not in arm_cls.__mro__:
+    if Scheduler not in fixed.__mro__:
         return []
-    steps = []
-    for attribute, method in STEP_KINDS:
-        owners = [f"{class_name(strategy)}.{method}" for _, _, _, strategy in change_mixins
-                  if strategy is not None and hasattr(strategy, "seams") and hasattr(strategy, method)]
-        owners += [next((f"{class_name(c)}.{name}" for c in plugin_part if _defines(c, name)), name)
-                   for name in declared_steps(arm_cls, attribute)]
-        steps.append((method, owners))
-    return steps
+    return [(kind, [f"{class_name(s)}.{kind}" for s in strategies if hasattr(s, kind)]) for kind in STEPS]
 
 
-def host_impl_detail(detail: str, mixin) -> str:
-    """A change whose host code runs, while a mixin of it still overrides host methods: what the plugin does there
-    (the mixin's ``fdsched_host_role``), never only "host already has it"."""
-    role = getattr(mixin, "fdsched_host_role", "runs its code around the host's in the methods below")
+def host_impl_detail(detail: str, strategy) -> str:
+    """A change whose host code runs, while a strategy of it still serves host methods: what the plugin does there
+    (the strategy's ``fdsched_host_role``), never only "host already has it"."""
+    role = getattr(strategy, "fdsched_host_role", "runs its code around the host's in the methods below")
     if detail == HOST_HAS_IT:
         return f"the host's own version runs (the host has the change); the plugin only {role}"
     return f"{detail}; the plugin only {role}"
@@ -200,57 +194,60 @@ def _wrap_chain(head: str, items: Sequence[str], width: int = TEXT_WIDTH) -> lis
 
 def format_explanation(title: str, targets: Sequence[TargetExplanation], markdown: bool = False) -> str:
     """The explanation as text (or Markdown for the docs page): per target the chain, the overridden methods in
-    the order their definitions run, and per change its methods and the mixin implementing each."""
+    the order their definitions run, each seam's layers, and per change its strategy and methods."""
     out = [f"### {title}" if markdown else title]
     for t in targets:
         out.append("")
-        out.append(f"#### {t.target}" if markdown else f"{t.target} ({t.host_class})")
-        if markdown:
-            out.append("")
-            out.append(f"Host class `{t.host_class}`. Class chain (MRO), outermost first:")
-            out.append("")
-            for i, (name, role) in enumerate(t.chain, start=1):
-                out.append(f"{i}. `{name}`" + (f": {role}" if role else ""))
-            out.append(f"{len(t.chain) + 1}. the host's own bases: " + ", ".join(f"`{b}`" for b in t.host_bases))
-            out.append("")
-            out.append("Overridden host methods, definitions in the order they run:")
-            out.append("")
-            for name, definers in t.overrides:
-                out.append(f"- `{name}`: " + " -> ".join(f"`{d}`" for d in definers))
-            if t.steps:
-                out.append("")
-                out.append("Steps of the one `schedule()` wrapper, in the order they run:")
-                out.append("")
-                for kind, owners in t.steps:
-                    out.append(f"- `{kind}`: " + (" -> ".join(f"`{o}`" for o in owners) or "none"))
-            out.append("")
-            out.append("| change | decision | mixin | host method: implemented by |")
-            out.append("|---|---|---|---|")
-            for row in t.changes:
-                methods = "; ".join(f"`{m}`: {('`' + c + '`') if c else NOT_OVERRIDDEN}" for m, c in row.methods)
-                out.append(f"| {row.change_id} | {row.detail} | {('`' + row.mixin + '`') if row.mixin else '-'} | "
-                           f"{methods or '-'} |")
-        else:
-            out.append("  class chain (MRO), outermost first:")
-            for i, (name, role) in enumerate(t.chain, start=1):
-                out.append(f"    {i:>2}. {name}" + (f"  [{role}]" if role else ""))
-            out.append(f"    {len(t.chain) + 1:>2}. the host's own bases: " + ", ".join(t.host_bases))
-            out.append("  overridden host methods (definitions in the order they run):")
-            for name, definers in t.overrides:
-                out += _wrap_chain(f"    {name}: ", definers)
-            if t.steps:
-                out.append("  steps of the one schedule() wrapper (in the order they run):")
-                for kind, owners in t.steps:
-                    out += _wrap_chain(f"    {kind}: ", owners or ["none"])
-            out.append("  per change (decision; mixin; host method: implemented by):")
-            for row in t.changes:
-                out.append(f"    {row.change_id}: {row.detail}; mixin: {row.mixin or 'none'}")
-                for m, c in row.methods:
-                    out.append(f"      {m}: {c or NOT_OVERRIDDEN}")
+        out += _markdown_target(t) if markdown else _text_target(t)
         if t.note:
             out.append("")
             out.append(t.note)
     return "\n".join(out)
+
+
+def _markdown_target(t: TargetExplanation) -> list:
+    out = [f"#### {t.target}", "", f"Host class `{t.host_class}`. Class chain (MRO), outermost first:", ""]
+    for i, (name, role) in enumerate(t.chain, start=1):
+        out.append(f"{i}. `{name}`" + (f": {role}" if role else ""))
+    out.append(f"{len(t.chain) + 1}. the host's own bases: " + ", ".join(f"`{b}`" for b in t.host_bases))
+    out += ["", "Overridden host methods, definitions in the order they run:", ""]
+    out += [f"- `{name}`: " + " -> ".join(f"`{d}`" for d in definers) for name, definers in t.overrides]
+    if t.layers:
+        out += ["", "Each seam's layers for this arm, outermost first:", ""]
+        out += [f"- `{name}`: " + " -> ".join(f"`{d}`" for d in layers) for name, layers in t.layers]
+    if t.steps:
+        out += ["", "Steps of the one `schedule()`, in the order they run:", ""]
+        out += [f"- `{kind}`: " + (" -> ".join(f"`{o}`" for o in owners) or "none") for kind, owners in t.steps]
+    out += ["", "| change | decision | strategy | host method: implemented by |", "|---|---|---|---|"]
+    for row in t.changes:
+        methods = "; ".join(f"`{m}`: {('`' + c + '`') if c else NOT_OVERRIDDEN}" for m, c in row.methods)
+        out.append(f"| {row.change_id} | {row.detail} | {('`' + row.strategy + '`') if row.strategy else '-'} | "
+                   f"{methods or '-'} |")
+    return out
+
+
+def _text_target(t: TargetExplanation) -> list:
+    out = [f"{t.target} ({t.host_class})", "  class chain (MRO), outermost first:"]
+    for i, (name, role) in enumerate(t.chain, start=1):
+        out.append(f"    {i:>2}. {name}" + (f"  [{role}]" if role else ""))
+    out.append(f"    {len(t.chain) + 1:>2}. the host's own bases: " + ", ".join(t.host_bases))
+    out.append("  overridden host methods (definitions in the order they run):")
+    for name, definers in t.overrides:
+        out += _wrap_chain(f"    {name}: ", definers)
+    if t.layers:
+        out.append("  each seam's layers for this arm (outermost first):")
+        for name, layers in t.layers:
+            out += _wrap_chain(f"    {name}: ", layers)
+    if t.steps:
+        out.append("  steps of the one schedule() (in the order they run):")
+        for kind, owners in t.steps:
+            out += _wrap_chain(f"    {kind}: ", owners or ["none"])
+    out.append("  per change (decision; strategy; host method: implemented by):")
+    for row in t.changes:
+        out.append(f"    {row.change_id}: {row.detail}; strategy: {row.strategy or 'none'}")
+        for m, c in row.methods:
+            out.append(f"      {m}: {c or NOT_OVERRIDDEN}")
+    return out
 
 
 def _settings_for(profile: Optional[str], dp_rank: Optional[int]):
@@ -283,18 +280,18 @@ def explain_host(settings, arm_settings: dict, dp_rank: Optional[int] = None, in
     targets = []
     for target, front in classes.items():
         host_cls = info.host_classes[target]
-        arm_cls = installer.instance_class(front, dp_rank)
-        impl = arm.impl if arm_cls is front else arm_cls._fdsched_impl  # a fixed class: the arm picks the strategy
-        change_mixins, replaces = [], {}
+        impl = arm.impl
+        change_strategies, replaces = [], {}
         for spec in CATALOGUE:
             names = tuple(n.split(".", 1)[1] for n in spec.replaces if n.split(".", 1)[0] == target)
-            mixin, _why_not = spec.choose(target, impl[spec.change_id], host_cls, bool(info.has.get(spec.change_id)),
+            strategy, _why_not = spec.choose(target, impl[spec.change_id], host_cls, bool(info.has.get(spec.change_id)),
                                           arm.settings, info.host_classes)  # the host's shape, as the installer picks
-            if not names and mixin is None:
+            if not names and strategy is None:
                 continue
             replaces[spec.change_id] = names
-            change_mixins.append((spec.change_id, impl[spec.change_id], arm.decisions[spec.change_id].detail, mixin))
-        explanation = explain_class(target, arm_cls, host_cls, change_mixins, replaces)
+            change_strategies.append((spec.change_id, impl[spec.change_id], arm.decisions[spec.change_id].detail,
+                                      strategy))
+        explanation = explain_class(target, front, host_cls, change_strategies, replaces)
         if (target == "EngineCacheQueue" and getattr(front, "_fdsched_serves_waiting", False)
                 and impl["nonpolling_transfer"] != "plugin"):
             explanation.note = ("The queue (built without a rank: the engine's server, each cache manager's client) has "
@@ -407,10 +404,10 @@ def add_command(sub) -> None:
 
     p = sub.add_parser(
         "explain",
-        help="the classes an arm runs on this host: class chain, overridden methods, which mixin implements each",
+        help="the classes an arm runs on this host: class chain, overridden methods, each seam's strategies",
         description="For each host class the plugin replaces: the class chain the installer builds for the arm on "
         "this host, the host methods it overrides (definitions in the order they run) and, per change, which "
-        "mixin implements each of its methods. Builds the classes; rebinds nothing.",
+        "strategy serves each of its methods. Builds the classes; rebinds nothing.",
     )
     p.add_argument("--profile", metavar="P", help="a shipped profile name or a YAML path (default: the "
                    "environment's FDSCHED_PROFILE and variables, as the engine reads them)")

@@ -92,11 +92,12 @@ def covering_runs(environ=None) -> list:
 
 
 def plugin_classes(info, run: str) -> Optional[frozenset]:
-    """Every class of the plugin's (``fdsched.patches``) in the class chains that ``run`` (a profile, or
-    ``default``) builds on the probed host ``info``, as ``target:module.Class``; None where the host refuses it."""
+    """Every class of the plugin's (``fdsched.patches``) that ``run`` (a profile, or ``default``) uses on the probed
+    host ``info``: each fixed class's chain and the strategies its instances build, as ``target:module.Class``; None
+    where the host refuses it."""
     from fdsched.core.hooks import Policies, make_plugin_manager
     from fdsched.core.settings import load_settings
-    from fdsched.install.installer import Arm, InstallError, _build, decide, instance_class, strategy_row
+    from fdsched.install.installer import Arm, InstallError, _build, decide, strategy_row
 
     settings = load_settings({}, profile=None if run == DEFAULT_RUN else run)
     try:
@@ -106,9 +107,9 @@ def plugin_classes(info, run: str) -> Optional[frozenset]:
     policies = Policies(make_plugin_manager(environ={}, load_entry_points=False))
     found = set()
     arm = Arm(run, settings, decisions)
-    for target, front in _build(info, settings, decisions, policies).items():
-        used = list(instance_class(front).__mro__)
-        used += [c for c in strategy_row(target, arm, info).values() if c is not None]  # a fixed class's strategies
+    for target, fixed in _build(info, settings, decisions, policies).items():
+        strategies = [*getattr(fixed, "_fdsched_outermost", ()), *strategy_row(target, arm, info).values()]
+        used = list(fixed.__mro__) + [k for c in strategies if c is not None for k in c.__mro__]
         for cls in used:
             if cls.__module__.startswith("fdsched.patches"):
                 found.add(f"{target}:{cls.__module__.rsplit('.', 1)[-1]}.{cls.__qualname__}")

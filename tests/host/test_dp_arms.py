@@ -66,12 +66,17 @@ def test_each_rank_runs_its_arm_side_by_side_in_one_process(install_arms, build,
     assert rm0.cache_manager._fdsched_arm == "baseline" and rm1.cache_manager._fdsched_arm == "recommended"
     assert rm0.cache_manager._fdsched_impl["deferred_recycle"] == "host"
     assert rm1.cache_manager._fdsched_impl["deferred_recycle"] == "plugin"
-    # The front class (what the host module names) keeps the single profile's decisions; each rank got its arm's
-    # class, which holds only the mixins that arm applies.
+    # One scheduler class (what the host module names) keeps the single profile's decisions; each rank built the
+    # strategies of its arm's row: baseline runs no reservation strategy, recommended the plugin's where it decides so.
     cls = report.classes["ResourceManagerV1"]
     assert cls._fdsched_impl == {cid: d.impl for cid, d in report.decisions.items()}
-    assert type(rm0) is cls._fdsched_arm_classes[0] and type(rm1) is cls._fdsched_arm_classes[1]
-    assert isinstance(rm0, cls) and isinstance(rm1, cls)
+    assert type(rm0) is type(rm1) is type(rm2) is cls
+    from fdsched.patches.ratio_reserve import BudgetedReserve
+
+    for rm in (rm0, rm1):  # the plugin's reservation decides admissions where the arm runs its version or the old one
+        budgeted = isinstance(rm.fdsched_strategy("ratio_reserve"), BudgetedReserve)
+        assert budgeted == (rm._fdsched_impl["ratio_reserve"] != "host")
+    assert type(rm0.fdsched_strategy("ratio_reserve")) is not type(rm1.fdsched_strategy("ratio_reserve"))
     # One cache manager class; each instance built its arm's strategies: baseline runs the host's own eviction.
     assert type(rm0.cache_manager) is type(rm1.cache_manager) is report.classes["PrefixCacheManager"]
     assert type(rm1.cache_manager._fdsched_recycle).__name__ == "DeferredRecycle"
@@ -192,7 +197,7 @@ def test_a_single_profile_class_has_no_arms_and_instances_match_the_class(instal
     report = install_arms({}, profile="ratio_reserve")
     cls = report.classes["ResourceManagerV1"]
     rm = build(3)
-    assert cls._fdsched_arms == {} and cls._fdsched_arm_classes == {} and type(rm) is cls._fdsched_default_class
+    assert cls._fdsched_arms == {} and type(rm) is cls
     assert rm._fdsched_impl == cls._fdsched_impl and rm._fdsched_arm == "ratio_reserve"
     assert type(rm.cache_manager) is report.classes["PrefixCacheManager"] and rm.cache_manager._fdsched_arms == {}
     client = _unconnected_client(report.classes["EngineCacheQueue"])

@@ -150,8 +150,8 @@ def test_uninstall_restores_every_site(install_profile):
 def test_manager_built_like_host_tests_is_plugin_subclass(install_profile, make_manager):
     report = install_profile("baseline")
     manager = make_manager(block_size=4, num_gpu_blocks=40, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
-    # the front classes (what the host modules name) build their arm's class: baseline's, for rank 0
-    assert type(manager) is report.classes["ResourceManagerV1"]._fdsched_default_class
+    # the fixed classes (what the host modules name) build baseline's strategies, for rank 0
+    assert type(manager) is report.classes["ResourceManagerV1"]
     assert type(manager.cache_manager) is report.classes["PrefixCacheManager"]
     assert isinstance(manager, report.classes["ResourceManagerV1"]) and manager._fdsched_arm == "baseline"
 
@@ -327,21 +327,16 @@ def test_a_bad_variable_in_an_engine_ends_it_with_one_line(tmp_path, variable, v
 
 def test_generated_classes_say_where_they_come_from(host_info):
     """The classes the installer builds over the real host classes name their origin: each target's fixed class by its
-    module, the scheduler's class per arm (its changes still written as mixins) by the installer."""
+    module, with the seam class and the host class as its bases."""
     from fdsched.core.hooks import Policies, make_plugin_manager
     from fdsched.core.settings import load_settings
-    from fdsched.install.installer import _build, decide, instance_class
+    from fdsched.install.installer import _build, decide
 
     settings = load_settings(environ={}, profile="baseline")
     policies = Policies(make_plugin_manager(environ={}, load_entry_points=False))
     classes = _build(host_info, settings, decide(settings, host_info), policies)
-    front = classes["ResourceManagerV1"]
-    assert (front.__module__, front.__qualname__) == ("fdsched.patches._scheduler", "ResourceManagerV1")
-    arm = instance_class(front)
-    assert arm.__qualname__ == "_build.<locals>.ResourceManagerV1[baseline]" and issubclass(arm, front)
-    assert issubclass(arm, host_info.host_classes["ResourceManagerV1"]) and arm._fdsched_arm == "baseline"
-    assert front.__bases__[1] is host_info.host_classes["ResourceManagerV1"]
-    for target, module in (("PrefixCacheManager", "_prefix_cache"), ("EngineCacheQueue", "_cache_queue")):
+    for target, module in (("ResourceManagerV1", "_scheduler"), ("PrefixCacheManager", "_prefix_cache"),
+                           ("EngineCacheQueue", "_cache_queue")):
         fixed = classes[target]
         assert (fixed.__module__, fixed.__qualname__) == (f"fdsched.patches.{module}", target)
-        assert instance_class(fixed) is fixed and fixed.__bases__[1] is host_info.host_classes[target]
+        assert fixed.__bases__[1] is host_info.host_classes[target]

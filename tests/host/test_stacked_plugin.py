@@ -75,7 +75,6 @@ def _fingerprint(records):
 
 def _run(profile, workload, stacked):
     from fdsched.install import installer
-    from fdsched.install.installer import instance_class
     from fdsched.core.metrics import METRICS
     from fdsched.install.rebind import Rebinding
     from fdsched.replay.engine import EngineShape, build_manager, close_manager, logical_clock
@@ -103,13 +102,10 @@ def _run(profile, workload, stacked):
         with logical_clock():
             manager = build_manager(EngineShape(**shape))
             try:
-                if stacked:  # the second plugin's classes really sit on top of ours: theirs, then our arm's class
+                if stacked:  # the second plugin's classes really sit on top of ours: theirs, then our fixed class
                     for obj, target in ((manager, "ResourceManagerV1"), (manager.cache_manager, "PrefixCacheManager")):
                         mro = type(obj).__mro__
-                        if instance_class(report.classes[target]) is report.classes[target]:  # a fixed class
-                            assert mro[0] is layers_by_target[target] and mro[1] is report.classes[target]
-                        else:  # the scheduler: theirs over the arm's class
-                            assert mro[1] is layers_by_target[target] and mro[2] is instance_class(report.classes[target])
+                        assert mro[0] is layers_by_target[target] and mro[1] is report.classes[target]
                 records = run_workload(manager, requests)
             finally:
                 close_manager(manager)

@@ -1,4 +1,4 @@
-"""fdsched.patches: the catalogue is data, and it cannot drift from the mixin code."""
+"""fdsched.patches: the catalogue is data, and it cannot drift from the strategy code."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import fdsched.patches
 from fdsched.patches import CATALOGUE, TARGETS, PatchSpec, Shapes, Variant, spec_for
 from fdsched.patches._cache_queue import CacheQueue
 from fdsched.patches._prefix_cache import PrefixCache
-from fdsched.patches._scheduler import STEP_KINDS, Scheduler, declared_steps
+from fdsched.patches._scheduler import STEPS, Scheduler
 from fdsched.patches._spec import declared, served_methods
 from fdsched.core.schema import CHANGE_IDS, HOST_FIXES, SCHEMA
 
@@ -30,7 +30,7 @@ FIXED_CLASSES = {"EngineCacheQueue": CacheQueue, "PrefixCacheManager": PrefixCac
 
 
 def own_methods(cls) -> set:
-    """Functions a mixin defines itself, without the plugin's own names (private ``_fdsched`` helpers and
+    """Functions a class defines itself, without the plugin's own names (private ``_fdsched`` helpers and
     public ``fdsched_`` accessors: never a host method)."""
     return {
         name
@@ -52,52 +52,36 @@ def test_spec_for():
 
 
 @pytest.mark.parametrize("change_id", CHANGE_IDS)
-def test_mixins_define_exactly_what_the_spec_replaces(change_id):
+def test_strategies_serve_exactly_what_the_spec_replaces(change_id):
+    """Per target, the seams the change's strategies serve (every impl, variant and shape together) are the methods
+    its spec replaces there (``__init__``: the change acts when the fixed class builds the object), and the fixed
+    class has each of them."""
     spec = SPECS[change_id]
     declared = defaultdict(set)
     for target_method in spec.replaces:
         target, method = target_method.split(".", 1)
         declared[target].add(method)
-    assert set(declared) <= set(spec.mixins) | set(spec.strategies), (
-        f"{change_id}: replaces a method of a target without a mixin or a strategy")
-    for target in spec.mixins:
-        assert methods_of(spec, target) == declared[target], f"{change_id}: its {target} mixins drifted from SPEC.replaces"
+    assert set(declared) <= set(spec.strategies), f"{change_id}: replaces a method of a target without a strategy"
     for target in spec.strategies:
-        # a fixed class's seams: the class defines every replaced method, each strategy serves only replaced ones
         seams = own_methods(FIXED_CLASSES[target])
         assert declared[target] <= seams, f"{change_id}: {target}'s class lacks {sorted(declared[target] - seams)}"
-        for strategy in spec.strategies[target].values():
-            served = set(served_methods(strategy))
-            assert served <= declared[target], f"{change_id}: {strategy.__name__} serves {sorted(served)} not replaced"
-
-
-def methods_of(spec, target) -> set:
-    """What the change's mixins for ``target`` (its base and every variant) define together."""
-    found = set()
-    for mixin in spec.classes(target):
-        for cls in mixin.__mro__:
-            if cls.__module__.startswith("fdsched.patches") and cls.__name__ != "PluginBase":
-                found |= own_methods(cls)
-    return found
+        served = {name for strategy in spec.classes(target) for name in served_methods(strategy)}
+        assert served <= declared[target], f"{change_id}: {target}'s strategies serve {sorted(served)}"
+        # what no strategy serves, the fixed class does itself, never with a seam method (a descriptor, the queue's)
+        unserved = declared[target] - {"__init__"} - served
+        assert not any(inspect.isfunction(vars(FIXED_CLASSES[target]).get(n)) for n in unserved), sorted(unserved)
 
 
 @pytest.mark.parametrize("change_id", CHANGE_IDS)
-def test_each_impl_gets_only_its_own_mixins(change_id):
-    """An arm's class holds a change's mixin only where that impl runs plugin code; none where the host's own
-    code runs untouched (the classes decide once, no method asks which impl it is)."""
+def test_each_impl_has_its_entry_in_the_table(change_id):
+    """Every impl has its entry in each target's table (None: the host's own code runs untouched there); the plugin's
+    version always has a strategy somewhere."""
     spec = SPECS[change_id]
-    for target, table in spec.strategies.items():  # a fixed class: every impl has its entry in the table
-        assert set(table) == {"host", "plugin", "off"} and spec.mixin_of(target, "plugin") is None
-        assert table["plugin"] is not None and all(spec.mixin_of(target, impl) is None for impl in table)
-    for target in spec.mixins:
-        chosen = {impl: spec.mixin_of(target, impl) for impl in ("host", "plugin", "off")}
-        assert chosen["plugin"] is not None
-        for impl, option in chosen.items():
-            for mixin in option if isinstance(option, Shapes) else (option,) if option is not None else ():
-                assert mixin in spec.classes(target) and issubclass(mixin, spec.mixins[target])
-    assert SPECS["deferred_recycle"].mixin_of("PrefixCacheManager", "host") is None
-    assert SPECS["nonpolling_transfer"].mixin_of("EngineCacheQueue", "host") is None
-    assert SPECS["pd_prefill_cache"].mixin_of("ResourceManagerV1", "host") is None
+    for target, table in spec.strategies.items():
+        assert set(table) == {"host", "plugin", "off"}
+    assert any(table["plugin"] is not None for table in spec.strategies.values())
+    assert SPECS["deferred_recycle"].strategies["PrefixCacheManager"]["host"] is None
+    assert SPECS["pd_prefill_cache"].strategies["ResourceManagerV1"]["host"] is None
     table = SPECS["decode_only_preempt"].strategies["ResourceManagerV1"]
     assert table["plugin"].choose(True, None).decode_only is True
     assert table["off"].decode_only is False
@@ -123,9 +107,9 @@ def test_preemption_strategies_are_chosen_by_the_host_not_asked_per_call():
 @pytest.mark.parametrize("change_id", CHANGE_IDS)
 def test_targets_and_requirements_name_known_host_classes(change_id):
     spec = SPECS[change_id]
-    assert set(spec.mixins) | set(spec.strategies) <= set(TARGETS)
-    calls = [name for target in {*spec.mixins, *spec.strategies} for mixin in spec.classes(target)
-             for name in declared(mixin, "fdsched_calls")]
+    assert set(spec.strategies) <= set(TARGETS)
+    calls = [name for target in spec.strategies for strategy in spec.classes(target)
+             for name in declared(strategy, "fdsched_calls")]
     for name in list(spec.replaces) + calls:
         target, method = name.split(".", 1)
         assert target in TARGETS and method.isidentifier(), name
@@ -167,7 +151,7 @@ def test_every_patch_module_is_referenced_by_exactly_one_spec():
     referenced = defaultdict(list)
     for spec in CATALOGUE:
         # a change's module, or the package that holds one module per implementation (ratio_reserve)
-        classes = [*spec.mixins.values(), *(c for target in spec.strategies for c in spec.classes(target))]
+        classes = [c for target in spec.strategies for c in spec.classes(target)]
         for module in {".".join(cls.__module__.split(".")[:3]) for cls in classes}:
             referenced[module].append(spec.change_id)
     for name in PATCH_MODULES:
@@ -251,25 +235,19 @@ def test_relies_on_section_lists_exactly_the_spec_reliances(change_id):
         assert reliance.text.strip() and callable(reliance.check)
 
 
-# ---- the order in which changes wrap the methods they share ------------------------------------------------
-# method -> (outermost first) change ids whose mixins override it or whose strategies serve it, and why that order is
-# the right one.
+# ---- the order in which changes' strategies wrap the seams they share -------------------------------------------
+# Each fixed class builds an arm's strategies innermost first in catalogue order, so later entries wrap earlier ones.
+# (target, seam) -> (outermost first) the change ids whose strategies serve it, and why that order is the right one.
 WRAP_ORDER = {
     ("PrefixCacheManager", "update_cache_blocks"): (
         ("one_node_per_block", "pd_prefill_cache"),
         "the record fix corrects the count first, so the prefill node's gate decides on (and the host builds from) the "
         "corrected count; the gate's own records at finish go to the host directly",
     ),
-    ("ResourceManagerV1", "__init__"): (
-        ("decode_node_reserve", "prefill_node_reserve"),
-        "each calls super().__init__() first, so the host's constructor has finished before any plugin state is set "
-        "or any choice is bound; no mixin's state reads another's, so this order only fixes which exists first",
-    ),
     ("ResourceManagerV1", "_get_running_request_reserve_blocks"): (
         ("prefill_node_reserve", "ratio_reserve"),
-        "prefill_node_reserve is in an arm's class only where the host's own reservation runs (ratio_reserve auto "
-        "on a host with it: ratio_reserve's own mixin is absent there), so the two never both answer; pinned for the "
-        "base classes",
+        "prefill_node_reserve is chosen only where the host's own reservation runs (ratio_reserve auto on a host with "
+        "it: ratio_reserve has no strategy there), so the two never both answer; pinned for every option",
     ),
     ("ResourceManagerV1", "get_new_block_nums"): (
         ("decode_node_reserve", "ratio_reserve"),
@@ -286,28 +264,28 @@ WRAP_ORDER = {
     ),
     ("ResourceManagerV1", "_trigger_preempt"): (
         ("ratio_reserve", "decode_only_preempt"),
-        "ratio_reserve must see every preemption call, whichever loop runs inside it (the old host's, or change 2's): "
-        "its guard declines before any loop runs, and it re-estimates the ratio / resets the old host's fixed "
+        "ratio_reserve must see every preemption call, whichever loop runs inside it (the host's, or change 2's): "
+        "its guard declines before any loop runs, and it re-estimates the ratio / resets the host's fixed "
         "reservation after the loop, so reservation state is the reservation change's alone",
     ),
 }
 
 
-# The steps of the one schedule() (fdsched.patches._scheduler), per kind: the changes that take part, in the order they
-# run (innermost first), and why.
+# The steps of the one schedule() (fdsched.patches._scheduler), per kind: the changes whose strategies take part, in the
+# order they run (catalogue order), and why.
 STEP_ORDER = {
-    "fdsched_pass_end": (
+    "pass_end": (
         ("decode_only_preempt", "ratio_reserve"),
         "after every pass, also one that raised: the no-victim episode ends, then the reservation closes its budget "
         "under the host's lock (putting the waiting queue and the pre-change preempt tasks back in place); neither "
         "reads the other's state",
     ),
-    "fdsched_pass_result": (
+    "pass_result": (
         ("pd_prefill_cache",),
         "the prefill node's pre-change recording reads the pass's final task list, so it runs after the budget closed "
         "(the pre-change preempt tasks are in the list then)",
     ),
-    "fdsched_after_passes": (
+    "after_passes": (
         ("preempted_seat_resume",),
         "the seat fix acts between two whole passes (after one that scheduled nothing): the pass it runs again has "
         "its own plan, ends and results",
@@ -315,44 +293,31 @@ STEP_ORDER = {
 }
 
 
-def _step_owners(kind: str, impl=None) -> tuple:
-    """The changes whose ResourceManagerV1 classes take part in ``kind`` of step, in the order the scheduler runs them:
-    strategies innermost (catalogue order) first, then the mixins' declared steps (the mixins wrap every strategy).
-    ``impl``: only what an arm with that impl for every change holds."""
-    attribute, method = kind, dict(STEP_KINDS)[kind]
-    owners = [spec.change_id for spec in CATALOGUE for cls in _strategies(spec, impl) if hasattr(cls, method)]
+def _options(spec, target: str, impl=None) -> tuple:
+    """The change's strategy classes for ``target``: every option, or only those of ``impl``."""
     if impl is None:
-        owners += [spec.change_id for spec in CATALOGUE if "ResourceManagerV1" not in spec.strategies
-                   and any(declared_steps(cls, attribute) for cls in spec.classes("ResourceManagerV1"))]
-        return tuple(dict.fromkeys(owners))
-    mixins = fdsched.patches.mixins_for("ResourceManagerV1", {cid: impl for cid in CHANGE_IDS})
-    if mixins:
-        arm = type("Arm", mixins, {})
-        owners += [spec.change_id for name in declared_steps(arm, attribute) for spec in CATALOGUE
-                   for cls in spec.classes("ResourceManagerV1") if cls.__dict__.get(attribute) == name]
-    return tuple(dict.fromkeys(owners))
-
-
-def _strategies(spec, impl=None) -> tuple:
-    """The change's ResourceManagerV1 strategy classes (every option; ``impl``: that impl's options only)."""
-    table = spec.strategies.get("ResourceManagerV1", {})
-    if impl is None:
-        return spec.classes("ResourceManagerV1") if table else ()
-    chosen = table.get(impl)
+        return spec.classes(target)
+    chosen = spec.strategies.get(target, {}).get(impl)
     found = []
     for option in chosen.options if isinstance(chosen, Variant) else (chosen,) if chosen else ():
         found.extend(option if isinstance(option, Shapes) else (option,))
     return tuple(found)
 
 
+def _layers(target: str, impl=None) -> list:
+    """(change id, strategy class) in the order the fixed class wraps them, outermost first."""
+    return [(spec.change_id, cls) for spec in reversed(CATALOGUE) for cls in _options(spec, target, impl)]
+
+
 @pytest.mark.parametrize("kind", sorted(STEP_ORDER))
 def test_steps_run_in_the_pinned_order(kind):
-    assert set(STEP_ORDER) == {attribute for attribute, _ in STEP_KINDS}
+    assert set(STEP_ORDER) == set(STEPS)
     expected, why = STEP_ORDER[kind]
-    assert why and _step_owners(kind) == expected
-    # and so in a scheduler running every change's plugin (or pre-change) code
-    for impl in ("plugin", "off"):
-        owners = _step_owners(kind, impl)
+    owners = tuple(dict.fromkeys(cid for cid, cls in reversed(_layers("ResourceManagerV1")) if hasattr(cls, kind)))
+    assert why and owners == expected
+    for impl in ("host", "plugin", "off"):  # and so in a scheduler running every change's impl
+        owners = tuple(dict.fromkeys(cid for cid, cls in reversed(_layers("ResourceManagerV1", impl))
+                                     if hasattr(cls, kind)))
         assert owners == tuple(c for c in expected if c in owners)
 
 
@@ -368,52 +333,24 @@ def test_one_schedule_wrapper_under_patches():
     assert len(found) == 1 and found[0].startswith("_scheduler.py:"), found
 
 
-def _layers(target: str, impl=None) -> list:
-    """(change id, class) outermost first for ``target``: the mixins (later catalogue entries outside), then the
-    strategies the fixed class builds (later catalogue entries outside too). Without ``impl``, every class each change
-    has for ``target``; with it, what an arm with that impl for every change holds."""
-    if impl is None:
-        mixins = [(spec.change_id, cls) for spec in reversed(CATALOGUE) if target not in spec.strategies
-                  for cls in spec.classes(target)]
-    else:
-        chosen = fdsched.patches.mixins_for(target, {cid: impl for cid in CHANGE_IDS})
-        mixins = [(spec.change_id, mixin) for mixin in chosen for spec in CATALOGUE if mixin in spec.classes(target)]
-    strategies = [(spec.change_id, cls) for spec in reversed(CATALOGUE) if target in spec.strategies
-                  for cls in (spec.classes(target) if impl is None or target != "ResourceManagerV1"
-                              else _strategies(spec, impl))]
-    return mixins + strategies
-
-
-def _serves(cls, method: str) -> bool:
-    """Whether a strategy serves ``method`` (its ``seams``), or a mixin (or a plugin class it derives from) defines it."""
-    if hasattr(cls, "seams"):
-        return method in cls.seams
-    return any(method in vars(k) for k in cls.__mro__ if k.__module__.startswith("fdsched.patches"))
-
-
-def test_every_shared_method_has_a_pinned_wrap_order():
-    overriders = defaultdict(set)
+def test_every_shared_seam_has_a_pinned_wrap_order():
+    servers = defaultdict(set)
     for target in TARGETS:
         for change_id, cls in _layers(target):
-            methods = cls.seams if hasattr(cls, "seams") else {
-                m for k in cls.__mro__ if k.__module__.startswith("fdsched.patches") for m in own_methods(k)
-                if m == "__init__" or not m.startswith("__")}
-            for method in methods:
-                overriders[(target, method)].add(change_id)
-    shared = {key for key, changes in overriders.items() if len(changes) > 1}
-    assert shared == set(WRAP_ORDER), "a method two changes override needs its order pinned (and explained) here"
+            for seam in cls.seams:
+                servers[(target, seam)].add(change_id)
+    shared = {key for key, changes in servers.items() if len(changes) > 1}
+    assert shared == set(WRAP_ORDER), "a seam two changes serve needs its order pinned (and explained) here"
 
 
 @pytest.mark.parametrize("key", sorted(WRAP_ORDER))
-def test_changes_wrap_shared_methods_in_the_pinned_order(key):
-    target, method = key
+def test_changes_wrap_shared_seams_in_the_pinned_order(key):
+    target, seam = key
     expected, why = WRAP_ORDER[key]
     assert why
-    order = tuple(dict.fromkeys(cid for cid, cls in _layers(target) if _serves(cls, method)))
-    assert order == expected
-    # and so for every arm: whatever each change's impl, the changes that are in it keep that order
-    for impl in ("host", "plugin", "off"):
-        in_arm = tuple(dict.fromkeys(cid for cid, cls in _layers(target, impl) if _serves(cls, method)))
+    assert tuple(dict.fromkeys(cid for cid, cls in _layers(target) if seam in cls.seams)) == expected
+    for impl in ("host", "plugin", "off"):  # and so for every arm, whatever each change's impl
+        in_arm = tuple(dict.fromkeys(cid for cid, cls in _layers(target, impl) if seam in cls.seams))
         assert in_arm == tuple(cid for cid in expected if cid in in_arm)
 
 

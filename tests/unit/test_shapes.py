@@ -9,7 +9,7 @@ from __future__ import annotations
 import types
 
 from fdsched.entry import asked_for
-from fdsched.patches._spec import Shapes, call_problem, format_shape, override_problem, shape_of, uses_problem
+from fdsched.patches._spec import Shapes, call_problem, format_shape, shape_of, strategy_problem, uses_problem
 
 
 class Host:
@@ -25,47 +25,49 @@ class Host:
 
 
 
-def plugin_class(name, **methods):
-    cls = types.new_class(name, (), {}, lambda ns: ns.update(methods))
+def strategy(name, **methods):
+    """A strategy class serving ``methods`` (each takes the strategy, then the host object, then the host's own
+    parameters)."""
+    seams = tuple(n for n, v in methods.items() if callable(v) and not n.startswith("_fdsched"))
+    cls = types.new_class(name, (), {}, lambda ns: ns.update(methods, seams=seams))
     cls.__module__ = "fdsched.tests_shapes"
     return cls
 
 
-def test_a_matching_override_passes():
-    mixin = plugin_class("Ok", check=lambda self, num_blocks, try_free=True: 0)
-    assert override_problem(mixin, Host) is None
+def test_a_matching_seam_passes():
+    assert strategy_problem(strategy("Ok", check=lambda self, host, num_blocks, try_free=True: 0), Host) is None
 
 
 def test_arity_differs_is_named_with_both_shapes():
-    mixin = plugin_class("OneArg", check=lambda self, num_blocks: 0)
-    problem = override_problem(mixin, Host)
+    problem = strategy_problem(strategy("OneArg", check=lambda self, host, num_blocks: 0), Host)
     assert problem == "Host.check(self, num_blocks, try_free=True) differs from the (self, num_blocks) the plugin handles"
 
 
 def test_a_default_or_a_name_that_differs_is_a_different_shape():
-    assert override_problem(plugin_class("D", check=lambda self, num_blocks, try_free=False: 0), Host)
-    assert override_problem(plugin_class("N", threshold=lambda self, num_chunk_new_block: 0), Host)
-    assert override_problem(plugin_class("K", check=lambda self, num_blocks, *, try_free=True: 0), Host)
+    assert strategy_problem(strategy("D", check=lambda self, host, num_blocks, try_free=False: 0), Host)
+    assert strategy_problem(strategy("N", threshold=lambda self, host, num_chunk_new_block: 0), Host)
+    assert strategy_problem(strategy("K", check=lambda self, host, num_blocks, *, try_free=True: 0), Host)
 
 
-def test_a_method_the_host_lacks_is_named():
-    assert override_problem(plugin_class("M", seam=lambda self: 0), Host) == "Host.seam is missing (the plugin overrides it)"
+def test_a_seam_the_host_lacks_is_named():
+    assert strategy_problem(strategy("M", seam=lambda self, host: 0), Host) == "Host.seam is missing (the plugin serves it)"
 
 
-def test_plugin_names_and_pass_through_wrappers_are_not_checked():
-    mixin = plugin_class("W", _fdsched_helper=lambda self, x: 0, fdsched_calls={}, preempt=lambda self, *a, **k: 0)
-    assert override_problem(mixin, Host) is None
+def test_only_served_seams_are_checked_and_a_pass_through_takes_any_shape():
+    served = strategy("W", preempt=lambda self, host, *a, **k: 0)
+    served.helper = lambda self, x: 0  # not a seam: not compared with the host
+    assert strategy_problem(served, Host) is None
 
 
 def test_shapes_pick_the_first_that_fits_else_the_first_difference():
-    two = plugin_class("Two", check=lambda self, num_blocks, try_free=True: 0)
-    one = plugin_class("One", check=lambda self, num_blocks: 0)
+    two = strategy("Two", check=lambda self, host, num_blocks, try_free=True: 0)
+    one = strategy("One", check=lambda self, host, num_blocks: 0)
     assert Shapes(one, two).pick(Host) == (two, None)
     OneArgHost = type("OneArgHost", (), {"check": lambda self, num_blocks: 0})
     assert Shapes(two, one).pick(OneArgHost) == (one, None)
-    none_fit = Shapes(plugin_class("Three", check=lambda self, a, b, c: 0), two)
-    mixin, problem = none_fit.pick(OneArgHost)
-    assert mixin is None and problem.startswith("OneArgHost.check(self, num_blocks) differs from the (self, a, b, c)")
+    none_fit = Shapes(strategy("Three", check=lambda self, host, a, b, c: 0), two)
+    chosen, problem = none_fit.pick(OneArgHost)
+    assert chosen is None and problem.startswith("OneArgHost.check(self, num_blocks) differs from the (self, a, b, c)")
 
 
 def test_a_call_must_fit_by_position_name_and_leave_no_required_parameter():
@@ -86,17 +88,17 @@ def test_declared_calls_and_globals_are_checked_but_an_overridden_call_is_an_ove
     module.logger = object()
     sys.modules[module.__name__] = module
     try:
-        mixin = plugin_class(
+        uses = strategy(
             "Uses", fdsched_calls={"Host.check": ("num_blocks",)}, fdsched_globals={module.__name__: ("logger",)}
         )
-        assert uses_problem(mixin, "Host", {"Host": Host}) is None
-        missing = plugin_class("Missing", fdsched_globals={module.__name__: ("logger", "envs")})
+        assert uses_problem(uses, "Host", {"Host": Host}) is None
+        missing = strategy("Missing", fdsched_globals={module.__name__: ("logger", "envs")})
         assert uses_problem(missing, "Host", {"Host": Host}) == "fdsched_test_hostmod has no envs"
-        bad_call = plugin_class("BadCall", fdsched_calls={"Host.threshold": ("num_chunk_new_block",)})
+        bad_call = strategy("BadCall", fdsched_calls={"Host.threshold": ("num_chunk_new_block",)})
         assert "does not take the plugin's call" in uses_problem(bad_call, "Host", {"Host": Host})
-        overriding = plugin_class("Overriding", fdsched_calls={"Host.threshold": ("num_chunk_new_block",)},
-                                  threshold=lambda self, request, num_chunk_new_block: 0)
-        assert uses_problem(overriding, "Host", {"Host": Host}) is None
+        serving = strategy("Serving", fdsched_calls={"Host.threshold": ("num_chunk_new_block",)},
+                           threshold=lambda self, host, request, num_chunk_new_block: 0)
+        assert uses_problem(serving, "Host", {"Host": Host}) is None  # a seam it serves is checked as a seam
     finally:
         del sys.modules[module.__name__]
 
@@ -132,5 +134,5 @@ def test_declared_attributes_must_be_set_by_the_hosts_init_or_its_class():
 
     assert host_sets(Host, "running") and host_sets(Host, "lock") and host_sets(Host, "limit")
     assert host_sets(Host, "waiting") and not host_sets(Host, "requests")
-    reads = plugin_class("Reads", fdsched_attributes=("running", "requests"))
+    reads = strategy("Reads", fdsched_attributes=("running", "requests"))
     assert uses_problem(reads, "Host", {"Host": Host}) == "Host sets no requests (the plugin reads it)"

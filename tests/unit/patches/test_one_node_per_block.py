@@ -5,7 +5,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from fdsched.patches.one_node_per_block import raised_record
-from fdsched.patches.prefill_node_reserve import PrefillNodeReserveMixin, _where_the_host_reserves
+from fdsched.patches.prefill_node_reserve import PrefillNodeReserve, _where_the_host_reserves
 
 
 def test_a_computed_count_below_the_cached_count_is_raised_to_it():
@@ -22,6 +22,6 @@ def test_the_prefill_fix_is_in_an_arm_only_where_the_hosts_reservation_runs():
     def settings(mode):
         return SimpleNamespace(change_mode=lambda change_id: mode if change_id == "ratio_reserve" else "auto")
 
-    assert _where_the_host_reserves(False, settings("auto")) is PrefillNodeReserveMixin
+    assert _where_the_host_reserves(False, settings("auto")) is PrefillNodeReserve
     assert _where_the_host_reserves(False, settings("on")) is None  # the plugin's reservation answers
     assert _where_the_host_reserves(False, settings("off")) is None  # the pre-change reservation answers
