@@ -1,4 +1,4 @@
-"""Code names a host by what it can do (``_ReserveSeams``, ``PolicyPreemptLoopMixin``), never by its age.
+"""Code names a host by what it can do (``ReserveSeams``, ``PolicyPreemptLoop``), never by its age.
 
 Tests and docs may say "the old host" / "the new host" when they mean the two test hosts; an identifier in
 ``plugin/`` or ``patches/`` (a class, function, variable, attribute, argument or import alias) may not.
