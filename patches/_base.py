@@ -18,6 +18,7 @@ __all__ = [
     "host_global",
     "init_signature",
     "dp_rank_of",
+    "take_arm",
     "SplitStatusViews",
     "SingleStatusViews",
     "status_views",
@@ -203,6 +204,17 @@ def dp_rank_of(signature, args, kwargs) -> int:
         return int(explicit) if explicit is not None else 0
     except (TypeError, ValueError):
         return 0
+
+
+def take_arm(obj, args, kwargs) -> tuple:
+    """(data-parallel rank, Arm, that arm's row of strategies) for a fixed class's constructor call on ``obj``, whose
+    class holds the install's table (``_fdsched_rows``: rank, or None for every rank not listed -> (Arm, row)); the
+    rank and the arm's label, decisions and settings are set on ``obj`` (the metrics label it by them)."""
+    rank = dp_rank_of(obj._fdsched_init_signature, args, kwargs)
+    arm, row = obj._fdsched_rows.get(rank) or obj._fdsched_rows[None]
+    obj._fdsched_dp_rank = rank
+    obj._fdsched_arm, obj._fdsched_impl, obj._fdsched_settings = arm.label, arm.impl, arm.settings
+    return rank, arm, row
 
 
 def finished_ids(request_ids) -> tuple:

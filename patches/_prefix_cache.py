@@ -26,7 +26,7 @@ What the scheduler reads here: ``fdsched_gate`` (the PD change's marks and its o
 
 from __future__ import annotations
 
-from fdsched.patches._base import HOST_INIT_RUNNING, QueueOwner, dp_rank_of
+from fdsched.patches._base import HOST_INIT_RUNNING, QueueOwner, take_arm
 from fdsched.patches._host_code import HostCode, hide_absent
 from fdsched.patches._plan import NO_PLANS
 
@@ -52,10 +52,7 @@ class PrefixCache:
         if self.__dict__.get(HOST_INIT_RUNNING):  # the host's own super(HostName, self).__init__: past the host
             super(self._fdsched_host_class, self).__init__(*args, **kwargs)
             return
-        rank = dp_rank_of(self._fdsched_init_signature, args, kwargs)
-        arm, row = self._fdsched_rows.get(rank) or self._fdsched_rows[None]
-        self._fdsched_dp_rank = rank
-        self._fdsched_arm, self._fdsched_impl, self._fdsched_settings = arm.label, arm.impl, arm.settings
+        _, arm, row = take_arm(self, args, kwargs)
         host = HostCode(self._fdsched_host_class, SEAMS)
         # the host's own code while the host builds the object
         self._fdsched_recycle = self._fdsched_check = self._fdsched_recording = self.fdsched_gate = host

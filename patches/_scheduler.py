@@ -33,7 +33,7 @@ import sys
 from functools import partial
 
 from fdsched.core.metrics import METRICS
-from fdsched.patches._base import HOST_INIT_RUNNING, _dp_size, dp_rank_of, init_signature
+from fdsched.patches._base import HOST_INIT_RUNNING, _dp_size, init_signature, take_arm
 from fdsched.patches._guard import SchedulerGuard, nothing_scheduled
 from fdsched.patches._host_code import HostCode, hide_absent
 from fdsched.patches._plan import PlanSlot, StepPlan
@@ -63,10 +63,7 @@ class Scheduler(SchedulerGuard):
         if self.__dict__.get(HOST_INIT_RUNNING):  # the host's own super(HostName, self).__init__: past the host
             super(self._fdsched_host_class, self).__init__(*args, **kwargs)
             return
-        rank = dp_rank_of(self._fdsched_init_signature, args, kwargs)
-        arm, row = self._fdsched_rows.get(rank) or self._fdsched_rows[None]
-        self._fdsched_dp_rank = rank
-        self._fdsched_arm, self._fdsched_impl, self._fdsched_settings = arm.label, arm.impl, arm.settings
+        rank, arm, row = take_arm(self, args, kwargs)
         if self._fdsched_arms:
             self._fdsched_log_arm(rank, arm, args, kwargs)
         # One pass at a time, plan open to the pass's last step (the slot's turn); made before the host's constructor
