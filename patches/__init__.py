@@ -13,7 +13,7 @@ Nothing here imports FastDeploy at import time.
 
 from __future__ import annotations
 
-from fdsched.patches._spec import AlteredTest, PatchSpec, Reliance, Shapes, Variant, pick_shape  # noqa: F401  (the catalogue's types, re-exported)
+from fdsched.patches._spec import AlteredTest, PatchSpec, Reliance, Shapes, Variant  # noqa: F401  (the catalogue's types, re-exported)
 
 __all__ = ["AlteredTest", "PatchSpec", "Reliance", "Shapes", "Variant", "CATALOGUE", "TARGETS", "spec_for"]
 

@@ -1,9 +1,14 @@
-"""The host's own methods as the last layer of a fixed class's seams (:mod:`fdsched.patches._prefix_cache`,
-:mod:`fdsched.patches._cache_queue`)."""
+"""The host's own methods as the last layer of a fixed class's seams (:mod:`fdsched.patches._scheduler`,
+:mod:`fdsched.patches._prefix_cache`, :mod:`fdsched.patches._cache_queue`), and a seam the host lacks."""
 
 from __future__ import annotations
 
 __all__ = ["HostCode", "host_method", "Absent", "hide_absent"]
+
+
+def _no_attribute(host_cls, name: str) -> AttributeError:
+    """The error an object of ``host_cls`` raises for a method it does not have."""
+    return AttributeError(f"'{host_cls.__name__}' object has no attribute '{name}'")
 
 
 def host_method(host_cls, name: str):
@@ -14,7 +19,7 @@ def host_method(host_cls, name: str):
         return function
 
     def missing(*args, **kwargs):
-        raise AttributeError(f"'{host_cls.__name__}' object has no attribute '{name}'")
+        raise _no_attribute(host_cls, name)
 
     return missing
 
@@ -32,10 +37,10 @@ class Absent:
     class would raise, so ``hasattr`` and ``getattr(obj, name, default)`` answer as on the host's own object."""
 
     def __init__(self, host_cls, name: str) -> None:
-        self.message = f"'{host_cls.__name__}' object has no attribute '{name}'"
+        self.host_cls, self.name = host_cls, name
 
     def __get__(self, obj, owner=None):
-        raise AttributeError(self.message)
+        raise _no_attribute(self.host_cls, self.name)
 
 
 def hide_absent(cls, host_cls, seams) -> None:

@@ -104,8 +104,8 @@ class Scheduler(SchedulerGuard):
         for name in SEAMS:
             first = getattr(layers, name)
             own[_SEAM_ATTRIBUTE[name]] = first
-            if not self._fdsched_host_has[name] or _defined_by(type(self), name) is not Scheduler:
-                continue  # missing on the host, or a class over this one overrides it: the class's seam runs
+            if _defined_by(type(self), name) is not Scheduler:
+                continue  # a class over this one overrides it (or marks it absent: the host lacks it): that runs
             own[name] = first.__get__(self) if first is getattr(host, name) else partial(first, self)
 
     def fdsched_strategy(self, change_id: str):
@@ -205,7 +205,6 @@ def over(host_cls: type, rows: dict, order: tuple, outermost: tuple, attributes:
         _fdsched_order = order
         _fdsched_outermost = outermost
         _fdsched_init_signature = init_signature(host_cls)
-        _fdsched_host_has = {name: callable(getattr(host_cls, name, None)) for name in SEAMS}
 
     for name, value in attributes.items():
         setattr(ResourceManagerV1, name, value)
