@@ -24,8 +24,8 @@ Relies on: (each probed at install: ``on``, or ``off`` on a host with the change
 
 How: one admission budget per ``schedule()`` pass (:class:`fdsched.core.admission.AdmissionBudget`), asked at the
 host's threshold seam; each scheduler holds one strategy per impl, host shape and estimator (``SPEC.strategies``),
-chosen once when it is built. Modules: ``host``, ``ratio``, ``adaptive``, ``off`` (one per impl) and
-``budget``, ``reader``, ``cache`` (shared). The rest (the running-chunk guard, ``off``'s running pass, the pass
+chosen once when it is built. Modules: ``host``, ``adaptive``, ``off`` (one per impl), ``budget`` (the
+pass's budget, the ratio strategy on each host shape, the cache manager's check) and ``reader``. The rest (the running-chunk guard, ``off``'s running pass, the pass
 object, the adaptive estimator, what an admission costs, prefill nodes): docs/internals.md, "ratio_reserve".
 """
 
@@ -36,15 +36,13 @@ from fdsched.patches.ratio_reserve.adaptive import (  # noqa: F401  (the change'
     ADAPTIVE_GUARD_SHAPES, AdaptiveGuard, AdaptiveGuardRequestArg, AdaptiveSeams,
 )
 from fdsched.patches.ratio_reserve.budget import (  # noqa: F401
-    COUNT_REFUSAL, DECLINE_PREEMPTION, REFUSE_RUNNING_CHUNK, RM, THRESHOLD_FOR_RUNNING_CHUNK, BudgetedReserve,
+    CHECK_SHAPES, COUNT_REFUSAL, DECLINE_PREEMPTION, RATIO_GUARD_SHAPES, REFUSE_RUNNING_CHUNK, RM,
+    THRESHOLD_FOR_RUNNING_CHUNK, BudgetedReserve, PlanCheck, PlanCheckOneArg, RatioGuard, RatioGuardRequestArg,
+    RatioSeams,
 )
-from fdsched.patches.ratio_reserve.cache import CHECK_SHAPES, PlanCheck, PlanCheckOneArg  # noqa: F401
 from fdsched.patches.ratio_reserve.host import HOST_RESERVE_RESET_SHAPES, HostReserve, HostReserveReset  # noqa: F401
 from fdsched.patches.ratio_reserve.off import (  # noqa: F401
     ClosedWaitingQueue, PRE_CHANGE_SHAPES, PreChangeReserve, PreChangeReserveBatch,
-)
-from fdsched.patches.ratio_reserve.ratio import (  # noqa: F401
-    RATIO_GUARD_SHAPES, RatioGuard, RatioGuardRequestArg, RatioSeams,
 )
 
 

@@ -10,8 +10,7 @@ from fdsched.core.metrics import METRICS
 
 from fdsched.patches._spec import Shapes
 from fdsched.patches._base import finished_ids
-from fdsched.patches.ratio_reserve.budget import ReserveSeams, RunningChunkGuard, ThresholdTakesRequest
-from fdsched.patches.ratio_reserve.ratio import RatioCore
+from fdsched.patches.ratio_reserve.budget import RatioCore, ReserveSeams, RunningChunkGuard, ThresholdTakesRequest
 
 
 class AdaptiveCore(RatioCore):

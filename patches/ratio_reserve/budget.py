@@ -1,8 +1,9 @@
-"""Change 3, what the plugin's reservation shares (impls ``plugin`` and ``off``): the pass's admission budget and
-the host-shape parts of the plugin's version (the reserve seams, the running-chunk guard, a threshold seam that takes
-the request), each combined with an estimator class into one strategy class per host shape; what it reads of the
-running requests is :mod:`fdsched.patches.ratio_reserve.reader`. The catalogue entry, with what the change replaces
-and relies on, is :mod:`fdsched.patches.ratio_reserve`.
+"""Change 3, the plugin's reservation (impl ``plugin``, and what impl ``off`` shares of it): the pass's admission
+budget, upstream's ratio formula as a strategy on each host shape (the reserve seams, the running-chunk guard, a
+threshold seam that takes the request), and the cache manager's side, the host's block check as the pass sees it.
+What it reads of the running requests is :mod:`fdsched.patches.ratio_reserve.reader`; the adaptive estimator
+(:mod:`fdsched.patches.ratio_reserve.adaptive`) is the ratio strategy with another estimator. The catalogue entry,
+with what the change replaces and relies on, is :mod:`fdsched.patches.ratio_reserve`.
 """
 
 from __future__ import annotations
@@ -14,9 +15,11 @@ from fdsched.core.admission import AdmissionBudget, RunningView
 from fdsched.core.adaptive import client_bound
 from fdsched.core.metrics import METRICS
 from fdsched.core.policies import FixedBlockReserve, NewTokenRatio, max_new_tokens_of
+from fdsched.core.strategies import RatioStrategy
 
-from fdsched.patches._base import drafts, host_global
-from fdsched.patches._plan import StepPlan
+from fdsched.patches._spec import Shapes
+from fdsched.patches._base import drafts, host_global, node_role
+from fdsched.patches._plan import NOTHING, StepPlan
 from fdsched.patches.ratio_reserve.reader import free_blocks_of, reader_for
 
 RM = "fastdeploy.engine.sched.resource_manager_v1"
@@ -314,3 +317,99 @@ class ThresholdTakesRequest:
 
     def _get_can_schedule_prefill_threshold_block(self, rm, request, num_chunk_new_block):
         return super()._get_can_schedule_prefill_threshold_block(rm, num_chunk_new_block)
+
+
+# ---- impl "plugin": upstream's ratio formula -------------------------------------------------------------------
+class RatioCore(BudgetedReserve):
+    """The plugin's version of change 3 with upstream's ratio formula (:class:`RatioStrategy`), on any host."""
+
+    def __init__(self, rm, settings, next):
+        super().__init__(rm, settings, next)
+        # A prefill node never decodes: its requests leave after their first token. Reserving decode blocks
+        # there (as 7783 does) can stall it for good: a chunk that needs no new block is refused while the
+        # preallocated requests hold the pool, and the ratio decays only after a pass that scheduled something.
+        self.decodes = node_role(rm) != "prefill"
+        self.policies = rm._fdsched_policies
+        METRICS.ratio(self.ratio.value, of=rm)
+
+    def make_strategy(self):
+        return RatioStrategy(
+            self.ratio,
+            self.settings["host_tunables.FD_CLIP_MAX_NEW_TOKENS"],
+            self.rm.config.cache_config.block_size,
+            self.settings["tunables.ratio_reestimate_extra_blocks"],
+            self.policies.reserve_blocks,
+            decodes=self.decodes,
+            pure=lambda policies=self.policies: policies.reserve_is_formula,
+        )
+
+    def reestimate(self, preemptions: int = 1) -> None:
+        self.strategy.on_preemption(running_views(self.rm, with_phase=True), preemptions)
+        budget = self.made_budget()
+        if budget is not None:  # the ratio moved: the pass's next ask counts the running set afresh
+            budget.running_changed()
+        self.strategy.report(self.gauges)
+
+
+class RatioSeams(ReserveSeams, RatioCore):
+    """Upstream's ratio formula on a host with 7783 (through its seams)."""
+
+    seams = RatioCore.seams + ReserveSeams.seams
+
+
+class RatioGuard(RunningChunkGuard, RatioCore):
+    """Upstream's ratio formula on a host without the reserve seams (with the guard)."""
+
+    seams = RatioCore.seams + RunningChunkGuard.seams
+
+
+class RatioGuardRequestArg(ThresholdTakesRequest, RatioGuard):
+    """:class:`RatioGuard` on a host whose threshold seam takes the request."""
+
+
+RATIO_GUARD_SHAPES = Shapes(RatioGuard, RatioGuardRequestArg)
+
+
+# ---- the cache manager's side ----------------------------------------------------------------------------
+class PlanCheck:
+    """The host's block check, seen by the scheduler (one per cache manager; ``next`` checks: the host's own): it
+    consults the scheduler's plan open on its own thread (:class:`fdsched.patches._plan.StepPlan`, through the slot
+    the scheduler handed its cache manager when it was built, ``fdsched_plans``) — a refusal of one check (evicting
+    nothing), or a refused threshold check to count for the metrics."""
+
+    seams = ("can_allocate_gpu_blocks",)
+
+    def __init__(self, cm, settings, next):
+        self.next = next
+
+    def can_allocate_gpu_blocks(self, cm, num_blocks, try_free_gpu_blocks=True):
+        # most checks: no pass on any thread expects anything of a check, the pool answers
+        plans = cm.fdsched_plans
+        kinds = plans.take(num_blocks) if plans.waiting else NOTHING
+        if kinds is NOTHING:
+            return self.next.can_allocate_gpu_blocks(cm, num_blocks, try_free_gpu_blocks)
+        allowed = REFUSE_RUNNING_CHUNK not in kinds and self.next.can_allocate_gpu_blocks(cm, num_blocks,
+                                                                                          try_free_gpu_blocks)
+        return counted(cm, kinds, allowed)
+
+
+class PlanCheckOneArg(PlanCheck):
+    """The block check where the host's takes the count only, ``(num_blocks)`` (FastDeploy 2.4 and 2.5)."""
+
+    def can_allocate_gpu_blocks(self, cm, num_blocks):
+        plans = cm.fdsched_plans
+        kinds = plans.take(num_blocks) if plans.waiting else NOTHING
+        if kinds is NOTHING:
+            return self.next.can_allocate_gpu_blocks(cm, num_blocks)
+        allowed = REFUSE_RUNNING_CHUNK not in kinds and self.next.can_allocate_gpu_blocks(cm, num_blocks)
+        return counted(cm, kinds, allowed)
+
+
+def counted(cm, kinds, allowed: bool) -> bool:
+    """``allowed``, after counting a refused threshold check the pass said to count."""
+    if COUNT_REFUSAL in kinds and not allowed:
+        METRICS.admission_blocked(of=cm)
+    return allowed
+
+
+CHECK_SHAPES = Shapes(PlanCheck, PlanCheckOneArg)
