@@ -14,7 +14,7 @@ import sys
 from fdsched.core.admission import AdmissionBudget, RunningView
 from fdsched.core.adaptive import client_bound
 from fdsched.core.metrics import METRICS
-from fdsched.core.policies import FixedBlockReserve, NewTokenRatio, max_new_tokens_of
+from fdsched.core.admission import FixedBlockReserve, NewTokenRatio, max_new_tokens_of
 from fdsched.core.strategies import RatioStrategy
 
 from fdsched.patches._spec import Shapes

@@ -79,7 +79,7 @@ class _RunningReader:
 
     def terms(self, request) -> tuple:
         """``(budget, client bound)`` of ``request``: its output budget
-        (:func:`fdsched.core.policies.max_new_tokens_of`) and its view's client bound
+        (:func:`fdsched.core.admission.max_new_tokens_of`) and its view's client bound
         (:func:`fdsched.core.adaptive.client_bound`), computed inline (this runs for every running request)."""
         max_tokens = getattr(request.sampling_params, "max_tokens", None)
         room = self.scheduler.config.model_config.max_model_len - request.prompt_token_ids_len

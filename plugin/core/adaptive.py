@@ -33,7 +33,7 @@ from typing import Iterable, NamedTuple, Optional
 
 from fdsched.core.common import ceil_div
 from fdsched.core.lengths import LengthHistogram
-from fdsched.core.policies import reserve_blocks_for_request
+from fdsched.core.admission import reserve_blocks_for_request
 from fdsched.core.terms import BATCH_MIN, MEAN_SCALE, SetTerms, batch_terms, columns_of_keys, numpy_or_none
 from fdsched.core.terms import prepare as prepare_terms
 from fdsched.core.warmup import warmup_reserve_blocks

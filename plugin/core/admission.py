@@ -1,10 +1,15 @@
-"""Change 3's admission decision: one budget per ``schedule()`` pass, with a reservation strategy behind it.
+"""Change 3's admission decision: the reservation's formulas, and one budget per ``schedule()`` pass with a
+reservation strategy behind it.
 
 The host admits a prefill chunk (a new request's, or the next chunk of a running one) when
 ``cache_manager.can_allocate_gpu_blocks(threshold)`` holds, where the threshold is the chunk's own blocks plus
 what the running requests keep free for the tokens they will still generate. This module is that decision,
 in plain values (nothing here imports FastDeploy):
 
+* the **formulas**: a request's output budget (:func:`max_new_tokens_of`), upstream's per-request reserve
+  (:func:`reserve_blocks_for_request`), the ratio's state (:class:`NewTokenRatio`: ``FD_INIT_NEW_TOKEN_RATIO``,
+  decayed per pass, re-estimated after a preemption) and the pre-change fixed-block reserve
+  (:class:`FixedBlockReserve`);
 * a **strategy** (:mod:`fdsched.core.strategies`) says how many blocks the running set keeps free, and carries its
   state between passes.
 * an :class:`AdmissionBudget` is made by the scheduler's ``schedule()`` pass at its first need, asked by
@@ -24,7 +29,9 @@ from __future__ import annotations
 
 import operator
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Optional, Protocol, Sequence
+from typing import Callable, Iterable, NamedTuple, Optional, Protocol, Sequence
+
+from fdsched.core.common import ceil_div
 
 
 __all__ = [
@@ -36,7 +43,127 @@ __all__ = [
     "RunningRecount",
     "BlockSum",
     "KeptSum",
+    "max_new_tokens_of",
+    "reserve_blocks_for_request",
+    "reestimate_new_token_ratio",
+    "NewTokenRatio",
+    "FixedBlockReserve",
 ]
+
+
+# ---- the reservation's formulas (upstream PR 7444 / 2.6 cherry-pick 7783; the code is our own) ----------
+def max_new_tokens_of(max_tokens: Optional[int], max_model_len: int, prompt_len: int) -> int:
+    """A request's output budget: its ``max_tokens``, or what is left of the context when unset."""
+    if max_tokens is None:
+        return max_model_len - prompt_len
+    return int(max_tokens)
+
+
+def reserve_blocks_for_request(
+    max_new_tokens: int, generated_tokens: int, ratio: float, clip_max_new_tokens: int, block_size: int
+) -> int:
+    """Blocks to keep free for one running request's future decode tokens.
+
+    ``ceil(max(int(min(max_new_tokens - generated, clip) * ratio), 0) / block_size)``: a request
+    that already generated more than its budget reserves nothing.
+    """
+    remaining = max_new_tokens - generated_tokens
+    clipped = min(remaining, clip_max_new_tokens)
+    reserved_tokens = max(int(clipped * ratio), 0)
+    return ceil_div(reserved_tokens, block_size)
+
+
+def reestimate_new_token_ratio(
+    generated: Iterable[int],
+    max_new_tokens: Iterable[int],
+    num_decoding: int,
+    block_size: int,
+    extra_blocks_per_decode: int,
+    cap: float,
+) -> float:
+    """The ratio after a preemption: how much of their budgets running requests have used.
+
+    ``(sum(generated) + extra_blocks_per_decode * block_size * num_decoding) / (sum(max_new) + 1)``,
+    capped at ``cap`` (upstream: the initial ratio; SGLang: 1.0).
+    """
+    total_generated = sum(generated)
+    total_budget = sum(max_new_tokens)
+    estimate = (total_generated + extra_blocks_per_decode * block_size * num_decoding) / (total_budget + 1)
+    return min(estimate, cap)
+
+
+class NewTokenRatio:
+    """The new_token_ratio state machine of the ratio-based reservation policy."""
+
+    def __init__(self, init: float, minimum: float, decay: float, cap: Optional[float] = None) -> None:
+        self.init = init
+        self.minimum = minimum
+        self.decay = decay
+        self.cap = init if cap is None else cap
+        self.value = init
+
+    @property
+    def top(self) -> float:
+        """The most the ratio can ever be: it starts at ``init``, only decays after a pass, and a re-estimate gives
+        at most ``cap`` (``init`` again when nothing runs)."""
+        return max(self.init, self.cap)
+
+    def after_schedule(self, scheduled_anything: bool) -> None:
+        """Relax the reservation a little after every pass that scheduled something."""
+        if scheduled_anything:
+            self.value = max(self.value - self.decay, self.minimum)
+
+    def on_preemption(
+        self,
+        generated: Sequence[int],
+        max_new_tokens: Sequence[int],
+        num_decoding: int,
+        block_size: int,
+        extra_blocks_per_decode: int,
+    ) -> float:
+        """Re-estimate from what the running requests did; back to init if nothing runs."""
+        if not generated:
+            self.value = self.init
+        else:
+            self.value = reestimate_new_token_ratio(
+                generated, max_new_tokens, num_decoding, block_size, extra_blocks_per_decode, self.cap
+            )
+        return self.value
+
+
+class FixedBlockReserve:
+    """The fixed-block reservation (ratio_reserve off; the pre-change policy) (FD_RESERVE_*_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL).
+
+    ``init`` blocks per running request, decaying by ``decay`` per pass that scheduled something,
+    never below ``minimum``; once it reaches 0 the reservation is off ("relaxed") until the next
+    preemption puts it back to ``init``.
+    """
+
+    def __init__(self, init: int, decay: float, minimum: int) -> None:
+        self.init = init
+        self.decay = decay
+        self.minimum = minimum
+        self.current = init
+        self._current_float = float(init)
+        self.relaxed = True
+
+    def threshold(self, chunk_blocks: int, num_running: int) -> int:
+        if self.relaxed:
+            return chunk_blocks
+        return chunk_blocks + num_running * self.current
+
+    def after_schedule(self, scheduled_anything: bool) -> None:
+        if not scheduled_anything:
+            return
+        self._current_float -= self.decay
+        self.current = max(int(self._current_float), self.minimum, 0)
+        if self.current == 0:
+            self.relaxed = True
+
+    def on_preemption(self) -> None:
+        self.current = self.init
+        self._current_float = float(self.init)
+        self.relaxed = False
 
 
 class RunningView(NamedTuple):

@@ -13,7 +13,7 @@ import pluggy
 
 from fdsched import hookspecs
 
-from fdsched.core import policies
+from fdsched.core import admission, policies
 from fdsched.hookspecs import hookimpl
 from fdsched.core.policies import VictimCandidate
 
@@ -36,7 +36,7 @@ class DefaultPolicies:
     def fdsched_estimate_reserve_blocks(
         self, request_id, max_new_tokens, generated_tokens, ratio, clip_max_new_tokens, block_size
     ):
-        return policies.reserve_blocks_for_request(
+        return admission.reserve_blocks_for_request(
             max_new_tokens, generated_tokens, ratio, clip_max_new_tokens, block_size
         )
 
@@ -168,7 +168,7 @@ class Policies:
 
     def reserve_blocks(self, request_id, max_new_tokens, generated_tokens, ratio, clip, block_size) -> int:
         if self._direct_reserve:
-            return policies.reserve_blocks_for_request(max_new_tokens, generated_tokens, ratio, clip, block_size)
+            return admission.reserve_blocks_for_request(max_new_tokens, generated_tokens, ratio, clip, block_size)
         return int(
             self.pm.hook.fdsched_estimate_reserve_blocks(
                 **_reserve_args(request_id, max_new_tokens, generated_tokens, ratio, clip, block_size)

@@ -1,29 +1,22 @@
-"""Pure scheduling and cache policies.
+"""Pure preemption and stall policies: which request is decoding, which one a preemption takes, when an
+admission has stopped.
 
-Everything here takes plain values and returns plain values. Nothing imports FastDeploy, so every
-decision the plugin makes can be tested with ordinary Python objects. The patches in
-``fdsched.patches`` translate host objects into these values and apply the answers.
-
-Formulas follow upstream FastDeploy PR 7444 (2.6 cherry-pick 7783); the code is our own.
+Everything here takes plain values and returns plain values. Nothing imports FastDeploy, so every decision can be
+tested with ordinary Python objects; the patches in ``fdsched.patches`` translate host objects into these values and
+apply the answers. The reservation's formulas and the admission budget are :mod:`fdsched.core.admission`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from typing import Optional, Sequence
 
-from fdsched.core.common import ceil_div
 
 __all__ = [
     "VictimCandidate",
     "is_decoding",
     "select_preemption_victim",
     "select_any_phase_victim",
-    "max_new_tokens_of",
-    "reserve_blocks_for_request",
-    "reestimate_new_token_ratio",
-    "NewTokenRatio",
-    "FixedBlockReserve",
     "NoVictimWarning",
 ]
 
@@ -105,124 +98,6 @@ class NoVictimWarning:
         if not self._hit_this_pass:
             self._in_episode = False
         self._hit_this_pass = False
-
-
-# --------------------------------------------------------------------------------------------
-# Reservation for running requests' future decode tokens
-# --------------------------------------------------------------------------------------------
-def max_new_tokens_of(max_tokens: Optional[int], max_model_len: int, prompt_len: int) -> int:
-    """A request's output budget: its ``max_tokens``, or what is left of the context when unset."""
-    if max_tokens is None:
-        return max_model_len - prompt_len
-    return int(max_tokens)
-
-
-def reserve_blocks_for_request(
-    max_new_tokens: int, generated_tokens: int, ratio: float, clip_max_new_tokens: int, block_size: int
-) -> int:
-    """Blocks to keep free for one running request's future decode tokens.
-
-    ``ceil(max(int(min(max_new_tokens - generated, clip) * ratio), 0) / block_size)``: a request
-    that already generated more than its budget reserves nothing.
-    """
-    remaining = max_new_tokens - generated_tokens
-    clipped = min(remaining, clip_max_new_tokens)
-    reserved_tokens = max(int(clipped * ratio), 0)
-    return ceil_div(reserved_tokens, block_size)
-
-
-def reestimate_new_token_ratio(
-    generated: Iterable[int],
-    max_new_tokens: Iterable[int],
-    num_decoding: int,
-    block_size: int,
-    extra_blocks_per_decode: int,
-    cap: float,
-) -> float:
-    """The ratio after a preemption: how much of their budgets running requests have used.
-
-    ``(sum(generated) + extra_blocks_per_decode * block_size * num_decoding) / (sum(max_new) + 1)``,
-    capped at ``cap`` (upstream: the initial ratio; SGLang: 1.0).
-    """
-    total_generated = sum(generated)
-    total_budget = sum(max_new_tokens)
-    estimate = (total_generated + extra_blocks_per_decode * block_size * num_decoding) / (total_budget + 1)
-    return min(estimate, cap)
-
-
-class NewTokenRatio:
-    """The new_token_ratio state machine of the ratio-based reservation policy."""
-
-    def __init__(self, init: float, minimum: float, decay: float, cap: Optional[float] = None) -> None:
-        self.init = init
-        self.minimum = minimum
-        self.decay = decay
-        self.cap = init if cap is None else cap
-        self.value = init
-
-    @property
-    def top(self) -> float:
-        """The most the ratio can ever be: it starts at ``init``, only decays after a pass, and a re-estimate gives
-        at most ``cap`` (``init`` again when nothing runs)."""
-        return max(self.init, self.cap)
-
-    def after_schedule(self, scheduled_anything: bool) -> None:
-        """Relax the reservation a little after every pass that scheduled something."""
-        if scheduled_anything:
-            self.value = max(self.value - self.decay, self.minimum)
-
-    def on_preemption(
-        self,
-        generated: Sequence[int],
-        max_new_tokens: Sequence[int],
-        num_decoding: int,
-        block_size: int,
-        extra_blocks_per_decode: int,
-    ) -> float:
-        """Re-estimate from what the running requests did; back to init if nothing runs."""
-        if not generated:
-            self.value = self.init
-        else:
-            self.value = reestimate_new_token_ratio(
-                generated, max_new_tokens, num_decoding, block_size, extra_blocks_per_decode, self.cap
-            )
-        return self.value
-
-
-class FixedBlockReserve:
-    """The fixed-block reservation (ratio_reserve off; the pre-change policy) (FD_RESERVE_*_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL).
-
-    ``init`` blocks per running request, decaying by ``decay`` per pass that scheduled something,
-    never below ``minimum``; once it reaches 0 the reservation is off ("relaxed") until the next
-    preemption puts it back to ``init``.
-    """
-
-    def __init__(self, init: int, decay: float, minimum: int) -> None:
-        self.init = init
-        self.decay = decay
-        self.minimum = minimum
-        self.current = init
-        self._current_float = float(init)
-        self.relaxed = True
-
-    def threshold(self, chunk_blocks: int, num_running: int) -> int:
-        if self.relaxed:
-            return chunk_blocks
-        return chunk_blocks + num_running * self.current
-
-    def after_schedule(self, scheduled_anything: bool) -> None:
-        if not scheduled_anything:
-            return
-        self._current_float -= self.decay
-        self.current = max(int(self._current_float), self.minimum, 0)
-        if self.current == 0:
-            self.relaxed = True
-
-    def on_preemption(self) -> None:
-        self.current = self.init
-        self._current_float = float(self.init)
-        self.relaxed = False
-
 
 
 class StallWatch:

@@ -20,9 +20,8 @@ from typing import Callable, Optional, Sequence
 
 from fdsched.core.adaptive import AdaptiveReserve, SetReservation
 from fdsched.core.admission import (
-    BlockSum, KeptSum, RunningOffset, RunningReader, RunningRecount, RunningView,
+    BlockSum, FixedBlockReserve, KeptSum, NewTokenRatio, RunningOffset, RunningReader, RunningRecount, RunningView,
 )
-from fdsched.core.policies import FixedBlockReserve, NewTokenRatio
 from fdsched.core.terms import BATCH_MIN
 
 __all__ = ["FixedBlockStrategy", "RatioStrategy", "AdaptiveStrategy"]
@@ -31,7 +30,7 @@ __all__ = ["FixedBlockStrategy", "RatioStrategy", "AdaptiveStrategy"]
 class FixedBlockStrategy:
     """The pre-change policy: ``current`` blocks per running request after a preemption, decaying by ``decay``
     per pass that scheduled something; once at 0 the reservation is off ("relaxed") until the next preemption
-    (:class:`fdsched.core.policies.FixedBlockReserve`)."""
+    (:class:`fdsched.core.admission.FixedBlockReserve`)."""
 
     def __init__(self, fixed: FixedBlockReserve) -> None:
         self.fixed = fixed
@@ -93,7 +92,7 @@ class RatioStrategy:
     """Upstream's formula: each running request keeps ``ceil(min(budget - generated, clip) x ratio / block)``
     blocks (``estimate``: the ``fdsched_estimate_reserve_blocks`` hook, whose default is that formula); the
     ratio decays after every pass that scheduled something and is re-estimated after a preemption
-    (:class:`fdsched.core.policies.NewTokenRatio`). ``decodes=False`` (a prefill node, whose requests leave
+    (:class:`fdsched.core.admission.NewTokenRatio`). ``decodes=False`` (a prefill node, whose requests leave
     after their first token) reserves nothing; the ratio still moves."""
 
     relaxed = False
@@ -125,7 +124,7 @@ class RatioStrategy:
         """The most a request with output budget ``budget`` can ever keep free here: upstream's formula over its
         whole budget at the ratio's top (:attr:`NewTokenRatio.top`). Its reservation only shrinks from there as it
         generates and as the ratio decays, and the adaptive estimator's never exceeds the formula's.
-        (:func:`fdsched.core.policies.reserve_blocks_for_request` with nothing generated, inline: the reader asks it
+        (:func:`fdsched.core.admission.reserve_blocks_for_request` with nothing generated, inline: the reader asks it
         for every request it keeps.)"""
         tokens = int(min(budget, self.clip) * self.ratio.top)
         return -(-tokens // self.block_size) if tokens > 0 else 0
@@ -161,7 +160,7 @@ class RatioStrategy:
     def lefts_blocks(self, lefts: Sequence[int]) -> int:
         """Upstream's formula summed over requests given by their budget left (``budget - generated``): what
         :meth:`set_blocks` gives with the plugin's own estimate
-        (:func:`fdsched.core.policies.reserve_blocks_for_request`), without a call per request.
+        (:func:`fdsched.core.admission.reserve_blocks_for_request`), without a call per request.
 
         A request's blocks, ``ceil(int(min(left, clip) x ratio) / block)``, only grow with its budget left, by one
         block at each of a few thresholds (the least budget left that reaches each block). So the sum is, over those

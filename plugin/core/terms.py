@@ -136,7 +136,7 @@ def _learned_columns(np, estimator, bound, budget, generated, ratio, clip_max_ne
     left = np.maximum(remaining, 0)
     mean = np.minimum(np.maximum(mean, 1.0), left)
     variance = np.minimum(variance, left.astype(np.float64) * left)
-    # The cap: upstream's ratio formula (fdsched.core.policies.reserve_blocks_for_request), in integers.
+    # The cap: upstream's ratio formula (fdsched.core.admission.reserve_blocks_for_request), in integers.
     reserved = np.maximum((np.minimum(remaining, clip_max_new_tokens) * ratio).astype(np.int64), 0)
     cap = (reserved + (block_size - 1)) // block_size
     # Answered: its kind has learned, and some sample is longer than what it generated.

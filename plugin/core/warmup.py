@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Optional
 
-from fdsched.core.policies import reserve_blocks_for_request
+from fdsched.core.admission import reserve_blocks_for_request
 
 __all__ = ["warmup_reserve_blocks"]
 
@@ -24,10 +24,10 @@ def warmup_reserve_blocks(
     generated more than any sample of its kind).
 
     * The client bounded its length (``max_tokens`` from :func:`fdsched.core.adaptive.client_bound`): upstream's
-      ratio formula over that bound (:func:`fdsched.core.policies.reserve_blocks_for_request`): the bound is
+      ratio formula over that bound (:func:`fdsched.core.admission.reserve_blocks_for_request`): the bound is
       informative and that formula does well on such traffic.
     * No bound: the legacy fixed-block reservation's current per-request amount (``fixed_blocks``: 16
-      blocks after a preemption, decaying to 0; :class:`fdsched.core.policies.FixedBlockReserve`), never
+      blocks after a preemption, decaying to 0; :class:`fdsched.core.admission.FixedBlockReserve`), never
       more than upstream's formula would reserve for it. Upstream's
       ratio over the rest of the context (min(context left, 4096) x 0.7 tokens per request at first) is
       mostly air and throttles a cold engine for hundreds of steps; the legacy policy is what the

@@ -78,7 +78,7 @@ def test_warm_up_unbounded_requests_use_the_legacy_fixed_blocks(adaptive_rm):
     rm._trigger_preempt(rm.running[0], 1, [], [])
     # After the preemption the fallback reserves the legacy per-request blocks for what still runs, never
     # more than upstream's formula would (a: budget 64 - 8 = 56, 2 generated, at the re-estimated ratio).
-    from fdsched.core.policies import reserve_blocks_for_request
+    from fdsched.core.admission import reserve_blocks_for_request
 
     fixed = rm.fdsched_strategy("ratio_reserve").fixed.current
     by_ratio = reserve_blocks_for_request(56, 2, rm.fdsched_strategy("ratio_reserve").ratio.value, 4096, 4)
@@ -143,7 +143,7 @@ def test_the_running_sets_reservation_does_not_depend_on_the_order_of_running(ad
 def test_an_admission_the_free_blocks_cover_at_the_bound_is_decided_without_a_count(adaptive_rm):
     """The host's block check takes nothing when its free list covers the count: an ask whose threshold at every
     running request's most is covered is answered with that threshold, and only a tighter pool counts."""
-    from fdsched.core.policies import reserve_blocks_for_request
+    from fdsched.core.admission import reserve_blocks_for_request
     from fdsched.patches.ratio_reserve.reader import free_blocks_of
 
     rm = adaptive_rm()

@@ -9,7 +9,7 @@ import pytest
 
 from fdsched.core.adaptive import AdaptiveReserve, RunningRequest, margin_blocks
 from fdsched.core.lengths import LengthHistogram
-from fdsched.core.policies import reserve_blocks_for_request
+from fdsched.core.admission import reserve_blocks_for_request
 
 
 def test_histogram_tail_matches_exact_statistics_on_integer_lengths():

@@ -17,7 +17,7 @@ import random
 import pytest
 
 from fdsched.core.adaptive import AdaptiveReserve, RemainderEstimate, RunningRequest
-from fdsched.core.policies import reserve_blocks_for_request
+from fdsched.core.admission import reserve_blocks_for_request
 
 RATIO, CLIP, BLOCK = 0.7, 4096, 16
 

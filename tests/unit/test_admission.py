@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from fdsched.core.adaptive import AdaptiveReserve
 from fdsched.core.admission import AdmissionBudget, RunningView
 from fdsched.core.strategies import AdaptiveStrategy, FixedBlockStrategy, RatioStrategy
-from fdsched.core.policies import FixedBlockReserve, NewTokenRatio, reserve_blocks_for_request
+from fdsched.core.admission import FixedBlockReserve, NewTokenRatio, reserve_blocks_for_request
 
 
 def _formula(request_id, budget, generated, ratio, clip, block_size):

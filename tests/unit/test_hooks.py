@@ -9,7 +9,7 @@ import pytest
 
 import fdsched.hookspecs
 from fdsched import hookspecs
-from fdsched.core import policies
+from fdsched.core import admission, policies
 from fdsched.core.hooks import DISABLE_ENV, Policies, _blocked_names, make_plugin_manager
 from fdsched.hookspecs import hookimpl
 from fdsched.core.policies import VictimCandidate
@@ -108,7 +108,7 @@ def test_victim_answers_on_the_mixed_queue(pol):
     "args", [(100, 0, 0.5, 4096, 16), (100, 150, 0.7, 4096, 64), (10_000, 10, 1.0, 4096, 64), (64, 0, 1.0, 4096, 64)]
 )
 def test_reserve_fast_path_and_dispatch_equal_the_pure_function(pm, pol, args):
-    expected = policies.reserve_blocks_for_request(*args)
+    expected = admission.reserve_blocks_for_request(*args)
     assert pol.reserve_blocks("r", *args) == expected
     max_new, generated, ratio, clip, block = args
     assert (
@@ -354,7 +354,7 @@ def test_reserve_override_is_none_without_a_third_party_and_its_answer_with_one(
     assert pol.reserve_blocks_override(*args) == 3
     # A third party that passes on a request leaves it to the estimator: the plugin's ratio default is not asked.
     assert pol.reserve_blocks_override("r2", 3000, 10, 0.7, 4096, 16) is None
-    assert pol.reserve_blocks("r2", 3000, 10, 0.7, 4096, 16) == policies.reserve_blocks_for_request(3000, 10, 0.7, 4096, 16)
+    assert pol.reserve_blocks("r2", 3000, 10, 0.7, 4096, 16) == admission.reserve_blocks_for_request(3000, 10, 0.7, 4096, 16)
 
 
 @pytest.mark.parametrize("raw, state", [

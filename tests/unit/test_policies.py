@@ -8,17 +8,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from fdsched.core.admission import (
+    FixedBlockReserve, NewTokenRatio, max_new_tokens_of, reestimate_new_token_ratio, reserve_blocks_for_request,
+)
 from fdsched.core.policies import (
-    FixedBlockReserve,
-    NewTokenRatio,
-    NoVictimWarning,
-    VictimCandidate,
-    is_decoding,
-    max_new_tokens_of,
-    reestimate_new_token_ratio,
-    reserve_blocks_for_request,
-    select_any_phase_victim,
-    select_preemption_victim,
+    NoVictimWarning, VictimCandidate, is_decoding, select_any_phase_victim, select_preemption_victim,
 )
 
 

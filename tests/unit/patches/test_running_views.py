@@ -22,7 +22,7 @@ def _scheduler(running, max_model_len=2048):
 
 def _most(budget):
     """A request's most possible reservation, as a ratio strategy gives it (ratio 0.7, clip 4096, block 64)."""
-    from fdsched.core.policies import reserve_blocks_for_request
+    from fdsched.core.admission import reserve_blocks_for_request
 
     return reserve_blocks_for_request(budget, 0, 0.7, 4096, 64)
 

@@ -11,7 +11,7 @@ from fdsched.core.common import ceil_div
 from fdsched.replay.peak_admission import (
     LearnedClip, PeakAdmission, QuantileController, QuantileLengths, RunningView, peak_blocks,
 )
-from fdsched.core.policies import reserve_blocks_for_request
+from fdsched.core.admission import reserve_blocks_for_request
 
 
 def _simulate_peak(items, block_size, ahead):
