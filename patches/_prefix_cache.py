@@ -28,7 +28,7 @@ from __future__ import annotations
 
 from fdsched.patches._base import HOST_INIT_RUNNING, QueueOwner, take_arm
 from fdsched.patches._host_code import HostCode, hide_absent
-from fdsched.patches._plan import NO_PLANS
+from fdsched.patches._scheduler import NO_PLANS
 
 __all__ = ["PrefixCache", "over"]
 

@@ -19,7 +19,7 @@ from fdsched.core.strategies import RatioStrategy
 
 from fdsched.patches._spec import Shapes
 from fdsched.patches._base import drafts, host_global, node_role
-from fdsched.patches._plan import NOTHING, StepPlan
+from fdsched.patches._scheduler import NOTHING, StepPlan
 from fdsched.patches.ratio_reserve.reader import free_blocks_of, reader_for
 
 RM = "fastdeploy.engine.sched.resource_manager_v1"
@@ -373,7 +373,7 @@ RATIO_GUARD_SHAPES = Shapes(RatioGuard, RatioGuardRequestArg)
 # ---- the cache manager's side ----------------------------------------------------------------------------
 class PlanCheck:
     """The host's block check, seen by the scheduler (one per cache manager; ``next`` checks: the host's own): it
-    consults the scheduler's plan open on its own thread (:class:`fdsched.patches._plan.StepPlan`, through the slot
+    consults the scheduler's plan open on its own thread (:class:`fdsched.patches._scheduler.StepPlan`, through the slot
     the scheduler handed its cache manager when it was built, ``fdsched_plans``) — a refusal of one check (evicting
     nothing), or a refused threshold check to count for the metrics."""
 

@@ -11,7 +11,7 @@ from fdsched.core.metrics import METRICS
 
 from fdsched.patches._spec import Shapes
 from fdsched.patches._base import host_global
-from fdsched.patches._plan import StepPlan
+from fdsched.patches._scheduler import StepPlan
 from fdsched.patches.ratio_reserve.budget import (
     COUNT_REFUSAL, REFUSE_RUNNING_CHUNK, RM, THRESHOLD_FOR_RUNNING_CHUNK, BudgetedReserve,
 )

@@ -275,7 +275,7 @@ def test_a_second_thread_entering_schedule_mid_pass_does_not_take_the_open_pass_
     admissions ask (on the old host the guard needs it to refuse the running chunk)."""
     import time
 
-    from fdsched.patches._plan import PlanSlot
+    from fdsched.patches._scheduler import PlanSlot
 
     rm = rm_with("recommended")
     chunk, waiting = _guard_scene(rm)

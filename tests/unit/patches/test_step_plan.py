@@ -7,7 +7,7 @@ import logging
 import threading
 
 from fdsched.core.metrics import METRICS
-from fdsched.patches._plan import NO_PLANS, PlanSlot, StepPlan
+from fdsched.patches._scheduler import NO_PLANS, PlanSlot, StepPlan
 
 
 def _on_another_thread(func):
