@@ -18,10 +18,26 @@ controller, which loads no tier's conftest), for each tier that has a result in 
 from __future__ import annotations
 
 import fcntl
+import os
 
 import pytest
 
 TIERS = ("tests/unit/", "tests/host/", "tests/engine/")
+
+
+def _own_metrics_directory() -> None:
+    """A pytest-xdist worker that inherited ``PROMETHEUS_MULTIPROC_DIR`` (the controller loaded the host tier's
+    conftest, which sets it, when ``tests/host`` is on the command line) gets a directory of its own, here, before it
+    imports anything that writes samples: the host's ``/metrics`` text collects every file in the directory, and a
+    shared one mixes the workers' samples (a test comparing two scrapes would count another worker's requests)."""
+    if os.environ.get("PYTEST_XDIST_WORKER") and os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+        from fdsched.replay.engine import prepare_host_environment
+
+        del os.environ["PROMETHEUS_MULTIPROC_DIR"]
+        prepare_host_environment()  # a fresh one, removed when this worker exits
+
+
+_own_metrics_directory()
 HOST, ENGINE = TIERS.index("tests/host/"), TIERS.index("tests/engine/")
 
 

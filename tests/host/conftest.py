@@ -7,8 +7,6 @@ modules are imported only after the environment they need on a CPU machine is se
 
 from __future__ import annotations
 
-import os
-
 import pytest
 
 from fdsched.install.probe import HOW_TO_POINT, HostNotFound, find_host
@@ -19,11 +17,6 @@ SKIP_REASON = "needs FastDeploy host: " + HOW_TO_POINT
 def _host_available():
     from fdsched.replay.engine import prepare_host_environment
 
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        # Each pytest-xdist worker gets a metrics directory of its own: the host's /metrics text collects every
-        # file in PROMETHEUS_MULTIPROC_DIR, and one inherited from the controller would mix the workers' samples
-        # (a test comparing two scrapes would count the other worker's requests).
-        os.environ.pop("PROMETHEUS_MULTIPROC_DIR", None)
     prepare_host_environment()
     try:
         find_host()
