@@ -269,6 +269,22 @@ def test_a_block_check_from_another_thread_mid_pass_neither_takes_nor_is_bent_by
     assert METRICS.unconsumed_signals == {}, "every signal was taken by the check it was for"
 
 
+def test_the_served_engine_state_reports_what_an_open_pass_still_expects(rm_with):
+    """The served engine's state (read by the engine tier's checks) lists what the scheduler's open pass still
+    expects of a block check, from the slot the scheduler made; nothing once the pass is closed."""
+    from fdsched.patches._scheduler import Expected, StepPlan
+    from fdsched.serve.seams.engine import _engine_state_locked
+
+    rm = rm_with("recommended")
+    slot, plan = rm._fdsched_plans, StepPlan(None)
+    outer = slot.open(plan)
+    plan.focus("r1")
+    plan.expect("count-refusal", 7)
+    assert _engine_state_locked(rm, rm.cache_manager)["pending_signals"] == [repr(Expected("count-refusal", "r1", 7))]
+    slot.close(outer)
+    assert _engine_state_locked(rm, rm.cache_manager)["pending_signals"] == []
+
+
 def test_a_second_thread_entering_schedule_mid_pass_does_not_take_the_open_pass_budget(rm_with, monkeypatch):
     """The pass's admission budget belongs to the thread that opened it: another thread that calls schedule()
     while a pass is open (it then waits for the host's lock) must not replace the budget the open pass's

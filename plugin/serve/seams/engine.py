@@ -156,7 +156,7 @@ def _engine_state_locked(rm, cm) -> dict:
     held = []
     for req in list(getattr(rm, "requests", {}).values()):
         held.extend(getattr(req, "block_tables", []) or [])
-    desk = getattr(cm, "_fdsched_plans", None)  # the scheduler's plan slot (fdsched.patches._scheduler.PlanSlot)
+    plans = getattr(rm, "_fdsched_plans", None)  # the scheduler's plan slot (fdsched.patches._scheduler.PlanSlot)
     return {
         "rm_class": type(rm).__name__, "cm_class": type(cm).__name__,
         "total": int(cm.num_gpu_blocks), "free": free, "tree_blocks": tree, "request_blocks": held,
@@ -168,7 +168,7 @@ def _engine_state_locked(rm, cm) -> dict:
         "requests": len(getattr(rm, "requests", {})),
         "evicting": _future_running(getattr(cm, "gpu_free_task_future", None))
         or _future_running(getattr(cm, "cpu_free_future", None)),
-        "pending_signals": [repr(p) for p in (desk.pending() if desk is not None else ())],
+        "pending_signals": [repr(p) for p in (plans.pending() if plans is not None else ())],
     }
 
 
