@@ -23,6 +23,7 @@ import os
 import pytest
 
 TIERS = ("tests/unit/", "tests/host/", "tests/engine/")
+HOST, ENGINE = TIERS.index("tests/host/"), TIERS.index("tests/engine/")
 
 
 def _own_metrics_directory() -> None:
@@ -38,7 +39,6 @@ def _own_metrics_directory() -> None:
 
 
 _own_metrics_directory()
-HOST, ENGINE = TIERS.index("tests/host/"), TIERS.index("tests/engine/")
 
 
 def _tier(path) -> int:

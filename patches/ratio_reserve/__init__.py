@@ -24,9 +24,10 @@ Relies on: (each probed at install: ``on``, or ``off`` on a host with the change
 
 How: one admission budget per ``schedule()`` pass (:class:`fdsched.core.admission.AdmissionBudget`), asked at the
 host's threshold seam; each scheduler holds one strategy per impl, host shape and estimator (``SPEC.strategies``),
-chosen once when it is built. Modules: ``host``, ``adaptive``, ``off`` (one per impl), ``budget`` (the
-pass's budget, the ratio strategy on each host shape, the cache manager's check) and ``reader``. The rest (the running-chunk guard, ``off``'s running pass, the pass
-object, the adaptive estimator, what an admission costs, prefill nodes): docs/internals.md, "ratio_reserve".
+chosen once when it is built. Modules: ``host``, ``adaptive``, ``off`` (one per impl), ``budget`` (the pass's
+budget, the ratio strategy on each host shape, the cache manager's check) and ``reader``. The rest (the running-chunk
+guard, ``off``'s running pass, the pass object, the adaptive estimator, what an admission costs, prefill nodes):
+docs/internals.md, "ratio_reserve".
 """
 
 from __future__ import annotations

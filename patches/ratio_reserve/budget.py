@@ -11,10 +11,9 @@ from __future__ import annotations
 import functools
 import sys
 
-from fdsched.core.admission import AdmissionBudget, RunningView
+from fdsched.core.admission import AdmissionBudget, FixedBlockReserve, NewTokenRatio, RunningView, max_new_tokens_of
 from fdsched.core.adaptive import client_bound
 from fdsched.core.metrics import METRICS
-from fdsched.core.admission import FixedBlockReserve, NewTokenRatio, max_new_tokens_of
 from fdsched.core.strategies import RatioStrategy
 
 from fdsched.patches._spec import Shapes
@@ -373,9 +372,9 @@ RATIO_GUARD_SHAPES = Shapes(RatioGuard, RatioGuardRequestArg)
 # ---- the cache manager's side ----------------------------------------------------------------------------
 class PlanCheck:
     """The host's block check, seen by the scheduler (one per cache manager; ``next`` checks: the host's own): it
-    consults the scheduler's plan open on its own thread (:class:`fdsched.patches._scheduler.StepPlan`, through the slot
-    the scheduler handed its cache manager when it was built, ``fdsched_plans``) — a refusal of one check (evicting
-    nothing), or a refused threshold check to count for the metrics."""
+    consults the scheduler's plan open on its own thread (:class:`fdsched.patches._scheduler.StepPlan`, through the
+    slot the scheduler handed its cache manager when it was built, ``fdsched_plans``) — a refusal of one check
+    (evicting nothing), or a refused threshold check to count for the metrics."""
 
     seams = ("can_allocate_gpu_blocks",)
 
