@@ -166,18 +166,18 @@ class BudgetedReserve:
             budget = plan.made
             if budget is None:
                 budget = plan.budget
-            threshold = budget.threshold(num_chunk_new_block, rm.running)
-            if budget.settled:  # the free blocks cover it: the check that follows answers True, nothing to count
-                return threshold
+            verdict = budget.admit(num_chunk_new_block, rm.running)
+            if verdict.settled:  # the free blocks cover it: the check that follows answers True, nothing to count
+                return verdict.blocks
         else:  # asked outside a pass (PD preallocation, no reserve seams): a budget and a question of its own
             budget = self.new_budget()
-            threshold = budget.threshold(num_chunk_new_block, rm.running)
+            verdict = budget.admit(num_chunk_new_block, rm.running)
             self.report(budget)
             plan = StepPlan(None)
             self.plans.ask_outside_a_pass(plan)
-        # Its caller checks the threshold with can_allocate_gpu_blocks next: count that check's refusal.
-        plan.expect(COUNT_REFUSAL, threshold)
-        return threshold
+        # The pool decides: its caller checks these blocks with can_allocate_gpu_blocks next; count a refusal.
+        plan.expect(COUNT_REFUSAL, verdict.blocks)
+        return verdict.blocks
 
     def report(self, budget: AdmissionBudget) -> None:
         """The running set's blocks at ``budget``'s last ask that counted them, and the strategy's decision then, to
@@ -285,9 +285,9 @@ class RunningChunkGuard:
         if plan is None:  # outside a pass the host's own check stands
             return blocks
         budget = plan.budget
-        threshold = budget.threshold(blocks, rm.running)
-        # settled by the bound: the free blocks cover the threshold, and the pool's check would answer True
-        if budget.settled or rm.cache_manager.can_allocate_gpu_blocks(threshold):
+        verdict = budget.admit(blocks, rm.running)
+        # settled: the free blocks cover it, and the pool's check would answer True; else the pool decides
+        if verdict.settled or rm.cache_manager.can_allocate_gpu_blocks(verdict.blocks):
             return blocks
         METRICS.admission_blocked(of=rm)
         # The pass's one decision for this chunk: its block check is refused and its preemption call declined.

@@ -13,8 +13,10 @@ in plain values (nothing here imports FastDeploy):
 * a **strategy** (:mod:`fdsched.core.strategies`) says how many blocks the running set keeps free, and carries its
   state between passes.
 * an :class:`AdmissionBudget` is made by the scheduler's ``schedule()`` pass at its first need, asked by
-  every admission in it (:meth:`AdmissionBudget.threshold`) and closed at the pass's end. It is the model of
-  SGLang's ``PrefillAdder`` (one object per pass that every admission asks).
+  every admission in it and closed at the pass's end. It is the model of SGLang's ``PrefillAdder`` (one object
+  per pass that every admission asks). An admission is one call, :meth:`AdmissionBudget.admit`, whose answer is
+  a :class:`Verdict`: admit now (the free blocks cover the chunk and the reserve), or the blocks the pool must
+  find (its check may evict cached blocks to find them; refusing, it refuses for the running set's reserve).
 * a **tally** is how a budget counts the running set's blocks at each ask, chosen by the strategy when the pass
   makes its budget (``strategy.tally``): a :class:`RunningOffset` where the set's reservation adds up
   request by request (with no third party answering: upstream's formula over budgets left, or the adaptive
@@ -38,6 +40,7 @@ __all__ = [
     "RunningView",
     "Gauges",
     "AdmissionBudget",
+    "Verdict",
     "RunningReader",
     "RunningOffset",
     "RunningRecount",
@@ -328,21 +331,37 @@ class BlockSum:
         return self.total
 
 
+class Verdict(NamedTuple):
+    """One admission's answer (:meth:`AdmissionBudget.admit`).
+
+    ``blocks``: what must be free for the chunk to be admitted, the chunk's own blocks plus the running set's
+    reserve (the threshold the host's block check is asked). ``settled``: the pool's free blocks cover ``blocks``
+    now, so the chunk is admitted (the host's check of them answers True, evicting nothing); otherwise the pool
+    decides, evicting cached blocks to make room if it can (a refusal: the chunk and the reserve do not fit).
+    ``reserved``: the running set's blocks counted for this answer (None where the bound settled it without
+    counting)."""
+
+    blocks: int
+    settled: bool
+    reserved: Optional[int]
+
+
 @dataclass
 class AdmissionBudget:
-    """One ``schedule()`` pass's admission decision: made at the pass's first need of it, asked by every admission,
-    closed at its end.
+    """One ``schedule()`` pass's admission decision: made at the pass's first need of it, asked by every admission
+    (:meth:`admit`), closed at its end.
 
-    ``tally`` counts the running set's blocks at each ask (the strategy's :meth:`fdsched.core.strategies.RatioStrategy.tally`, chosen
-    when the budget is made). ``slack`` is what a speculative-decoding engine adds to a threshold that reserves
-    something (one block, within the per-sequence maximum). ``declined`` (the running-chunk guard) holds the running
-    chunks the budget refused in this pass: the scheduler declines their preemption call instead of preempting.
+    ``tally`` counts the running set's blocks at each ask (the strategy's
+    :meth:`fdsched.core.strategies.RatioStrategy.tally`, chosen when the budget is made). ``slack`` is what a
+    speculative-decoding engine adds to a threshold that reserves something (one block, within the per-sequence
+    maximum). ``declined`` (the running-chunk guard) holds the running chunks the budget refused in this pass: the
+    scheduler declines their preemption call instead of preempting.
 
-    ``most`` and ``free`` (both or neither): a bound on the running set's blocks (:meth:`fdsched.core.strategies.RatioStrategy.most_tally`)
-    and the pool's free blocks now. Where the host checks a threshold by comparing it with its free blocks (taking
-    nothing when they cover it), any threshold they cover gets the same answer: an ask whose threshold at the bound
-    is covered returns that threshold without counting the running set, and only an ask the bound does not settle
-    counts it (``reserved``).
+    ``most`` and ``free`` (both or neither): a bound on the running set's blocks
+    (:meth:`fdsched.core.strategies.RatioStrategy.most_tally`) and the pool's free blocks now. Where the host checks
+    a threshold by comparing it with its free blocks (taking nothing when they cover it), any threshold they cover
+    gets the same answer: an ask whose threshold at the bound is covered is admitted without counting the running
+    set (a settled :class:`Verdict`), and only an ask the bound does not settle counts it (``reserved``).
     """
 
     strategy: object
@@ -354,13 +373,10 @@ class AdmissionBudget:
     reserved: Optional[int] = None  # the running set's blocks at the last ask that counted them
     asks: int = 0
     closed: bool = False
-    # whether the last ask was settled by the bound: the free blocks covered its threshold then, so the host's
-    # check of it answers True (its caller need not expect a refusal)
-    settled: bool = False
 
-    def threshold(self, chunk_blocks: int, running: Sequence) -> int:
-        """Blocks that must be free for a chunk of ``chunk_blocks`` to be admitted now (``running``: the
-        scheduler's running requests, read through the tally)."""
+    def admit(self, chunk_blocks: int, running: Sequence) -> Verdict:
+        """The verdict on admitting a chunk of ``chunk_blocks`` now (``running``: the scheduler's running requests,
+        read through the tally)."""
         if self.closed:
             raise RuntimeError("AdmissionBudget: asked after its schedule() pass was closed")
         self.asks += 1
@@ -373,14 +389,12 @@ class AdmissionBudget:
             if chunk_blocks + most.floor <= free:
                 total = self.slack(chunk_blocks + most.blocks(running))
                 if total <= free:
-                    self.settled = True
-                    return total
-        self.settled = False
-        self.reserved = self.tally.blocks(running)
+                    return Verdict(total, True, None)
+        reserved = self.reserved = self.tally.blocks(running)
         if most is not None:
-            most.floor = self.reserved
-        total = chunk_blocks + self.reserved
-        return total if self.strategy.relaxed else self.slack(total)
+            most.floor = reserved
+        total = chunk_blocks + reserved
+        return Verdict(total if self.strategy.relaxed else self.slack(total), False, reserved)
 
     def running_changed(self) -> None:
         """A preemption re-estimated the ratio: the next ask counts the whole running set."""

@@ -7,9 +7,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fdsched.core.adaptive import AdaptiveReserve
-from fdsched.core.admission import AdmissionBudget, RunningView
+from fdsched.core.admission import (
+    AdmissionBudget, FixedBlockReserve, NewTokenRatio, RunningView, Verdict, reserve_blocks_for_request,
+)
 from fdsched.core.strategies import AdaptiveStrategy, FixedBlockStrategy, RatioStrategy
-from fdsched.core.admission import FixedBlockReserve, NewTokenRatio, reserve_blocks_for_request
 
 
 def _formula(request_id, budget, generated, ratio, clip, block_size):
@@ -87,26 +88,26 @@ def test_the_budget_adds_the_running_sets_blocks_and_slack_unless_relaxed():
     slack = lambda blocks: blocks + 1  # noqa: E731 - a speculative-decoding engine's one extra block
     ratio = RatioStrategy(_ratio(0.5), 40, 4, 0, _formula)
     budget = _budget(ratio, slack)
-    assert budget.threshold(3, [_view("a", 56, 0)]) == 3 + 5 + 1 and budget.reserved == 5
+    assert budget.admit(3, [_view("a", 56, 0)]) == Verdict(3 + 5 + 1, False, 5) and budget.reserved == 5
     fixed = FixedBlockStrategy(FixedBlockReserve(3, 1, 0))
     relaxed = _budget(fixed, slack)
-    assert relaxed.threshold(3, [_view("a", 56, 0)]) == 3  # relaxed: the chunk itself, no slack
+    assert relaxed.admit(3, [_view("a", 56, 0)]).blocks == 3  # relaxed: the chunk itself, no slack
     fixed.on_preemption()
-    assert _budget(fixed, slack).threshold(3, [_view("a", 56, 0)]) == 3 + 3 + 1
+    assert _budget(fixed, slack).admit(3, [_view("a", 56, 0)]).blocks == 3 + 3 + 1
 
 
 @pytest.mark.parametrize("pure", [True, False], ids=["plugin-formula", "third-party-hook"])
 def test_the_budget_sees_the_running_set_of_each_ask_and_refuses_asks_after_it_closed(pure):
     budget = _budget(RatioStrategy(_ratio(0.5), 40, 4, 0, _formula, pure=lambda: pure))
     running = [_view("a", 56, 0)]
-    assert budget.threshold(1, running) == 6
+    assert budget.admit(1, running).blocks == 6
     running.append(_view("b", 30, 4))  # a request admitted earlier in the pass now runs
-    assert budget.threshold(1, running) == 10
+    assert budget.admit(1, running).blocks == 10
     assert budget.asks == 2
     budget.declined.add("chunk")
     assert budget.close() == {"chunk"} and budget.declined == set()
     with pytest.raises(RuntimeError, match="closed"):
-        budget.threshold(1, running)
+        budget.admit(1, running)
 
 
 @pytest.mark.parametrize("ratio", [0.0, 0.05, 0.31, 0.5, 0.7, 1.0])
@@ -127,11 +128,11 @@ def test_a_pass_counts_the_running_set_once_then_only_the_requests_admitted_sinc
     budget = AdmissionBudget(strategy, strategy.tally(reader))
     a, b, c = _view("a", 56, 0), _view("b", 30, 4), _view("c", 20, 0)
     running = [a]
-    assert budget.threshold(1, running) == 1 + 5
+    assert budget.admit(1, running).blocks == 1 + 5
     running.append(b)  # admitted earlier in the pass
-    assert budget.threshold(1, running) == 1 + 5 + 4
+    assert budget.admit(1, running).blocks == 1 + 5 + 4
     assert reader.read == ["a", "b"]  # b alone was read at the second ask
-    assert budget.threshold(1, running) == 1 + 9 and reader.read == ["a", "b"]  # nothing new: nothing read
+    assert budget.admit(1, running).blocks == 1 + 9 and reader.read == ["a", "b"]  # nothing new: nothing read
 
 
 def _fresh(strategy, running):
@@ -145,7 +146,7 @@ def test_the_pass_counts_afresh_when_the_running_list_changed_other_than_by_appe
     budget = AdmissionBudget(strategy, strategy.tally(reader))
     a, b, c, d = _view("a", 56, 0), _view("b", 30, 4), _view("c", 20, 0), _view("d", 100, 10)
     running = [a, b, c]
-    budget.threshold(1, running)
+    budget.admit(1, running)
     if change == "remove-first":
         running.remove(a)
         running.append(d)
@@ -159,7 +160,7 @@ def test_the_pass_counts_afresh_when_the_running_list_changed_other_than_by_appe
     elif change == "shorter":
         del running[1:]
     assert budget.reserved is not None
-    assert budget.threshold(0, running) == _fresh(strategy, running)
+    assert budget.admit(0, running).blocks == _fresh(strategy, running)
 
 
 def test_a_preemption_makes_the_next_ask_count_the_whole_set_with_the_moved_ratio():
@@ -167,11 +168,11 @@ def test_a_preemption_makes_the_next_ask_count_the_whole_set_with_the_moved_rati
     strategy = RatioStrategy(_ratio(0.5), 40, 4, 0, _formula, pure=lambda: True)
     budget = AdmissionBudget(strategy, strategy.tally(reader))
     running = [_view("a", 56, 0), _view("b", 30, 4)]
-    budget.threshold(1, running)
+    budget.admit(1, running)
     strategy.on_preemption([_view("b", 30, 4, decoding=True)], 1)  # the ratio moved, the list did not
     assert strategy.ratio.value != 0.5
     budget.running_changed()  # the scheduler's preemption seam says so
-    assert budget.threshold(0, running) == _fresh(strategy, running)
+    assert budget.admit(0, running).blocks == _fresh(strategy, running)
     assert reader.read == ["a", "b", "a", "b"]
 
 
@@ -193,7 +194,7 @@ def test_the_offset_matches_a_full_count_through_random_appends_removals_and_pre
                 elif draw < 0.8 and running:
                     strategy.on_preemption([v._replace(decoding=v.generated > 0) for v in running], 1)
                     budget.running_changed()
-            assert budget.threshold(0, running) == _fresh(strategy, running), (trial, step)
+            assert budget.admit(0, running).blocks == _fresh(strategy, running), (trial, step)
         strategy.after_pass(True)
 
 
@@ -202,7 +203,7 @@ def test_a_hook_that_is_not_the_plugins_formula_is_asked_at_every_ask():
     strategy = RatioStrategy(_ratio(0.5), 40, 4, 0, lambda rid, *rest: calls.append(rid) or 1)  # pure: False
     budget = _budget(strategy)
     a = _view("a", 56, 0)
-    assert budget.threshold(1, [a]) == 2 and budget.threshold(1, [a]) == 2
+    assert budget.admit(1, [a]).blocks == 2 and budget.admit(1, [a]).blocks == 2
     assert calls == ["a", "a"]
 
 
@@ -210,7 +211,7 @@ def test_a_prefill_nodes_pass_reads_nothing():
     reader = _Reader()
     strategy = RatioStrategy(_ratio(0.7), 4096, 4, 0, _formula, decodes=False, pure=lambda: True)
     budget = AdmissionBudget(strategy, strategy.tally(reader))
-    assert budget.threshold(2, [_view("a", 100, 0)]) == 2 and reader.read == []
+    assert budget.admit(2, [_view("a", 100, 0)]).blocks == 2 and reader.read == []
 
 
 def test_adaptive_strategy_lets_a_third_party_answer_outside_the_sets_margin():
@@ -276,7 +277,7 @@ def test_the_adaptive_offset_matches_the_whole_sets_reservation_through_random_c
                 elif draw < 0.8 and running:
                     strategy.on_preemption([v._replace(decoding=v.generated > 0) for v in running], 1)
                     budget.running_changed()
-            got = budget.threshold(0, running)
+            got = budget.admit(0, running).blocks
             decided = strategy.last
             assert got == whole.set_blocks(running), (trial, step)
             assert decided == whole.last, (trial, step)
@@ -293,9 +294,9 @@ def test_the_adaptive_offset_reads_only_the_requests_admitted_since_the_last_ask
     reader = _KeyReader()
     budget = AdmissionBudget(strategy, strategy.tally(reader))
     running = [_view("a", 1000, 0), _view("b", 1000, 10)]
-    first = budget.threshold(0, running)
+    first = budget.admit(0, running).blocks
     running.append(_view("c", 1000, 0))
-    second = budget.threshold(0, running)
+    second = budget.admit(0, running).blocks
     assert reader.read == ["a", "b", "c"] and second > first
 
 
@@ -430,26 +431,25 @@ def test_an_ask_the_free_blocks_cover_at_the_bound_is_answered_without_a_count(k
     slack = lambda blocks: blocks + 1  # noqa: E731
     reader = _MostReader(strategy.most_blocks)
     roomy = _bounded_budget(strategy, reader, free=2 + most + 1 + strategy.most_blocks(20), slack=slack)
-    assert roomy.threshold(2, running) == 2 + most + 1  # covered: no request's terms are read
+    # covered: admitted without reading any request's terms (its caller need not expect a refusal of the check)
+    assert roomy.admit(2, running) == Verdict(2 + most + 1, True, None)
     assert reader.read == [] and roomy.reserved is None and roomy.asks == 1
-    assert roomy.settled  # the free blocks covered it: its caller need not expect a refusal of the check
     running.append(_view("c", 20, 0))  # admitted: the bound adds c's most alone
-    assert roomy.threshold(0, running) == 0 + most + strategy.most_blocks(20) + 1
+    assert roomy.admit(0, running).blocks == 0 + most + strategy.most_blocks(20) + 1
     assert reader.mosts_read == ["a", "b", "c"] and reader.read == []
     # one block short of the bound: the ask counts, and answers what the count gives
     tight_reader = _MostReader(strategy.most_blocks)
     tight = _bounded_budget(strategy, tight_reader, free=2 + most + strategy.most_blocks(20) - 1)
-    exact = AdmissionBudget(strategy, strategy.tally(_KeyReader())).threshold(2, running)
-    assert tight.threshold(2, running) == exact and tight.reserved == exact - 2
-    assert tight_reader.read == ["a", "b", "c"] and not tight.settled
-    # a pool the bound does not fit after one that it did: the flag follows the last ask
+    exact = AdmissionBudget(strategy, strategy.tally(_KeyReader())).admit(2, running).blocks
+    assert tight.admit(2, running) == Verdict(exact, False, exact - 2) and tight.reserved == exact - 2
+    assert tight_reader.read == ["a", "b", "c"]
+    # a pool the bound does not fit after one that it did: each ask's verdict is its own
     shrinking = iter([10_000, 0])
     moving = AdmissionBudget(strategy, strategy.tally(_KeyReader()), most=strategy.most_tally(_MostReader(
         strategy.most_blocks)), free=lambda: next(shrinking))
-    moving.threshold(2, running)
-    assert moving.settled
-    moving.threshold(2, running)
-    assert not moving.settled and moving.reserved is not None
+    first, second = moving.admit(2, running), moving.admit(2, running)
+    assert first.settled and first.reserved is None
+    assert not second.settled and second.reserved is not None and moving.reserved == second.reserved
 
 
 @settings(max_examples=300, deadline=None)
@@ -510,7 +510,7 @@ def test_no_reservation_exceeds_the_sum_of_the_requests_mosts(requests, samples,
                                       pure=lambda: True)):
         most = sum(strategy.most_blocks(v.budget) for v in views)
         assert strategy.set_blocks(views) <= most
-        assert AdmissionBudget(strategy, strategy.tally(_KeyReader())).threshold(0, views) <= most
+        assert AdmissionBudget(strategy, strategy.tally(_KeyReader())).admit(0, views).blocks <= most
 
 
 def test_the_kept_bound_adds_only_what_was_appended_since_and_sums_afresh_after_any_other_change():
@@ -568,10 +568,10 @@ def test_a_pool_short_of_the_last_count_is_counted_without_reading_the_bound():
     strategy = RatioStrategy(_ratio(0.5), 40, 4, 0, _formula, pure=lambda: True)
     reader = _MostReader(strategy.most_blocks)
     running = [_view("a", 56, 3), _view("b", 30, 4)]
-    counted = _budget(strategy).threshold(0, running)  # 5 + 4 blocks, below the mosts' 5 + 4 (same here)
+    counted = _budget(strategy).admit(0, running).blocks  # 5 + 4 blocks, below the mosts' 5 + 4 (same here)
     short = _bounded_budget(strategy, reader, free=counted - 1)
-    assert short.threshold(0, running) == counted and reader.mosts_read == ["a", "b"]  # no count yet: the bound read
+    assert short.admit(0, running).blocks == counted and reader.mosts_read == ["a", "b"]  # no count yet: the bound read
     again = _bounded_budget(strategy, reader, free=counted - 1)
-    assert again.threshold(0, running) == counted and reader.mosts_read == ["a", "b"]  # short of the last count
+    assert again.admit(0, running).blocks == counted and reader.mosts_read == ["a", "b"]  # short of the last count
     roomy = _bounded_budget(strategy, reader, free=100)
-    assert roomy.threshold(0, running) == strategy.most_blocks(56) + strategy.most_blocks(30)  # room: the bound
+    assert roomy.admit(0, running).blocks == strategy.most_blocks(56) + strategy.most_blocks(30)  # room: the bound
