@@ -90,21 +90,27 @@ class ServedEngine(StackWatch):
         self.stop()
         return False
 
-    def _allocate_ports(self):
-        c = self.config
-        need = PORTS_PER_RANK * c.dp + (1 if c.dp > 1 else 0)
-        if c.port is not None:
-            block = list(range(c.port, c.port + need))
+    def _port_block(self, need: int) -> list:
+        """``need`` ports for the stack, leased: from ``--port`` on when it is given (one clear error naming a port
+        that is taken), else free ones. They become :attr:`ports`."""
+        first = self.config.port
+        if first is not None:
+            block = list(range(first, first + need))
             for p in block:
                 holder = self._lease.take(p)
                 if holder is not None or port_in_use(p):
                     self._lease.release()
                     why = f"held by {holder}" if holder is not None else "in use"
-                    raise ServeError(f"--port {c.port}: port {p} is {why} (the stack needs ports "
+                    raise ServeError(f"--port {first}: port {p} is {why} (the stack needs ports "
                                      f"{block[0]}-{block[-1]}); allowed: a first port whose {need} ports are free")
         else:
             block = free_ports(need, lease=self._lease)
         self.ports = block
+        return block
+
+    def _allocate_ports(self):
+        c = self.config
+        block = self._port_block(PORTS_PER_RANK * c.dp + (1 if c.dp > 1 else 0))
         per = [block[i * PORTS_PER_RANK:(i + 1) * PORTS_PER_RANK] for i in range(c.dp)]
         self._rank_ports = per
         client = LOOPBACK if c.host in ("0.0.0.0", "::", "") else c.host

@@ -27,7 +27,6 @@ from typing import Optional
 
 from fdsched.serve.config import LOOPBACK, PORTS_PER_RANK, EngineConfig, ServeError, check_config
 from fdsched.serve.launcher import ServedEngine
-from fdsched.serve.ports import free_ports, port_in_use
 from fdsched.serve.watch import Death, last_exception
 
 __all__ = ["ROLES", "PdConfig", "PdServedEngine", "parse_role_profiles", "pd_config_problems", "instance_profiles"]
@@ -126,19 +125,7 @@ class PdServedEngine(ServedEngine):
     # ----------------------------------------------------------------------------------- layout
     def _allocate_ports(self):
         c = self.config
-        need = PORTS_PER_RANK * (c.prefill + c.decode) + 1
-        if c.port is not None:
-            block = list(range(c.port, c.port + need))
-            for p in block:
-                holder = self._lease.take(p)
-                if holder is not None or port_in_use(p):
-                    self._lease.release()
-                    why = f"held by {holder}" if holder is not None else "in use"
-                    raise ServeError(f"--port {c.port}: port {p} is {why} (the stack needs ports {block[0]}-"
-                                     f"{block[-1]}); allowed: a first port whose {need} ports are free")
-        else:
-            block = free_ports(need, lease=self._lease)
-        self.ports = block
+        block = self._port_block(PORTS_PER_RANK * (c.prefill + c.decode) + 1)
         client = LOOPBACK if c.host in ("0.0.0.0", "::", "") else c.host
         self.instances = []
         for i, (name, role, profile) in enumerate(instance_profiles(c)):

@@ -47,13 +47,15 @@ def test_a_lease_survives_in_a_child_that_inherits_it(tmp_path):
     lease.release()
 
 
-def test_a_port_in_use_or_leased_is_one_line_naming_it(tmp_path, monkeypatch):
+@pytest.mark.parametrize("stack", ["one-instance", "pd"])
+def test_a_port_in_use_or_leased_is_one_line_naming_it(tmp_path, monkeypatch, stack):
     from fdsched.serve import ports
+    from fdsched.serve.pd import PdConfig, PdServedEngine
 
     monkeypatch.setattr(ports, "PORT_LOCK_DIR", str(tmp_path / "ports"))
     holder = PortLease(str(tmp_path / "ports"))
     assert holder.take(18104) is None
-    eng = ServedEngine(EngineConfig(port=18100))
+    eng = ServedEngine(EngineConfig(port=18100)) if stack == "one-instance" else PdServedEngine(PdConfig(port=18100))
     try:
         eng._lease = PortLease(str(tmp_path / "ports"))
         with pytest.raises(ServeError) as info:
