@@ -16,7 +16,7 @@ in plain values (nothing here imports FastDeploy):
   every admission in it and closed at the pass's end. It is the model of SGLang's ``PrefillAdder`` (one object
   per pass that every admission asks). An admission is one call, :meth:`AdmissionBudget.admit`, whose answer is
   a :class:`Verdict`: admit now (the free blocks cover the chunk and the reserve), or the blocks the pool must
-  find (its check may evict cached blocks to find them; refusing, it refuses for the running set's reserve).
+  find (its check may evict cached blocks to find them, and refuses when it cannot).
 * a **tally** is how a budget counts the running set's blocks at each ask, chosen by the strategy when the pass
   makes its budget (``strategy.tally``): a :class:`RunningOffset` where the set's reservation adds up
   request by request (with no third party answering: upstream's formula over budgets left, or the adaptive
@@ -338,12 +338,10 @@ class Verdict(NamedTuple):
     reserve (the threshold the host's block check is asked). ``settled``: the pool's free blocks cover ``blocks``
     now, so the chunk is admitted (the host's check of them answers True, evicting nothing); otherwise the pool
     decides, evicting cached blocks to make room if it can (a refusal: the chunk and the reserve do not fit).
-    ``reserved``: the running set's blocks counted for this answer (None where the bound settled it without
-    counting)."""
+    What the running set counted for it is the budget's :attr:`AdmissionBudget.reserved`."""
 
     blocks: int
     settled: bool
-    reserved: Optional[int]
 
 
 @dataclass
@@ -389,12 +387,12 @@ class AdmissionBudget:
             if chunk_blocks + most.floor <= free:
                 total = self.slack(chunk_blocks + most.blocks(running))
                 if total <= free:
-                    return Verdict(total, True, None)
+                    return Verdict(total, True)
         reserved = self.reserved = self.tally.blocks(running)
         if most is not None:
             most.floor = reserved
         total = chunk_blocks + reserved
-        return Verdict(total if self.strategy.relaxed else self.slack(total), False, reserved)
+        return Verdict(total if self.strategy.relaxed else self.slack(total), False)
 
     def running_changed(self) -> None:
         """A preemption re-estimated the ratio: the next ask counts the whole running set."""
