@@ -273,14 +273,15 @@ def test_the_served_engine_state_reports_what_an_open_pass_still_expects(rm_with
     """The served engine's state (read by the engine tier's checks) lists what the scheduler's open pass still
     expects of a block check, from the slot the scheduler made; nothing once the pass is closed."""
     from fdsched.patches._scheduler import Expected, StepPlan
+    from fdsched.patches.ratio_reserve.budget import COUNT_REFUSAL
     from fdsched.serve.seams.engine import _engine_state_locked
 
     rm = rm_with("recommended")
     slot, plan = rm._fdsched_plans, StepPlan(None)
     outer = slot.open(plan)
     plan.focus("r1")
-    plan.expect("count-refusal", 7)
-    assert _engine_state_locked(rm, rm.cache_manager)["pending_signals"] == [repr(Expected("count-refusal", "r1", 7))]
+    plan.expect(COUNT_REFUSAL, 7)
+    assert _engine_state_locked(rm, rm.cache_manager)["pending_signals"] == [repr(Expected(COUNT_REFUSAL, "r1", 7))]
     slot.close(outer)
     assert _engine_state_locked(rm, rm.cache_manager)["pending_signals"] == []
 
