@@ -13,7 +13,7 @@ seam                           layers, outermost first                          
 =============================  ===========================================================  ===========================
 ``update_cache_blocks``        the record fix, then the prefill node's gate, then the host  one_node_per_block, then
                                                                                             pd_prefill_cache
-``can_allocate_gpu_blocks``    the scheduler's plan, then the host                          ratio_reserve
+``can_allocate_gpu_blocks``    a running chunk's refusal (guard, off), then the host        ratio_reserve
 eviction and recycling (4)     the batched eviction, then the host                          deferred_recycle
 =============================  ===========================================================  ===========================
 

@@ -23,14 +23,16 @@ each kind innermost first, then the guard (:class:`fdsched.patches._guard.Schedu
 One that defines ``new_budget()`` makes the pass's admission budget.
 
 **The step plan.** Each pass opens one :class:`StepPlan` that every change reads and writes: the pass's admission
-budget (made at its first need), the request the pass is deciding on (:meth:`StepPlan.focus`, from the host's
-``get_new_block_nums(request, ...)``) and what the pass expects of the block check that follows
-(:meth:`StepPlan.expect`: a kind and a block count). The host's block check
-(``PrefixCacheManager.can_allocate_gpu_blocks``) is called with a count only; it asks the plan "what do you say of
-this check of n blocks?" (:meth:`StepPlan.take`, consumed). The scheduler makes one :class:`PlanSlot` when it is
-built and a strategy hands it to the cache manager then; the slot holds the open plan and the thread that opened it,
-so a check on another thread (the token processor, the transfer receiver) gets the pool's own answer. What a pass
-still expects when it ends is dropped, logged and counted (``fastdeploy:fdsched_unconsumed_signals_total``).
+budget (made at its first need; an admission asks it once and gets its verdict, the pool's answer included), the
+request the pass is deciding on (:meth:`StepPlan.focus`, from the host's ``get_new_block_nums(request, ...)``) and,
+where the plugin refuses a running chunk that the host has no seam to refuse (the running-chunk guard on a host
+without the reserve seams, and ``off``'s pre-change running pass), that refusal (:meth:`StepPlan.expect`: a kind and
+a block count). The host's block check (``PrefixCacheManager.can_allocate_gpu_blocks``) is called with a count only;
+there it asks the plan "do you refuse this check of n blocks?" (:meth:`StepPlan.take`, consumed). The scheduler
+makes one :class:`PlanSlot` when it is built and a strategy hands it to the cache manager then; the slot holds the
+open plan and the thread that opened it, so a check on another thread (the token processor, the transfer receiver)
+gets the pool's own answer. What a pass still expects when it ends is dropped, logged and counted
+(``fastdeploy:fdsched_unconsumed_signals_total``).
 
 Each seam's first layer is bound once per scheduler: on the instance itself where no class below it overrides the
 seam (the host's own calls then cost what they cost without the plugin, plus the strategies' own frames), else
@@ -237,8 +239,7 @@ class Expected(NamedTuple):
 
 
 class StepPlan:
-    """One ``schedule()`` pass of one scheduler (or one question asked outside a pass), used by the thread that
-    opened it only."""
+    """One ``schedule()`` pass of one scheduler, used by the thread that opened it only."""
 
     __slots__ = ("_new_budget", "made", "request_id", "expected", "slot", "owner", "running_chunk")
 
@@ -317,8 +318,8 @@ class StepPlan:
 
 
 class PlanSlot:
-    """Where a scheduler's cache manager finds the scheduler's open plan: one plan and one question at a time, each
-    with the thread that opened it.
+    """Where a scheduler's cache manager finds the scheduler's open plan: one plan at a time, with the thread that
+    opened it.
 
     The slot's :attr:`turn` makes the passes take turns: the scheduler's ``schedule()`` holds it from opening a plan to
     the end of the pass's steps, so a second thread calling ``schedule()`` waits for the open pass to end, as on the
@@ -327,20 +328,19 @@ class PlanSlot:
     Only the owner of a plan changes it.
     """
 
-    __slots__ = ("plan", "question", "waiting", "turn")
+    __slots__ = ("plan", "waiting", "turn")
 
     def __init__(self) -> None:
         self.turn = threading.RLock()  # held by the scheduler for one pass, plan open to the pass's last step
         self.plan = None  # the open pass's plan
-        self.question = None  # a threshold's plan asked with no pass open, until the next such question
-        # Whether the open plan or the question expects something of a check: the cache manager's check reads this
-        # first (most checks find it False and ask nothing).
+        # Whether the open plan expects something of a check: the cache manager's check reads this first (most
+        # checks find it False and ask nothing).
         self.waiting = False
 
     def settle(self) -> None:
         """:attr:`waiting` again, after a plan stopped expecting (or the slot changed)."""
-        plan, question = self.plan, self.question
-        self.waiting = bool((plan is not None and plan.expected) or (question is not None and question.expected))
+        plan = self.plan
+        self.waiting = bool(plan is not None and plan.expected)
 
     def open(self, plan: StepPlan):
         """Open ``plan`` on the calling thread; returns what to hand :meth:`close` (the plan it covers, or None)."""
@@ -359,32 +359,16 @@ class PlanSlot:
         if self.waiting:
             self.settle()
 
-    def ask_outside_a_pass(self, plan: StepPlan) -> None:
-        """A threshold asked with no pass open on this thread: its one question for the check that follows is kept
-        until the next such question (it is never the scheduler's pass: :meth:`current` does not see it)."""
-        plan.owner, plan.slot = get_ident(), self
-        self.question = plan
-        self.settle()
-
     def current(self):
         """The plan the calling thread has open, or None."""
         plan = self.plan
         return plan if plan is not None and plan.owner == get_ident() else None
 
-    def consulted(self):
-        """What a block check on the calling thread consults: that thread's open plan, else its question, else None."""
-        me = get_ident()
-        plan = self.plan
-        if plan is not None and plan.owner == me:
-            return plan
-        question = self.question
-        return question if question is not None and question.owner == me else None
-
     def take(self, num_blocks: int) -> frozenset:
-        """What the plan :meth:`consulted` on the calling thread says of this check of ``num_blocks`` blocks
-        (:meth:`StepPlan.take`, consumed); :data:`NOTHING` when there is none. The cache manager asks this only while
-        :attr:`waiting` is set (most checks find it unset and ask nothing)."""
-        plan = self.consulted()
+        """What the plan open on the calling thread says of this check of ``num_blocks`` blocks (:meth:`StepPlan.take`,
+        consumed); :data:`NOTHING` when there is none. The cache manager asks this only while :attr:`waiting` is set
+        (most checks find it unset and ask nothing)."""
+        plan = self.current()
         return NOTHING if plan is None else plan.take(num_blocks)
 
     def pending(self) -> tuple:
@@ -405,9 +389,6 @@ class _NoPlans(PlanSlot):
         raise RuntimeError("no scheduler handed this cache manager a plan slot")
 
     def current(self):
-        return None
-
-    def consulted(self):
         return None
 
 

@@ -19,13 +19,15 @@ Relies on: (each probed at install: ``on``, or ``off`` on a host with the change
   * running-chunk-check: a running chunk's blocks are checked with ``can_allocate_gpu_blocks`` right after
     ``get_new_block_nums``; without the reserve seams a failed check calls ``_trigger_preempt``.
   * pass-end: (reserve seams, ``off``) ``schedule()`` holds ``self.lock`` for the whole pass.
-  * threshold-check: every threshold is checked with ``can_allocate_gpu_blocks`` next.
+  * threshold-check: every threshold is checked with ``can_allocate_gpu_blocks`` next (the verdict asks that check
+    first; the host's then finds the blocks free, or, after a refusal, nothing left to evict).
   * finish-seam: (adaptive) every finished request goes through ``finish_requests``, still running.
 
 How: one admission budget per ``schedule()`` pass (:class:`fdsched.core.admission.AdmissionBudget`), asked at the
-host's threshold seam; each scheduler holds one strategy per impl, host shape and estimator (``SPEC.strategies``),
-chosen once when it is built. Modules: ``host``, ``adaptive``, ``off`` (one per impl), ``budget`` (the pass's
-budget, the ratio strategy on each host shape, the cache manager's check) and ``reader``. The rest (the running-chunk
+host's threshold seam for a verdict (the pool's answer included); each scheduler holds one strategy per impl, host
+shape and estimator (``SPEC.strategies``), chosen once when it is built. Modules: ``host``, ``adaptive``, ``off``
+(one per impl), ``budget`` (the pass's budget, the ratio strategy on each host shape, the cache manager's check
+where the plugin refuses a running chunk) and ``reader``. The rest (the running-chunk
 guard, ``off``'s running pass, the pass object, the adaptive estimator, what an admission costs, prefill nodes):
 docs/internals.md, "ratio_reserve".
 """
@@ -37,7 +39,7 @@ from fdsched.patches.ratio_reserve.adaptive import (  # noqa: F401  (the change'
     ADAPTIVE_GUARD_SHAPES, AdaptiveGuard, AdaptiveGuardRequestArg, AdaptiveSeams,
 )
 from fdsched.patches.ratio_reserve.budget import (  # noqa: F401
-    CHECK_SHAPES, COUNT_REFUSAL, DECLINE_PREEMPTION, RATIO_GUARD_SHAPES, REFUSE_RUNNING_CHUNK, RM,
+    CHECK_SHAPES, DECLINE_PREEMPTION, RATIO_GUARD_SHAPES, REFUSE_RUNNING_CHUNK, RM,
     THRESHOLD_FOR_RUNNING_CHUNK, BudgetedReserve, PlanCheck, PlanCheckOneArg, RatioGuard, RatioGuardRequestArg,
     RatioSeams,
 )
@@ -52,6 +54,10 @@ def _plugin_variant(host_has: bool, settings):
     if host_has:
         return AdaptiveSeams if adaptive else RatioSeams
     return ADAPTIVE_GUARD_SHAPES if adaptive else RATIO_GUARD_SHAPES
+
+
+def _guard_check(host_has: bool, settings):
+    return None if host_has else CHECK_SHAPES
 
 
 def _has_ratio_reserve(info) -> bool:
@@ -129,8 +135,8 @@ SPEC = PatchSpec(
         Reliance("pass-end", "schedule() holds self.lock for the whole pass, whose waiting pass starts with a "
                  "truth test of self.waiting (nothing before it reads the queue), and returns the pass's task list",
                  _pass_end, when=("off",)),
-        Reliance("threshold-check", "every threshold is checked with can_allocate_gpu_blocks next",
-                 _threshold_check),
+        Reliance("threshold-check", "every threshold is checked with can_allocate_gpu_blocks next (the verdict "
+                 "asks that check first)", _threshold_check),
         Reliance("finish-seam", "every finished request goes through finish_requests (finish_requests_async "
                  "submits it), found in self.requests with its running status and taken out of running",
                  _finish_seam, when=("plugin",)),
@@ -143,6 +149,8 @@ SPEC = PatchSpec(
             # only on a host that has the change (elsewhere off is the host's own code: impl "host")
             "off": PRE_CHANGE_SHAPES,
         },
-        "PrefixCacheManager": {"plugin": CHECK_SHAPES, "off": CHECK_SHAPES, "host": None},
+        # The cache manager refuses a running chunk's check where the plugin refuses the chunk and the host has no
+        # seam for it: the guard (no reserve seams) and off's pre-change running pass. Elsewhere the host's check.
+        "PrefixCacheManager": {"plugin": Variant(_guard_check, (CHECK_SHAPES,)), "off": CHECK_SHAPES, "host": None},
     },
 )

@@ -1,6 +1,7 @@
 """Change 3, the plugin's reservation (impl ``plugin``, and what impl ``off`` shares of it): the pass's admission
 budget, upstream's ratio formula as a strategy on each host shape (the reserve seams, the running-chunk guard, a
-threshold seam that takes the request), and the cache manager's side, the host's block check as the pass sees it.
+threshold seam that takes the request), and, where the plugin refuses a running chunk that the host has no seam to
+refuse, the cache manager's side (:class:`PlanCheck`).
 What it reads of the running requests is :mod:`fdsched.patches.ratio_reserve.reader`; the adaptive estimator
 (:mod:`fdsched.patches.ratio_reserve.adaptive`) is the ratio strategy with another estimator. The catalogue entry,
 with what the change replaces and relies on, is :mod:`fdsched.patches.ratio_reserve`.
@@ -18,14 +19,13 @@ from fdsched.core.strategies import RatioStrategy
 
 from fdsched.patches._spec import Shapes
 from fdsched.patches._base import drafts, host_global, node_role
-from fdsched.patches._scheduler import NOTHING, StepPlan
+from fdsched.patches._scheduler import StepPlan
 from fdsched.patches.ratio_reserve.reader import free_blocks_of, reader_for
 
 RM = "fastdeploy.engine.sched.resource_manager_v1"
 
 # What a pass expects of a block check (also the `signal` label of the unconsumed-signals metric).
 REFUSE_RUNNING_CHUNK = "refuse-running-chunk"  # the host's check of a running chunk's blocks answers False
-COUNT_REFUSAL = "count-refusal"  # a refused threshold check counts as a blocked admission
 DECLINE_PREEMPTION = "decline-guarded-preemption"  # no reserve seams: _trigger_preempt declines for the guarded chunk
 THRESHOLD_FOR_RUNNING_CHUNK = "threshold-for-running-chunk"  # off, seams: the next threshold is a running chunk's
 
@@ -77,8 +77,8 @@ class BudgetedReserve:
         self.fixed = FixedBlockReserve(*(settings[key] for key in _FIXED))
         self.gauges = ArmGauges(rm)  # where the strategy reports, labelled by this scheduler's arm
         self.plans = rm._fdsched_plans
-        # The slot of this scheduler's open plan, handed to its cache manager once, here: nothing of a pass is ever
-        # stored in the cache manager.
+        # The slot of this scheduler's open plan, handed to its cache manager once, here (its PlanCheck, where the
+        # plugin refuses running chunks, reads it): nothing of a pass is ever stored in the cache manager.
         rm.cache_manager.fdsched_plans = self.plans
         # A draft model (speculative decoding) needs one block more per chunk; fixed for the scheduler's life.
         self.speculative_slack = self.draft_slack if drafts(rm) else _no_slack
@@ -106,8 +106,8 @@ class BudgetedReserve:
         strategy, reader = self.strategy, self.reader
         # How this pass counts the running set is the strategy's choice, made here, once per pass.
         most = self.most_tally(strategy, reader)
-        return AdmissionBudget(strategy, strategy.tally(reader), self.speculative_slack, most,
-                               self.free_blocks if most is not None else None)
+        return AdmissionBudget(strategy, strategy.tally(reader), self.rm.cache_manager.can_allocate_gpu_blocks,
+                               self.speculative_slack, most, self.free_blocks if most is not None else None)
 
     def most_of(self, budget: int) -> int:
         """The most a running request with output budget ``budget`` can ever keep free (the reader keeps it with
@@ -158,7 +158,8 @@ class BudgetedReserve:
 
     def _get_can_schedule_prefill_threshold_block(self, rm, num_chunk_new_block):
         """The answer at the host's threshold seam (where the host passes the count only: a pass asks it once per
-        admission)."""
+        admission): the verdict's blocks, which the host's block check asked next finds free, or, refused, cannot
+        find (counted here, where the verdict is made)."""
         plan = self.plans.current()
         if plan is not None:
             # The pass's figures go to the metrics once, when it ends (end_pass): a pass may ask once per admission,
@@ -167,16 +168,12 @@ class BudgetedReserve:
             if budget is None:
                 budget = plan.budget
             verdict = budget.admit(num_chunk_new_block, rm.running)
-            if verdict.settled:  # the free blocks cover it: the check that follows answers True, nothing to count
-                return verdict.blocks
-        else:  # asked outside a pass (PD preallocation, no reserve seams): a budget and a question of its own
+        else:  # asked outside a pass (PD preallocation, no reserve seams): a budget of its own
             budget = self.new_budget()
             verdict = budget.admit(num_chunk_new_block, rm.running)
             self.report(budget)
-            plan = StepPlan(None)
-            self.plans.ask_outside_a_pass(plan)
-        # The pool decides: its caller checks these blocks with can_allocate_gpu_blocks next; count a refusal.
-        plan.expect(COUNT_REFUSAL, verdict.blocks)
+        if not verdict.admitted:
+            METRICS.admission_blocked(of=rm)
         return verdict.blocks
 
     def report(self, budget: AdmissionBudget) -> None:
@@ -285,9 +282,7 @@ class RunningChunkGuard:
         if plan is None:  # outside a pass the host's own check stands
             return blocks
         budget = plan.budget
-        verdict = budget.admit(blocks, rm.running)
-        # settled: the free blocks cover it, and the pool's check would answer True; else the pool decides
-        if verdict.settled or rm.cache_manager.can_allocate_gpu_blocks(verdict.blocks):
+        if budget.admit(blocks, rm.running).admitted:  # the host's own check of the chunk's blocks then holds
             return blocks
         METRICS.admission_blocked(of=rm)
         # The pass's one decision for this chunk: its block check is refused and its preemption call declined.
@@ -371,10 +366,11 @@ RATIO_GUARD_SHAPES = Shapes(RatioGuard, RatioGuardRequestArg)
 
 # ---- the cache manager's side ----------------------------------------------------------------------------
 class PlanCheck:
-    """The host's block check, seen by the scheduler (one per cache manager; ``next`` checks: the host's own): it
-    consults the scheduler's plan open on its own thread (:class:`fdsched.patches._scheduler.StepPlan`, through the
-    slot the scheduler handed its cache manager when it was built, ``fdsched_plans``) — a refusal of one check
-    (evicting nothing), or a refused threshold check to count for the metrics."""
+    """The host's block check where the plugin refuses a running chunk that the host has no seam to refuse (the
+    running-chunk guard, and ``off``'s pre-change running pass; one per cache manager; ``next`` checks: the host's
+    own): a check the scheduler's pass said to refuse (:meth:`fdsched.patches._scheduler.StepPlan.expect`, through
+    the slot the scheduler handed its cache manager when it was built, ``fdsched_plans``) answers False and evicts
+    nothing; every other check is the host's."""
 
     seams = ("can_allocate_gpu_blocks",)
 
@@ -384,12 +380,9 @@ class PlanCheck:
     def can_allocate_gpu_blocks(self, cm, num_blocks, try_free_gpu_blocks=True):
         # most checks: no pass on any thread expects anything of a check, the pool answers
         plans = cm.fdsched_plans
-        kinds = plans.take(num_blocks) if plans.waiting else NOTHING
-        if kinds is NOTHING:
-            return self.next.can_allocate_gpu_blocks(cm, num_blocks, try_free_gpu_blocks)
-        allowed = REFUSE_RUNNING_CHUNK not in kinds and self.next.can_allocate_gpu_blocks(cm, num_blocks,
-                                                                                          try_free_gpu_blocks)
-        return counted(cm, kinds, allowed)
+        if plans.waiting and REFUSE_RUNNING_CHUNK in plans.take(num_blocks):
+            return False
+        return self.next.can_allocate_gpu_blocks(cm, num_blocks, try_free_gpu_blocks)
 
 
 class PlanCheckOneArg(PlanCheck):
@@ -397,18 +390,9 @@ class PlanCheckOneArg(PlanCheck):
 
     def can_allocate_gpu_blocks(self, cm, num_blocks):
         plans = cm.fdsched_plans
-        kinds = plans.take(num_blocks) if plans.waiting else NOTHING
-        if kinds is NOTHING:
-            return self.next.can_allocate_gpu_blocks(cm, num_blocks)
-        allowed = REFUSE_RUNNING_CHUNK not in kinds and self.next.can_allocate_gpu_blocks(cm, num_blocks)
-        return counted(cm, kinds, allowed)
-
-
-def counted(cm, kinds, allowed: bool) -> bool:
-    """``allowed``, after counting a refused threshold check the pass said to count."""
-    if COUNT_REFUSAL in kinds and not allowed:
-        METRICS.admission_blocked(of=cm)
-    return allowed
+        if plans.waiting and REFUSE_RUNNING_CHUNK in plans.take(num_blocks):
+            return False
+        return self.next.can_allocate_gpu_blocks(cm, num_blocks)
 
 
 CHECK_SHAPES = Shapes(PlanCheck, PlanCheckOneArg)

@@ -13,7 +13,7 @@ from fdsched.patches._spec import Shapes
 from fdsched.patches._base import host_global
 from fdsched.patches._scheduler import StepPlan
 from fdsched.patches.ratio_reserve.budget import (
-    COUNT_REFUSAL, REFUSE_RUNNING_CHUNK, RM, THRESHOLD_FOR_RUNNING_CHUNK, BudgetedReserve,
+    REFUSE_RUNNING_CHUNK, RM, THRESHOLD_FOR_RUNNING_CHUNK, BudgetedReserve,
 )
 
 
@@ -24,8 +24,8 @@ class _PreChangePass(AdmissionBudget):
     its end, right before the chunk's task), and a pass that preempted admits nobody (the waiting queue reads as
     empty until the pass ends: :class:`ClosedWaitingQueue`)."""
 
-    def __init__(self, strategy, tally, slack):
-        super().__init__(strategy, tally, slack)
+    def __init__(self, strategy, tally, pool, slack):
+        super().__init__(strategy, tally, pool, slack)
         self.preemptions: list = []  # (the running chunk, its preempt tasks), in order
         self.closed = None  # the view the waiting queue is seen through while admission is closed for the pass
 
@@ -80,7 +80,8 @@ class PreChangeReserve(BudgetedReserve):
 
     def new_budget(self) -> AdmissionBudget:
         strategy = self.strategy
-        return _PreChangePass(strategy, strategy.tally(self.reader), self.speculative_slack)
+        return _PreChangePass(strategy, strategy.tally(self.reader), self.rm.cache_manager.can_allocate_gpu_blocks,
+                              self.speculative_slack)
 
     def get_new_block_nums(self, rm, request, num_new_tokens):
         blocks = super().get_new_block_nums(rm, request, num_new_tokens)
@@ -104,15 +105,16 @@ class PreChangeReserve(BudgetedReserve):
             # scheduler lock is held for the whole pass, so nothing else reads or fills the queue meanwhile.
             budget.closed = rm.waiting = ClosedWaitingQueue(rm.waiting)
         if not can_schedule:
-            # The host then stops its running pass (and, as before 7783, admits nobody in this step).
+            # The host then stops its running pass (and, as before 7783, admits nobody in this step): its check of
+            # the chunk's blocks is refused, and counted here, where it is decided.
             self.plans.current().expect(REFUSE_RUNNING_CHUNK, blocks)
+            METRICS.admission_blocked(of=rm)
 
     def _get_can_schedule_prefill_threshold_block(self, rm, num_chunk_new_block):
         plan = self.plans.current()
         if plan is not None and plan.running_chunk is not None and plan.running_chunk[1] == num_chunk_new_block:
             plan.running_chunk = None
-            # pre-change: a running chunk needed only its own blocks
-            plan.expect(COUNT_REFUSAL, num_chunk_new_block)
+            # pre-change: a running chunk needed only its own blocks (decided when its count was asked)
             return num_chunk_new_block
         return super()._get_can_schedule_prefill_threshold_block(rm, num_chunk_new_block)
 

@@ -15,8 +15,9 @@ in plain values (nothing here imports FastDeploy):
 * an :class:`AdmissionBudget` is made by the scheduler's ``schedule()`` pass at its first need, asked by
   every admission in it and closed at the pass's end. It is the model of SGLang's ``PrefillAdder`` (one object
   per pass that every admission asks). An admission is one call, :meth:`AdmissionBudget.admit`, whose answer is
-  a :class:`Verdict`: admit now (the free blocks cover the chunk and the reserve), or the blocks the pool must
-  find (its check may evict cached blocks to find them, and refuses when it cannot).
+  a :class:`Verdict`: the blocks the chunk and the reserve need, and whether they are admitted: at once where the
+  free blocks cover them, else by the pool the budget was made with (its check evicts cached blocks to find them,
+  and refuses when it cannot), as vLLM's ``allocate_slots`` answers with blocks or None.
 * a **tally** is how a budget counts the running set's blocks at each ask, chosen by the strategy when the pass
   makes its budget (``strategy.tally``): a :class:`RunningOffset` where the set's reservation adds up
   request by request (with no third party answering: upstream's formula over budgets left, or the adaptive
@@ -335,12 +336,14 @@ class Verdict(NamedTuple):
     """One admission's answer (:meth:`AdmissionBudget.admit`).
 
     ``blocks``: what must be free for the chunk to be admitted, the chunk's own blocks plus the running set's
-    reserve (the threshold the host's block check is asked). ``settled``: the pool's free blocks cover ``blocks``
-    now, so the chunk is admitted (the host's check of them answers True, evicting nothing); otherwise the pool
-    decides, evicting cached blocks to make room if it can (a refusal: the chunk and the reserve do not fit).
-    What the running set counted for it is the budget's :attr:`AdmissionBudget.reserved`."""
+    reserve (the threshold the host's block check is asked). ``admitted``: whether the pool has them. ``settled``:
+    decided by the free blocks alone, at the running set's most possible reservation (neither the running set
+    counted nor the pool asked); otherwise the budget's pool answered, evicting cached blocks to make room where it
+    could (a refusal: the chunk and the reserve do not fit). What the running set counted for it is the budget's
+    :attr:`AdmissionBudget.reserved`."""
 
     blocks: int
+    admitted: bool
     settled: bool
 
 
@@ -350,10 +353,12 @@ class AdmissionBudget:
     (:meth:`admit`), closed at its end.
 
     ``tally`` counts the running set's blocks at each ask (the strategy's
-    :meth:`fdsched.core.strategies.RatioStrategy.tally`, chosen when the budget is made). ``slack`` is what a
-    speculative-decoding engine adds to a threshold that reserves something (one block, within the per-sequence
-    maximum). ``declined`` (the running-chunk guard) holds the running chunks the budget refused in this pass: the
-    scheduler declines their preemption call instead of preempting.
+    :meth:`fdsched.core.strategies.RatioStrategy.tally`, chosen when the budget is made). ``pool`` answers whether
+    a count of blocks can be had (the cache manager's block check, which evicts cached blocks to find them; the
+    host asks the same check of the verdict's blocks next, which then finds them free, or, after a refusal, nothing
+    left to evict). ``slack`` is what a speculative-decoding engine adds to a threshold that reserves something
+    (one block, within the per-sequence maximum). ``declined`` (the running-chunk guard) holds the running chunks
+    the budget refused in this pass: the scheduler declines their preemption call instead of preempting.
 
     ``most`` and ``free`` (both or neither): a bound on the running set's blocks
     (:meth:`fdsched.core.strategies.RatioStrategy.most_tally`) and the pool's free blocks now. Where the host checks
@@ -364,6 +369,7 @@ class AdmissionBudget:
 
     strategy: object
     tally: object  # RunningOffset or RunningRecount
+    pool: Callable[[int], bool]
     slack: Callable[[int], int] = lambda blocks: blocks
     most: object = None  # KeptSum over each request's most, or None
     free: Optional[Callable[[], int]] = None
@@ -387,12 +393,14 @@ class AdmissionBudget:
             if chunk_blocks + most.floor <= free:
                 total = self.slack(chunk_blocks + most.blocks(running))
                 if total <= free:
-                    return Verdict(total, True)
+                    return Verdict(total, True, True)
         reserved = self.reserved = self.tally.blocks(running)
         if most is not None:
             most.floor = reserved
         total = chunk_blocks + reserved
-        return Verdict(total if self.strategy.relaxed else self.slack(total), False)
+        if not self.strategy.relaxed:
+            total = self.slack(total)
+        return Verdict(total, bool(self.pool(total)), False)
 
     def running_changed(self) -> None:
         """A preemption re-estimated the ratio: the next ask counts the whole running set."""

@@ -244,3 +244,31 @@ def test_with_the_fix_off_the_node_stalls_where_the_line_has_the_defect(node_wit
         assert_both_bursts_drain(node)
     else:
         assert_stuck(node)
+
+
+def test_a_preallocation_the_pool_refuses_is_counted_once_and_one_it_admits_never(node_with):
+    """A decode node preallocates each arriving request's blocks outside any schedule() pass. Where the line's
+    preallocation asks the threshold seam, the plugin's reservation decides there with no pass open: the verdict is
+    made and counted at the seam as in a pass. Prompts of 13 blocks (plus the host's extra blocks) arrive until the
+    pool cannot find one (nothing is cached to evict), before the seats run out: each admitted one counts nothing,
+    the refused one once. Where the line's preallocation checks the pool itself, the plugin decides nothing there and
+    counts nothing."""
+    from fdsched.core.metrics import METRICS
+    from fdsched.patches._base import code_names
+    from fdsched.replay.engine import make_request
+
+    node = node_with("recommended")
+    host_class = type(node.rm)._fdsched_host_class
+    asks_the_seam = "_get_can_schedule_prefill_threshold_block" in code_names(host_class.preallocate_resource_in_d)
+    admitted = []
+    for n in range(SHAPE["max_num_seqs"] - 1):
+        request = make_request(f"p{n}", [1000 * (n + 1) + i for i in range(200)], MAX_TOKENS)
+        if not node.rm.preallocate_resource_in_d(request):
+            break
+        admitted.append(request)
+        assert METRICS.admissions_blocked == 0, n
+    else:
+        pytest.fail("the pool never refused a preallocation: the scene no longer exercises a refusal")
+    assert len(admitted) >= 2 and node.free() < len(admitted[0].block_tables)
+    assert METRICS.admissions_blocked == (1 if asks_the_seam else 0)
+    assert node.rm._fdsched_plans.plan is None and node.rm._fdsched_plans.pending() == ()

@@ -226,15 +226,21 @@ def test_guard_stops_running_chunk_and_blocks_admission(rm_with):
     assert chunk.num_computed_tokens == before, "the refused chunk must not advance"
     assert list(rm.waiting) == [waiting], "no waiting request may be admitted in that step"
     assert rm.to_be_rescheduled_request_id_set == set(), "the guard never preempts"
-    assert METRICS.admissions_blocked >= 1
+    # one refusal: the chunk's, decided and counted where its verdict is made; the waiting pass never asks
+    assert METRICS.admissions_blocked == 1
 
 
 def test_a_block_check_from_another_thread_mid_pass_neither_takes_nor_is_bent_by_the_pass_signals(rm_with):
     """In the engine the cache manager is also called from other threads (token processor, transfer receiver,
     PD preallocation) while a schedule() pass is open. Right after the scheduler's pass expects something of its
-    next block check (old host: the guard's refusal of the running chunk; new host: the refusal count of a
-    threshold), another thread checks exactly that many blocks: it must get the pool's true answer, leave the
-    pass's expectation pending, and the scheduler's own check must still be the one that takes it."""
+    next block check (a host without the reserve seams: the guard's refusal of the running chunk), another thread
+    checks exactly that many blocks: it must get the pool's true answer, leave the pass's expectation pending, and
+    the scheduler's own check must still be the one that takes it. On a host with the reserve seams the pass expects
+    nothing of any check (the threshold's verdict asked the pool itself) and the cache manager's check is the
+    host's own."""
+    from fdsched.patches._host_code import HostCode
+    from fdsched.patches.ratio_reserve.budget import RunningChunkGuard
+
     rm = rm_with("recommended")
     chunk, waiting = _guard_scene(rm)
     before = chunk.num_computed_tokens
@@ -260,7 +266,12 @@ def test_a_block_check_from_another_thread_mid_pass_neither_takes_nor_is_bent_by
 
         setattr(rm, name, wrapped)  # on the instance: the host's self.<name>(...) calls find it first
     rm.schedule()
-    assert seen, "the pass expected no signal: the scene no longer exercises the guard"
+    guarded = isinstance(rm.fdsched_strategy("ratio_reserve"), RunningChunkGuard)
+    if guarded:
+        assert seen, "the pass expected no signal: the scene no longer exercises the guard"
+    else:
+        assert seen == [], "a host with the reserve seams: no pass expects anything of a block check"
+        assert isinstance(rm.cache_manager._fdsched_check, HostCode), "the cache manager's check is the host's"
     for kind, num_blocks, answer, free in seen:
         assert answer == (free >= num_blocks), f"the other thread's check of {num_blocks} blocks was bent by {kind}"
     assert chunk.num_computed_tokens == before, "the scheduler's own check of the chunk must still be refused"
@@ -273,15 +284,16 @@ def test_the_served_engine_state_reports_what_an_open_pass_still_expects(rm_with
     """The served engine's state (read by the engine tier's checks) lists what the scheduler's open pass still
     expects of a block check, from the slot the scheduler made; nothing once the pass is closed."""
     from fdsched.patches._scheduler import Expected, StepPlan
-    from fdsched.patches.ratio_reserve.budget import COUNT_REFUSAL
+    from fdsched.patches.ratio_reserve.budget import REFUSE_RUNNING_CHUNK
     from fdsched.serve.seams.engine import _engine_state_locked
 
     rm = rm_with("recommended")
     slot, plan = rm._fdsched_plans, StepPlan(None)
     outer = slot.open(plan)
     plan.focus("r1")
-    plan.expect(COUNT_REFUSAL, 7)
-    assert _engine_state_locked(rm, rm.cache_manager)["pending_signals"] == [repr(Expected(COUNT_REFUSAL, "r1", 7))]
+    plan.expect(REFUSE_RUNNING_CHUNK, 7)
+    assert _engine_state_locked(rm, rm.cache_manager)["pending_signals"] == [
+        repr(Expected(REFUSE_RUNNING_CHUNK, "r1", 7))]
     slot.close(outer)
     assert _engine_state_locked(rm, rm.cache_manager)["pending_signals"] == []
 

@@ -80,15 +80,33 @@ class _Reader:
         return [v.budget - v.generated for v in requests]
 
 
-def _budget(strategy, slack=None):
-    return AdmissionBudget(strategy, strategy.tally(_Reader()), *(() if slack is None else (slack,)))
+class _Pool:
+    """The cache manager's block check as plain values: ``free`` blocks can be had (evicting where needed); each
+    count it is asked is recorded."""
+
+    def __init__(self, free: int = 0):
+        self.free, self.asked = free, []
+
+    def __call__(self, blocks: int) -> bool:
+        self.asked.append(blocks)
+        return blocks <= self.free
+
+
+def _budget(strategy, slack=None, pool=None):
+    return AdmissionBudget(strategy, strategy.tally(_Reader()), pool or _Pool(),
+                           *(() if slack is None else (slack,)))
 
 
 def test_the_budget_adds_the_running_sets_blocks_and_slack_unless_relaxed():
     slack = lambda blocks: blocks + 1  # noqa: E731 - a speculative-decoding engine's one extra block
     ratio = RatioStrategy(_ratio(0.5), 40, 4, 0, _formula)
-    budget = _budget(ratio, slack)
-    assert budget.admit(3, [_view("a", 56, 0)]) == Verdict(3 + 5 + 1, False) and budget.reserved == 5
+    pool = _Pool(free=8)
+    budget = _budget(ratio, slack, pool)
+    # 3 + 5 + 1 blocks, which this pool cannot find: refused, after asking it for exactly those
+    assert budget.admit(3, [_view("a", 56, 0)]) == Verdict(3 + 5 + 1, False, False) and budget.reserved == 5
+    assert pool.asked == [9]
+    pool.free = 9  # the pool finds them (evicting cached blocks, say): admitted, by the pool
+    assert budget.admit(3, [_view("a", 56, 0)]) == Verdict(9, True, False) and pool.asked == [9, 9]
     fixed = FixedBlockStrategy(FixedBlockReserve(3, 1, 0))
     relaxed = _budget(fixed, slack)
     assert relaxed.admit(3, [_view("a", 56, 0)]).blocks == 3  # relaxed: the chunk itself, no slack
@@ -125,7 +143,7 @@ def test_lefts_blocks_is_the_plugins_formula_summed(ratio, clip):
 def test_a_pass_counts_the_running_set_once_then_only_the_requests_admitted_since():
     reader = _Reader()
     strategy = RatioStrategy(_ratio(0.5), 40, 4, 0, _formula, pure=lambda: True)
-    budget = AdmissionBudget(strategy, strategy.tally(reader))
+    budget = AdmissionBudget(strategy, strategy.tally(reader), _Pool())
     a, b, c = _view("a", 56, 0), _view("b", 30, 4), _view("c", 20, 0)
     running = [a]
     assert budget.admit(1, running).blocks == 1 + 5
@@ -143,7 +161,7 @@ def _fresh(strategy, running):
 def test_the_pass_counts_afresh_when_the_running_list_changed_other_than_by_appending(change):
     reader = _Reader()
     strategy = RatioStrategy(_ratio(0.5), 40, 4, 0, _formula, pure=lambda: True)
-    budget = AdmissionBudget(strategy, strategy.tally(reader))
+    budget = AdmissionBudget(strategy, strategy.tally(reader), _Pool())
     a, b, c, d = _view("a", 56, 0), _view("b", 30, 4), _view("c", 20, 0), _view("d", 100, 10)
     running = [a, b, c]
     budget.admit(1, running)
@@ -166,7 +184,7 @@ def test_the_pass_counts_afresh_when_the_running_list_changed_other_than_by_appe
 def test_a_preemption_makes_the_next_ask_count_the_whole_set_with_the_moved_ratio():
     reader = _Reader()
     strategy = RatioStrategy(_ratio(0.5), 40, 4, 0, _formula, pure=lambda: True)
-    budget = AdmissionBudget(strategy, strategy.tally(reader))
+    budget = AdmissionBudget(strategy, strategy.tally(reader), _Pool())
     running = [_view("a", 56, 0), _view("b", 30, 4)]
     budget.admit(1, running)
     strategy.on_preemption([_view("b", 30, 4, decoding=True)], 1)  # the ratio moved, the list did not
@@ -182,7 +200,7 @@ def test_the_offset_matches_a_full_count_through_random_appends_removals_and_pre
     rng = random.Random(7)
     strategy = RatioStrategy(_ratio(0.6, minimum=0.05, decay=0.01), 64, 4, 1, _formula, pure=lambda: True)
     for trial in range(200):
-        budget = AdmissionBudget(strategy, strategy.tally(_Reader()))
+        budget = AdmissionBudget(strategy, strategy.tally(_Reader()), _Pool())
         running = [_view(f"t{trial}-{i}", rng.randint(0, 200), rng.randint(0, 200)) for i in range(rng.randint(0, 12))]
         for step in range(rng.randint(1, 12)):
             for move in range(rng.randint(1, 3)):  # between two asks, one to three changes
@@ -210,7 +228,7 @@ def test_a_hook_that_is_not_the_plugins_formula_is_asked_at_every_ask():
 def test_a_prefill_nodes_pass_reads_nothing():
     reader = _Reader()
     strategy = RatioStrategy(_ratio(0.7), 4096, 4, 0, _formula, decodes=False, pure=lambda: True)
-    budget = AdmissionBudget(strategy, strategy.tally(reader))
+    budget = AdmissionBudget(strategy, strategy.tally(reader), _Pool())
     assert budget.admit(2, [_view("a", 100, 0)]).blocks == 2 and reader.read == []
 
 
@@ -265,7 +283,7 @@ def test_the_adaptive_offset_matches_the_whole_sets_reservation_through_random_c
 
     for trial in range(150):
         reader = _KeyReader()
-        budget = AdmissionBudget(strategy, strategy.tally(reader))
+        budget = AdmissionBudget(strategy, strategy.tally(reader), _Pool())
         running = [view(f"t{trial}-{i}") for i in range(rng.randint(0, 10))]
         for step in range(rng.randint(1, 10)):
             for move in range(rng.randint(1, 3)):
@@ -292,7 +310,7 @@ def test_the_adaptive_offset_reads_only_the_requests_admitted_since_the_last_ask
     strategy = AdaptiveStrategy(_ratio(0.7), 4096, 4, 0, lambda *a: None, adaptive, FixedBlockReserve(16, 1, 0),
                                 pure=lambda: True)
     reader = _KeyReader()
-    budget = AdmissionBudget(strategy, strategy.tally(reader))
+    budget = AdmissionBudget(strategy, strategy.tally(reader), _Pool())
     running = [_view("a", 1000, 0), _view("b", 1000, 10)]
     first = budget.admit(0, running).blocks
     running.append(_view("c", 1000, 0))
@@ -412,8 +430,8 @@ class _MostReader(_KeyReader):
 def _bounded_budget(strategy, reader, free, slack=None):
     most = strategy.most_tally(reader)
     extra = {} if slack is None else {"slack": slack}
-    return AdmissionBudget(strategy, strategy.tally(reader), most=most, free=(lambda: free) if most is not None else None,
-                           **extra)
+    return AdmissionBudget(strategy, strategy.tally(reader), _Pool(free), most=most,
+                           free=(lambda: free) if most is not None else None, **extra)
 
 
 @pytest.mark.parametrize("kind", ["ratio", "adaptive"])
@@ -432,20 +450,22 @@ def test_an_ask_the_free_blocks_cover_at_the_bound_is_answered_without_a_count(k
     reader = _MostReader(strategy.most_blocks)
     roomy = _bounded_budget(strategy, reader, free=2 + most + 1 + strategy.most_blocks(20), slack=slack)
     # covered: admitted without reading any request's terms (its caller need not expect a refusal of the check)
-    assert roomy.admit(2, running) == Verdict(2 + most + 1, True)
-    assert reader.read == [] and roomy.reserved is None and roomy.asks == 1
+    assert roomy.admit(2, running) == Verdict(2 + most + 1, True, True)
+    assert reader.read == [] and roomy.reserved is None and roomy.asks == 1 and roomy.pool.asked == []
     running.append(_view("c", 20, 0))  # admitted: the bound adds c's most alone
     assert roomy.admit(0, running).blocks == 0 + most + strategy.most_blocks(20) + 1
     assert reader.mosts_read == ["a", "b", "c"] and reader.read == []
     # one block short of the bound: the ask counts, and answers what the count gives
     tight_reader = _MostReader(strategy.most_blocks)
     tight = _bounded_budget(strategy, tight_reader, free=2 + most + strategy.most_blocks(20) - 1)
-    exact = AdmissionBudget(strategy, strategy.tally(_KeyReader())).admit(2, running).blocks
-    assert tight.admit(2, running) == Verdict(exact, False) and tight.reserved == exact - 2
+    exact = AdmissionBudget(strategy, strategy.tally(_KeyReader()), _Pool()).admit(2, running).blocks
+    # the pool has exactly the free blocks (nothing cached to evict): the count's verdict is the pool's answer
+    assert tight.admit(2, running) == Verdict(exact, exact <= tight.pool.free, False) and tight.reserved == exact - 2
+    assert tight.pool.asked == [exact]
     assert tight_reader.read == ["a", "b", "c"]
     # a pool the bound does not fit after one that it did: each ask's verdict is its own
     shrinking = iter([10_000, 0])
-    moving = AdmissionBudget(strategy, strategy.tally(_KeyReader()), most=strategy.most_tally(_MostReader(
+    moving = AdmissionBudget(strategy, strategy.tally(_KeyReader()), _Pool(), most=strategy.most_tally(_MostReader(
         strategy.most_blocks)), free=lambda: next(shrinking))
     assert moving.admit(2, running).settled and moving.reserved is None
     assert not moving.admit(2, running).settled and moving.reserved is not None
@@ -509,7 +529,7 @@ def test_no_reservation_exceeds_the_sum_of_the_requests_mosts(requests, samples,
                                       pure=lambda: True)):
         most = sum(strategy.most_blocks(v.budget) for v in views)
         assert strategy.set_blocks(views) <= most
-        assert AdmissionBudget(strategy, strategy.tally(_KeyReader())).admit(0, views).blocks <= most
+        assert AdmissionBudget(strategy, strategy.tally(_KeyReader()), _Pool()).admit(0, views).blocks <= most
 
 
 def test_the_kept_bound_adds_only_what_was_appended_since_and_sums_afresh_after_any_other_change():

@@ -1,5 +1,6 @@
-"""The step plan the cache manager's block check consults: one question per check, answered by the plan open on the
-checking thread, consumed once, loud when left over."""
+"""The step plan the cache manager's block check consults where the plugin refuses a running chunk the host has no
+seam to refuse: one question per check, answered by the plan open on the checking thread, consumed once, loud when
+left over."""
 
 from __future__ import annotations
 
@@ -43,11 +44,11 @@ def test_a_check_on_another_thread_finds_no_pass_of_its_own():
     outer = slot.open(plan)
     plan.focus("r1")
     plan.expect("refuse-running-chunk", 4)
-    assert _on_another_thread(slot.consulted) is None  # the pool's own answer there
-    assert _on_another_thread(slot.current) is None
-    assert slot.consulted() is plan and plan.take(4) == {"refuse-running-chunk"}
+    assert _on_another_thread(slot.current) is None  # the pool's own answer there
+    assert _on_another_thread(lambda: slot.take(4)) == frozenset()
+    assert slot.current() is plan and slot.take(4) == {"refuse-running-chunk"}
     slot.close(outer)
-    assert slot.current() is None and slot.consulted() is None
+    assert slot.current() is None
 
 
 def test_a_second_threads_pass_neither_replaces_nor_sees_the_first():
@@ -62,7 +63,7 @@ def test_a_second_threads_pass_neither_replaces_nor_sees_the_first():
         slot.close(outer)
         return seen
 
-    assert _on_another_thread(other) is None  # it runs as outside a pass: its thresholds are questions of their own
+    assert _on_another_thread(other) is None  # it runs as outside a pass: its thresholds get budgets of their own
     assert slot.current() is first
 
 
@@ -72,11 +73,11 @@ def test_the_slot_tells_the_check_whether_anything_is_expected():
     outer = slot.open(plan)
     assert slot.waiting is False
     plan.focus("r1")
-    plan.expect("count-refusal", 3)
+    plan.expect("refuse-running-chunk", 3)
     assert slot.waiting is True
-    assert slot.take(3) == {"count-refusal"}
+    assert slot.take(3) == {"refuse-running-chunk"}
     assert slot.waiting is False
-    plan.expect("count-refusal", 5)
+    plan.expect("refuse-running-chunk", 5)
     slot.close(outer)
     assert slot.waiting is False and slot.pending() == ()
 
@@ -91,23 +92,13 @@ def test_a_nested_pass_gives_the_outer_one_back():
     assert slot.current() is outer_pass
 
 
-def test_a_question_asked_outside_a_pass_is_consulted_but_is_no_pass():
-    slot = PlanSlot()
-    question = StepPlan(None)
-    slot.ask_outside_a_pass(question)
-    question.expect("count-refusal", 3)
-    assert slot.current() is None  # the scheduler's code sees no open pass here
-    assert slot.consulted() is question and question.take(3) == {"count-refusal"}
-    assert _on_another_thread(slot.consulted) is None
-
-
 def test_expectations_for_the_same_check_are_taken_together():
     plan = StepPlan(None)
     plan.focus("r1")
     plan.expect("refuse-running-chunk", 4)
-    plan.expect("count-refusal", 4)
-    plan.expect("count-refusal", 9)
-    assert plan.take(4) == {"refuse-running-chunk", "count-refusal"}
+    plan.expect("a-second-kind", 4)
+    plan.expect("a-second-kind", 9)
+    assert plan.take(4) == {"refuse-running-chunk", "a-second-kind"}
     assert [e.num_blocks for e in plan.pending()] == [9]
 
 
@@ -128,7 +119,7 @@ def test_what_is_left_when_the_pass_closes_is_dropped_logged_and_counted(caplog)
 
 
 def test_a_cache_manager_no_scheduler_was_built_with_consults_nothing():
-    assert NO_PLANS.consulted() is None and NO_PLANS.current() is None and NO_PLANS.pending() == ()
+    assert NO_PLANS.current() is None and NO_PLANS.take(3) == frozenset() and NO_PLANS.pending() == ()
 
 
 def test_a_pass_makes_its_budget_at_its_first_need_and_only_once():
@@ -137,29 +128,23 @@ def test_a_pass_makes_its_budget_at_its_first_need_and_only_once():
     assert plan.made is None and made == []  # a pass that never asks makes none
     first = plan.budget
     assert plan.budget is first and plan.made is first and len(made) == 1
-    assert StepPlan(None).budget is None  # a question asked outside a pass has no budget
+    assert StepPlan(None).budget is None  # a plan made without a budget maker has none
 
 
-def test_the_slot_is_waiting_exactly_while_its_plan_or_question_expects_something():
+def test_the_slot_is_waiting_exactly_while_its_plan_expects_something():
     """The cache manager's check looks at ``slot.waiting`` first and asks the slot only when it is set: from the open
-    plan's (or the question's) first expectation until the last is taken, dropped or its pass is closed."""
+    plan's first expectation until the last is taken, dropped or its pass is closed."""
     slot = PlanSlot()
     plan = StepPlan(None)
     outer = slot.open(plan)
     assert slot.waiting is False  # a pass that expects nothing
     plan.focus("r1")
-    plan.expect("count-refusal", 3)
+    plan.expect("refuse-running-chunk", 3)
     plan.expect("refuse-running-chunk", 4)
     assert slot.waiting is True
     assert _on_another_thread(lambda: slot.take(3)) == frozenset()  # another thread's check: the pool answers
-    assert slot.take(3) == {"count-refusal"} and slot.waiting is True  # one still expected
+    assert slot.take(3) == {"refuse-running-chunk"} and slot.waiting is True  # one still expected
     assert slot.take(4) == {"refuse-running-chunk"} and slot.waiting is False
-    plan.expect("count-refusal", 5)
+    plan.expect("refuse-running-chunk", 5)
     slot.close(outer)  # closed with something still expected: no longer consulted, no longer waiting
-    assert slot.waiting is False
-    question = StepPlan(None)
-    slot.ask_outside_a_pass(question)
-    question.expect("count-refusal", 6)
-    assert slot.waiting is True
-    assert _on_another_thread(lambda: slot.take(6)) == frozenset()  # the question is its own thread's only
-    assert slot.take(6) == {"count-refusal"} and slot.waiting is False
+    assert slot.waiting is False and slot.take(5) == frozenset()
