@@ -377,3 +377,18 @@ def test_pd_recording_is_chosen_by_mode_and_host_not_read_per_call(mode):
     assert spec.strategies["ResourceManagerV1"]["off"] is pd.PdPreChange
     source = inspect.getsource(pd)
     assert "_fdsched_settings" not in source and ".has[" not in source  # no call reads the mode or the host
+
+
+@pytest.mark.parametrize("estimator", ["ratio", "adaptive"])
+def test_the_cache_manager_consults_the_pass_only_where_the_plugin_refuses_a_running_chunk(estimator):
+    """Change 3's cache-manager strategy: the guard's refusal of a running chunk's check on a host without the reserve
+    seams, and off's pre-change running pass; on a host with the seams the plugin's version needs nothing of the cache
+    manager (the verdict asks the pool itself), so its check stays the host's."""
+    from fdsched.core.settings import load_settings
+    from fdsched.patches.ratio_reserve.budget import CHECK_SHAPES
+
+    table = SPECS["ratio_reserve"].strategies["PrefixCacheManager"]
+    settings = load_settings(environ={"FDSCHED_RESERVE_ESTIMATOR": estimator}, profile="recommended")
+    assert table["plugin"].choose(True, settings) is None
+    assert table["plugin"].choose(False, settings) is CHECK_SHAPES
+    assert table["off"] is CHECK_SHAPES and table["host"] is None

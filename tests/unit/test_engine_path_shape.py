@@ -126,3 +126,26 @@ def test_class_statements_in_functions_are_the_listed_fixed_classes():
 def test_no_object_changes_class():
     found = _found(_reassigns_class)
     assert not found, f"an object's __class__ reassigned: {sorted(found)}"
+
+
+# The classes that tell the cache manager something of a pass (``StepPlan.expect``): where the plugin refuses a running
+# chunk the host has no seam to refuse, the host's own check of the chunk must answer False. Every other decision is
+# made where it is asked (an admission's verdict asks the pool itself) and needs nothing of the cache manager.
+TELLS_THE_CACHE_MANAGER = {
+    "patches/ratio_reserve/budget.py:RunningChunkGuard": "a host without the reserve seams: the guarded chunk",
+    "patches/ratio_reserve/off.py:PreChangeReserve": "off on a host with the change: the pre-change running pass",
+}
+
+
+def test_only_the_adapters_that_refuse_a_running_chunk_tell_the_cache_manager_anything():
+    found = set()
+    for rel, tree in _files(("patches",)):
+        for cls in ast.walk(tree):
+            if not isinstance(cls, ast.ClassDef):
+                continue
+            for node in ast.walk(cls):
+                if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                        and node.func.attr == "expect"):
+                    found.add(f"{rel}:{cls.name}")
+    assert found == set(TELLS_THE_CACHE_MANAGER), (
+        f"StepPlan.expect called in {sorted(found)}; listed: {sorted(TELLS_THE_CACHE_MANAGER)}")
