@@ -427,7 +427,11 @@ def main(argv: Optional[list] = None) -> int:
     parser.add_argument("--write-docs", required=True, metavar="PAGE")
     args = parser.parse_args(argv)
     from fdsched.cmdline.quiet import host_output_to
+    from fdsched.replay.engine import prepare_host_environment
     from fdsched.tools.hostsetup import cache_dir
+
+    # As `fdsched explain` does: the host's ./log and /tmp/prom_main_* go to directories that leave with the process.
+    prepare_host_environment()
 
     with host_output_to(cache_dir() / "logs" / "explain-host.log", verbose=False):  # the host's import chatter
         from fdsched.install.probe import probe
