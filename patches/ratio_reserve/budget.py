@@ -58,7 +58,7 @@ class BudgetedReserve:
     strategy (:mod:`fdsched.core.strategies`) behind it: made by the pass the scheduler opens (:meth:`new_budget`, at
     its first need), asked at the host's threshold seam (and by the running-chunk guard), closed when the pass ends
     (:meth:`pass_end`). The budget belongs to the thread that opened it: a threshold asked on another thread while the
-    pass is open (PD preallocation, no reserve seams) gets a budget of its own. One per scheduler (see
+    pass is open (a PD decode node's preallocation) gets a budget of its own. One per scheduler (see
     :mod:`fdsched.patches._scheduler`); each method named as the host's takes the scheduler first."""
 
     seams = ("get_new_block_nums", "_get_can_schedule_prefill_threshold_block")
@@ -168,7 +168,7 @@ class BudgetedReserve:
             if budget is None:
                 budget = plan.budget
             verdict = budget.admit(num_chunk_new_block, rm.running)
-        else:  # asked outside a pass (PD preallocation, no reserve seams): a budget of its own
+        else:  # asked outside a pass (a PD decode node's preallocation): a budget of its own
             budget = self.new_budget()
             verdict = budget.admit(num_chunk_new_block, rm.running)
             self.report(budget)
