@@ -49,10 +49,12 @@ from fdsched.patches._base import code_names, code_objects, host_global, node_ro
 RM = "fastdeploy.engine.sched.resource_manager_v1"
 
 
-def seats_locked(running: int, in_flight: int, head_preempted: bool, preempted_waiting: int, seats: int) -> bool:
+def seats_locked(running: int, in_flight: int, waiting, preempted, seats: int) -> bool:
     """The state the host's admission loop never leaves by itself: nothing running or in flight, the head of the
-    waiting queue preempted, and the preempted requests waiting at least ``seats``."""
-    return running == 0 and in_flight == 0 and head_preempted and preempted_waiting >= seats
+    ``waiting`` queue ``preempted`` (a status), and the preempted requests waiting at least ``seats``. The queue is
+    walked only when every other term holds: a pass that left something running (most) reads nothing of it."""
+    return (running == 0 and in_flight == 0 and bool(waiting) and waiting[0].status == preempted
+            and sum(1 for r in waiting if r.status == preempted) >= seats)
 
 
 class SeatResume:
@@ -85,10 +87,8 @@ class SeatResume:
         preempted = rm._fdsched_statuses.PREEMPTED
         with rm.lock:
             waiting = rm.waiting
-            head_preempted = bool(waiting) and waiting[0].status == preempted
             in_flight = len(rm.to_be_rescheduled_request_id_set) + len(rm.to_be_aborted_req_id_set)
-            if not seats_locked(len(rm.running), in_flight, head_preempted,
-                                sum(1 for r in waiting if r.status == preempted), rm.max_num_seqs):
+            if not seats_locked(len(rm.running), in_flight, waiting, preempted, rm.max_num_seqs):
                 return False
             request = waiting[0]
             if not self.match_prefix(rm, request):
