@@ -23,10 +23,10 @@ def _queue(*statuses):
 class _Unread(list):
     """A waiting queue that fails if it is read: the predicate's cheaper terms decide first."""
 
-    def __bool__(self):
+    def _read(self, *args):
         raise AssertionError("the waiting queue was read")
 
-    __getitem__ = __iter__ = __bool__
+    __bool__ = __len__ = __getitem__ = __iter__ = _read
 
 
 def test_seats_are_locked_only_when_nothing_runs_or_is_in_flight_and_preempted_requests_hold_every_seat():
