@@ -12,10 +12,11 @@ from __future__ import annotations
 import functools
 import sys
 
-from fdsched.core.admission import AdmissionBudget, FixedBlockReserve, NewTokenRatio, RunningView, max_new_tokens_of
 from fdsched.core.adaptive import client_bound
+from fdsched.core.admission import AdmissionBudget, NewTokenRatio, RatioStrategy, max_new_tokens_of
 from fdsched.core.metrics import METRICS
-from fdsched.core.strategies import RatioStrategy
+from fdsched.core.strategies import FixedBlockReserve
+from fdsched.core.views import RunningView
 
 from fdsched.patches._spec import Shapes
 from fdsched.patches._base import drafts, host_global, node_role
@@ -37,7 +38,7 @@ _FIXED = (
 
 
 class ArmGauges:
-    """A strategy's reports (:class:`fdsched.core.admission.Gauges`) as this scheduler's metrics, labelled by its
+    """A strategy's reports (:class:`fdsched.core.views.Gauges`) as this scheduler's metrics, labelled by its
     arm."""
 
     __slots__ = ("_of",)

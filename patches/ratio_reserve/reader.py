@@ -64,7 +64,7 @@ def _free_list_length(cache_manager) -> int:
 
 
 class _RunningReader:
-    """What a strategy reads of a scheduler's running requests (:class:`fdsched.core.admission.RunningReader`),
+    """What a strategy reads of a scheduler's running requests (:class:`fdsched.core.views.RunningReader`),
     read afresh from each request every time."""
 
     __slots__ = ("scheduler", "_views", "most")

@@ -1,58 +1,38 @@
-"""Change 3's admission decision: the reservation's formulas, and one budget per ``schedule()`` pass with a
-reservation strategy behind it.
+"""Change 3's admission decision in plain values (nothing here imports FastDeploy): upstream's ratio strategy and
+one budget per ``schedule()`` pass that every admission asks for its verdict.
 
-The host admits a prefill chunk (a new request's, or the next chunk of a running one) when
-``cache_manager.can_allocate_gpu_blocks(threshold)`` holds, where the threshold is the chunk's own blocks plus
-what the running requests keep free for the tokens they will still generate. This module is that decision,
-in plain values (nothing here imports FastDeploy):
+The host admits a prefill chunk when ``cache_manager.can_allocate_gpu_blocks(threshold)`` holds, the threshold being
+the chunk's blocks plus what the running requests keep free for the tokens they will still generate. Here:
 
-* the **formulas**: a request's output budget (:func:`max_new_tokens_of`), upstream's per-request reserve
-  (:func:`reserve_blocks_for_request`), the ratio's state (:class:`NewTokenRatio`: ``FD_INIT_NEW_TOKEN_RATIO``,
-  decayed per pass, re-estimated after a preemption) and the pre-change fixed-block reserve
-  (:class:`FixedBlockReserve`);
-* a **strategy** (:mod:`fdsched.core.strategies`) says how many blocks the running set keeps free, and carries its
-  state between passes.
-* an :class:`AdmissionBudget` is made by the scheduler's ``schedule()`` pass at its first need, asked by
-  every admission in it and closed at the pass's end. It is the model of SGLang's ``PrefillAdder`` (one object
-  per pass that every admission asks). An admission is one call, :meth:`AdmissionBudget.admit`, whose answer is
-  a :class:`Verdict`: the blocks the chunk and the reserve need, and whether they are admitted: at once where the
-  free blocks cover them, else by the pool the budget was made with (its check evicts cached blocks to find them,
-  and refuses when it cannot), as vLLM's ``allocate_slots`` answers with blocks or None.
-* a **tally** is how a budget counts the running set's blocks at each ask, chosen by the strategy when the pass
-  makes its budget (``strategy.tally``): a :class:`RunningOffset` where the set's reservation adds up
-  request by request (with no third party answering: upstream's formula over budgets left, or the adaptive
-  estimator's terms; counted in full at the pass's first ask, then only the requests admitted since, as SGLang's
-  ``PrefillAdder`` keeps its running offset), else a :class:`RunningRecount` (the whole set at every ask).
+* the **formulas** and the ratio's state (:class:`NewTokenRatio`: ``FD_INIT_NEW_TOKEN_RATIO``, decayed per pass,
+  re-estimated after a preemption), and :class:`RatioStrategy`, upstream's reservation over them (the other two
+  strategies, the pre-change fixed blocks and the plugin's adaptive estimator: :mod:`fdsched.core.strategies`);
+* an :class:`AdmissionBudget`, made at a pass's first need, asked by every admission, closed at the pass's end (as
+  SGLang's ``PrefillAdder``). An admission is one call, :meth:`AdmissionBudget.admit`, answered with a
+  :class:`Verdict` (the blocks, and whether they are admitted), as vLLM's ``allocate_slots`` answers with blocks or
+  None;
+* the **tallies**: how a budget counts the running set's blocks at each ask (:class:`RunningOffset`: the whole set
+  at a pass's first ask, then only the requests admitted since; :class:`RunningRecount`: the whole set every time;
+  :class:`KeptSum`: a bound kept from pass to pass).
 
-The scheduler side (``fdsched.patches.ratio_reserve``) turns host requests into :class:`RunningView` values
-and applies the answers at the host's seams.
+The scheduler side (``fdsched.patches.ratio_reserve``) reads host requests for a strategy and applies the answers at
+the host's seams.
 """
 
 from __future__ import annotations
 
+import bisect
+import math
 import operator
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, NamedTuple, Optional, Protocol, Sequence
+from typing import Callable, Iterable, NamedTuple, Optional, Sequence
 
 from fdsched.core.common import ceil_div
+from fdsched.core.views import RunningReader, RunningView
 
 
-__all__ = [
-    "RunningView",
-    "Gauges",
-    "AdmissionBudget",
-    "Verdict",
-    "RunningReader",
-    "RunningOffset",
-    "RunningRecount",
-    "BlockSum",
-    "KeptSum",
-    "max_new_tokens_of",
-    "reserve_blocks_for_request",
-    "reestimate_new_token_ratio",
-    "NewTokenRatio",
-    "FixedBlockReserve",
-]
+__all__ = ["AdmissionBudget", "Verdict", "RatioStrategy", "NewTokenRatio", "RunningOffset", "RunningRecount",
+           "BlockSum", "KeptSum", "max_new_tokens_of", "reserve_blocks_for_request", "reestimate_new_token_ratio"]
 
 
 # ---- the reservation's formulas (upstream PR 7444 / 2.6 cherry-pick 7783; the code is our own) ----------
@@ -135,86 +115,6 @@ class NewTokenRatio:
         return self.value
 
 
-class FixedBlockReserve:
-    """The fixed-block reservation (ratio_reserve off; the pre-change policy) (FD_RESERVE_*_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL).
-
-    ``init`` blocks per running request, decaying by ``decay`` per pass that scheduled something,
-    never below ``minimum``; once it reaches 0 the reservation is off ("relaxed") until the next
-    preemption puts it back to ``init``.
-    """
-
-    def __init__(self, init: int, decay: float, minimum: int) -> None:
-        self.init = init
-        self.decay = decay
-        self.minimum = minimum
-        self.current = init
-        self._current_float = float(init)
-        self.relaxed = True
-
-    def threshold(self, chunk_blocks: int, num_running: int) -> int:
-        if self.relaxed:
-            return chunk_blocks
-        return chunk_blocks + num_running * self.current
-
-    def after_schedule(self, scheduled_anything: bool) -> None:
-        if not scheduled_anything:
-            return
-        self._current_float -= self.decay
-        self.current = max(int(self._current_float), self.minimum, 0)
-        if self.current == 0:
-            self.relaxed = True
-
-    def on_preemption(self) -> None:
-        self.current = self.init
-        self._current_float = float(self.init)
-        self.relaxed = False
-
-
-class RunningView(NamedTuple):
-    """What a strategy knows about one running request.
-
-    A named tuple rather than a frozen dataclass: the scheduler builds one per running request at every
-    admission decision, and a frozen dataclass's ``__init__`` (one ``object.__setattr__`` per field) costs
-    several times a tuple's construction; it is as immutable and reads the same."""
-
-    request_id: str
-    budget: int  # its output budget: max_tokens, else what the context leaves
-    generated: int  # output tokens so far
-    max_tokens: Optional[int]  # the client's bound (fdsched.core.adaptive.client_bound), None when it says nothing
-    decoding: bool
-
-
-class Gauges(Protocol):
-    """Where a strategy reports what it decided (the scheduler's metrics, labelled by its arm); a strategy given
-    none reports nothing (the replay, the tests)."""
-
-    def ratio(self, value: float) -> None: ...
-
-    def adaptive_decision(self, expected_tokens: float, margin_tokens: float, k: float, fallbacks: int) -> None: ...
-
-
-class RunningReader(Protocol):
-    """What the scheduler reads of its running requests for a strategy (``requests``: the host's own objects)."""
-
-    def views(self, requests: Sequence, kept: Optional[dict] = None) -> list:
-        """One :class:`RunningView` per request (``kept``: a pass's views by request id, reused while a request's
-        output has not grown)."""
-
-    def lefts(self, requests: Sequence) -> list:
-        """Each request's budget left: its output budget minus what it generated."""
-
-    def mosts(self, requests: Sequence) -> int:
-        """The most the requests can ever reserve together: each one's :meth:`fdsched.core.strategies.RatioStrategy.most_blocks`, which
-        depends only on its output budget."""
-
-    def keys(self, requests: Sequence) -> list:
-        """Each request as ``(max_tokens, budget, generated)``, as its :class:`RunningView` has them."""
-
-    def columns(self, requests: Sequence) -> tuple:
-        """Optional: the same as three arrays (:func:`fdsched.core.terms.columns_of_keys`), for many requests at
-        once."""
-
-
 class RunningRecount:
     """A pass's tally that counts the whole running set at every ask: ``count(requests) -> blocks``."""
 
@@ -229,17 +129,11 @@ class RunningRecount:
 
 
 class RunningOffset:
-    """A pass's tally for a set whose reservation adds up request by request: the whole running list at the
-    pass's first ask, then, at each later ask, only the requests appended to it since (the admissions of the
-    pass). ``new_sum()`` makes an empty sum, with ``add(requests)`` and ``blocks()`` (:class:`BlockSum`,
-    :class:`fdsched.core.adaptive.SetTally`).
-
-    It starts over from the whole list when the list is another object, is shorter than what was counted, or no
-    longer holds the last request counted where it was (a request left from anywhere but the end, or several
-    changed places), and after :meth:`forget` (the scheduler's preemption seam: the ratio moved). What it does
-    not see is a request's output growing while the pass is open (the token processor appends without the
-    scheduler's lock): those tokens count from the next pass's first ask.
-    """
+    """A pass's tally for a set whose reservation adds up request by request: the whole running list at the pass's
+    first ask, then only the requests appended since (the pass's admissions), into ``new_sum()`` (``add(requests)``,
+    ``blocks()``: :class:`BlockSum`, :class:`fdsched.core.adaptive.SetTally`). It starts over when the list is
+    another object, shorter, or no longer holds the last request counted where it was, and after :meth:`forget` (a
+    preemption moved the ratio). Output that grows while the pass is open counts from the next pass."""
 
     def __init__(self, new_sum: Callable[[], object]) -> None:
         self.new_sum = new_sum
@@ -267,14 +161,11 @@ class RunningOffset:
 
 
 class KeptSum:
-    """A sum over the running list kept from one pass to the next (``count(requests) -> int``, a sum over
-    requests): at a pass's first ask the list is compared with the one counted, request by request (identity, in C:
-    no request is read); where it begins with it, only the requests appended since are counted, else the whole list
-    is. Later asks in the pass add the requests appended since as :class:`RunningOffset` does. It holds the list
-    counted (a copy of its own, to which an ask appends the requests it added: no ask copies the whole list) until
-    :meth:`forget`, which the scheduler calls after a pass that asked nothing. ``floor`` is
-    what the budget counted last: a pool whose free blocks do not cover it cannot cover the bound either, most
-    likely, and is counted without reading the bound."""
+    """A sum over the running list (``count(requests) -> int``) kept from pass to pass: a pass's first ask compares
+    the list with its own copy of the one counted, by identity (in C: no request is read), and counts only the
+    requests appended since where it begins with it; later asks go on as :class:`RunningOffset`. :meth:`forget`
+    (after a pass that asked nothing) lets the requests go. ``floor``: what the budget counted last (free blocks
+    that do not cover it are counted without reading the bound)."""
 
     __slots__ = ("count", "source", "members", "counted", "total", "strict", "floor")
 
@@ -333,14 +224,10 @@ class BlockSum:
 
 
 class Verdict(NamedTuple):
-    """One admission's answer (:meth:`AdmissionBudget.admit`).
-
-    ``blocks``: what must be free for the chunk to be admitted, the chunk's own blocks plus the running set's
-    reserve (the threshold the host's block check is asked). ``admitted``: whether the pool has them. ``settled``:
-    decided by the free blocks alone, at the running set's most possible reservation (neither the running set
-    counted nor the pool asked); otherwise the budget's pool answered, evicting cached blocks to make room where it
-    could (a refusal: the chunk and the reserve do not fit). What the running set counted for it is the budget's
-    :attr:`AdmissionBudget.reserved`."""
+    """One admission's answer (:meth:`AdmissionBudget.admit`): ``blocks``, the chunk's plus the running set's
+    reserve (the threshold the host checks next); ``admitted``, whether the pool has them; ``settled``, decided by
+    the free blocks alone at the running set's most possible reserve (nothing counted, the pool not asked), else
+    the pool answered, evicting cached blocks where it could."""
 
     blocks: int
     admitted: bool
@@ -349,22 +236,17 @@ class Verdict(NamedTuple):
 
 @dataclass
 class AdmissionBudget:
-    """One ``schedule()`` pass's admission decision: made at the pass's first need of it, asked by every admission
+    """One ``schedule()`` pass's admission decision: made at the pass's first need, asked by every admission
     (:meth:`admit`), closed at its end.
 
-    ``tally`` counts the running set's blocks at each ask (the strategy's
-    :meth:`fdsched.core.strategies.RatioStrategy.tally`, chosen when the budget is made). ``pool`` answers whether
-    a count of blocks can be had (the cache manager's block check, which evicts cached blocks to find them; the
-    host asks the same check of the verdict's blocks next, which then finds them free, or, after a refusal, nothing
-    left to evict). ``slack`` is what a speculative-decoding engine adds to a threshold that reserves something
-    (one block, within the per-sequence maximum). ``declined`` (the running-chunk guard) holds the running chunks
-    the budget refused in this pass: the scheduler declines their preemption call instead of preempting.
-
-    ``most`` and ``free`` (both or neither): a bound on the running set's blocks
-    (:meth:`fdsched.core.strategies.RatioStrategy.most_tally`) and the pool's free blocks now. Where the host checks
-    a threshold by comparing it with its free blocks (taking nothing when they cover it), any threshold they cover
-    gets the same answer: an ask whose threshold at the bound is covered is admitted without counting the running
-    set (a settled :class:`Verdict`), and only an ask the bound does not settle counts it (``reserved``).
+    ``tally`` counts the running set's blocks at each ask (:meth:`RatioStrategy.tally`). ``pool`` answers whether
+    a count of blocks can be had (the cache manager's block check, evicting cached blocks to find them; the host's
+    own check of the verdict's blocks then finds them free, or nothing left to evict). ``slack``: what speculative
+    decoding adds to a threshold that reserves something. ``declined`` (the running-chunk guard): the running chunks
+    refused in this pass, whose preemption call the scheduler declines. ``most`` and ``free`` (both or neither): a
+    bound on the running set's blocks (:meth:`RatioStrategy.most_tally`) and the free blocks now; an ask whose
+    threshold at the bound the free blocks cover is admitted without counting (a settled :class:`Verdict`: where
+    the free blocks cover a threshold, the host's check takes nothing and says yes).
     """
 
     strategy: object
@@ -413,3 +295,148 @@ class AdmissionBudget:
         self.closed = True
         left, self.declined = self.declined, set()
         return left
+
+
+def _least_left(tokens: int, ratio: float) -> int:
+    """The least budget left ``n`` (a whole number, at least 1) with ``int(n x ratio) >= tokens``, ``ratio > 0``:
+    estimated by division and settled with the product itself, as the formula computes it."""
+    least = max(1, math.ceil(tokens / ratio))
+    while least > 1 and int((least - 1) * ratio) >= tokens:
+        least -= 1
+    while int(least * ratio) < tokens:
+        least += 1
+    return least
+
+
+class RatioStrategy:
+    """Upstream's formula: each running request keeps ``ceil(min(budget - generated, clip) x ratio / block)`` blocks
+    (``estimate``: the ``fdsched_estimate_reserve_blocks`` hook, whose default is that formula), the ratio a
+    :class:`NewTokenRatio`. ``decodes=False`` (a prefill node) reserves nothing; the ratio still moves."""
+
+    relaxed = False
+
+    def __init__(self, ratio: NewTokenRatio, clip: int, block_size: int, extra_blocks_per_decode: int,
+                 estimate: Callable, decodes: bool = True, pure: Callable[[], bool] = lambda: False) -> None:
+        self.ratio = ratio
+        self.clip = clip
+        self.block_size = block_size
+        self.extra_blocks_per_decode = extra_blocks_per_decode
+        self.estimate = estimate
+        self.decodes = decodes
+        # pure(): ``estimate`` is the plugin's own formula now (no third party registered): the set's blocks are
+        # then a sum over the requests' budgets left (:meth:`lefts_blocks`), kept through a pass (:meth:`tally`);
+        # a third party's hook may keep state of its own and is asked for every request at every ask
+        self.pure = pure
+        self._reported = None  # the ratio this strategy's gauge shows (report)
+        self._most: Optional[KeptSum] = None  # the running set's bound, kept from pass to pass (most_tally)
+
+    def most_blocks(self, budget: int) -> int:
+        """The most a request with output budget ``budget`` can ever keep free: the formula over its whole budget at
+        the ratio's top (:attr:`NewTokenRatio.top`; its reserve only shrinks from there, and the adaptive estimator's
+        never exceeds the formula's). :func:`reserve_blocks_for_request` inline: asked for every request kept."""
+        tokens = int(min(budget, self.clip) * self.ratio.top)
+        return -(-tokens // self.block_size) if tokens > 0 else 0
+
+    def most_tally(self, reader: RunningReader):
+        """A bound on the running set's blocks (:meth:`RunningReader.mosts`: each request's most, read from what the
+        reader keeps), kept from pass to pass (:class:`KeptSum`): an admission whose chunk fits beside it needs no
+        count. None where a third party answers for requests (its answer has no known bound) or nothing is
+        reserved."""
+        if not self.decodes or not self.pure():
+            self._most = None
+            return None
+        kept = self._most
+        if kept is None or kept.source is not reader:
+            kept = self._most = KeptSum(reader.mosts, reader)
+        return kept.open_pass()
+
+    def idle_pass(self) -> None:
+        """A pass asked nothing: the kept bound lets go of the requests it holds (it counts afresh next time)."""
+        if self._most is not None:
+            self._most.forget()
+
+    def request_blocks(self, view: RunningView) -> int:
+        """What one running request keeps free, asked alone."""
+        if not self.decodes:
+            return 0
+        return self.estimate(view.request_id, view.budget, view.generated, self.ratio.value, self.clip, self.block_size)
+
+    def set_blocks(self, running: Sequence[RunningView]) -> int:
+        """The running set's blocks: the estimate of each request, summed."""
+        return sum(self.request_blocks(view) for view in running)
+
+    def lefts_blocks(self, lefts: Sequence[int]) -> int:
+        """Upstream's formula summed over requests given by their budget left (``budget - generated``): what
+        :meth:`set_blocks` gives with the plugin's own estimate, without a call per request. A request's blocks grow
+        with its budget left by one at each of a few thresholds, so where the thresholds are few next to the
+        requests the sum is, per threshold, how many requests reach it (one bisection of the sorted budgets left);
+        else one loop over the requests."""
+        ratio, clip, block_size = self.ratio.value, self.clip, self.block_size
+        if ratio <= 0 or clip <= 0 or not lefts:
+            return 0  # int(min(left, clip) x ratio) is never above 0
+        top = min(max(lefts), clip)
+        if top <= 0:
+            return 0
+        round_up = block_size - 1
+        steps = (int(top * ratio) + round_up) // block_size  # the blocks of the request with the most left
+        if steps * 16 > len(lefts):  # a threshold (its search and bisection) costs about 16 turns of the loop
+            whole = partial = 0
+            for left in lefts:
+                if left >= clip:
+                    whole += 1
+                elif left > 0:
+                    partial += (int(left * ratio) + round_up) // block_size
+            return partial + whole * ((int(clip * ratio) + round_up) // block_size)
+        ordered = sorted(lefts)
+        count, total, low = len(ordered), 0, 0
+        for step in range(steps):
+            low = bisect.bisect_left(ordered, _least_left(step * block_size + 1, ratio), low)
+            total += count - low
+        return total
+
+    def tally(self, reader: RunningReader):
+        """How a pass counts the running set (chosen when the pass makes its budget): the plugin's own formula as
+        an offset over budgets left (:class:`RunningOffset`); a third party's hook through views, the whole set at
+        every ask (:class:`RunningRecount`); nothing on a prefill node."""
+        if not self.decodes:
+            return RunningRecount(nothing_reserved)
+        if self.pure():
+            lefts_blocks, lefts = self.lefts_blocks, reader.lefts
+            return RunningOffset(lambda: BlockSum(lambda requests: lefts_blocks(lefts(requests))))
+        set_blocks, views = self.set_blocks, reader.views
+        return RunningRecount(lambda requests: set_blocks(views(requests)))
+
+    def after_pass(self, scheduled_anything: bool) -> None:
+        self.ratio.after_schedule(scheduled_anything)
+
+    def pass_ended(self, scheduled_anything: Optional[bool], counted: bool, gauges=None) -> None:
+        """A ``schedule()`` pass ended, in one call (the scheduler makes it at the end of every pass):
+        :meth:`idle_pass` where the pass ``counted`` nothing, then, unless the host's pass raised
+        (``scheduled_anything`` None), :meth:`after_pass` and :meth:`report`."""
+        if not counted:
+            self.idle_pass()
+        if scheduled_anything is None:
+            return
+        if scheduled_anything:
+            self.after_pass(True)
+        self.report(gauges)
+
+    def on_preemption(self, running: Sequence[RunningView] = (), count: int = 1) -> None:
+        """Re-estimate the ratio from what the running requests did (back to init when nothing runs)."""
+        self.ratio.on_preemption([view.generated for view in running], [view.budget for view in running],
+                                 sum(view.decoding for view in running), self.block_size, self.extra_blocks_per_decode)
+
+    def report(self, gauges=None) -> None:
+        """The ratio's gauge, set only when the ratio moved since this strategy last set it (at its floor it stays
+        put pass after pass, and a gauge update costs about as much as the rest of a pass's own work)."""
+        value = self.ratio.value
+        if gauges is not None and value != self._reported:
+            self._reported = value
+            gauges.ratio(value)
+
+    def report_decision(self, gauges=None) -> None:
+        """What the last :meth:`set_blocks` decided, beyond the reserved figure (nothing here)."""
+
+
+def nothing_reserved(requests) -> int:
+    return 0

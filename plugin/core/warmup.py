@@ -27,7 +27,7 @@ def warmup_reserve_blocks(
       ratio formula over that bound (:func:`fdsched.core.admission.reserve_blocks_for_request`): the bound is
       informative and that formula does well on such traffic.
     * No bound: the legacy fixed-block reservation's current per-request amount (``fixed_blocks``: 16
-      blocks after a preemption, decaying to 0; :class:`fdsched.core.admission.FixedBlockReserve`), never
+      blocks after a preemption, decaying to 0; :class:`fdsched.core.strategies.FixedBlockReserve`), never
       more than upstream's formula would reserve for it. Upstream's
       ratio over the rest of the context (min(context left, 4096) x 0.7 tokens per request at first) is
       mostly air and throttles a cold engine for hundreds of steps; the legacy policy is what the

@@ -7,10 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fdsched.core.adaptive import AdaptiveReserve
-from fdsched.core.admission import (
-    AdmissionBudget, FixedBlockReserve, NewTokenRatio, RunningView, Verdict, reserve_blocks_for_request,
-)
-from fdsched.core.strategies import AdaptiveStrategy, FixedBlockStrategy, RatioStrategy
+from fdsched.core.admission import AdmissionBudget, NewTokenRatio, RatioStrategy, Verdict, reserve_blocks_for_request
+from fdsched.core.strategies import AdaptiveStrategy, FixedBlockReserve, FixedBlockStrategy
+from fdsched.core.views import RunningView
 
 
 def _formula(request_id, budget, generated, ratio, clip, block_size):
@@ -66,7 +65,7 @@ def test_fixed_block_strategy_is_relaxed_until_a_preemption_then_decays():
 
 
 class _Reader:
-    """A reader whose requests are views already (fdsched.core.admission.RunningReader); counts its reads."""
+    """A reader whose requests are views already (fdsched.core.views.RunningReader); counts its reads."""
 
     def __init__(self):
         self.read = []  # request ids, in the order read
@@ -406,7 +405,7 @@ def test_lefts_blocks_counts_by_thresholds_or_by_requests_as_the_formula(ratio, 
 
 
 def test_the_least_budget_left_for_a_block_is_the_formulas_own():
-    from fdsched.core.strategies import _least_left
+    from fdsched.core.admission import _least_left
 
     for ratio in (0.05, 0.1, 0.3, 0.7, 0.698, 1.0, 2.5):
         for tokens in range(1, 400):

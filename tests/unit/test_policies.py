@@ -8,9 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from fdsched.core.admission import (
-    FixedBlockReserve, NewTokenRatio, max_new_tokens_of, reestimate_new_token_ratio, reserve_blocks_for_request,
-)
+from fdsched.core.admission import NewTokenRatio, max_new_tokens_of, reestimate_new_token_ratio, reserve_blocks_for_request
+from fdsched.core.strategies import FixedBlockReserve
 from fdsched.core.policies import (
     NoVictimWarning, VictimCandidate, is_decoding, select_any_phase_victim, select_preemption_victim,
 )
