@@ -1,46 +1,289 @@
-"""Settings: built-in defaults < a YAML profile < environment variables, validated once, frozen.
+"""Settings: each one a row of :data:`SCHEMA` (YAML key path, environment variable, parser, default, what is allowed,
+what it is for; the changes' switches first, one :data:`CHANGES` line each), loaded as defaults < a YAML profile <
+environment variables, checked once, frozen. The host's tunables keep their FastDeploy names (``FD_*``), as
+variables and as keys under ``host_tunables:``; a profile's ``changes.others`` sets each switch it does not name.
 
-Every setting is one row of ``SCHEMA`` (:mod:`fdsched.core.schema`, the key table): its YAML key path, its
-environment variable, its type, its default and what it is for. The host's own tunables keep their FastDeploy names (``FD_*``) both
-as environment variables and as keys under ``host_tunables:`` in a profile. A profile's ``changes.others``
-sets every change switch the profile does not name (see :func:`load_settings`).
-
-Bad input raises one :class:`SettingsError` in one format, ``<where>: bad value <value>[ (why)]; allowed:
-<what>``, where ``<where>`` is ``environment variable <VAR>`` or ``profile <file>, key <key path>``. It is
-raised by :func:`load_settings`, before anything is patched.
+A parser returns the typed value or raises ValueError saying what is allowed; :func:`load_settings` adds where the
+value came from, as one :class:`SettingsError`: ``<where>: bad value <value>[ (why)]; allowed: <what>``, ``<where>``
+being ``environment variable <VAR>`` or ``profile <file>, key <key path>``. Profile files: :mod:`fdsched.core.profiles`.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-from importlib import resources
+from dataclasses import dataclass, field
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
-import yaml
-
-from fdsched.core.common import SettingsError, did_you_mean, read_utf8
-from fdsched.core.schema import OTHERS_KEY, PROFILE_TOP_KEYS, SCHEMA, SCHEMA_BY_KEY, UPSTREAM_CHANGE_IDS, parse_switch
+from fdsched.core.adaptive import K_BOUND, K_DECAY, K_DEFAULT, K_STEP
+from fdsched.core.common import SettingsError, did_you_mean
+from fdsched.core.profiles import (
+    DP_PROFILE_ENV, PROFILE_ENV, parse_dp_arms, read_keys, resolve_profile, shipped_profiles,
+)
 
 __all__ = [
-    "PROFILE_ENV",
-    "DP_PROFILE_ENV",
-    "parse_dp_arms",
-    "load_arm_settings",
-    "Settings",
-    "SettingsError",
-    "load_settings",
-    "shipped_profiles",
-    "read_profile",
-    "resolve_profile",
+    "CHANGES", "CHANGE_IDS", "HOST_FIXES", "UPSTREAM_CHANGE_IDS", "OTHERS_KEY", "SWITCH_VALUES", "INT_SETTING_MAX",
+    "Setting", "SCHEMA", "SCHEMA_BY_KEY", "PROFILE_TOP_KEYS", "parse_switch",
+    "Settings", "SettingsError", "load_settings", "read_profile", "load_arm_settings",
+    # the profile files' names, for the callers that load settings (defined in fdsched.core.profiles)
+    "PROFILE_ENV", "DP_PROFILE_ENV", "parse_dp_arms", "resolve_profile", "shipped_profiles",
 ]
 
-PROFILE_ENV = "FDSCHED_PROFILE"
-# Online A/B in one deployment: one profile per data-parallel rank, e.g. ``0=baseline,1=recommended``.
-DP_PROFILE_ENV = "FDSCHED_PROFILE_BY_DP_RANK"
-MAX_DP_RANK = 1023  # a bound on typos (FastDeploy's data-parallel sizes are single or double digits)
+SWITCH_VALUES = ("auto", "on", "off")
+
+# The upstream changes, in catalogue order: (id, what it does). One line per change; the id is the YAML key
+# under ``changes:``, ``FDSCHED_<ID>`` its variable and ``<ID>`` the name of its module in ``fdsched.patches``.
+# The list lives here, not in ``fdsched.patches``, because the core layer must not import the patches
+# (tests/unit/test_layers.py); tests/unit/test_catalogue.py checks that the catalogue has the same ids, in order.
+CHANGES: tuple[tuple[str, str], ...] = (
+    ("deferred_recycle", "recycle evicted GPU blocks in one batch after the LRU loop (PR 7885/7886)."),
+    ("decode_only_preempt", "preempt only decoding requests, LIFO (PR 7444/7783)."),
+    ("ratio_reserve", "new_token_ratio KV reservation and chunked-prefill guard (PR 7444/7783)."),
+    ("pd_prefill_cache", "record prefill-node blocks in the radix tree (PR 7364/7387)."),
+    ("nonpolling_transfer", "wait on a blocking queue for CPU-cache transfer results (idea of PR 7520)."),
+    ("one_node_per_block", "host fix: a fully cached prompt never gets a second radix node for a cached block."),
+    ("prefill_node_reserve", "host fix: a PD prefill node reserves no decode blocks for running requests."),
+    ("preempted_seat_resume", "host fix: a preempted request resumes on its seat; admission never locks for good."),
+    ("decode_node_reserve", "host fix: a PD decode node admits a running request's chunk on its own blocks."),
+)
+CHANGE_IDS = tuple(change_id for change_id, _ in CHANGES)
+# The plugin's fixes of defects in FastDeploy's own code (the entries above whose text starts "host fix"). A
+# profile's ``changes.others`` does not set them: "every change off" (``baseline``) is the pre-change policy, not
+# the host's defects; ``off`` named on its own keeps the host's code, to reproduce a defect.
+HOST_FIXES = tuple(change_id for change_id, text in CHANGES if text.startswith("host fix"))
+UPSTREAM_CHANGE_IDS = tuple(change_id for change_id in CHANGE_IDS if change_id not in HOST_FIXES)
+# A profile's ``changes.others`` sets every switch that profile does not name (e.g. baseline: ``others: "off"``),
+# so a new change needs no line in the profiles that mean "every change off" or "every change on".
+OTHERS_KEY = "changes.others"
+
+
+# ---- value parsers -------------------------------------------------------------------------
+def _near(raw: Any, words) -> str:
+    return did_you_mean(raw.strip().lower(), words) if isinstance(raw, str) else ""  # a typed word only
+
+
+def parse_switch(raw: Any) -> str:
+    # YAML 1.1 reads bare on/off as booleans; accept them as the words they were meant to be.
+    if raw is True:
+        return "on"
+    if raw is False:
+        return "off"
+    if isinstance(raw, str) and raw.strip().lower() in SWITCH_VALUES:
+        return raw.strip().lower()
+    raise ValueError("one of auto, on, off" + _near(raw, SWITCH_VALUES))
+
+
+def _choice(*allowed: str) -> Callable[[Any], str]:
+    def parse(raw: Any) -> str:
+        if isinstance(raw, str) and raw.strip().lower() in allowed:
+            return raw.strip().lower()
+        raise ValueError("one of " + ", ".join(allowed) + _near(raw, allowed))
+
+    return parse
+
+
+# Every integer setting without an upper bound of its own stops here (the host keeps counts in int32): a typo of a
+# dozen extra digits is one line at start, not an OverflowError inside the engine.
+INT_SETTING_MAX = 2**31 - 1
+
+
+def _int(lo: Optional[int] = None, hi: Optional[int] = None) -> Callable[[Any], int]:
+    text = _range_text("an integer", lo, hi) + ("" if hi is not None else f" (at most {INT_SETTING_MAX})")
+    top = INT_SETTING_MAX if hi is None else hi
+
+    def parse(raw: Any) -> int:
+        if isinstance(raw, bool):
+            raise ValueError(text)
+        try:
+            value = int(raw.strip()) if isinstance(raw, str) else raw
+        except ValueError:
+            raise ValueError(text) from None
+        if not isinstance(value, int) or (lo is not None and value < lo) or value > top:
+            raise ValueError(text)
+        return value
+
+    return parse
+
+
+def _float(lo: Optional[float] = None, hi: Optional[float] = None) -> Callable[[Any], float]:
+    def parse(raw: Any) -> float:
+        if isinstance(raw, bool):
+            raise ValueError(_range_text("a number", lo, hi))
+        try:
+            value = float(raw.strip()) if isinstance(raw, str) else float(raw)
+        except (TypeError, ValueError):
+            raise ValueError(_range_text("a number", lo, hi)) from None
+        if value != value or value in (float("inf"), float("-inf")) or (lo is not None and value < lo) \
+                or (hi is not None and value > hi):
+            raise ValueError(_range_text("a number", lo, hi) + (" (finite)" if hi is None or lo is None else ""))
+        return value
+
+    return parse
+
+
+def _bool01(raw: Any) -> bool:
+    if isinstance(raw, bool):
+        return raw
+    if isinstance(raw, int) and raw in (0, 1):
+        return bool(raw)
+    if isinstance(raw, str) and raw.strip().lower() in ("0", "1", "true", "false"):
+        return raw.strip().lower() in ("1", "true")
+    raise ValueError("0 or 1 (true/false in YAML)")
+
+
+def _cap(raw: Any) -> Optional[float]:
+    """``init`` (upstream: cap the re-estimated ratio at its initial value) or a number in [0, 1]."""
+    if isinstance(raw, str) and raw.strip().lower() == "init":
+        return None
+    try:
+        return _float(0.0, 1.0)(raw)
+    except ValueError:
+        raise ValueError("'init' or a number in [0, 1]") from None
+
+
+def _as_written(raw: Any) -> Any:
+    """A value the engine never reads, kept as the profile wrote it: the layer that reads it checks it (the
+    replay checks ``replay.cost_model`` with :func:`fdsched.replay.costmodel.check_replay_settings`)."""
+    return raw
+
+
+def _range_text(what: str, lo: Any, hi: Any) -> str:
+    if lo is not None and hi is not None:
+        return f"{what} in [{lo}, {hi}]"
+    if lo is not None:
+        return f"{what} >= {lo}"
+    if hi is not None:
+        return f"{what} <= {hi}"
+    return what
+
+
+@dataclass(frozen=True)
+class Setting:
+    key: str  # YAML key path, dotted
+    env: Optional[str]  # environment variable, or None for profile/CLI-only settings
+    parse: Callable[[Any], Any] = field(repr=False)
+    default: Any
+    allowed: str  # what is allowed, in words (for docs and `doctor`)
+    doc: str
+
+
+def _change(number: int, change_id: str, doc: str) -> Setting:
+    """The switch of change ``number``: ``changes.<id>`` / ``FDSCHED_<ID>`` = auto | on | off."""
+    return Setting(
+        key=f"changes.{change_id}",
+        env=f"FDSCHED_{change_id.upper()}",
+        parse=parse_switch,
+        default="auto",
+        allowed="auto | on | off",
+        doc=f"Change {number}: {doc}",
+    )
+
+
+def _host(name: str, parse: Callable[[Any], Any], default: Any, allowed: str, doc: str) -> Setting:
+    """One of the host's own tunables: its FastDeploy name is its variable and its key under ``host_tunables:``."""
+    return Setting(f"host_tunables.{name}", name, parse, default, allowed, doc)
+
+
+_FIXED = "Fixed-block reservation (ratio_reserve off): "
+SCHEMA: tuple[Setting, ...] = (
+    *(_change(number, change_id, doc) for number, (change_id, doc) in enumerate(CHANGES, start=1)),
+    Setting("pd_prefill_cache.mode", "FDSCHED_PD_PREFILL_CACHE_MODE", _choice("safe", "upstream"), "safe",
+            "safe | upstream",
+            "safe: record only computed blocks, the rest after the prefill ran; upstream: record the whole prompt at "
+            "preallocation (what 7387 does)."),
+    # ---- the host's own tunables, FastDeploy names and defaults ------------------------------
+    _host("FD_USE_NEW_TOKEN_RATIO_RESERVE", _bool01, True, "0 | 1",
+          "Host switch for the ratio reservation (a host with 7783). Setting it explicitly must agree with "
+          "changes.ratio_reserve."),
+    _host("FD_INIT_NEW_TOKEN_RATIO", _float(0.0, 1.0), 0.7, "a number in [0, 1]", "Initial new_token_ratio."),
+    _host("FD_MIN_NEW_TOKEN_RATIO", _float(0.0, 1.0), 0.1, "a number in [0, 1], not above FD_INIT_NEW_TOKEN_RATIO",
+          "Floor of new_token_ratio."),
+    _host("FD_NEW_TOKEN_RATIO_DECAY", _float(0.0, 1.0), 0.001, "a number in [0, 1]",
+          "Subtracted from new_token_ratio after every schedule() that scheduled something."),
+    _host("FD_CLIP_MAX_NEW_TOKENS", _int(0), 4096, "an integer >= 0",
+          "Remaining output tokens per request are clipped to this before applying the ratio."),
+    _host("FD_RESERVE_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL", _int(0), 16, "an integer >= 0",
+          _FIXED + "blocks reserved per running request after a preemption."),
+    _host("FD_RESERVE_DECAY_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL", _float(0.0), 0.025,
+          "a number >= 0", _FIXED + "decay of the per-request reservation per scheduling pass."),
+    _host("FD_RESERVE_MIN_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL", _int(0), 0,
+          "an integer >= 0, not above the fixed-block initial reservation",
+          _FIXED + "floor of the per-request reservation."),
+    # ---- plugin tunables (upstream hard-codes these) ----------------------------------------
+    Setting("tunables.ratio_reestimate_extra_blocks", "FDSCHED_RATIO_REESTIMATE_EXTRA_BLOCKS", _int(0), 16,
+            "an integer >= 0",
+            "Blocks per decoding request added to the generated tokens when the ratio is re-estimated after a "
+            "preemption (upstream: 16; SGLang adds 20 tokens)."),
+    Setting("tunables.ratio_reestimate_cap", "FDSCHED_RATIO_REESTIMATE_CAP", _cap, None, "init | a number in [0, 1]",
+            "Cap of the re-estimated ratio: 'init' caps at FD_INIT_NEW_TOKEN_RATIO (upstream), SGLang uses 1.0."),
+    Setting("tunables.reserve_estimator", "FDSCHED_RESERVE_ESTIMATOR", _choice("ratio", "adaptive"), "ratio",
+            "ratio | adaptive",
+            "What running requests reserve when the plugin's ratio reservation runs (changes.ratio_reserve applied): "
+            "ratio = upstream's new_token_ratio formula (PR 7444/7783); adaptive = the expected remaining output "
+            "learned from the engine's finished requests plus one margin for the running set (fdsched.core.adaptive)."),
+    Setting("tunables.adaptive_min_samples", "FDSCHED_ADAPTIVE_MIN_SAMPLES", _int(1), 16, "an integer >= 1",
+            "Adaptive estimator: finished requests of a kind (client max_tokens set / unset) needed before it "
+            "answers for that kind; before that, the warm-up fallback (see README)."),
+    Setting("tunables.adaptive_window", "FDSCHED_ADAPTIVE_WINDOW", _int(1), 2000, "an integer >= 1",
+            "Adaptive estimator: how many of the most recent finished requests it learns from (drift)."),
+    Setting("tunables.adaptive_margin_k", "FDSCHED_ADAPTIVE_MARGIN_K", _float(-K_BOUND, K_BOUND), K_DEFAULT,
+            f"a number in [{-K_BOUND:g}, {K_BOUND:g}]",
+            "Adaptive estimator: the running set's margin is k standard deviations of its total remaining output; "
+            "a negative k keeps less than the expected remainder free (requests that finish give their blocks back "
+            f"while the others grow); each preemption raises k by tunables.adaptive_k_step (up to {K_BOUND:g}), each "
+            "finished request leaves tunables.adaptive_k_decay of that extra."),
+    Setting("tunables.adaptive_k_step", "FDSCHED_ADAPTIVE_K_STEP", _float(0.0, 2 * K_BOUND), K_STEP,
+            f"a number in [0, {2 * K_BOUND:g}]",
+            f"Adaptive estimator: what each preemption adds to k (k never exceeds {K_BOUND:g})."),
+    Setting("tunables.adaptive_k_decay", "FDSCHED_ADAPTIVE_K_DECAY", _float(0.0, 1.0), K_DECAY, "a number in [0, 1]",
+            "Adaptive estimator: the share of the preemptions' extra k that each finished request leaves "
+            "(1: never decays, 0: gone at the next finished request)."),
+    Setting("tunables.recycle_heapify_min_batch", "FDSCHED_RECYCLE_HEAPIFY_MIN_BATCH", _int(1), 64, "an integer >= 1",
+            "Deferred recycling: batches at least this large are merged with one heapify instead of one push per id."),
+    Setting("tunables.transfer_force_direct_recycle", "FDSCHED_TRANSFER_FORCE_DIRECT_RECYCLE", _bool01, False, "0 | 1",
+            "Evict GPU blocks directly (the batched path of change 1) even where the host would swap them to the "
+            "CPU tier; needs changes.deferred_recycle applied."),
+    Setting("tunables.transfer_wait_seconds", "FDSCHED_TRANSFER_WAIT_SECONDS", _float(0.001, 60.0), 0.5,
+            "a number in [0.001, 60]",
+            "Non-polling transfer: how long one blocking wait for a transfer-done signal lasts before the receiver "
+            "loop goes round again (the idle RPC rate is about 1 / this)."),
+    # ---- replay step-cost model and candidate policies (profile or command line only) --------
+    Setting("replay.cost_model", None, _as_written, "linear",
+            "linear, a shipped preset name (fdsched replay --help) or a preset YAML file",
+            "Step-cost model of the replay (docs/costmodel.md): linear (the replay.* coefficients below) or a "
+            "calibrated preset whose step cost grows with the context held and attended to."),
+    Setting("replay.step_fixed_ms", None, _float(0.0), 5.0, "a number >= 0", "Modelled fixed cost of one engine step."),
+    Setting("replay.per_prefill_token_ms", None, _float(0.0), 0.02, "a number >= 0",
+            "Modelled cost per prefill token in a step."),
+    Setting("replay.per_decode_request_ms", None, _float(0.0), 0.1, "a number >= 0",
+            "Modelled cost per decoding request in a step."),
+    Setting("replay.oracle_reserve", None, _bool01, False, "true | false",
+            "Replay only: the clairvoyant admission bound: admit a prefill only when the running set's peak future "
+            "KV demand, with the candidate and each request's true output length, fits the pool (finishing requests "
+            "give their blocks back)."),
+    Setting("replay.unbounded_memory", None, _bool01, False, "true | false",
+            "Replay only: a KV pool large enough for every request of the trace at once (memory is never the limit; "
+            "the reference ceiling under the same cost model)."),
+    Setting("replay.fetch", None, _choice("all", "engine"), "all", "all | engine",
+            "Replay only: how arrived requests reach the scheduler's waiting queue. all: each as it arrives (the "
+            "replay's model so far); engine: as the host's own engine hands them over on a mixed node (with the "
+            "prepare mixin: one request, and only when the waiting queue is empty; without it: every arrived request "
+            "while a batch slot is free), the rest queued first come first served in front of it "
+            "(docs/evaluation.md)."),
+    Setting("replay.retract_order", None, _choice("default", "sglang"), "default", "default | sglang",
+            "Replay only: which decoding request a preemption picks; sglang: fewest generated tokens, then longest "
+            "prompt (SGLang's retract order), through the victim hook."),
+    Setting("replay.admission", None, _choice("default", "peak", "clip-learned"), "default",
+            "default | peak | clip-learned",
+            "Replay only, the candidate policies of docs/peak-admission.md: peak admits a prefill only when the "
+            "running set's predicted peak KV demand fits the pool (remainders learned from finished requests); "
+            "clip-learned is upstream's ratio formula with the clip learned online. default: the profile's own "
+            "reservation."),
+)
+
+SCHEMA_BY_KEY = {s.key: s for s in SCHEMA}
+PROFILE_TOP_KEYS = ("description",) + tuple(sorted({s.key.split(".")[0] for s in SCHEMA}))
 
 
 @dataclass(frozen=True)
@@ -74,163 +317,13 @@ class Settings:
         return [(s.key, s.env or "-", self.values[s.key], self.sources[s.key]) for s in SCHEMA]
 
 
-# --------------------------------------------------------------------------------------------
-# Profiles
-# --------------------------------------------------------------------------------------------
-def shipped_profiles() -> dict[str, Path]:
-    """Shipped profile name -> path of its YAML file."""
-    found = {}
-    for entry in resources.files("fdsched.configs").iterdir():
-        if entry.name.endswith(".yaml"):
-            found[entry.name[: -len(".yaml")]] = Path(str(entry))
-    return dict(sorted(found.items()))
-
-
-def engine_profiles() -> dict[str, str]:
-    """Shipped profile name -> the shipped profile an engine runs identically, for every profile.
-
-    Profiles that differ only in ``replay.*`` keys (settings only the replay reads: ``oracle``, ``unbounded``,
-    ``sglang-retract`` are ``recommended`` in an engine) build the same classes with the same values, so a test of
-    the engine or of the host's suites proves the same thing for each; the representative of a group is the one
-    whose replay keys are all defaults (else the first by name)."""
-    groups: dict = {}
-    for name in shipped_profiles():
-        settings = load_settings({}, profile=name)
-        engine_view = tuple(sorted((k, repr(v)) for k, v in settings.values.items() if not k.startswith("replay.")))
-        groups.setdefault(engine_view, []).append(settings)
-    chosen = {}
-    for members in groups.values():
-        plain = [m for m in members if not any(src != "default" for k, src in m.sources.items() if k.startswith("replay."))]
-        representative = (plain or members)[0].profile
-        for member in members:
-            chosen[member.profile] = representative
-    return dict(sorted(chosen.items()))
-
-
-def resolve_profile(value: str, origin: str = PROFILE_ENV) -> tuple[str, Path]:
-    """A profile named by ``value`` (a shipped profile's name, or a YAML file's path) as (name, file); a bad value
-    raises :class:`SettingsError` naming ``origin`` (the variable, option or key it came from) and what is allowed."""
-    value = value.strip()
-    looks_like_path = os.sep in value or value.endswith((".yaml", ".yml"))
-    if looks_like_path:
-        path = Path(value).expanduser()
-        if path.is_dir():
-            raise SettingsError(f"{origin}: bad value {value!r} (a directory, not a profile file); allowed: a shipped "
-                                f"profile name ({', '.join(shipped_profiles())}) or the path of a YAML file")
-        if not path.is_file():
-            raise SettingsError(f"{origin}: bad value {value!r} (no such profile file); allowed: a shipped profile "
-                                f"name ({', '.join(shipped_profiles())}) or the path of a YAML file")
-        return path.stem, path
-    profiles = shipped_profiles()
-    if value not in profiles:
-        hint = did_you_mean(value, profiles).replace(" (", "; ").rstrip(")")
-        raise SettingsError(f"{origin}: bad value {value!r} (unknown profile{hint}); "
-                            f"allowed: {', '.join(profiles)} or the path of a YAML file")
-    return value, profiles[value]
-
-
-class _DuplicateKey(Exception):
-    def __init__(self, key_path: str, first_line: int, second_line: int):
-        super().__init__(key_path)
-        self.key_path, self.first_line, self.second_line = key_path, first_line, second_line
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """A safe loader that refuses a key given twice in one mapping (PyYAML silently keeps the last one)."""
-
-
-def _unique_mapping(loader, node, deep=False):
-    seen: dict = {}
-    for key_node, value_node in node.value:
-        key = loader.construct_object(key_node, deep=True)
-        line = key_node.start_mark.line + 1
-        if isinstance(key, (str, int, float, bool)) and key in seen:
-            raise _DuplicateKey(str(key), seen[key], line)
-        seen[key] = line
-    return loader.construct_mapping(node, deep=deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
-
-
-def _parent_path(text: str, line: int) -> str:
-    """The dotted key path a duplicate at ``line`` sits under (its parent keys, by indentation)."""
-    lines = text.splitlines()
-    target = lines[line - 1]
-    indent = len(target) - len(target.lstrip())
-    parents = []
-    for previous in reversed(lines[: line - 1]):
-        stripped = previous.lstrip()
-        if not stripped or stripped.startswith("#"):
-            continue
-        level = len(previous) - len(stripped)
-        if level < indent and stripped.rstrip().endswith(":"):
-            parents.append(stripped.rstrip()[:-1].strip())
-            indent = level
-    return ".".join(reversed(parents))
-
-
 def read_profile(path: Path) -> dict[str, Any]:
-    """Parse one profile file into ``{key path: raw value}``; unknown and duplicate keys are errors.
-
-    The keys are those written in the file, ``changes.others`` included (:func:`load_settings` gives its
-    value to every switch the file does not name)."""
-    text = read_utf8(path, "profile", "a YAML mapping (see fdsched profiles baseline)", SettingsError)
-    try:
-        document = yaml.load(text, Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader subclass
-    except _DuplicateKey as dup:
-        parent = _parent_path(text, dup.second_line)
-        key = f"{parent}.{dup.key_path}" if parent else dup.key_path
-        raise SettingsError(
-            f"profile {path}, key {key}: bad value (given twice, at line {dup.first_line} and line {dup.second_line}); "
-            "allowed: each key once"
-        ) from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc)
-        raise SettingsError(f"profile {path}: not valid YAML{where}: {problem}; allowed: a YAML mapping") from None
-    if document is None:
-        raise SettingsError(
-            f"profile {path}: empty (no settings); allowed: a YAML mapping with keys {', '.join(PROFILE_TOP_KEYS)} "
-            "(a profile that changes nothing is the built-in defaults: leave FDSCHED_PROFILE unset instead)"
-        )
-    if not isinstance(document, dict):
-        raise SettingsError(
-            f"profile {path}: bad value at the top level (a {type(document).__name__}); allowed: a mapping with keys "
-            f"{', '.join(PROFILE_TOP_KEYS)} (the top level must be a mapping)"
-        )
-    flat: dict[str, Any] = {}
-    for top, value in document.items():
-        if top not in PROFILE_TOP_KEYS:
-            raise SettingsError(
-                f"profile {path}, key {top}: unknown key{did_you_mean(top, PROFILE_TOP_KEYS)}; allowed top-level keys: "
-                f"{', '.join(PROFILE_TOP_KEYS)}"
-            )
-        if top == "description":
-            if not isinstance(value, str):
-                raise SettingsError(f"profile {path}, key description: bad value {value!r}; allowed: a string")
-            continue
-        if not isinstance(value, dict):
-            raise SettingsError(f"profile {path}, key {top}: bad value {value!r}; allowed: a mapping of settings")
-        for sub, raw in value.items():
-            key = f"{top}.{sub}"
-            if key not in SCHEMA_BY_KEY and key != OTHERS_KEY:
-                allowed = sorted(k.split(".", 1)[1] for k in (*SCHEMA_BY_KEY, OTHERS_KEY) if k.startswith(top + "."))
-                raise SettingsError(f"profile {path}, key {key}: unknown key{did_you_mean(sub, allowed)}; allowed under "
-                                    f"{top}: {', '.join(allowed)}")
-            flat[key] = raw
-    return flat
+    """One profile file as ``{key path: raw value}``, the keys as written (``changes.others`` included); unknown and
+    duplicate keys are errors (:func:`fdsched.core.profiles.read_keys`)."""
+    return read_keys(path, PROFILE_TOP_KEYS, (*SCHEMA_BY_KEY, OTHERS_KEY))
 
 
-def profile_description(path: Path) -> str:
-    document = yaml.safe_load(read_utf8(path, "profile", "a YAML mapping", SettingsError)) or {}
-    return str(document.get("description", "")).strip() if isinstance(document, dict) else ""
-
-
-# --------------------------------------------------------------------------------------------
-# Loading
-# --------------------------------------------------------------------------------------------
+# ---- loading ---------------------------------------------------------------------------------
 def load_settings(environ: Optional[Mapping[str, str]] = None, profile: Optional[str] = None) -> Settings:
     """Build the frozen settings: defaults < profile < environment.
 
@@ -313,85 +406,28 @@ def _check_order(values, sources, low_k, high_k, what, profile_path) -> None:
 
 def _check_together(values: dict, sources: dict, profile_path: Optional[str] = None) -> None:
     """Checks that involve two settings: the one set with higher precedence is named first."""
-    _check_order(
-        values, sources, "host_tunables.FD_MIN_NEW_TOKEN_RATIO", "host_tunables.FD_INIT_NEW_TOKEN_RATIO",
-        "a number", profile_path,
-    )
-    _check_order(
-        values,
-        sources,
-        "host_tunables.FD_RESERVE_MIN_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL",
-        "host_tunables.FD_RESERVE_OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL",
-        "an integer",
-        profile_path,
-    )
+    def where(key: str) -> str:
+        return _where(key, sources, profile_path)
+
+    fixed = "host_tunables.FD_RESERVE_{}OUTPUT_BLOCK_NUM_FOR_DECODE_WHEN_SCHEDULE_NEW_PREFILL"
+    _check_order(values, sources, "host_tunables.FD_MIN_NEW_TOKEN_RATIO", "host_tunables.FD_INIT_NEW_TOKEN_RATIO",
+                 "a number", profile_path)
+    _check_order(values, sources, fixed.format("MIN_"), fixed.format(""), "an integer", profile_path)
+    est_k, ours_k = "tunables.reserve_estimator", "changes.ratio_reserve"
+    host_k = "host_tunables.FD_USE_NEW_TOKEN_RATIO_RESERVE"
+    host_set, mode = sources[host_k] != "default", values[ours_k]
     # The adaptive estimator answers only inside the plugin's ratio reservation.
-    est_k = "tunables.reserve_estimator"
-    if values[est_k] == "adaptive":
-        ratio_k, host_k0 = "changes.ratio_reserve", "host_tunables.FD_USE_NEW_TOKEN_RATIO_RESERVE"
-        if values[ratio_k] == "off":
-            raise SettingsError(
-                f"{_where(est_k, sources, profile_path)}: bad value 'adaptive'; it contradicts "
-                f"{_where(ratio_k, sources, profile_path)}='off'; allowed: ratio with ratio_reserve=off, or "
-                "adaptive with ratio_reserve=auto/on"
-            )
-        if sources[host_k0] != "default" and not values[host_k0]:
-            raise SettingsError(
-                f"{_where(est_k, sources, profile_path)}: bad value 'adaptive'; it contradicts "
-                f"{_where(host_k0, sources, profile_path)}=0 (the fixed-block policy); allowed: ratio, or leave "
-                "FD_USE_NEW_TOKEN_RATIO_RESERVE unset / 1"
-            )
+    if values[est_k] == "adaptive" and mode == "off":
+        raise SettingsError(f"{where(est_k)}: bad value 'adaptive'; it contradicts {where(ours_k)}='off'; allowed: "
+                            "ratio with ratio_reserve=off, or adaptive with ratio_reserve=auto/on")
+    if values[est_k] == "adaptive" and host_set and not values[host_k]:
+        raise SettingsError(f"{where(est_k)}: bad value 'adaptive'; it contradicts {where(host_k)}=0 (the fixed-block "
+                            "policy); allowed: ratio, or leave FD_USE_NEW_TOKEN_RATIO_RESERVE unset / 1")
     # The host's own switch for the ratio policy must not contradict ours when both are explicit.
-    host_k, ours_k = "host_tunables.FD_USE_NEW_TOKEN_RATIO_RESERVE", "changes.ratio_reserve"
-    if sources[host_k] != "default":
-        mode = values[ours_k]
-        if (mode == "on" and not values[host_k]) or (mode == "off" and values[host_k]):
-            raise SettingsError(
-                f"{_where(host_k, sources, profile_path)}: bad value {int(values[host_k])!r}; it contradicts "
-                f"{_where(ours_k, sources, profile_path)}={mode!r}; allowed: leave it unset, or "
-                f"{1 if mode == 'on' else 0} with ratio_reserve={mode}"
-            )
-
-
-# --------------------------------------------------------------------------------------------
-# Online A/B: one profile per data-parallel rank
-# --------------------------------------------------------------------------------------------
-_DP_ALLOWED = (
-    "a comma list of RANK=PROFILE, each RANK an integer in [0, %d] given once and each PROFILE a shipped profile "
-    "name or the path of a YAML file (e.g. 0=baseline,1=recommended)" % MAX_DP_RANK
-)
-
-
-def parse_dp_arms(raw: str, origin: str = f"environment variable {DP_PROFILE_ENV}") -> dict:
-    """``"0=baseline,1=recommended"`` -> ``{0: "baseline", 1: "recommended"}`` (rank -> profile as written).
-
-    Only the syntax is checked here (ranks, duplicates, empty profiles); :func:`load_arm_settings` loads each
-    profile. An empty or blank value means no arms. Raises :class:`SettingsError` naming the bad item.
-    """
-    arms: dict = {}
-    if raw is None or raw.strip() == "":
-        return arms
-    for item in raw.split(","):
-        text = item.strip()
-        if not text:
-            raise SettingsError(f"{origin}: bad value {raw!r} (an empty item); allowed: {_DP_ALLOWED}")
-        rank_text, sep, profile = text.partition("=")
-        rank_text, profile = rank_text.strip(), profile.strip()
-        if not sep or not profile:
-            raise SettingsError(f"{origin}: bad value {text!r} (no profile after RANK=); allowed: {_DP_ALLOWED}")
-        try:
-            rank = int(rank_text)
-        except ValueError:
-            rank = -1
-        if not rank_text.isdigit() or not 0 <= rank <= MAX_DP_RANK:
-            raise SettingsError(f"{origin}: bad value {text!r} (rank {rank_text!r}); allowed: {_DP_ALLOWED}")
-        if rank in arms:
-            raise SettingsError(
-                f"{origin}: bad value {text!r} (rank {rank} is given twice: {arms[rank]} and {profile}); "
-                f"allowed: {_DP_ALLOWED}"
-            )
-        arms[rank] = profile
-    return arms
+    if host_set and ((mode == "on" and not values[host_k]) or (mode == "off" and values[host_k])):
+        raise SettingsError(f"{where(host_k)}: bad value {int(values[host_k])!r}; it contradicts {where(ours_k)}="
+                            f"{mode!r}; allowed: leave it unset, or {1 if mode == 'on' else 0} with "
+                            f"ratio_reserve={mode}")
 
 
 def load_arm_settings(environ: Optional[Mapping[str, str]] = None) -> dict:

@@ -30,8 +30,7 @@ from typing import Mapping, Optional
 from fdsched.install import probe as host_mod
 from fdsched.core.hooks import Policies, make_plugin_manager
 from fdsched.install.rebind import Rebinding
-from fdsched.core.schema import CHANGE_IDS
-from fdsched.core.settings import DP_PROFILE_ENV, Settings, load_arm_settings, load_settings
+from fdsched.core.settings import CHANGE_IDS, DP_PROFILE_ENV, Settings, load_arm_settings, load_settings
 
 __all__ = ["Arm", "Decision", "InstallReport", "InstallError", "effective_ratio_mode", "decide", "decide_arms", "install", "uninstall", "current"]
 

@@ -104,7 +104,7 @@ def working_set(trace, seats: int) -> int:
 @contextlib.contextmanager
 def arm_environment(arm: Arm) -> Iterator[None]:
     """While the arm runs: the plugin's variables are exactly the arm's (others set outside are put aside)."""
-    from fdsched.core.schema import SCHEMA
+    from fdsched.core.settings import SCHEMA
     from fdsched.core.settings import PROFILE_ENV
 
     names = {s.env for s in SCHEMA if s.env} | {PROFILE_ENV} | {name for name, _ in arm.env}

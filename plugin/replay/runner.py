@@ -116,7 +116,7 @@ def arm_settings(profile: str, inherit_env: bool, environ: Optional[Mapping[str,
     schema and the host tunables ``FD_*`` it knows) are not applied. With ``inherit_env`` they are,
     as in production. Returns ``(settings, applied, ignored)``: variable -> value dicts.
     """
-    from fdsched.core.schema import SCHEMA
+    from fdsched.core.settings import SCHEMA
     from fdsched.core.settings import PROFILE_ENV, load_settings
 
     environ = os.environ if environ is None else environ
@@ -137,7 +137,7 @@ def host_environment(settings):
     """While an arm runs, the host's own ``FD_*`` variables that the settings schema knows hold the
     arm's effective values (the host reads some of them, e.g. ``FD_USE_NEW_TOKEN_RATIO_RESERVE``, when
     it builds the scheduler), and the plugin's ``FDSCHED_*`` variables are out of the way."""
-    from fdsched.core.schema import SCHEMA
+    from fdsched.core.settings import SCHEMA
 
     saved = {}
     for setting in SCHEMA:
@@ -163,7 +163,7 @@ def host_environment(settings):
 def other_host_env(environ: Optional[Mapping[str, str]] = None) -> dict:
     """``FD_*`` variables set in the environment that the settings schema does not know: the host reads
     some of them (e.g. ``FD_DISABLE_CHUNKED_PREFILL``) in every arm alike. Reported, not changed."""
-    from fdsched.core.schema import SCHEMA
+    from fdsched.core.settings import SCHEMA
 
     environ = os.environ if environ is None else environ
     known = {s.env for s in SCHEMA if s.env} | {"FD_LOG_DIR", "FD_PLUGINS"}

@@ -8,8 +8,10 @@ from pathlib import Path
 from typing import Optional
 
 from fdsched import __version__
-from fdsched.core.schema import CHANGE_IDS, HOST_FIXES, UPSTREAM_CHANGE_IDS
-from fdsched.core.settings import PROFILE_ENV, SettingsError, load_settings, profile_description, shipped_profiles
+from fdsched.core.profiles import profile_description
+from fdsched.core.settings import (
+    CHANGE_IDS, HOST_FIXES, PROFILE_ENV, UPSTREAM_CHANGE_IDS, SettingsError, load_settings, shipped_profiles,
+)
 
 from fdsched.core.common import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK, bounded_int, error_line, plural, read_utf8
 from fdsched.core.common import text_table as _table

@@ -13,7 +13,7 @@ from typing import Optional
 from fdsched.core.common import EXIT_ERROR, EXIT_OK, text_table
 from fdsched.install.hosts import host_key
 from fdsched.tools.hostsuites import (
-    DEFAULT_RUN, NO_PLUGIN, check_loader, load_table, run_and_compare, run_names, run_suite, suite_files,
+    DEFAULT_RUN, NO_PLUGIN, check_loader, engine_profiles, load_table, run_and_compare, run_names, run_suite, suite_files,
 )
 
 __all__ = ["add_command", "cmd_test", "profile_decisions", "most_applying_profile"]
@@ -118,7 +118,7 @@ def profile_decisions(info, refusals: Optional[dict] = None) -> dict:
     """Every profile an engine runs differently -> its decisions on the probed host ``info``, or None where the host
     refuses it (recommended first, then by name). ``refusals``, if given, receives each refused profile's one-line
     reason (the message an engine would stop with)."""
-    from fdsched.core.settings import engine_profiles, load_settings
+    from fdsched.core.settings import load_settings
     from fdsched.install.installer import InstallError, decide
 
     found = {}

@@ -32,20 +32,8 @@ from fdsched.core.common import remove_files
 import yaml
 
 __all__ = [
-    "SUITES",
-    "NO_PLUGIN",
-    "DEFAULT_RUN",
-    "HostSuiteError",
-    "SuiteTable",
-    "RunResult",
-    "load_table",
-    "run_names",
-    "covering_runs",
-    "plugin_classes",
-    "suite_files",
-    "run_suite",
-    "compare",
-    "altered_tests",
+    "SUITES", "NO_PLUGIN", "DEFAULT_RUN", "HostSuiteError", "SuiteTable", "RunResult", "load_table", "engine_profiles",
+    "run_names", "covering_runs", "plugin_classes", "suite_files", "run_suite", "compare", "altered_tests",
 ]
 
 SUITES = Path(__file__).with_name("host_suites.yaml")
@@ -74,11 +62,30 @@ COVERING_RUNS = (DEFAULT_RUN, "baseline", "recommended", "adaptive")
 ALL_PROFILES_ENV = "FDSCHED_TEST_ALL_PROFILES"
 
 
+def engine_profiles() -> dict:
+    """Shipped profile name -> the shipped profile an engine runs identically. Profiles that differ only in
+    ``replay.*`` keys (settings only the replay reads: ``oracle``, ``unbounded``, ``sglang-retract`` are
+    ``recommended`` in an engine) build the same classes with the same values, so a test of the engine or of the
+    host's suites proves the same for each; a group's representative is the one whose replay keys are all defaults
+    (else the first by name)."""
+    from fdsched.core.settings import load_settings, shipped_profiles
+
+    groups: dict = {}
+    for name in shipped_profiles():
+        settings = load_settings({}, profile=name)
+        engine_view = tuple(sorted((k, repr(v)) for k, v in settings.values.items() if not k.startswith("replay.")))
+        groups.setdefault(engine_view, []).append(settings)
+    chosen = {}
+    for members in groups.values():
+        plain = [m for m in members if all(src == "default" for k, src in m.sources.items() if k.startswith("replay."))]
+        for member in members:
+            chosen[member.profile] = (plain or members)[0].profile
+    return dict(sorted(chosen.items()))
+
+
 def run_names() -> list:
     """``no-plugin``, ``default`` and every shipped profile an engine runs differently (a profile that differs from
-    another only in replay-only keys runs the same classes: :func:`fdsched.core.settings.engine_profiles`)."""
-    from fdsched.core.settings import engine_profiles
-
+    another only in replay-only keys runs the same classes: :func:`engine_profiles`)."""
     return [NO_PLUGIN, DEFAULT_RUN] + sorted(set(engine_profiles().values()))
 
 

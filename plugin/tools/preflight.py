@@ -86,7 +86,7 @@ def fd_plugins_line(environ: Mapping[str, str], when_unset: Optional[str]) -> tu
 def known_variables() -> set:
     """Every ``FDSCHED_*`` variable the plugin or its commands read from an operator's environment."""
     from fdsched.core.hooks import DISABLE_ENV
-    from fdsched.core.schema import SCHEMA
+    from fdsched.core.settings import SCHEMA
     from fdsched.core.settings import DP_PROFILE_ENV, PROFILE_ENV
     from fdsched.install.hosts import HOME_ENV
     from fdsched.install.probe import HOST_SOURCE_ENV
@@ -113,7 +113,7 @@ def host_variables(location: Optional[str]) -> Optional[set]:
 
 
 def _fd_lines(environ: Mapping[str, str], read_by_host: Optional[set]) -> list:
-    from fdsched.core.schema import SCHEMA
+    from fdsched.core.settings import SCHEMA
 
     if read_by_host is None:
         return []

@@ -28,7 +28,7 @@ MARKERS = {
 
 def support_row(info) -> dict:
     """The row of a probed host (:class:`fdsched.install.probe.HostInfo`)."""
-    from fdsched.core.schema import CHANGE_IDS
+    from fdsched.core.settings import CHANGE_IDS
     from fdsched.core.settings import load_settings
     from fdsched.install.hosts import known_host
     from fdsched.install.installer import decide
@@ -84,7 +84,7 @@ def _sorted(rows: list) -> list:
 def summary_table(rows: list) -> str:
     """README's table: line, commit, what CI runs, how many upstream changes and host fixes apply with no profile,
     refused profiles."""
-    from fdsched.core.schema import HOST_FIXES, UPSTREAM_CHANGE_IDS
+    from fdsched.core.settings import HOST_FIXES, UPSTREAM_CHANGE_IDS
 
     lines = ["| FastDeploy line | commit | CI | upstream changes the plugin applies (all `auto`) | host fixes applied (of "
              "those the line needs) | shipped profiles refused |",
@@ -114,7 +114,7 @@ def _state(row: dict, change_id: str) -> str:
 def detail_table(rows: list) -> str:
     """docs/host.md's table: change x line (applied / in host / declined; a host fix the line does not need: not
     needed), then why each decline."""
-    from fdsched.core.schema import CHANGE_IDS, HOST_FIXES
+    from fdsched.core.settings import CHANGE_IDS, HOST_FIXES
 
     live = [r for r in _sorted(rows) if r["tier"] != "refused"]
     head = "| change | " + " | ".join(f"{r['line']} `{r['commit'][:7]}`" for r in live) + " |"

@@ -168,7 +168,7 @@ def _workload_fingerprint(make_manager):
 
 def test_schedules_exactly_as_host_when_every_change_runs_host_code(install_profile, make_manager, host_info):
     """All changes resolving to the host's own code: identical decisions, step by step."""
-    from fdsched.core.schema import CHANGE_IDS
+    from fdsched.core.settings import CHANGE_IDS
 
     host_run = _workload_fingerprint(make_manager)
     # A change runs the host's code under `off` where the host lacks it (the old host: every change; the new

@@ -14,8 +14,7 @@ import pytest
 from fdsched.core.hooks import DISABLE_ENV
 from fdsched.install.probe import HOST_SOURCE_ENV
 from fdsched.tools.hostsetup import HOME_ENV
-from fdsched.core.schema import SCHEMA
-from fdsched.core.settings import PROFILE_ENV
+from fdsched.core.settings import PROFILE_ENV, SCHEMA
 
 PLUGIN_ENV_VARS = sorted({s.env for s in SCHEMA if s.env} | {PROFILE_ENV, HOST_SOURCE_ENV, DISABLE_ENV})
 

@@ -18,7 +18,7 @@ from fdsched.patches._cache_queue import CacheQueue
 from fdsched.patches._prefix_cache import PrefixCache
 from fdsched.patches._scheduler import STEPS, Scheduler
 from fdsched.patches._spec import declared, served_methods
-from fdsched.core.schema import CHANGE_IDS, HOST_FIXES, SCHEMA
+from fdsched.core.settings import CHANGE_IDS, HOST_FIXES, SCHEMA
 
 SCHEMA_BY_KEY = {s.key: s for s in SCHEMA}
 PATCH_MODULES = sorted(

@@ -11,8 +11,7 @@ import pytest
 from fdsched import __version__
 from fdsched.tools.cli import EXIT_ERROR, EXIT_NO_HOST, EXIT_OK, main
 from fdsched.install.probe import HOST_SOURCE_ENV
-from fdsched.core.schema import CHANGE_IDS
-from fdsched.core.settings import PROFILE_ENV, shipped_profiles
+from fdsched.core.settings import CHANGE_IDS, PROFILE_ENV, shipped_profiles
 
 
 @pytest.fixture

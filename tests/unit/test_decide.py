@@ -7,8 +7,7 @@ import types
 import pytest
 
 from fdsched.install.installer import Decision, InstallError, decide
-from fdsched.core.schema import CHANGE_IDS, HOST_FIXES
-from fdsched.core.settings import load_settings
+from fdsched.core.settings import CHANGE_IDS, HOST_FIXES, load_settings
 
 LABEL = "FastDeploy 9.9 at /nowhere"
 PROBLEM = "Thing.method is missing"

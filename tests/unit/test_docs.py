@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 import fdsched.core.metrics
-from fdsched.core.schema import CHANGE_IDS, SCHEMA
+from fdsched.core.settings import CHANGE_IDS, SCHEMA
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"

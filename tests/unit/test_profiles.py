@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from fdsched.core.schema import HOST_FIXES, UPSTREAM_CHANGE_IDS as CHANGE_IDS
-from fdsched.core.settings import load_settings, profile_description, shipped_profiles
+from fdsched.core.profiles import profile_description
+from fdsched.core.settings import HOST_FIXES, UPSTREAM_CHANGE_IDS as CHANGE_IDS, load_settings, shipped_profiles
 
 PROFILES = shipped_profiles()
 SINGLE_CHANGE_PROFILES = [name for name in PROFILES if name in CHANGE_IDS]

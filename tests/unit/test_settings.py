@@ -7,12 +7,8 @@ import dataclasses
 import pytest
 
 from fdsched.install.installer import effective_ratio_mode
-from fdsched.core.schema import CHANGE_IDS, HOST_FIXES, UPSTREAM_CHANGE_IDS, SCHEMA
 from fdsched.core.settings import (
-    PROFILE_ENV,
-    SettingsError,
-    load_settings,
-    shipped_profiles,
+    CHANGE_IDS, HOST_FIXES, PROFILE_ENV, SCHEMA, UPSTREAM_CHANGE_IDS, SettingsError, load_settings, shipped_profiles,
 )
 
 SCHEMA_BY_KEY = {setting.key: setting for setting in SCHEMA}

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from types import SimpleNamespace
 
-from fdsched.core.schema import CHANGE_IDS, HOST_FIXES
+from fdsched.core.settings import CHANGE_IDS, HOST_FIXES
 from fdsched.tools.support import MARKERS, cmd_support, detail_table, refused_row, summary_table
 
 HF = len(HOST_FIXES)  # every host fix applied in these rows
