@@ -56,11 +56,11 @@ class SchedulerGuard:
         """After a pass (``idle``: it scheduled nothing)."""
         try:
             now = time.monotonic()
-            if idle:
+            if idle and not self.running:  # a stall has nothing running (StallWatch.observe)
                 self._fdsched_watch_stall(now)
-            else:
+            elif self._fdsched_stall_watch.passes:  # an episode was open: this pass ends it
                 self._fdsched_stall_watch.clear()
-            if self._fdsched_block_audit.due(now):
+            if now >= self._fdsched_block_audit.next_at:  # BlockAudit.due, read here (every pass asks it)
                 self._fdsched_audit_blocks(now)
         except Exception:  # noqa: BLE001 - a watch never takes the engine down
             pass  # the next pass reads again

@@ -26,9 +26,11 @@ What the scheduler reads here: ``fdsched_gate`` (the PD change's marks and its o
 
 from __future__ import annotations
 
+from functools import partial
+
 from fdsched.patches._base import HOST_INIT_RUNNING, QueueOwner, take_arm
 from fdsched.patches._host_code import HostCode, hide_absent
-from fdsched.patches._scheduler import NO_PLANS
+from fdsched.patches._scheduler import NO_PLANS, defined_by
 
 __all__ = ["PrefixCache", "over"]
 
@@ -56,7 +58,7 @@ class PrefixCache:
         host = HostCode(self._fdsched_host_class, SEAMS)
         # the host's own code while the host builds the object
         self._fdsched_recycle = self._fdsched_check = self._fdsched_recording = self.fdsched_gate = host
-        self._fdsched_bind_seams()
+        self._fdsched_bind_seams(host)
         self.__dict__[HOST_INIT_RUNNING] = True
         try:
             super().__init__(*args, **kwargs)
@@ -72,14 +74,21 @@ class PrefixCache:
         self.fdsched_gate = gate = layer("pd_prefill_cache", host)
         # a gate that lets every record through here (not a prefill node) is left out of the recording chain
         self._fdsched_recording = layer("one_node_per_block", host if getattr(gate, "passes_all", False) else gate)
-        self._fdsched_bind_seams()
+        self._fdsched_bind_seams(host)
 
-    def _fdsched_bind_seams(self) -> None:
-        """Each seam's first layer, bound once: a call costs the seam's frame and that layer's."""
+    def _fdsched_bind_seams(self, host) -> None:
+        """Each seam's first layer, bound once: on the instance itself where no class below this one overrides the
+        seam (a call then costs that layer's frame only, as the scheduler's seams do), and where the class's seam
+        method finds it (a class another plugin derives from this one wraps every layer)."""
         first = {"update_cache_blocks": self._fdsched_recording, "can_allocate_gpu_blocks": self._fdsched_check}
+        own = self.__dict__
         for name in SEAMS:
             layer = first.get(name, self._fdsched_recycle)
-            self.__dict__[f"_fdsched_{name.lstrip('_')}"] = getattr(layer, name)
+            method = getattr(layer, name)
+            own[f"_fdsched_{name.lstrip('_')}"] = method
+            if defined_by(type(self), name) is not PrefixCache:
+                continue  # a class over this one overrides it (or marks it absent: the host lacks it): that runs
+            own[name] = method.__get__(self) if layer is host else partial(method, self)
 
     def update_cache_blocks(self, *args, **kwargs):
         return self._fdsched_update_cache_blocks(self, *args, **kwargs)

@@ -52,7 +52,7 @@ from fdsched.patches._base import HOST_INIT_RUNNING, _dp_size, init_signature, t
 from fdsched.patches._guard import SchedulerGuard, nothing_scheduled
 from fdsched.patches._host_code import HostCode, hide_absent
 
-__all__ = ["Scheduler", "over", "SEAMS", "STEPS", "StepPlan", "PlanSlot", "NO_PLANS", "NOTHING"]
+__all__ = ["Scheduler", "over", "SEAMS", "STEPS", "StepPlan", "PlanSlot", "NO_PLANS", "NOTHING", "defined_by"]
 
 # The host methods a strategy may serve.
 SEAMS = ("get_new_block_nums", "_get_can_schedule_prefill_threshold_block", "_get_running_request_reserve_blocks",
@@ -118,7 +118,7 @@ class Scheduler(SchedulerGuard):
         for name in SEAMS:
             first = getattr(layers, name)
             own[_SEAM_ATTRIBUTE[name]] = first
-            if _defined_by(type(self), name) is not Scheduler:
+            if defined_by(type(self), name) is not Scheduler:
                 continue  # a class over this one overrides it (or marks it absent: the host lacks it): that runs
             own[name] = first.__get__(self) if first is getattr(host, name) else partial(first, self)
 
@@ -192,7 +192,7 @@ class Scheduler(SchedulerGuard):
                            "data-parallel rank(s): those arms get no traffic")
 
 
-def _defined_by(cls, name: str):
+def defined_by(cls, name: str):
     """The class along ``cls``'s MRO whose own ``name`` an instance finds."""
     return next((klass for klass in cls.__mro__ if name in vars(klass)), None)
 

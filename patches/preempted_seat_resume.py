@@ -75,7 +75,11 @@ class SeatResume:
 
     def after_passes(self, rm, result, run_pass):
         """After a pass that scheduled nothing with the seats locked: the preempted head resumes on its seat and one
-        more pass runs (``run_pass``); the result is the second pass's tasks with both passes' error lists."""
+        more pass runs (``run_pass``); the result is the second pass's tasks with both passes' error lists. Seats are
+        locked only with nothing running: a pass that left something running (almost every one) reads nothing more
+        (the count read without the lock only rules out; :meth:`resume_locked_head` decides under it)."""
+        if rm.running:
+            return result
         if nothing_scheduled(result) and self.resume_locked_head(rm):
             again = run_pass()
             result = (again[0], list(result[1]) + list(again[1])) + tuple(again[2:])
