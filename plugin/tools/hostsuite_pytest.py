@@ -21,6 +21,7 @@ LAST_ENV = "FDSCHED_HOSTSUITE_LAST"  # newline-separated node ids to run last (t
 _outcomes: dict = {}
 _install: dict = {}
 _leaked: dict = {}
+_reasons: dict = {}  # node id -> why it failed, in a line ("setup: AssertionError: ...")
 _threads_before: set = set()
 _refused: list = []  # signals the guard refused: "killpg(1953, 15) in <test> from thread <name>"
 _current = {"test": "(collection)"}
@@ -123,10 +124,27 @@ def pytest_runtest_logreport(report):
     previous = _outcomes.get(report.nodeid)
     if report.failed:
         _outcomes[report.nodeid] = "failed"
+        _reasons.setdefault(report.nodeid, failure_reason(report))
     elif report.skipped and previous is None:
         _outcomes[report.nodeid] = "skipped"
     elif report.passed and report.when == "call" and previous is None:
         _outcomes[report.nodeid] = "passed"
+
+
+REASON_CHARS = 300
+
+
+def failure_reason(report) -> str:
+    """A failed phase in one line: the phase and the crash's message (pytest's own short summary), at most
+    REASON_CHARS characters; a differential problem then says why, not only which test."""
+    crash = getattr(report.longrepr, "reprcrash", None)
+    if crash is not None and crash.message:
+        text = crash.message
+    else:  # a longrepr that is a string or a tuple: its last line
+        lines = str(report.longrepr or "").strip().splitlines()
+        text = lines[-1] if lines else "(no message)"
+    text = " ".join(text.split())
+    return f"{report.when}: {text}"[:REASON_CHARS]
 
 
 def pytest_sessionfinish(session, exitstatus):
@@ -135,5 +153,5 @@ def pytest_sessionfinish(session, exitstatus):
         return
     with open(path, "w", encoding="utf-8") as fh:
         json.dump({"install": _install, "outcomes": _outcomes, "exitstatus": int(exitstatus), "leaked_threads": _leaked,
-                   "refused_signals": _refused},
+                   "refused_signals": _refused, "reasons": _reasons},
                   fh, indent=1, sort_keys=True)

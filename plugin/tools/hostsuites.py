@@ -4,17 +4,18 @@ For every *run* — ``no-plugin`` (``FD_PLUGINS`` unset: the host alone), ``defa
 no profile) and each shipped profile — pytest runs the host tree's own test files that exist in that tree (read
 from the host's source tree, never copied) in a fresh process inside it, with ``-p fdsched.tools.hostsuite_pytest``:
 that plugin calls FastDeploy's own ``load_model_register_plugins()`` before any test module is imported and
-records every test's outcome and what was installed. :func:`compare` holds each run against the ``no-plugin`` run
-of the same tree: a test that passes without the plugin must pass with it, unless the catalogue declares that a
-change the run applies alters that test (:class:`fdsched.patches.AlteredTest`, by test id, with the reason and the
-upstream PR). A test that fails without the plugin is the host failing on this machine (a CPU, no model), counted
-and not judged. Nothing here is per commit, so it runs on any FastDeploy tree, one nobody has seen included.
+records every test's outcome (a failure with its reason, in a line) and what was installed. :func:`compare` holds
+each run against the ``no-plugin`` run of the same tree: a test that passes without the plugin must pass with it,
+unless the catalogue declares that a change the run applies alters that test (:class:`fdsched.patches.AlteredTest`,
+by test id, with the reason and the upstream PR). A test that fails without the plugin is the host failing on this
+machine (a CPU, no model), counted and not judged. Nothing here is per commit: it runs on any FastDeploy tree.
 
 ``fdsched host test`` runs it from the command line; ``tests/host/test_host_suites.py`` runs it in the host tier.
 """
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import fnmatch
 import json
@@ -178,12 +179,10 @@ class RunResult:
     leaked_threads: dict = field(default_factory=dict)  # node id -> names of threads it left running
     refused_signals: list = field(default_factory=list)  # what hostsuite_pytest.signal_guard refused
     files: list = field(default_factory=list)  # the host test files the run ran
+    reasons: dict = field(default_factory=dict)  # node id -> why it failed, in a line (hostsuite_pytest)
 
     def counts(self) -> dict:
-        counts = {"passed": 0, "failed": 0, "skipped": 0}
-        for outcome in self.outcomes.values():
-            counts[outcome] += 1
-        return counts
+        return {"passed": 0, "failed": 0, "skipped": 0, **collections.Counter(self.outcomes.values())}
 
 
 # The host's engine tests build their configs on FD_ENGINE_QUEUE_PORT / FD_CACHE_QUEUE_PORT (default 6778 / 6779),
@@ -256,11 +255,12 @@ def run_suite(tree: str, key: Optional[str], run: str, table: SuiteTable, timeou
     if not files and not only:
         raise HostSuiteError(f"the host tree {tree} has none of the host test files the suites run")
     groups = [(list(only), ())] if only else _groups(files, table)
-    outcomes, leaked, refused, installs, statuses, seconds, tails = {}, {}, [], [], [], 0.0, []
+    outcomes, leaked, refused, installs, statuses, seconds, tails, reasons = {}, {}, [], [], [], 0.0, [], {}
     for group, last in groups:
         data, took, tail = _run_process(tree, key or "?", run, group, last, timeout)
         outcomes.update(data["outcomes"])
         leaked.update(data.get("leaked_threads") or {})
+        reasons.update(data.get("reasons") or {})
         refused.extend(data.get("refused_signals") or [])
         installs.append(data["install"])
         statuses.append(data["exitstatus"])
@@ -271,7 +271,7 @@ def run_suite(tree: str, key: Optional[str], run: str, table: SuiteTable, timeou
         problems.append(f"the processes of one run installed differently: {installs}")
     exitstatus = next((st for st in statuses if st not in (0, 1)), max(statuses))
     return RunResult(key or "?", run, outcomes, installs[0], exitstatus, seconds, "\n".join(tails)[-6000:],
-                     problems, leaked, refused, files)
+                     problems, leaked, refused, files, reasons)
 
 
 # Shared-memory files the host's own tests leave in /dev/shm (FastDeploy's IPC locks and signals, named by port):
@@ -396,7 +396,8 @@ def compare(result: RunResult, baseline: RunResult) -> tuple:
             change_id, entry = declared[node]
             altered[node] = f"{change_id} (PR {entry.upstream_pr}): {entry.why}"
         else:
-            problems.append(f"passes without the plugin, {after or 'did not run'} with it: {node}")
+            why = f" ({result.reasons[node]})" if node in result.reasons else ""
+            problems.append(f"passes without the plugin, {after or 'did not run'} with it: {node}{why}")
     return problems, altered
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from fdsched.tools.hostsuites import (
@@ -77,6 +79,48 @@ def test_a_test_that_passes_without_the_plugin_and_fails_with_it_is_a_problem():
     missing = _result("baseline", {})
     del missing.outcomes["tests/b.py::test_x"]
     assert "passes without the plugin, did not run with it: tests/b.py::test_x" in compare(missing, BASELINE)[0]
+
+
+def test_the_problem_line_says_why_the_test_failed_when_the_run_recorded_it():
+    failed = _result("baseline", {"tests/b.py::test_x": "failed"})
+    failed.reasons = {"tests/b.py::test_x": "call: AssertionError: engine_worker_queue_port 20021 is already in use"}
+    assert compare(failed, BASELINE)[0] == [
+        "passes without the plugin, failed with it: tests/b.py::test_x "
+        "(call: AssertionError: engine_worker_queue_port 20021 is already in use)"]
+
+
+def test_a_failure_is_told_in_one_line_from_pytests_own_report(tmp_path):
+    """failure_reason on real pytest reports (a pytest process of its own; the host-suite plugin itself needs a host,
+    so a conftest hands each failed report to the same function): the failed phase and pytest's message."""
+    import json
+    import subprocess
+    import sys
+
+    from fdsched.tools.hostsuite_pytest import REASON_CHARS
+
+    (tmp_path / "conftest.py").write_text(
+        "import json, os\n"
+        "from fdsched.tools.hostsuite_pytest import failure_reason\n"
+        "seen = {}\n"
+        "def pytest_runtest_logreport(report):\n"
+        "    if report.failed:\n        seen.setdefault(report.nodeid, failure_reason(report))\n"
+        "def pytest_sessionfinish(session):\n"
+        "    with open(os.environ['REASONS_OUT'], 'w') as fh:\n        json.dump(seen, fh)\n")
+    (tmp_path / "test_f.py").write_text(
+        "import pytest\n"
+        "@pytest.fixture\n"
+        "def broken():\n    raise RuntimeError('port 20021\\n   in use')\n"
+        "def test_call():\n    assert 1 == 2, 'x' * 1000\n"
+        "def test_setup(broken):\n    pass\n"
+        "def test_ok():\n    pass\n")
+    out = tmp_path / "reasons.json"
+    subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_f.py"], cwd=tmp_path,
+                   env={**os.environ, "REASONS_OUT": str(out)}, capture_output=True, check=False, timeout=120)
+    reasons = json.loads(out.read_text())
+    assert set(reasons) == {"test_f.py::test_call", "test_f.py::test_setup"}
+    assert reasons["test_f.py::test_call"].startswith("call: AssertionError: xxx")
+    assert len(reasons["test_f.py::test_call"]) == REASON_CHARS
+    assert reasons["test_f.py::test_setup"] == "setup: RuntimeError: port 20021 in use"
 
 
 def test_a_failure_the_host_has_without_the_plugin_is_not_judged():
