@@ -185,15 +185,14 @@ class RunResult:
         return {"passed": 0, "failed": 0, "skipped": 0, **collections.Counter(self.outcomes.values())}
 
 
-# The host's engine tests build their configs on FD_ENGINE_QUEUE_PORT / FD_CACHE_QUEUE_PORT (default 6778 / 6779),
-# and FastDeploy's EngineArgs asserts each port it uses is free; a test with data_parallel_size > 1 uses the port + 21
-# + its rank instead (tests/engine/test_common_engine.py, _make_cfg). Each process gets a block of HOST_PORT_SPAN
-# ports for each, free, in HOST_PORT_RANGE: below the kernel's ephemeral range (where any process's outgoing
-# connection can land on one: seen in CI, three DP tests failed on "engine_worker_queue_port ... is already in use"),
-# apart from the served stacks' range, and leased (as a served stack leases its ports) so that two host-suite
-# processes never share one.
+# The host's engine tests take their ports from FD_ENGINE_QUEUE_PORT / FD_CACHE_QUEUE_PORT (6778 / 6779 by default;
+# with data_parallel_size > 1 the port + 21 + rank: tests/engine/test_common_engine.py, _make_cfg), and EngineArgs
+# asserts each is free. Each process gets a block of HOST_PORT_SPAN free ports for each, leased so that two host-suite
+# processes never share one. A lease keeps only fdsched off, so HOST_PORT_RANGE is where no other process picks: under
+# the ephemeral range (an outgoing connection once took one: "engine_worker_queue_port ... is already in use"), under
+# FastDeploy's port finder (``find_free_ports``: 8000-65535) and the host tests' own ports, apart from serving's.
 HOST_PORT_SPAN = 24
-HOST_PORT_RANGE = (20000, 29999)
+HOST_PORT_RANGE = (3000, 5999)
 
 
 @contextlib.contextmanager
