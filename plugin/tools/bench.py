@@ -307,6 +307,9 @@ def add_commands(sub):
                        "host's bytecode and disturb each other by a few percent)")
     sched.add_argument("--block-size", type=bounded_int(1, 4096), default=64, help="tokens per KV block (default 64)")
     sched.add_argument("--profile", default="recommended", help="the plugin's profile")
+    sched.add_argument("--null", action="store_true",
+                       help="time the host's own class in both arms (an A/A run): how far apart this machine puts two "
+                       "identical arms; read a plugin run's ratio against that spread")
     add_workload_arg(sched)
     _add_heap_args(sched)
     sched.set_defaults(func=_run_schedule)
@@ -348,17 +351,18 @@ def _run_schedule(args) -> int:
     load_settings(environ={}, profile=args.profile)
     _prepare(args)
     modes = _gc_modes(args)
+    second = "host" if args.null else args.profile  # the second ("plugin") arm's class: the host's own in a null run
     if args.processes:
         result = bench_schedule_isolated(args.processes, args.running, args.waiting, args.steps, args.repeat,
-                                         args.block_size, args.profile, modes, args.heap_objects, args.workload)
+                                         args.block_size, second, modes, args.heap_objects, args.workload)
         where = f"each arm in {args.processes} processes of its own x {args.repeat} repetitions"
     else:
-        result = bench_schedule(args.running, args.waiting, args.steps, args.repeat, args.block_size, args.profile, modes,
+        result = bench_schedule(args.running, args.waiting, args.steps, args.repeat, args.block_size, second, modes,
                                 args.workload)
         where = f"both arms in this process, {args.repeat} interleaved repetitions"
+    arms = "null run: the host's own class in both arms" if args.null else f"plugin profile {args.profile}"
     print(f"schedule() CPU per step, {args.running} running ({args.workload}) + {args.waiting} waiting, "
-          f"{args.steps} steps, {where} "
-          f"(plugin profile {args.profile}):")
+          f"{args.steps} steps, {where} ({arms}):")
     print(f"{'gc':<4} {'host median':>12} {'plugin median':>14} {'ratio':>6}   {'host mean':>10} {'plugin mean':>12} "
           f"{'ratio':>6}   {'minima ratio':>12} {'admitting':>9} {'other':>6}")
     for mode in modes:
@@ -378,6 +382,8 @@ def _run_schedule(args) -> int:
         h, p = (" / ".join(f"{n:.1f}" for n in result[(v, mode)]["collections"]) for v in ("host", "plugin"))
         print(f"collections while timed, gc {mode} (generations 0 / 1 / 2, mean per run of {args.steps} steps): "
               f"host {h}, plugin {p}")
+    if args.null:
+        return 0  # no plugin arm: no guard to time
     from fdsched.tools.guardbench import bench_guard, print_guard
 
     guard = bench_guard(lambda: scheduler_for(args.profile, args.running, args.waiting, args.block_size, args.workload),

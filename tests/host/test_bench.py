@@ -21,6 +21,26 @@ def test_schedule_bench_keeps_each_steps_least_time_and_the_admitting_steps():
     assert ratios["all"] > 0 and ratios["admitting"] > 0 and ratios["admitting_steps"] >= 1
 
 
+def test_a_null_schedule_bench_times_the_hosts_class_in_both_arms(monkeypatch):
+    from fdsched.tools import bench
+
+    installed = []
+    real = bench.install_arm
+
+    def recording(profile):
+        installed.append(profile)
+        return real(profile)
+
+    monkeypatch.setattr(bench, "install_arm", recording)
+    steps = 10
+    result = bench.bench_schedule(running=8, waiting=4, steps=steps, repeat=2, block_size=64, profile="host",
+                                  gc_modes=("off",))
+    assert installed and set(installed) == {None}  # every run of either arm had the host's own class
+    host, second = result[("host", "off")], result[("plugin", "off")]
+    assert host["admitting"] and host["admitting"] == second["admitting"]  # the same class: the same steps admit
+    assert len(second["minima"]) == steps and all(t > 0 for t in second["minima"])
+
+
 def test_isolated_schedule_bench_runs_each_arm_in_processes_of_its_own():
     import fastdeploy.engine.sched.resource_manager_v1 as host_module
 
