@@ -161,7 +161,7 @@ def bench_schedule(running: int, waiting: int, steps: int, repeat: int, block_si
     """{(variant, gc mode): {"median": s, "mean": s, "minima": [s per step], "admitting": {step index}}} of
     schedule() CPU per step, both arms in this process, interleaved repetitions. ``minima``: each step's least
     time over the repetitions; ``admitting``: the steps in which that variant scheduled a prefill chunk (the same
-    in every repetition)."""
+    in every repetition). ``profile`` "host": a null run, the host's own class in both arms."""
     runs = {(v, m): [] for v in ("host", "plugin") for m in gc_modes}
     for repetition in range(repeat):
         for mode in gc_modes:
