@@ -82,7 +82,7 @@ class BudgetedReserve:
         # plugin refuses running chunks, reads it): nothing of a pass is ever stored in the cache manager.
         rm.cache_manager.fdsched_plans = self.plans
         # A draft model (speculative decoding) needs one block more per chunk; fixed for the scheduler's life.
-        self.speculative_slack = self.draft_slack if drafts(rm) else _no_slack
+        self.speculative_slack = self.draft_slack if drafts(rm) else None
         # the host module's request class (every FastDeploy 2.x has one; without it the reader reads afresh)
         self.reader = reader_for(rm, getattr(sys.modules.get(RM), "Request", None),
                                  functools.partial(running_views, rm), self.most_of)
@@ -151,11 +151,16 @@ class BudgetedReserve:
 
     # ---- the admission threshold ---------------------------------------------------------------------
     def get_new_block_nums(self, rm, request, num_new_tokens):
-        # The host asks for a request's block count right before that request's block checks.
+        self.focus(request)
+        return self.next.get_new_block_nums(rm, request, num_new_tokens)
+
+    def focus(self, request):
+        """The host asks for a request's block count right before that request's block checks: the pass this thread
+        has open is now deciding on ``request``. Returns that pass's plan (None outside a pass)."""
         plan = self.plans.current()
         if plan is not None:
             plan.focus(request.request_id)
-        return self.next.get_new_block_nums(rm, request, num_new_tokens)
+        return plan
 
     def _get_can_schedule_prefill_threshold_block(self, rm, num_chunk_new_block):
         """The answer at the host's threshold seam (where the host passes the count only: a pass asks it once per
@@ -239,10 +244,6 @@ def running_views(rm, requests=None, with_phase: bool = False, kept: dict = None
     return views
 
 
-def _no_slack(threshold: int) -> int:
-    return threshold
-
-
 def _most_tally(strategy, reader):
     return strategy.most_tally(reader)
 
@@ -276,11 +277,9 @@ class RunningChunkGuard:
     fdsched_calls = {"PrefixCacheManager.can_allocate_gpu_blocks": ("num_blocks",)}
 
     def get_new_block_nums(self, rm, request, num_new_tokens):
-        blocks = super().get_new_block_nums(rm, request, num_new_tokens)
-        if not rm._fdsched_is_running_prefill(request):
-            return blocks
-        plan = self.plans.current()
-        if plan is None:  # outside a pass the host's own check stands
+        plan = self.focus(request)
+        blocks = self.next.get_new_block_nums(rm, request, num_new_tokens)
+        if plan is None or not rm._fdsched_is_running_prefill(request):  # outside a pass the host's check stands
             return blocks
         budget = plan.budget
         if budget.admit(blocks, rm.running).admitted:  # the host's own check of the chunk's blocks then holds
@@ -343,7 +342,7 @@ class RatioCore(BudgetedReserve):
         budget = self.made_budget()
         if budget is not None:  # the ratio moved: the pass's next ask counts the running set afresh
             budget.running_changed()
-        self.strategy.report(self.gauges)
+        self.strategy.report(self.gauges, exact=True)
 
 
 class RatioSeams(ReserveSeams, RatioCore):

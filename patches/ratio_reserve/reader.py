@@ -162,9 +162,10 @@ class _KeptTermsReader(_RunningReader):
         key = id(request)
         ref = _Gone(request, self._gone)
         ref.key = key
-        entry = self.entry(request)
+        budget, bound = self.terms(request)
+        entry = (budget, bound, math.nan if bound is None else float(bound))  # as entry() gives it
         self._refs[key] = ref
-        self._mosts[key] = self.most(entry[0])
+        self._mosts[key] = self.most(budget)
         self._terms[key] = entry
         return entry
 
@@ -174,7 +175,17 @@ class _KeptTermsReader(_RunningReader):
         return [(get(id(r)) or keep(r))[0] - len(r.output_token_ids) for r in requests]
 
     def mosts(self, requests) -> int:
-        return sum(self._read(self._mosts, requests))
+        if len(requests) > _FEW:  # a whole running list: read in C
+            return sum(self._read(self._mosts, requests))
+        # a pass's later asks: the one or few requests admitted since the last
+        mosts, total = self._mosts, 0
+        for request in requests:
+            most = mosts.get(id(request))
+            if most is None:
+                self._keep(request)
+                most = mosts[id(request)]
+            total += most
+        return total
 
     def _read(self, table: dict, requests) -> list:
         """Each request's value in ``table`` (one of the kept tables), read in C (map); the few requests not kept yet
@@ -214,6 +225,7 @@ class _KeptTermsReader(_RunningReader):
 
 
 _BUDGET, _BOUND_FLOAT, _OUTPUT = itemgetter(0), itemgetter(2), attrgetter("output_token_ids")
+_FEW = 8  # up to this many requests a loop reads the kept table faster than the calls that read it in C
 
 
 def _bound_and_budget(np, entries: list) -> tuple:

@@ -85,12 +85,9 @@ class NewTokenRatio:
         self.decay = decay
         self.cap = init if cap is None else cap
         self.value = init
-
-    @property
-    def top(self) -> float:
-        """The most the ratio can ever be: it starts at ``init``, only decays after a pass, and a re-estimate gives
-        at most ``cap`` (``init`` again when nothing runs)."""
-        return max(self.init, self.cap)
+        # The most the ratio can ever be: it starts at ``init``, only decays after a pass, and a re-estimate gives at
+        # most ``cap`` (``init`` again when nothing runs). Both are fixed from here on.
+        self.top = max(self.init, self.cap)
 
     def after_schedule(self, scheduled_anything: bool) -> None:
         """Relax the reservation a little after every pass that scheduled something."""
@@ -252,7 +249,7 @@ class AdmissionBudget:
     strategy: object
     tally: object  # RunningOffset or RunningRecount
     pool: Callable[[int], bool]
-    slack: Callable[[int], int] = lambda blocks: blocks
+    slack: Optional[Callable[[int], int]] = None  # None: nothing added (no draft model)
     most: object = None  # KeptSum over each request's most, or None
     free: Optional[Callable[[], int]] = None
     declined: set = field(default_factory=set)
@@ -273,14 +270,16 @@ class AdmissionBudget:
             # count's figure (a pool under pressure), the bound is not looked at, and the ask counts at once.
             free = self.free()
             if chunk_blocks + most.floor <= free:
-                total = self.slack(chunk_blocks + most.blocks(running))
+                total = chunk_blocks + most.blocks(running)
+                if self.slack is not None:
+                    total = self.slack(total)
                 if total <= free:
                     return Verdict(total, True, True)
         reserved = self.reserved = self.tally.blocks(running)
         if most is not None:
             most.floor = reserved
         total = chunk_blocks + reserved
-        if not self.strategy.relaxed:
+        if self.slack is not None and not self.strategy.relaxed:
             total = self.slack(total)
         return Verdict(total, bool(self.pool(total)), False)
 
@@ -295,6 +294,9 @@ class AdmissionBudget:
         self.closed = True
         left, self.declined = self.declined, set()
         return left
+
+
+GAUGE_STEP = 0.005  # how far the decaying ratio moves before its gauge is set again (RatioStrategy.report)
 
 
 def _least_left(tokens: int, ratio: float) -> int:
@@ -426,11 +428,16 @@ class RatioStrategy:
         self.ratio.on_preemption([view.generated for view in running], [view.budget for view in running],
                                  sum(view.decoding for view in running), self.block_size, self.extra_blocks_per_decode)
 
-    def report(self, gauges=None) -> None:
-        """The ratio's gauge, set only when the ratio moved since this strategy last set it (at its floor it stays
-        put pass after pass, and a gauge update costs about as much as the rest of a pass's own work)."""
+    def report(self, gauges=None, exact: bool = False) -> None:
+        """The ratio's gauge: set to a re-estimate at once (``exact``); while the ratio decays (by
+        ``FD_NEW_TOKEN_RATIO_DECAY`` a pass), set once it moved :data:`GAUGE_STEP` or more since the gauge was last
+        set, or reached its floor. A gauge update costs about as much as the rest of a pass's own work, and the gauge
+        is read every few seconds: it stays within :data:`GAUGE_STEP` of the ratio."""
         value = self.ratio.value
-        if gauges is not None and value != self._reported:
+        if gauges is None or value == self._reported:
+            return
+        last = self._reported
+        if exact or last is None or abs(value - last) >= GAUGE_STEP or value <= self.ratio.minimum:
             self._reported = value
             gauges.ratio(value)
 

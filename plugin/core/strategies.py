@@ -100,7 +100,7 @@ class FixedBlockStrategy:
     def on_preemption(self, running: Sequence[RunningView] = (), count: int = 1) -> None:
         self.fixed.on_preemption()
 
-    def report(self, gauges=None) -> None:
+    def report(self, gauges=None, exact: bool = False) -> None:
         """Its state's gauges (none: the budget's reserved figure says it)."""
 
     def report_decision(self, gauges=None) -> None:

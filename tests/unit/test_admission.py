@@ -7,7 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fdsched.core.adaptive import AdaptiveReserve
-from fdsched.core.admission import AdmissionBudget, NewTokenRatio, RatioStrategy, Verdict, reserve_blocks_for_request
+from fdsched.core.admission import (
+    GAUGE_STEP, AdmissionBudget, NewTokenRatio, RatioStrategy, Verdict, reserve_blocks_for_request,
+)
 from fdsched.core.strategies import AdaptiveStrategy, FixedBlockReserve, FixedBlockStrategy
 from fdsched.core.views import RunningView
 
@@ -337,6 +339,27 @@ def test_the_ratio_gauge_is_set_only_when_the_ratio_moved(monkeypatch):
     strategy.on_preemption([_view("a", 100, 90, decoding=True)], 1)
     strategy.report(gauges)
     assert shown == pytest.approx([0.5, 0.4, 0.3, strategy.ratio.value]) and strategy.ratio.value != 0.3
+
+
+def test_a_slow_decay_sets_the_gauge_in_steps_and_a_reestimate_at_once():
+    shown = []
+
+    class Shown:
+        ratio = staticmethod(shown.append)
+
+    strategy = RatioStrategy(_ratio(0.7, minimum=0.6915, decay=0.001), 40, 4, 0, _formula)
+    strategy.report(Shown())  # the first report sets the gauge
+    for _ in range(12):  # 0.699, 0.698, ... down to the floor 0.6915 after nine passes
+        strategy.after_pass(True)
+        strategy.report(Shown())
+    # set again once the ratio moved GAUGE_STEP (0.005) or more, and at its floor; no update between
+    assert shown == pytest.approx([0.7, 0.695, 0.6915])
+    assert all(abs(a - b) <= GAUGE_STEP + 1e-12 for a, b in zip(shown, shown[1:]))
+    strategy.ratio.value = 0.6925  # a re-estimate that moved it by less than a step: shown at once when exact
+    strategy.report(Shown())
+    assert shown[-1] == pytest.approx(0.6915)
+    strategy.report(Shown(), exact=True)
+    assert shown[-1] == 0.6925 and len(shown) == 4
 
 
 @pytest.mark.parametrize("kind", ["fixed", "ratio", "adaptive"])
