@@ -12,7 +12,8 @@ every variant (chains of ``--chain`` blocks, one node per block).
 ``schedule``: ``schedule()`` CPU time per step with R running decode requests (``--workload``: their budgets
 spread, after requests that finished taught the estimators, or all the same; :func:`running_budget`) and a queue of
 waiting requests that the reservation keeps out, host code vs the plugin, each arm in fresh processes of its
-own taking turns (``--processes``; 0: both in this process, interleaved repetitions),
+own, the two of a pair of processes taking turns run by run (``--processes``; 0: both in this process, interleaved
+repetitions),
 median and mean per-step time and the ratios, and the ratio of the summed per-step minima (each step's least
 disturbed repetition: the figure that holds still on a shared machine, where the medians move by 10-50%), also
 split into the steps that admit a prefill chunk (either variant) and the others.
@@ -139,15 +140,19 @@ def _schedule_runs(variant: str, mode: str, running: int, waiting: int, steps: i
     return per_step, collections
 
 
-def _arm_in_a_process(variant: str, repeat: int, gc_modes: tuple, shape: tuple, heap_objects: int) -> dict:
-    """In a fresh interpreter (:func:`bench_schedule_isolated`): the host made importable, the heap grown as the
-    bench's own process grows it, then ``repeat`` runs of one arm per gc mode: ``{mode: [(per-step records,
-    collections per generation)]}`` (:func:`_schedule_runs`)."""
+def _start_arm_process(heap_objects: int) -> None:
+    """A fresh interpreter's start (:func:`bench_schedule_isolated`): the host made importable, the heap grown as the
+    bench's own process grows it."""
     import_host()
     grow_heap(heap_objects)
-    runs = {mode: [_schedule_runs(variant, mode, *shape) for _ in range(repeat)] for mode in gc_modes}
-    install_arm(None)
-    return runs
+
+
+def _run_in_arm_process(variant: str, mode: str, shape: tuple) -> tuple:
+    """One timed run of ``variant`` in an arm's process (:func:`_schedule_runs`), the host's own class put back."""
+    try:
+        return _schedule_runs(variant, mode, *shape)
+    finally:
+        install_arm(None)
 
 
 def arm_order(repetition: int) -> tuple:
@@ -175,12 +180,15 @@ def bench_schedule(running: int, waiting: int, steps: int, repeat: int, block_si
 def bench_schedule_isolated(processes: int, running: int, waiting: int, steps: int, repeat: int, block_size: int,
                             profile: str, gc_modes=GC_MODES, heap_objects: Optional[int] = None,
                             workload: str = "spread") -> dict:
-    """:func:`bench_schedule` with each arm in processes of its own, as an engine runs one class: ``processes``
-    fresh interpreters per arm, taking turns (:func:`arm_order`), one at a time, each running ``repeat``
-    repetitions of its arm (``heap_objects``: each grows its heap to that first; default
-    :data:`ENGINE_HEAP_OBJECTS`). In one process the arms disturb each other: there, which arm went first in each
-    repetition moved the ratio by up to 5 points (``recommended``, 448 running, e7c8dc2: 1.05-1.07 host first,
-    1.09-1.13 taking turns)."""
+    """:func:`bench_schedule` with each arm in processes of its own, as an engine runs one class: ``processes`` pairs
+    of fresh interpreters, one per arm, each grown to ``heap_objects`` GC-tracked objects first (default
+    :data:`ENGINE_HEAP_OBJECTS`); a pair's two processes live side by side and take turns run by run
+    (:func:`arm_order`, one run at a time), ``repeat`` runs of each arm per gc mode, so both arms are timed in the
+    same stretch of the machine's time. In one process the arms disturb each other: there, which arm went first in
+    each repetition moved the ratio by up to 5 points (``recommended``, 448 running, e7c8dc2: 1.05-1.07 host first,
+    1.09-1.13 taking turns). On a shared machine the same class can run 1.6x slower in one process than in the next
+    (a null run's processes, 256 running: 740-1190 us a step), so arms in processes of their own that run one after
+    the other compare stretches of time, not classes; the result's ``pairs`` has each pair's own minima ratio."""
     import multiprocessing
 
     heap_objects = ENGINE_HEAP_OBJECTS if heap_objects is None else heap_objects
@@ -188,14 +196,31 @@ def bench_schedule_isolated(processes: int, running: int, waiting: int, steps: i
     spawn = multiprocessing.get_context("spawn")
     shape = (running, waiting, steps, block_size, workload)
     runs = {(v, m): [] for v in ("host", "plugin") for m in gc_modes}
-    for process in range(processes):
-        for variant in arm_order(process):
-            arm = "host" if variant == "host" else profile
-            with spawn.Pool(1) as pool:  # one interpreter for this arm's repetitions, gone before the next starts
-                per_mode = pool.apply(_arm_in_a_process, (arm, repeat, tuple(gc_modes), shape, heap_objects))
-            for mode, per_run in per_mode.items():
-                runs[(variant, mode)].extend(per_run)
-    return summarise_runs(runs)
+    pairs = {m: [] for m in gc_modes}
+    for _ in range(processes):
+        pools = {variant: spawn.Pool(1, _start_arm_process, (heap_objects,)) for variant in ("host", "plugin")}
+        try:
+            for pool in pools.values():  # both started (host imported, heap grown) before the first timed run
+                pool.apply(int)
+            mine = {key: [] for key in runs}
+            for repetition in range(repeat):
+                for mode in gc_modes:
+                    for variant in arm_order(repetition):
+                        arm = "host" if variant == "host" else profile
+                        mine[(variant, mode)].append(pools[variant].apply(_run_in_arm_process, (arm, mode, shape)))
+        finally:
+            for pool in pools.values():
+                pool.terminate()
+                pool.join()
+        for key, timed_runs in mine.items():
+            runs[key].extend(timed_runs)
+        for mode in gc_modes:
+            pair = summarise_runs({key: mine[key] for key in mine if key[1] == mode})
+            pairs[mode].append(minima_ratios(pair[("host", mode)], pair[("plugin", mode)])["all"])
+    result = summarise_runs(runs)
+    for mode in gc_modes:
+        result[("plugin", mode)]["pairs"] = pairs[mode]
+    return result
 
 
 def summarise_runs(runs: dict) -> dict:
@@ -302,9 +327,10 @@ def add_commands(sub):
     sched.add_argument("--repeat", type=bounded_int(1, 1000), default=5,
                        help="repetitions of each arm (per process with --processes; default 5)")
     sched.add_argument("--processes", type=bounded_int(0, 100), default=3, metavar="P",
-                       help="run each arm in P fresh processes of its own, taking turns, as an engine runs one class "
-                       "(default 3); 0: both arms in this process, interleaved (quicker; the arms then share the "
-                       "host's bytecode and disturb each other by a few percent)")
+                       help="run each arm in processes of its own, as an engine runs one class: P pairs of fresh "
+                       "processes, one per arm, whose two take turns run by run (default 3); 0: both arms in this "
+                       "process, interleaved (quicker; the arms then share the host's bytecode and disturb each other "
+                       "by a few percent)")
     sched.add_argument("--block-size", type=bounded_int(1, 4096), default=64, help="tokens per KV block (default 64)")
     sched.add_argument("--profile", default="recommended", help="the plugin's profile")
     sched.add_argument("--null", action="store_true",
@@ -355,7 +381,8 @@ def _run_schedule(args) -> int:
     if args.processes:
         result = bench_schedule_isolated(args.processes, args.running, args.waiting, args.steps, args.repeat,
                                          args.block_size, second, modes, args.heap_objects, args.workload)
-        where = f"each arm in {args.processes} processes of its own x {args.repeat} repetitions"
+        where = (f"{args.processes} pairs of processes, one per arm, taking turns run by run, x {args.repeat} "
+                 "repetitions")
     else:
         result = bench_schedule(args.running, args.waiting, args.steps, args.repeat, args.block_size, second, modes,
                                 args.workload)
@@ -378,6 +405,11 @@ def _run_schedule(args) -> int:
         h, p = result[("host", mode)], result[("plugin", mode)]
         print(f"per-step minima, gc {mode}: host {statistics.fmean(h['minima']) * 1e6:.1f} us, "
               f"plugin {statistics.fmean(p['minima']) * 1e6:.1f} us a step")
+    for mode in modes:
+        pairs = result[("plugin", mode)].get("pairs")
+        if pairs:
+            print(f"minima ratio of each pair of processes, gc {mode}: {' '.join(f'{r:.3f}' for r in pairs)} "
+                  f"(median {statistics.median(pairs):.3f})")
     for mode in (m for m in modes if m != "off"):
         h, p = (" / ".join(f"{n:.1f}" for n in result[(v, mode)]["collections"]) for v in ("host", "plugin"))
         print(f"collections while timed, gc {mode} (generations 0 / 1 / 2, mean per run of {args.steps} steps): "
