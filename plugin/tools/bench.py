@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import statistics
 from typing import Optional
 
@@ -140,11 +141,22 @@ def _schedule_runs(variant: str, mode: str, running: int, waiting: int, steps: i
     return per_step, collections
 
 
-def _start_arm_process(heap_objects: int) -> None:
-    """A fresh interpreter's start (:func:`bench_schedule_isolated`): the host made importable, the heap grown as the
-    bench's own process grows it."""
+def _start_arm_process(heap_objects: int, cpu: Optional[int]) -> None:
+    """A fresh interpreter's start (:func:`bench_schedule_isolated`): on ``cpu`` alone (None: where the system puts
+    it), the host made importable, the heap grown as the bench's own process grows it."""
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
     import_host()
     grow_heap(heap_objects)
+
+
+def pair_cpus(pairs: int) -> list:
+    """The CPU each pair of arm processes runs on (:func:`bench_schedule_isolated`): the pairs go round the CPUs this
+    process may use, both processes of a pair on the same one; None for each where CPUs cannot be chosen."""
+    if not hasattr(os, "sched_getaffinity"):
+        return [None] * pairs
+    cpus = sorted(os.sched_getaffinity(0))
+    return [cpus[pair % len(cpus)] for pair in range(pairs)]
 
 
 def _run_in_arm_process(variant: str, mode: str, shape: tuple) -> tuple:
@@ -182,9 +194,9 @@ def bench_schedule_isolated(processes: int, running: int, waiting: int, steps: i
                             workload: str = "spread") -> dict:
     """:func:`bench_schedule` with each arm in processes of its own, as an engine runs one class: ``processes`` pairs
     of fresh interpreters, one per arm, each grown to ``heap_objects`` GC-tracked objects first (default
-    :data:`ENGINE_HEAP_OBJECTS`); a pair's two processes live side by side and take turns run by run
-    (:func:`arm_order`, one run at a time), ``repeat`` runs of each arm per gc mode, so both arms are timed in the
-    same stretch of the machine's time. In one process the arms disturb each other: there, which arm went first in
+    :data:`ENGINE_HEAP_OBJECTS`); a pair's two processes live side by side on one CPU (:func:`pair_cpus`) and take
+    turns run by run (:func:`arm_order`, one run at a time), ``repeat`` runs of each arm per gc mode, so both arms are
+    timed on the same CPU in the same stretch of the machine's time. In one process the arms disturb each other: there, which arm went first in
     each repetition moved the ratio by up to 5 points (``recommended``, 448 running, e7c8dc2: 1.05-1.07 host first,
     1.09-1.13 taking turns). On a shared machine the same class can run 1.6x slower in one process than in the next
     (a null run's processes, 256 running: 740-1190 us a step), so arms in processes of their own that run one after
@@ -197,8 +209,8 @@ def bench_schedule_isolated(processes: int, running: int, waiting: int, steps: i
     shape = (running, waiting, steps, block_size, workload)
     runs = {(v, m): [] for v in ("host", "plugin") for m in gc_modes}
     pairs = {m: [] for m in gc_modes}
-    for _ in range(processes):
-        pools = {variant: spawn.Pool(1, _start_arm_process, (heap_objects,)) for variant in ("host", "plugin")}
+    for cpu in pair_cpus(processes):
+        pools = {variant: spawn.Pool(1, _start_arm_process, (heap_objects, cpu)) for variant in ("host", "plugin")}
         try:
             for pool in pools.values():  # both started (host imported, heap grown) before the first timed run
                 pool.apply(int)
