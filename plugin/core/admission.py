@@ -330,6 +330,7 @@ class RatioStrategy:
         # a third party's hook may keep state of its own and is asked for every request at every ask
         self.pure = pure
         self._reported = None  # the ratio this strategy's gauge shows (report)
+        self._held = (0.0, 0.0)  # a decay strictly between these leaves the gauge as it is (report)
         self._most: Optional[KeptSum] = None  # the running set's bound, kept from pass to pass (most_tally)
 
     def most_blocks(self, budget: int) -> int:
@@ -429,16 +430,17 @@ class RatioStrategy:
                                  sum(view.decoding for view in running), self.block_size, self.extra_blocks_per_decode)
 
     def report(self, gauges=None, exact: bool = False) -> None:
-        """The ratio's gauge: set to a re-estimate at once (``exact``); while the ratio decays (by
-        ``FD_NEW_TOKEN_RATIO_DECAY`` a pass), set once it moved :data:`GAUGE_STEP` or more since the gauge was last
+        """The ratio's gauge: set to a re-estimate (``exact``) or a rise at once; while the ratio decays (by
+        ``FD_NEW_TOKEN_RATIO_DECAY`` a pass), set once it fell :data:`GAUGE_STEP` or more since the gauge was last
         set, or reached its floor. A gauge update costs about as much as the rest of a pass's own work, and the gauge
         is read every few seconds: it stays within :data:`GAUGE_STEP` of the ratio."""
         value = self.ratio.value
         if gauges is None or value == self._reported:
             return
-        last = self._reported
-        if exact or last is None or abs(value - last) >= GAUGE_STEP or value <= self.ratio.minimum:
+        low, shown = self._held
+        if exact or not low < value < shown:  # a rise is shown at once, a decay once it reaches low
             self._reported = value
+            self._held = (max(value - GAUGE_STEP, self.ratio.minimum), value)
             gauges.ratio(value)
 
     def report_decision(self, gauges=None) -> None:

@@ -355,11 +355,14 @@ def test_a_slow_decay_sets_the_gauge_in_steps_and_a_reestimate_at_once():
     # set again once the ratio moved GAUGE_STEP (0.005) or more, and at its floor; no update between
     assert shown == pytest.approx([0.7, 0.695, 0.6915])
     assert all(abs(a - b) <= GAUGE_STEP + 1e-12 for a, b in zip(shown, shown[1:]))
-    strategy.ratio.value = 0.6925  # a re-estimate that moved it by less than a step: shown at once when exact
+    strategy.ratio.value = 0.6925  # a rise, however small: shown at once
     strategy.report(Shown())
-    assert shown[-1] == pytest.approx(0.6915)
-    strategy.report(Shown(), exact=True)
     assert shown[-1] == 0.6925 and len(shown) == 4
+    strategy.ratio.value = 0.692  # a re-estimate below it by less than a step: held, unless reported as exact
+    strategy.report(Shown())
+    assert len(shown) == 4
+    strategy.report(Shown(), exact=True)
+    assert shown[-1] == 0.692 and len(shown) == 5
 
 
 @pytest.mark.parametrize("kind", ["fixed", "ratio", "adaptive"])
