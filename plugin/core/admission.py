@@ -431,9 +431,8 @@ class RatioStrategy:
 
     def report(self, gauges=None, exact: bool = False) -> None:
         """The ratio's gauge: set to a re-estimate (``exact``) or a rise at once; while the ratio decays (by
-        ``FD_NEW_TOKEN_RATIO_DECAY`` a pass), set once it fell :data:`GAUGE_STEP` or more since the gauge was last
-        set, or reached its floor. A gauge update costs about as much as the rest of a pass's own work, and the gauge
-        is read every few seconds: it stays within :data:`GAUGE_STEP` of the ratio."""
+        ``FD_NEW_TOKEN_RATIO_DECAY`` a pass), once it fell :data:`GAUGE_STEP` since last set, or at its floor (an
+        update costs about as much as the rest of a pass's own work; the gauge is read every few seconds)."""
         value = self.ratio.value
         if gauges is None or value == self._reported:
             return
