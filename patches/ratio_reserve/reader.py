@@ -225,7 +225,7 @@ class _KeptTermsReader(_RunningReader):
 
 
 _BUDGET, _BOUND_FLOAT, _OUTPUT = itemgetter(0), itemgetter(2), attrgetter("output_token_ids")
-_FEW = 8  # up to this many requests a loop reads the kept table faster than the calls that read it in C
+_FEW = 8  # up to this many a loop reads the kept table faster than _read (1 request 0.4 us, not 1.4; 8: 1.6, not 2.8)
 
 
 def _bound_and_budget(np, entries: list) -> tuple:
