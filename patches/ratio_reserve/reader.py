@@ -162,10 +162,9 @@ class _KeptTermsReader(_RunningReader):
         key = id(request)
         ref = _Gone(request, self._gone)
         ref.key = key
-        budget, bound = self.terms(request)
-        entry = (budget, bound, math.nan if bound is None else float(bound))  # as entry() gives it
+        entry = self.entry(request)
         self._refs[key] = ref
-        self._mosts[key] = self.most(budget)
+        self._mosts[key] = self.most(entry[0])
         self._terms[key] = entry
         return entry
 
@@ -175,21 +174,21 @@ class _KeptTermsReader(_RunningReader):
         return [(get(id(r)) or keep(r))[0] - len(r.output_token_ids) for r in requests]
 
     def mosts(self, requests) -> int:
-        if len(requests) > _FEW:  # a whole running list: read in C
-            return sum(self._read(self._mosts, requests))
-        # a pass's later asks: the one or few requests admitted since the last
-        mosts, total = self._mosts, 0
-        for request in requests:
-            most = mosts.get(id(request))
-            if most is None:
-                self._keep(request)
-                most = mosts[id(request)]
-            total += most
-        return total
+        return sum(self._read(self._mosts, requests))
 
     def _read(self, table: dict, requests) -> list:
-        """Each request's value in ``table`` (one of the kept tables), read in C (map); the few requests not kept yet
-        (admitted after their pass's last ask) are kept now, found in C too (``index``)."""
+        """Each request's value in ``table`` (one of the kept tables); the requests not kept yet (admitted after their
+        pass's last ask) are kept now. A whole running list is read in C (map, and ``index`` for the ones not kept);
+        the one or few a pass's later asks add, in a loop."""
+        if len(requests) <= _FEW:
+            get, values = table.get, []
+            for request in requests:
+                value = get(id(request))
+                if value is None:
+                    self._keep(request)
+                    value = table[id(request)]
+                values.append(value)
+            return values
         values = list(map(table.get, map(id, requests)))
         place = -1
         for _ in range(values.count(None)):

@@ -330,7 +330,7 @@ class RatioStrategy:
         # a third party's hook may keep state of its own and is asked for every request at every ask
         self.pure = pure
         self._reported = None  # the ratio this strategy's gauge shows (report)
-        self._held = (0.0, 0.0)  # a decay strictly between these leaves the gauge as it is (report)
+        self._low = 0.0  # a decay to above this leaves the gauge as it is (report)
         self._most: Optional[KeptSum] = None  # the running set's bound, kept from pass to pass (most_tally)
 
     def most_blocks(self, budget: int) -> int:
@@ -433,13 +433,12 @@ class RatioStrategy:
         """The ratio's gauge: set to a re-estimate (``exact``) or a rise at once; while the ratio decays (by
         ``FD_NEW_TOKEN_RATIO_DECAY`` a pass), once it fell :data:`GAUGE_STEP` since last set, or at its floor (an
         update costs about as much as the rest of a pass's own work; the gauge is read every few seconds)."""
-        value = self.ratio.value
-        if gauges is None or value == self._reported:
+        value, shown = self.ratio.value, self._reported
+        if gauges is None or value == shown:
             return
-        low, shown = self._held
-        if exact or not low < value < shown:  # a rise is shown at once, a decay once it reaches low
+        if exact or shown is None or not self._low < value < shown:  # a rise at once, a decay once it reaches low
             self._reported = value
-            self._held = (max(value - GAUGE_STEP, self.ratio.minimum), value)
+            self._low = max(value - GAUGE_STEP, self.ratio.minimum)
             gauges.ratio(value)
 
     def report_decision(self, gauges=None) -> None:

@@ -196,11 +196,12 @@ def bench_schedule_isolated(processes: int, running: int, waiting: int, steps: i
     of fresh interpreters, one per arm, each grown to ``heap_objects`` GC-tracked objects first (default
     :data:`ENGINE_HEAP_OBJECTS`); a pair's two processes live side by side on one CPU (:func:`pair_cpus`) and take
     turns run by run (:func:`arm_order`, one run at a time), ``repeat`` runs of each arm per gc mode, so both arms are
-    timed on the same CPU in the same stretch of the machine's time. In one process the arms disturb each other: there, which arm went first in
-    each repetition moved the ratio by up to 5 points (``recommended``, 448 running, e7c8dc2: 1.05-1.07 host first,
-    1.09-1.13 taking turns). On a shared machine the same class can run 1.6x slower in one process than in the next
-    (a null run's processes, 256 running: 740-1190 us a step), so arms in processes of their own that run one after
-    the other compare stretches of time, not classes; the result's ``pairs`` has each pair's own minima ratio."""
+    timed on the same CPU in the same stretch of the machine's time. In one process the arms disturb each other:
+    there, which arm went first in each repetition moved the ratio by up to 5 points (``recommended``, 448 running,
+    e7c8dc2: 1.05-1.07 host first, 1.09-1.13 taking turns). On a shared machine the same class can run 1.6x slower
+    in one process than in the next (a null run's processes, 256 running: 740-1190 us a step), so arms in processes
+    of their own that run one after the other compare stretches of time, not classes; the result's ``pairs`` has
+    each pair's own minima ratio."""
     import multiprocessing
 
     heap_objects = ENGINE_HEAP_OBJECTS if heap_objects is None else heap_objects
