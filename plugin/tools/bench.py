@@ -142,12 +142,12 @@ def _schedule_runs(variant: str, mode: str, running: int, waiting: int, steps: i
 
 
 def _start_arm_process(heap_objects: int, cpu: Optional[int]) -> None:
-    """A fresh interpreter's start (:func:`bench_schedule_isolated`): on ``cpu`` alone (None: where the system puts
-    it), the host made importable, the heap grown as the bench's own process grows it."""
-    if cpu is not None:
-        os.sched_setaffinity(0, {cpu})
+    """A fresh interpreter's start (:func:`run_arm_groups`): the host made importable, the heap grown as the bench's
+    own process grows it, then on ``cpu`` alone (None: where the system puts it; the imports before, on any CPU)."""
     import_host()
     grow_heap(heap_objects)
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
 
 
 def pair_cpus(pairs: int) -> list:
@@ -167,10 +167,11 @@ def _run_in_arm_process(variant: str, mode: str, shape: tuple) -> tuple:
         install_arm(None)
 
 
-def arm_order(repetition: int) -> tuple:
-    """The arms' order in a repetition: they take turns going first (the arm that runs second in a process
-    inherits the first one's heap; in an isolated run, the next process starts a moment after the last one)."""
-    return ("host", "plugin") if repetition % 2 == 0 else ("plugin", "host")
+def arm_order(repetition: int, arms: tuple = ("host", "plugin")) -> tuple:
+    """The arms' order in a repetition: they take turns going first, the order reversed every other repetition (the
+    arm that runs second in a process inherits the first one's heap; in processes of their own, each run starts a
+    moment after the one before)."""
+    return tuple(arms) if repetition % 2 == 0 else tuple(reversed(arms))
 
 
 def bench_schedule(running: int, waiting: int, steps: int, repeat: int, block_size: int, profile: str,
@@ -193,46 +194,55 @@ def bench_schedule_isolated(processes: int, running: int, waiting: int, steps: i
                             profile: str, gc_modes=GC_MODES, heap_objects: Optional[int] = None,
                             workload: str = "spread") -> dict:
     """:func:`bench_schedule` with each arm in processes of its own, as an engine runs one class: ``processes`` pairs
-    of fresh interpreters, one per arm, each grown to ``heap_objects`` GC-tracked objects first (default
-    :data:`ENGINE_HEAP_OBJECTS`); a pair's two processes live side by side on one CPU (:func:`pair_cpus`) and take
-    turns run by run (:func:`arm_order`, one run at a time), ``repeat`` runs of each arm per gc mode, so both arms are
-    timed on the same CPU in the same stretch of the machine's time. In one process the arms disturb each other:
-    there, which arm went first in each repetition moved the ratio by up to 5 points (``recommended``, 448 running,
-    e7c8dc2: 1.05-1.07 host first, 1.09-1.13 taking turns). On a shared machine the same class can run 1.6x slower
-    in one process than in the next (a null run's processes, 256 running: 740-1190 us a step), so arms in processes
-    of their own that run one after the other compare stretches of time, not classes; the result's ``pairs`` has
-    each pair's own minima ratio."""
+    of fresh interpreters, one per arm (:func:`run_arm_groups`); the result's ``pairs`` has each pair's own minima
+    ratio. In one process the arms disturb each other: there, which arm went first in each repetition moved the ratio
+    by up to 5 points (``recommended``, 448 running, e7c8dc2: 1.05-1.07 host first, 1.09-1.13 taking turns)."""
+    result = run_arm_groups(processes, {"host": "host", "plugin": profile}, (running, waiting, steps, block_size,
+                                                                              workload), repeat, gc_modes, heap_objects)
+    for mode in gc_modes:
+        result[("plugin", mode)]["pairs"] = result[("plugin", mode)].pop("groups")
+    return result
+
+
+def run_arm_groups(groups: int, arms: dict, shape: tuple, repeat: int, gc_modes=GC_MODES,
+                   heap_objects: Optional[int] = None) -> dict:
+    """Time ``arms`` (label -> "host" or a profile; the first is the reference, "host") in ``groups`` groups of fresh
+    interpreters, one per arm, each grown to ``heap_objects`` GC-tracked objects (default
+    :data:`ENGINE_HEAP_OBJECTS`). A group's processes live side by side on one CPU (:func:`pair_cpus`) and take turns
+    run by run (:func:`arm_order`, one run at a time), ``repeat`` runs of each arm per gc mode, so every arm is timed
+    on the same CPU in the same stretch of the machine's time. On a shared machine the same class can run 1.6x slower
+    in one process than in the next (a null run's processes, 256 running: 740-1190 us a step), so arms whose
+    processes run one after the other compare stretches of time, not classes. :func:`summarise_runs` of every run,
+    each arm but the first with ``groups``: each group's own minima ratio against the first arm."""
     import multiprocessing
 
     heap_objects = ENGINE_HEAP_OBJECTS if heap_objects is None else heap_objects
-
     spawn = multiprocessing.get_context("spawn")
-    shape = (running, waiting, steps, block_size, workload)
-    runs = {(v, m): [] for v in ("host", "plugin") for m in gc_modes}
-    pairs = {m: [] for m in gc_modes}
-    for cpu in pair_cpus(processes):
-        pools = {variant: spawn.Pool(1, _start_arm_process, (heap_objects, cpu)) for variant in ("host", "plugin")}
+    labels = tuple(arms)
+    runs = {(arm, mode): [] for arm in labels for mode in gc_modes}
+    groups_ratios = {key: [] for key in runs if key[0] != labels[0]}
+    for cpu in pair_cpus(groups):
+        pools = {arm: spawn.Pool(1, _start_arm_process, (heap_objects, cpu)) for arm in labels}
         try:
-            for pool in pools.values():  # both started (host imported, heap grown) before the first timed run
+            for pool in pools.values():  # all started (host imported, heap grown) before the first timed run
                 pool.apply(int)
             mine = {key: [] for key in runs}
             for repetition in range(repeat):
                 for mode in gc_modes:
-                    for variant in arm_order(repetition):
-                        arm = "host" if variant == "host" else profile
-                        mine[(variant, mode)].append(pools[variant].apply(_run_in_arm_process, (arm, mode, shape)))
+                    for arm in arm_order(repetition, labels):
+                        mine[(arm, mode)].append(pools[arm].apply(_run_in_arm_process, (arms[arm], mode, shape)))
         finally:
             for pool in pools.values():
                 pool.terminate()
                 pool.join()
+        group = summarise_runs(mine)
         for key, timed_runs in mine.items():
             runs[key].extend(timed_runs)
-        for mode in gc_modes:
-            pair = summarise_runs({key: mine[key] for key in mine if key[1] == mode})
-            pairs[mode].append(minima_ratios(pair[("host", mode)], pair[("plugin", mode)])["all"])
+        for arm, mode in groups_ratios:
+            groups_ratios[(arm, mode)].append(minima_ratios(group[(labels[0], mode)], group[(arm, mode)])["all"])
     result = summarise_runs(runs)
-    for mode in gc_modes:
-        result[("plugin", mode)]["pairs"] = pairs[mode]
+    for key, ratios in groups_ratios.items():
+        result[key]["groups"] = ratios
     return result
 
 
@@ -307,7 +317,7 @@ def add_workload_arg(parser) -> None:
                         "has learned); uniform: every running request at 512, nothing finished before")
 
 
-def _add_heap_args(parser) -> None:
+def add_heap_args(parser) -> None:
     parser.add_argument("--heap-objects", type=_nonneg_int, default=ENGINE_HEAP_OBJECTS, metavar="N",
                         help=f"grow the process to N GC-tracked objects first, as a served engine holds "
                         f"(default {ENGINE_HEAP_OBJECTS}; 0: as loaded)")
@@ -316,7 +326,7 @@ def _add_heap_args(parser) -> None:
                         "full collection due, as a long-running engine regularly is), off, or all (default all)")
 
 
-def _gc_modes(args) -> tuple:
+def gc_modes_of(args) -> tuple:
     return GC_MODES if args.gc == "all" else (args.gc,)
 
 
@@ -330,7 +340,7 @@ def add_commands(sub):
     evict.add_argument("--chain", type=bounded_int(1, 100_000), default=50, help="blocks per cached prompt (tree depth)")
     evict.add_argument("--block-size", type=bounded_int(1, 4096), default=4, help="tokens per KV block (default 4)")
     evict.add_argument("--repeat", type=bounded_int(1, 1000), default=3, help="median of N")
-    _add_heap_args(evict)
+    add_heap_args(evict)
     evict.set_defaults(func=_run_evict)
 
     sched = which.add_parser("schedule", help="schedule() CPU time per step: host vs plugin")
@@ -350,7 +360,7 @@ def add_commands(sub):
                        help="time the host's own class in both arms (an A/A run): how far apart this machine puts two "
                        "identical arms; read a plugin run's ratio against that spread")
     add_workload_arg(sched)
-    _add_heap_args(sched)
+    add_heap_args(sched)
     sched.set_defaults(func=_run_schedule)
 
     transfer = which.add_parser("transfer", help="transfer-done receiver: idle RPC rate and latency, host vs plugin")
@@ -361,7 +371,7 @@ def add_commands(sub):
     return which
 
 
-def _prepare(args) -> None:
+def prepare(args) -> None:
     from fdsched.replay.engine import prepare_host_environment
 
     print(f"host: {host_label()}")
@@ -372,8 +382,8 @@ def _prepare(args) -> None:
 
 
 def _run_evict(args) -> int:
-    _prepare(args)
-    modes = _gc_modes(args)
+    prepare(args)
+    modes = gc_modes_of(args)
     # what a due full collection costs whoever triggers it, at the heap just grown (before the benches add to it)
     objects = len(gc.get_objects())
     full = f"one full collection of this process ({objects} GC-tracked objects): {full_collection_ms():.1f} ms"
@@ -388,8 +398,8 @@ def _run_schedule(args) -> int:
 
     resolve_profile(args.profile, "--profile")  # a bad --profile: one line now, not after the host import
     load_settings(environ={}, profile=args.profile)
-    _prepare(args)
-    modes = _gc_modes(args)
+    prepare(args)
+    modes = gc_modes_of(args)
     second = "host" if args.null else args.profile  # the second ("plugin") arm's class: the host's own in a null run
     if args.processes:
         result = bench_schedule_isolated(args.processes, args.running, args.waiting, args.steps, args.repeat,

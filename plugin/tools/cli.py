@@ -340,11 +340,14 @@ def _add_optional_commands(sub) -> None:
     """Commands that live in their own modules (replay, traces, benchmarks)."""
     from fdsched.tools import abreport
     from fdsched.tools import bench
+    from fdsched.tools import benchsweep
     from fdsched.tools import explain
     from fdsched.tools import hostsetup
     from fdsched.tools import instructions
 
-    instructions.add_command(bench.add_commands(sub))
+    bench_commands = bench.add_commands(sub)
+    instructions.add_command(bench_commands)
+    benchsweep.add_command(bench_commands)
     hostsetup.add_commands(sub)
     abreport.add_command(sub)
     explain.add_command(sub)

@@ -81,3 +81,24 @@ def test_the_spread_workload_has_its_own_budgets_and_a_learned_estimator_and_not
                 assert learned["absolute_tokens"]["learned"] and learned["relative_to_max_tokens"]["learned"]
     finally:
         _install(None)
+
+
+def test_a_sweep_group_times_every_arm_in_a_process_of_its_own_against_the_first():
+    import fastdeploy.engine.sched.resource_manager_v1 as host_module
+
+    from fdsched.tools.bench import minima_ratios, run_arm_groups
+    from fdsched.tools.benchsweep import sweep_arms
+
+    before = host_module.ResourceManagerV1
+    steps = 6
+    arms = sweep_arms(["recommended", "baseline"])
+    result = run_arm_groups(1, arms, (4, 2, steps, 64, "spread"), repeat=2, gc_modes=("off",), heap_objects=0)
+    assert set(result) == {(arm, "off") for arm in arms}
+    assert host_module.ResourceManagerV1 is before
+    assert "groups" not in result[("host", "off")]  # the reference has no ratio against itself
+    for arm in ("null", "recommended", "baseline"):
+        figures = result[(arm, "off")]
+        assert len(figures["minima"]) == steps and all(t > 0 for t in figures["minima"])
+        (group,) = figures["groups"]  # one group: its own ratio is the whole result's
+        assert group == minima_ratios(result[("host", "off")], figures)["all"]
+    assert result[("null", "off")]["admitting"] == result[("host", "off")]["admitting"]  # the same class, same steps
