@@ -41,24 +41,6 @@ def test_a_null_schedule_bench_times_the_hosts_class_in_both_arms(monkeypatch):
     assert len(second["minima"]) == steps and all(t > 0 for t in second["minima"])
 
 
-def test_isolated_schedule_bench_runs_each_arm_in_processes_of_its_own():
-    import fastdeploy.engine.sched.resource_manager_v1 as host_module
-
-    from fdsched.tools.bench import bench_schedule_isolated, minima_ratios
-
-    before = host_module.ResourceManagerV1
-    steps = 6
-    result = bench_schedule_isolated(processes=1, running=4, waiting=2, steps=steps, repeat=2, block_size=64,
-                                     profile="recommended", gc_modes=("off",), heap_objects=0)
-    assert set(result) == {("host", "off"), ("plugin", "off")}
-    for figures in result.values():
-        assert len(figures["minima"]) == steps and all(t > 0 for t in figures["minima"])
-        assert figures["admitting"] and figures["admitting"] <= set(range(steps))
-    assert host_module.ResourceManagerV1 is before  # the arms ran in processes of their own: this one is as it was
-    (pair,) = result[("plugin", "off")]["pairs"]  # one pair of processes: its own minima ratio, the whole result's
-    assert pair == minima_ratios(result[("host", "off")], result[("plugin", "off")])["all"]
-
-
 def test_the_spread_workload_has_its_own_budgets_and_a_learned_estimator_and_nothing_ends_while_timed():
     from fdsched.tools.bench import scheduler_for
     from fdsched.tools.benchcommon import install_arm as _install
