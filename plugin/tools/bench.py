@@ -150,13 +150,13 @@ def _start_arm_process(heap_objects: int, cpu: Optional[int]) -> None:
         os.sched_setaffinity(0, {cpu})
 
 
-def pair_cpus(pairs: int) -> list:
-    """The CPU each pair of arm processes runs on (:func:`bench_schedule_isolated`): the pairs go round the CPUs this
-    process may use, both processes of a pair on the same one; None for each where CPUs cannot be chosen."""
+def group_cpus(groups: int) -> list:
+    """The CPU each group of arm processes runs on (:func:`run_arm_groups`): the groups go round the CPUs this
+    process may use, every process of a group on the same one; None for each where CPUs cannot be chosen."""
     if not hasattr(os, "sched_getaffinity"):
-        return [None] * pairs
+        return [None] * groups
     cpus = sorted(os.sched_getaffinity(0))
-    return [cpus[pair % len(cpus)] for pair in range(pairs)]
+    return [cpus[group % len(cpus)] for group in range(groups)]
 
 
 def _run_in_arm_process(variant: str, mode: str, shape: tuple) -> tuple:
@@ -194,26 +194,22 @@ def bench_schedule_isolated(processes: int, running: int, waiting: int, steps: i
                             profile: str, gc_modes=GC_MODES, heap_objects: Optional[int] = None,
                             workload: str = "spread") -> dict:
     """:func:`bench_schedule` with each arm in processes of its own, as an engine runs one class: ``processes`` pairs
-    of fresh interpreters, one per arm (:func:`run_arm_groups`); the result's ``pairs`` has each pair's own minima
-    ratio. In one process the arms disturb each other: there, which arm went first in each repetition moved the ratio
+    of fresh interpreters, one per arm (:func:`run_arm_groups`: the plugin arm's ``groups`` has each pair's own minima
+    ratio). In one process the arms disturb each other: there, which arm went first in each repetition moved the ratio
     by up to 5 points (``recommended``, 448 running, e7c8dc2: 1.05-1.07 host first, 1.09-1.13 taking turns)."""
-    result = run_arm_groups(processes, {"host": "host", "plugin": profile}, (running, waiting, steps, block_size,
-                                                                              workload), repeat, gc_modes, heap_objects)
-    for mode in gc_modes:
-        result[("plugin", mode)]["pairs"] = result[("plugin", mode)].pop("groups")
-    return result
+    return run_arm_groups(processes, {"host": "host", "plugin": profile},
+                          (running, waiting, steps, block_size, workload), repeat, gc_modes, heap_objects)
 
 
 def run_arm_groups(groups: int, arms: dict, shape: tuple, repeat: int, gc_modes=GC_MODES,
                    heap_objects: Optional[int] = None) -> dict:
     """Time ``arms`` (label -> "host" or a profile; the first is the reference, "host") in ``groups`` groups of fresh
     interpreters, one per arm, each grown to ``heap_objects`` GC-tracked objects (default
-    :data:`ENGINE_HEAP_OBJECTS`). A group's processes live side by side on one CPU (:func:`pair_cpus`) and take turns
+    :data:`ENGINE_HEAP_OBJECTS`). A group's processes live side by side on one CPU (:func:`group_cpus`) and take turns
     run by run (:func:`arm_order`, one run at a time), ``repeat`` runs of each arm per gc mode, so every arm is timed
-    on the same CPU in the same stretch of the machine's time. On a shared machine the same class can run 1.6x slower
-    in one process than in the next (a null run's processes, 256 running: 740-1190 us a step), so arms whose
-    processes run one after the other compare stretches of time, not classes. :func:`summarise_runs` of every run,
-    each arm but the first with ``groups``: each group's own minima ratio against the first arm."""
+    on the same CPU in the same stretch of the machine's time (a null run's processes one after another, 256 running:
+    740-1190 us a step). :func:`summarise_runs` of every run, each arm but the first with ``groups``: each group's
+    own minima ratio against the first arm."""
     import multiprocessing
 
     heap_objects = ENGINE_HEAP_OBJECTS if heap_objects is None else heap_objects
@@ -221,7 +217,7 @@ def run_arm_groups(groups: int, arms: dict, shape: tuple, repeat: int, gc_modes=
     labels = tuple(arms)
     runs = {(arm, mode): [] for arm in labels for mode in gc_modes}
     groups_ratios = {key: [] for key in runs if key[0] != labels[0]}
-    for cpu in pair_cpus(groups):
+    for cpu in group_cpus(groups):
         pools = {arm: spawn.Pool(1, _start_arm_process, (heap_objects, cpu)) for arm in labels}
         try:
             for pool in pools.values():  # all started (host imported, heap grown) before the first timed run
@@ -317,6 +313,17 @@ def add_workload_arg(parser) -> None:
                         "has learned); uniform: every running request at 512, nothing finished before")
 
 
+def add_shape_args(parser, steps_help: str, most_steps: int = 1_000_000) -> None:
+    """The schedule benches' workload: --running, --waiting, --steps, --block-size, --workload."""
+    parser.add_argument("--running", type=bounded_int(1, 65_536), default=256,
+                        help="running requests in the batch (default 256)")
+    parser.add_argument("--waiting", type=bounded_int(0, 65_536), default=64,
+                        help="requests waiting to be admitted (default 64)")
+    parser.add_argument("--steps", type=bounded_int(1, most_steps), default=200, help=f"{steps_help} (default 200)")
+    parser.add_argument("--block-size", type=bounded_int(1, 4096), default=64, help="tokens per KV block (default 64)")
+    add_workload_arg(parser)
+
+
 def add_heap_args(parser) -> None:
     parser.add_argument("--heap-objects", type=_nonneg_int, default=ENGINE_HEAP_OBJECTS, metavar="N",
                         help=f"grow the process to N GC-tracked objects first, as a served engine holds "
@@ -344,9 +351,7 @@ def add_commands(sub):
     evict.set_defaults(func=_run_evict)
 
     sched = which.add_parser("schedule", help="schedule() CPU time per step: host vs plugin")
-    sched.add_argument("--running", type=bounded_int(1, 65_536), default=256, help="running requests in the batch (default 256)")
-    sched.add_argument("--waiting", type=bounded_int(0, 65_536), default=64, help="requests waiting to be admitted (default 64)")
-    sched.add_argument("--steps", type=bounded_int(1, 1_000_000), default=200, help="schedule() calls timed per repetition (default 200)")
+    add_shape_args(sched, "schedule() calls timed per repetition")
     sched.add_argument("--repeat", type=bounded_int(1, 1000), default=5,
                        help="repetitions of each arm (per process with --processes; default 5)")
     sched.add_argument("--processes", type=bounded_int(0, 100), default=3, metavar="P",
@@ -354,12 +359,10 @@ def add_commands(sub):
                        "processes, one per arm, whose two take turns run by run (default 3); 0: both arms in this "
                        "process, interleaved (quicker; the arms then share the host's bytecode and disturb each other "
                        "by a few percent)")
-    sched.add_argument("--block-size", type=bounded_int(1, 4096), default=64, help="tokens per KV block (default 64)")
     sched.add_argument("--profile", default="recommended", help="the plugin's profile")
     sched.add_argument("--null", action="store_true",
                        help="time the host's own class in both arms (an A/A run): how far apart this machine puts two "
                        "identical arms; read a plugin run's ratio against that spread")
-    add_workload_arg(sched)
     add_heap_args(sched)
     sched.set_defaults(func=_run_schedule)
 
@@ -429,7 +432,7 @@ def _run_schedule(args) -> int:
         print(f"per-step minima, gc {mode}: host {statistics.fmean(h['minima']) * 1e6:.1f} us, "
               f"plugin {statistics.fmean(p['minima']) * 1e6:.1f} us a step")
     for mode in modes:
-        pairs = result[("plugin", mode)].get("pairs")
+        pairs = result[("plugin", mode)].get("groups")  # with --processes: a pair of processes is a group
         if pairs:
             print(f"minima ratio of each pair of processes, gc {mode}: {' '.join(f'{r:.3f}' for r in pairs)} "
                   f"(median {statistics.median(pairs):.3f})")

@@ -13,8 +13,7 @@ from __future__ import annotations
 import statistics
 
 from fdsched.core.common import bounded_int
-from fdsched.tools.bench import (add_heap_args, add_workload_arg, gc_modes_of, minima_ratios, prepare,
-                                 run_arm_groups)
+from fdsched.tools.bench import add_heap_args, add_shape_args, gc_modes_of, minima_ratios, prepare, run_arm_groups
 
 NULL = "null"  # the second process of the host's own class
 
@@ -93,17 +92,10 @@ def add_command(which) -> None:
                              "a second host process, in groups of processes that share a CPU")
     sweep.add_argument("--profiles", default="all",
                        help="'all' (default: every shipped profile) or profiles, comma-separated")
-    sweep.add_argument("--running", type=bounded_int(1, 65_536), default=256,
-                       help="running requests in the batch (default 256)")
-    sweep.add_argument("--waiting", type=bounded_int(0, 65_536), default=64,
-                       help="requests waiting to be admitted (default 64)")
-    sweep.add_argument("--steps", type=bounded_int(1, 1_000_000), default=200,
-                       help="schedule() calls timed per run (default 200)")
+    add_shape_args(sweep, "schedule() calls timed per run")
     sweep.add_argument("--groups", type=bounded_int(1, 100), default=12, metavar="G",
                        help="groups of processes, one process per arm in each (default 12)")
     sweep.add_argument("--repeat", type=bounded_int(1, 1000), default=4,
                        help="runs of each arm per group and gc mode (default 4)")
-    sweep.add_argument("--block-size", type=bounded_int(1, 4096), default=64, help="tokens per KV block (default 64)")
-    add_workload_arg(sweep)
     add_heap_args(sweep)
     sweep.set_defaults(func=_run_sweep)

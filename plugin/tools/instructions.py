@@ -32,8 +32,7 @@ import subprocess
 import sys
 import tempfile
 
-from fdsched.core.common import bounded_int
-from fdsched.tools.bench import add_workload_arg
+from fdsched.tools.bench import add_shape_args
 
 MARKER = "qsort_r"
 MARKER_ARM = "marker"  # the arm that runs the marker around nothing
@@ -156,12 +155,8 @@ def run(args) -> int:
 def add_command(which) -> None:
     parser = which.add_parser("instructions", help="schedule() instructions per step under callgrind: host vs "
                               "plugin (needs valgrind; a count the machine's load does not move)")
-    parser.add_argument("--running", type=bounded_int(1, 65_536), default=256, help="running requests (default 256)")
-    parser.add_argument("--waiting", type=bounded_int(0, 65_536), default=64, help="waiting requests (default 64)")
-    parser.add_argument("--steps", type=bounded_int(1, 100_000), default=200, help="schedule() calls counted (default 200)")
-    parser.add_argument("--block-size", type=bounded_int(1, 4096), default=64, help="tokens per KV block (default 64)")
+    add_shape_args(parser, "schedule() calls counted", most_steps=100_000)
     parser.add_argument("--profile", default="recommended", help="the plugin's profile")
-    add_workload_arg(parser)
     parser.set_defaults(func=run)
 
 

@@ -43,12 +43,12 @@ def test_the_arms_take_turns_going_first():
     assert orders == [("host", "plugin"), ("plugin", "host")] * 2
 
 
-def test_pairs_of_arm_processes_go_round_the_cpus_this_process_may_use(monkeypatch):
+def test_groups_of_arm_processes_go_round_the_cpus_this_process_may_use(monkeypatch):
     import os
 
     from fdsched.tools import bench
 
     monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {5, 2}, raising=False)
-    assert bench.pair_cpus(5) == [2, 5, 2, 5, 2]  # both processes of a pair on one CPU, the pairs alternating
+    assert bench.group_cpus(5) == [2, 5, 2, 5, 2]  # every process of a group on one CPU, the groups alternating
     monkeypatch.delattr(os, "sched_getaffinity")
-    assert bench.pair_cpus(2) == [None, None]  # where CPUs cannot be chosen: where the system puts them
+    assert bench.group_cpus(2) == [None, None]  # where CPUs cannot be chosen: where the system puts them
