@@ -52,15 +52,16 @@ class SchedulerGuard:
         self._fdsched_stall_watch = StallWatch()
         self._fdsched_block_audit = BlockAudit(AUDIT_INTERVAL_S)
 
-    def _fdsched_guard(self, idle: bool) -> None:
-        """After a pass (``idle``: it scheduled nothing)."""
+    def _fdsched_guard(self, result) -> None:
+        """After a pass that returned ``result``."""
         try:
             now = time.monotonic()
-            if idle and not self.running:  # a stall has nothing running (StallWatch.observe)
+            # a stall has nothing running (StallWatch.observe): a pass with requests running reads no further
+            if not self.running and nothing_scheduled(result):
                 self._fdsched_watch_stall(now)
             elif self._fdsched_stall_watch.passes:  # an episode was open: this pass ends it
                 self._fdsched_stall_watch.clear()
-            if self._fdsched_block_audit.due(now):
+            if now >= self._fdsched_block_audit.next_at:  # BlockAudit.due, read here: every pass asks it
                 self._fdsched_audit_blocks(now)
         except Exception:  # noqa: BLE001 - a watch never takes the engine down
             pass  # the next pass reads again

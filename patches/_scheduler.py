@@ -49,7 +49,7 @@ from typing import NamedTuple
 
 from fdsched.core.metrics import METRICS
 from fdsched.patches._base import HOST_INIT_RUNNING, _dp_size, init_signature, take_arm
-from fdsched.patches._guard import SchedulerGuard, nothing_scheduled
+from fdsched.patches._guard import SchedulerGuard
 from fdsched.patches._host_code import HostCode, hide_absent
 
 __all__ = ["Scheduler", "over", "SEAMS", "STEPS", "StepPlan", "PlanSlot", "NO_PLANS", "NOTHING", "defined_by"]
@@ -61,6 +61,8 @@ SEAMS = ("get_new_block_nums", "_get_can_schedule_prefill_threshold_block", "_ge
 _SEAM_ATTRIBUTE = {name: f"_fdsched_seam_{name.lstrip('_')}" for name in SEAMS}  # where each seam's first layer is
 
 STEPS = ("pass_end", "pass_result", "after_passes")  # the kinds of step, in the order they run
+_STEP_ATTRIBUTE = {"pass_end": "_fdsched_pass_ends", "pass_result": "_fdsched_pass_results",
+                   "after_passes": "_fdsched_after_passes"}  # where a scheduler keeps each kind's steps
 
 
 class Scheduler(SchedulerGuard):
@@ -91,6 +93,7 @@ class Scheduler(SchedulerGuard):
         finally:
             del self.__dict__[HOST_INIT_RUNNING]
         self._fdsched_start_guard()
+        self._fdsched_next_schedule = super().schedule  # the next class's schedule() (the host's), bound once
         self._fdsched_strategies = built = {}
         below = host
         for change_id, strategy in [(c, row.get(c)) for c in self._fdsched_order] + [
@@ -103,8 +106,11 @@ class Scheduler(SchedulerGuard):
             built[change_id or type(layer).__name__] = layer
             below = _Layers(layer, below)
         self._fdsched_bind_seams(below, host)
-        self._fdsched_steps = {kind: tuple(partial(getattr(s, kind), self) for s in built.values() if hasattr(s, kind))
-                               for kind in STEPS}
+        # per kind of step, the strategies' own, innermost first (most kinds are empty on most arms: a pass then
+        # loops over nothing)
+        for kind in STEPS:
+            own = tuple(partial(getattr(s, kind), self) for s in built.values() if hasattr(s, kind))
+            setattr(self, _STEP_ATTRIBUTE[kind], own)
         # the pass's admission budget maker, where a strategy has one (the plugin's reservation), else None
         self._fdsched_plan_budget = next((s.new_budget for s in built.values() if hasattr(s, "new_budget")), None)
         if any(getattr(s, "counts_admissions", False) for s in built.values()):
@@ -129,25 +135,33 @@ class Scheduler(SchedulerGuard):
     # ---- the one schedule() ----------------------------------------------------------------------------------
     def schedule(self, *args, **kwargs):
         result = self._fdsched_pass(args, kwargs)
-        for step in self._fdsched_steps["after_passes"]:
-            result = step(result, lambda: self._fdsched_pass(args, kwargs))
-        self._fdsched_guard(nothing_scheduled(result))
+        for step in self._fdsched_after_passes:
+            result = step(result, partial(self._fdsched_pass, args, kwargs))
+        self._fdsched_guard(result)
         return result
 
     def _fdsched_pass(self, args, kwargs):
-        """One pass of the host's ``schedule()`` with its plan open, then the pass's ends and results."""
-        plan = StepPlan(self._fdsched_plan_budget)
+        """One pass of the host's ``schedule()`` with its plan open, then the pass's ends and results. (It runs on
+        every pass, cold between the host's long loops: each call and lookup here is one every pass pays.)"""
         slot = self._fdsched_plans
         with slot.turn:
-            outer = slot.open(plan)
+            plan = StepPlan(self._fdsched_plan_budget, slot)
+            outer = slot.plan
+            if outer is None or outer.owner == plan.owner:
+                slot.plan = plan
+            else:  # another thread's pass is open (a plan opened without the turn): this one is not found there
+                outer = _NOT_OPENED
             result = None
             try:
-                result = super().schedule(*args, **kwargs)
+                result = self._fdsched_next_schedule(*args, **kwargs)
             finally:
-                slot.close(outer)
-                for step in self._fdsched_steps["pass_end"]:
+                if outer is not _NOT_OPENED:  # PlanSlot.close, here: every pass closes
+                    slot.plan = outer
+                    if slot.waiting:
+                        slot.settle()
+                for step in self._fdsched_pass_ends:
                     step(plan, result)
-            for step in self._fdsched_steps["pass_result"]:
+            for step in self._fdsched_pass_results:
                 step(result)
         return result
 
@@ -243,15 +257,15 @@ class StepPlan:
 
     __slots__ = ("_new_budget", "made", "request_id", "expected", "slot", "owner", "running_chunk")
 
-    def __init__(self, new_budget=None) -> None:
+    def __init__(self, new_budget=None, slot=None) -> None:
         # makes the pass's admission budget (fdsched.core.admission.AdmissionBudget) when the pass first needs it:
         # most passes admit nothing and never ask; None: a plan with no budget
         self._new_budget = new_budget
         self.made = None  # the budget, once the plan made it (read as it is: nothing is made)
         self.request_id = "(none)"  # the request the pass is deciding on
-        self.expected: list = []  # what the plan still expects of its checks (Expected), in order
-        self.slot = None  # the slot it is open in, told when it starts or stops expecting
-        self.owner = None  # the thread that opened it
+        self.expected = ()  # what the plan still expects of its checks (Expected), in order (a list once it expects)
+        # the slot it is opened in (told when the plan starts or stops expecting), and the thread opening it there
+        self.slot, self.owner = (None, None) if slot is None else (slot, get_ident())
         # (request id, blocks): a running chunk whose threshold the pass asks next, answered with its own blocks (the
         # pre-change running pass; a PD decode node's)
         self.running_chunk = None
@@ -269,7 +283,7 @@ class StepPlan:
 
     def expect(self, kind: str, num_blocks: int) -> None:
         """The next check of ``num_blocks`` blocks, for the request in focus, is for ``kind``."""
-        self.expected.append(Expected(kind, self.request_id, int(num_blocks)))
+        self.expected = [*self.expected, Expected(kind, self.request_id, int(num_blocks))]
         if self.slot is not None:
             self.slot.waiting = True
 
@@ -282,7 +296,7 @@ class StepPlan:
             kind, request_id, blocks = expected[0]
             if blocks != num_blocks or request_id != self.request_id:
                 return NOTHING
-            self.expected = []
+            self.expected = ()
             self._settled()
             return frozenset((kind,))
         taken = [e for e in expected if e.num_blocks == num_blocks and e.request_id == self.request_id]
@@ -305,7 +319,7 @@ class StepPlan:
 
     def close(self, logger, of=None) -> list:
         """Drop what is still expected; log and count each as unconsumed (labelled by ``of``'s arm)."""
-        left, self.expected = self.expected, []
+        left, self.expected = list(self.expected), ()
         self._settled()
         for e in left:
             METRICS.signal_unconsumed(e.kind, of=of)

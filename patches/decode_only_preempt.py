@@ -66,8 +66,10 @@ class PreemptCount:
         self.no_victim = NoVictimWarning()
 
     def pass_end(self, rm, plan, result) -> None:
-        """After every pass: the no-victim warning's pass ends (it warns once per episode)."""
-        self.no_victim.end_pass()
+        """After every pass: the no-victim warning's pass ends (it warns once per episode; outside one, a pass has
+        nothing to end)."""
+        if self.no_victim.in_episode:
+            self.no_victim.end_pass()
 
     def count_victim(self, rm, victim, decoding: bool) -> None:
         # the host's loop preempts what the seam returns (its computed tokens are still set)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import sys
+from threading import get_ident
 
 from fdsched.core.adaptive import client_bound
 from fdsched.core.admission import AdmissionBudget, NewTokenRatio, RatioStrategy, max_new_tokens_of
@@ -157,17 +158,18 @@ class BudgetedReserve:
     def focus(self, request):
         """The host asks for a request's block count right before that request's block checks: the pass this thread
         has open is now deciding on ``request``. Returns that pass's plan (None outside a pass)."""
-        plan = self.plans.current()
-        if plan is not None:
-            plan.focus(request.request_id)
+        plan = self.plans.plan  # PlanSlot.current and StepPlan.focus, read here: the host asks this for every request
+        if plan is None or plan.owner != get_ident():
+            return None
+        plan.request_id = request.request_id
         return plan
 
     def _get_can_schedule_prefill_threshold_block(self, rm, num_chunk_new_block):
         """The answer at the host's threshold seam (where the host passes the count only: a pass asks it once per
         admission): the verdict's blocks, which the host's block check asked next finds free, or, refused, cannot
         find (counted here, where the verdict is made)."""
-        plan = self.plans.current()
-        if plan is not None:
+        plan = self.plans.plan  # PlanSlot.current, read here (once an admission)
+        if plan is not None and plan.owner == get_ident():
             # The pass's figures go to the metrics once, when it ends (end_pass): a pass may ask once per admission,
             # and the gauges' updates cost a fair part of an ask.
             budget = plan.made
@@ -376,13 +378,14 @@ class PlanCheck:
 
     def __init__(self, cm, settings, next):
         self.next = next
+        self.pool = next.can_allocate_gpu_blocks  # the layer below's check (the host's): asked by most checks
 
     def can_allocate_gpu_blocks(self, cm, num_blocks, try_free_gpu_blocks=True):
         # most checks: no pass on any thread expects anything of a check, the pool answers
         plans = cm.fdsched_plans
         if plans.waiting and REFUSE_RUNNING_CHUNK in plans.take(num_blocks):
             return False
-        return self.next.can_allocate_gpu_blocks(cm, num_blocks, try_free_gpu_blocks)
+        return self.pool(cm, num_blocks, try_free_gpu_blocks)
 
 
 class PlanCheckOneArg(PlanCheck):
@@ -392,7 +395,7 @@ class PlanCheckOneArg(PlanCheck):
         plans = cm.fdsched_plans
         if plans.waiting and REFUSE_RUNNING_CHUNK in plans.take(num_blocks):
             return False
-        return self.next.can_allocate_gpu_blocks(cm, num_blocks)
+        return self.pool(cm, num_blocks)
 
 
 CHECK_SHAPES = Shapes(PlanCheck, PlanCheckOneArg)

@@ -9,14 +9,12 @@ the chunk's blocks plus what the running requests keep free for the tokens they 
   strategies, the pre-change fixed blocks and the plugin's adaptive estimator: :mod:`fdsched.core.strategies`);
 * an :class:`AdmissionBudget`, made at a pass's first need, asked by every admission, closed at the pass's end (as
   SGLang's ``PrefillAdder``). An admission is one call, :meth:`AdmissionBudget.admit`, answered with a
-  :class:`Verdict` (the blocks, and whether they are admitted), as vLLM's ``allocate_slots`` answers with blocks or
-  None;
+  :class:`Verdict` (the blocks, and whether they are admitted), as vLLM's ``allocate_slots`` answers;
 * the **tallies**: how a budget counts the running set's blocks at each ask (:class:`RunningOffset`: the whole set
   at a pass's first ask, then only the requests admitted since; :class:`RunningRecount`: the whole set every time;
   :class:`KeptSum`: a bound kept from pass to pass).
 
-The scheduler side (``fdsched.patches.ratio_reserve``) reads host requests for a strategy and applies the answers at
-the host's seams.
+The scheduler side (``fdsched.patches.ratio_reserve``) reads host requests and applies the answers at its seams.
 """
 
 from __future__ import annotations
@@ -329,7 +327,7 @@ class RatioStrategy:
         # then a sum over the requests' budgets left (:meth:`lefts_blocks`), kept through a pass (:meth:`tally`);
         # a third party's hook may keep state of its own and is asked for every request at every ask
         self.pure = pure
-        self._reported = None  # the ratio this strategy's gauge shows (report)
+        self._shown = -math.inf  # the ratio this strategy's gauge shows (report; -inf: none yet)
         self._low = 0.0  # a decay to above this leaves the gauge as it is (report)
         self._most: Optional[KeptSum] = None  # the running set's bound, kept from pass to pass (most_tally)
 
@@ -413,16 +411,19 @@ class RatioStrategy:
         self.ratio.after_schedule(scheduled_anything)
 
     def pass_ended(self, scheduled_anything: Optional[bool], counted: bool, gauges=None) -> None:
-        """A ``schedule()`` pass ended, in one call (the scheduler makes it at the end of every pass):
-        :meth:`idle_pass` where the pass ``counted`` nothing, then, unless the host's pass raised
-        (``scheduled_anything`` None), :meth:`after_pass` and :meth:`report`."""
-        if not counted:
+        """A ``schedule()`` pass ended (called after every pass): :meth:`idle_pass` where the pass ``counted``
+        nothing, then, unless the host's pass raised (``scheduled_anything`` None), :meth:`after_pass` and
+        :meth:`report`; each only where it has work (a bound already let go holds nothing)."""
+        most = self._most
+        if not counted and most is not None and most.members is not None:
             self.idle_pass()
         if scheduled_anything is None:
             return
         if scheduled_anything:
             self.after_pass(True)
-        self.report(gauges)
+        value, shown = self.ratio.value, self._shown
+        if gauges is not None and value != shown and not self._low < value < shown:  # report's own tests, read here
+            self.report(gauges)
 
     def on_preemption(self, running: Sequence[RunningView] = (), count: int = 1) -> None:
         """Re-estimate the ratio from what the running requests did (back to init when nothing runs)."""
@@ -433,11 +434,11 @@ class RatioStrategy:
         """The ratio's gauge: set to a re-estimate (``exact``) or a rise at once; while the ratio decays (by
         ``FD_NEW_TOKEN_RATIO_DECAY`` a pass), once it fell :data:`GAUGE_STEP` since last set, or at its floor (an
         update costs about as much as the rest of a pass's own work; the gauge is read every few seconds)."""
-        value, shown = self.ratio.value, self._reported
+        value, shown = self.ratio.value, self._shown
         if gauges is None or value == shown:
             return
-        if exact or shown is None or not self._low < value < shown:  # a rise at once, a decay once it reaches low
-            self._reported = value
+        if exact or not self._low < value < shown:  # a rise at once (or the first), a decay once it reaches low
+            self._shown = value
             self._low = max(value - GAUGE_STEP, self.ratio.minimum)
             gauges.ratio(value)
 

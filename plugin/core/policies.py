@@ -81,22 +81,22 @@ class NoVictimWarning:
     """
 
     def __init__(self) -> None:
-        self._in_episode = False
+        self.in_episode = False  # (set by a hit: a pass that ends outside an episode has nothing to end)
         self._hit_this_pass = False
         self.episodes = 0
 
     def should_warn(self) -> bool:
         self._hit_this_pass = True
-        if self._in_episode:
+        if self.in_episode:
             return False
-        self._in_episode = True
+        self.in_episode = True
         self.episodes += 1
         return True
 
     def end_pass(self) -> None:
         """Call once after every schedule() pass."""
         if not self._hit_this_pass:
-            self._in_episode = False
+            self.in_episode = False
         self._hit_this_pass = False
 
 

@@ -51,7 +51,7 @@ def bench_guard(open_scheduler, build_tree, cached_blocks: int = 100_000) -> Opt
         if not hasattr(rm, "_fdsched_guard"):
             return None
         rm._fdsched_block_audit.next_at = float("inf")  # the per-pass part alone: no audit due
-        per_pass = _per_call(lambda: rm._fdsched_guard(False), 20_000)
+        per_pass = _per_call(lambda: rm._fdsched_guard(([None], [])), 20_000)  # a pass that scheduled one task
 
         def audit():
             rm._fdsched_block_audit = BlockAudit(_guard.AUDIT_INTERVAL_S)
