@@ -145,20 +145,13 @@ class Scheduler(SchedulerGuard):
         every pass, cold between the host's long loops: each call and lookup here is one every pass pays.)"""
         slot = self._fdsched_plans
         with slot.turn:
-            plan = StepPlan(self._fdsched_plan_budget, slot)
-            outer = slot.plan
-            if outer is None or outer.owner == plan.owner:
-                slot.plan = plan
-            else:  # another thread's pass is open (a plan opened without the turn): this one is not found there
-                outer = _NOT_OPENED
+            plan = StepPlan(self._fdsched_plan_budget)
+            outer = slot.open(plan)
             result = None
             try:
                 result = self._fdsched_next_schedule(*args, **kwargs)
             finally:
-                if outer is not _NOT_OPENED:  # PlanSlot.close, here: every pass closes
-                    slot.plan = outer
-                    if slot.waiting:
-                        slot.settle()
+                slot.close(outer)
                 for step in self._fdsched_pass_ends:
                     step(plan, result)
             for step in self._fdsched_pass_results:
@@ -257,15 +250,15 @@ class StepPlan:
 
     __slots__ = ("_new_budget", "made", "request_id", "expected", "slot", "owner", "running_chunk")
 
-    def __init__(self, new_budget=None, slot=None) -> None:
+    def __init__(self, new_budget=None) -> None:
         # makes the pass's admission budget (fdsched.core.admission.AdmissionBudget) when the pass first needs it:
         # most passes admit nothing and never ask; None: a plan with no budget
         self._new_budget = new_budget
         self.made = None  # the budget, once the plan made it (read as it is: nothing is made)
         self.request_id = "(none)"  # the request the pass is deciding on
         self.expected = ()  # what the plan still expects of its checks (Expected), in order (a list once it expects)
-        # the slot it is opened in (told when the plan starts or stops expecting), and the thread opening it there
-        self.slot, self.owner = (None, None) if slot is None else (slot, get_ident())
+        self.slot = None  # the slot it is open in, told when it starts or stops expecting
+        self.owner = None  # the thread that opened it
         # (request id, blocks): a running chunk whose threshold the pass asks next, answered with its own blocks (the
         # pre-change running pass; a PD decode node's)
         self.running_chunk = None

@@ -32,6 +32,8 @@ them). A count at or above the cached count is passed on unchanged: every other 
 
 from __future__ import annotations
 
+import operator
+
 from fdsched.patches._spec import PatchSpec, Reliance, Shapes
 from fdsched.patches._base import code_names, compares_locals
 
@@ -50,15 +52,17 @@ class RaisedRecord:
 
     seams = ("update_cache_blocks",)
     records: str  # the cache manager's attribute holding the per-request record
+    records_of: operator.attrgetter  # reads that attribute of a cache manager
 
     def __init__(self, cm, settings, next):
         self.next = next
+        self.record = next.update_cache_blocks  # the layer below's (the gate's, or the host's own)
 
     def update_cache_blocks(self, cm, task, block_size, num_computed_tokens):
-        record = getattr(cm, self.records).get(task.request_id)
+        record = self.records_of(cm).get(task.request_id)
         if record is not None:
             num_computed_tokens = raised_record(num_computed_tokens, record[1], block_size)
-        return self.next.update_cache_blocks(cm, task, block_size, num_computed_tokens)
+        return self.record(cm, task, block_size, num_computed_tokens)
 
 
 class RaisedTreeInfoRecord(RaisedRecord):
@@ -66,6 +70,7 @@ class RaisedTreeInfoRecord(RaisedRecord):
 
     fdsched_attributes = ("req_to_radix_tree_info",)
     records = "req_to_radix_tree_info"
+    records_of = operator.attrgetter(records)
 
 
 class RaisedCacheInfoRecord(RaisedRecord):
@@ -73,6 +78,7 @@ class RaisedCacheInfoRecord(RaisedRecord):
 
     fdsched_attributes = ("cache_info",)
     records = "cache_info"
+    records_of = operator.attrgetter(records)
 
 
 def _cached_count_record(info):
