@@ -61,7 +61,7 @@ class SchedulerGuard:
                 self._fdsched_watch_stall(now)
             elif self._fdsched_stall_watch.passes:  # an episode was open: this pass ends it
                 self._fdsched_stall_watch.clear()
-            if now >= self._fdsched_block_audit.next_at:  # BlockAudit.due, read here: every pass asks it
+            if self._fdsched_block_audit.due(now):
                 self._fdsched_audit_blocks(now)
         except Exception:  # noqa: BLE001 - a watch never takes the engine down
             pass  # the next pass reads again

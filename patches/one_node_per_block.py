@@ -52,10 +52,9 @@ class RaisedRecord:
 
     seams = ("update_cache_blocks",)
     records: str  # the cache manager's attribute holding the per-request record
-    records_of: operator.attrgetter  # reads that attribute of a cache manager
 
     def __init__(self, cm, settings, next):
-        self.next = next
+        self.records_of = operator.attrgetter(self.records)  # reads that attribute of a cache manager
         self.record = next.update_cache_blocks  # the layer below's (the gate's, or the host's own)
 
     def update_cache_blocks(self, cm, task, block_size, num_computed_tokens):
@@ -70,7 +69,6 @@ class RaisedTreeInfoRecord(RaisedRecord):
 
     fdsched_attributes = ("req_to_radix_tree_info",)
     records = "req_to_radix_tree_info"
-    records_of = operator.attrgetter(records)
 
 
 class RaisedCacheInfoRecord(RaisedRecord):
@@ -78,7 +76,6 @@ class RaisedCacheInfoRecord(RaisedRecord):
 
     fdsched_attributes = ("cache_info",)
     records = "cache_info"
-    records_of = operator.attrgetter(records)
 
 
 def _cached_count_record(info):

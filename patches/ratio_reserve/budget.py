@@ -377,7 +377,6 @@ class PlanCheck:
     seams = ("can_allocate_gpu_blocks",)
 
     def __init__(self, cm, settings, next):
-        self.next = next
         self.pool = next.can_allocate_gpu_blocks  # the layer below's check (the host's): asked by most checks
 
     def can_allocate_gpu_blocks(self, cm, num_blocks, try_free_gpu_blocks=True):
